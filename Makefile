@@ -1,0 +1,40 @@
+# Stencil: `make serve` and `make test` set themselves up from nothing (idempotent).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH_VERSION ?= 2.13.0
+STENCIL_CACHE_DIR ?= $(HOME)/.cache/stencil
+HOST ?= 127.0.0.1
+PORT ?= 8000
+export STENCIL_CACHE_DIR
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup serve test test-fast bench clean-venv
+
+$(VENV)/.torch-$(TORCH_VERSION):
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24"
+	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	touch $@
+
+$(VENV)/.project: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.project
+	$(PY) -m engine.models.default_model
+
+serve: setup
+	$(VENV)/bin/stencil serve --host $(HOST) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest -q -x --durations=15
+
+test-fast: setup
+	$(PY) -m pytest -q -x -m "not slow"
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,80 @@
+"""Engine configuration: one validated object passed down to every part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Settings of one engine instance.
+
+    Attributes:
+        model: directory of an HF-format model (config.json, safetensors, tokenizer).
+        device: torch device string ("cpu", "cuda", "cuda:0").
+        dtype: weight and KV-cache dtype ("float32", "bfloat16", "float16").
+        attention_backend: name in ``kernels.registry`` ("torch", "flash", "triton") or
+            "auto" (the fastest one available on ``device``).
+        block_size: tokens per KV-cache block.
+        num_kv_blocks: KV-cache blocks per layer; ``None`` = derive from ``kv_cache_gib``.
+        kv_cache_gib: KV-cache size in GiB (K and V, all layers); ``None`` = a default from
+            the machine's free memory (see ``engine.kv_cache.default_kv_cache_bytes``).
+        max_num_seqs: most requests running in one step.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decode + drafts).
+        max_prefill_chunk: most prompt tokens one request reads in one step (chunked prefill).
+        max_model_len: longest prompt + output (tokens); ``None`` = the model's own limit.
+        enable_prefix_caching: reuse cached full blocks across requests.
+        max_waiting: requests allowed to wait before new ones are refused (HTTP 429).
+        num_threads: torch intra-op threads on CPU; ``None`` = leave torch's default.
+        grammar_workers: threads compiling grammars.
+        grammar_timeout_s: longest one grammar compile may take (seconds).
+        speculative: default n-gram speculation settings (``None`` = off unless a request asks).
+        seed: base seed for requests without their own.
+    """
+
+    model: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_gib: float | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    max_waiting: int = 256
+    num_threads: int | None = None
+    grammar_workers: int = 2
+    grammar_timeout_s: float = 10.0
+    speculative: dict | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> "EngineConfig":
+        """Check ranges; return self.
+
+        Raises:
+            ConfigError: naming the offending field.
+        """
+        self.model = Path(self.model)
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
+                    "max_waiting", "grammar_workers")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ConfigError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.grammar_timeout_s <= 0:
+            raise ConfigError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
+        return self

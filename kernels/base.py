@@ -1,0 +1,84 @@
+"""The attention backend interface shared by every kernel implementation.
+
+A step's tokens form one flat batch with no padding: sequence ``i`` owns the query rows
+``query_start_loc[i]:query_start_loc[i+1]``. Those rows are the *last* ``q_len_i`` tokens of
+a sequence whose total length after this step is ``seq_lens[i]`` (cached prefix + new
+tokens), so query row ``j`` of sequence ``i`` sits at position ``seq_lens[i] - q_len_i + j``
+and attends causally to positions ``0..that position``. K/V for all positions, the new
+ones included, are read from the paged cache through ``block_tables`` after
+``reshape_and_cache`` has written the new tokens into their slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+BLOCK_SIZE = 16
+"""Tokens per KV-cache block (vLLM's default). Upstream flash-attn's paged kernels want a larger
+page size; ``kernels/flash`` documents how it copes."""
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where every query token of a flat batch sits, and where its K/V live.
+
+    Attributes:
+        query_start_loc: int32 ``[B + 1]``; cumulative query lengths (``0`` first).
+        seq_lens: int32 ``[B]``; per sequence, cached + new tokens after this step.
+        block_tables: int32 ``[B, max_blocks_per_seq]``; block ids, padded with 0 past a
+            sequence's last block (padding is never read: ``seq_lens`` bounds every read).
+        slot_mapping: int64 ``[T]``; cache slot (``block_id * block_size + offset``) of each
+            new token, where ``T = query_start_loc[-1]``.
+        max_query_len: longest query of the batch (tokens).
+        max_seq_len: longest ``seq_lens`` entry (tokens).
+        query_start_loc_cpu: host copy of ``query_start_loc`` (avoids device syncs).
+        seq_lens_cpu: host copy of ``seq_lens``.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+
+class AttentionBackend(Protocol):
+    """A paged attention implementation (registered by name in ``kernels.registry``)."""
+
+    name: str
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [T]
+    ) -> None:
+        """Write each new token's K and V into its slot of the paged cache (in place)."""
+        ...
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Causal attention of every query token over its sequence's cached K/V (GQA aware)."""
+        ...

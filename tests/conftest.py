@@ -1,0 +1,99 @@
+"""Shared fixtures: the real tokenizer, tiny random models of each architecture, the real model.
+
+Tests never reach a hub (HF_HUB_OFFLINE=1); the default model directory is made by
+``make setup`` (``python -m engine.models.default_model``) and reused here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from engine.models.default_model import ensure_default_model
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct directory (fetched once if missing)."""
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_model_dir))
+
+
+def make_tiny_model_dir(out: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0,
+                        **overrides) -> Path:
+    """Save a tiny randomly initialised model of ``arch`` with the real tokenizer into ``out``.
+
+    Architectures: "llama" (SmolLM-like, tied embeddings), "qwen2" (qkv bias), "qwen3" (q/k norm).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    common = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        tie_word_embeddings=True,
+    )
+    if arch == "llama":
+        common.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif arch == "qwen2":
+        common.update(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                      tie_word_embeddings=False)
+    elif arch == "qwen3":
+        common.update(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    else:
+        raise ValueError(arch)
+    common.update(overrides)
+    config = AutoConfig.for_model(arch, **common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init is tiny (std 0.02); scale up so logits are far from uniform and argmax is stable.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3 if "embed" in name else 0.15)
+            elif "bias" in name:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer."""
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), default_model_dir, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, default_model_dir):
+    """Build a tiny model dir of a given architecture: ``factory("qwen3")``."""
+    cache: dict = {}
+
+    def factory(arch: str = "llama", **overrides) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = make_tiny_model_dir(tmp_path_factory.mktemp(f"tiny-{arch}"),
+                                             default_model_dir, arch, **overrides)
+        return cache[key]
+
+    return factory
+
+
+def shared_corpora() -> Path | None:
+    """``../shared/corpora`` when present (a user's clone has none)."""
+    p = SHARED / "corpora"
+    return p if p.exists() else None
