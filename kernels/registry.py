@@ -1,0 +1,79 @@
+"""Attention backends by name, imported lazily.
+
+Each entry names a module and a class; the module is imported only when that backend is
+asked for, so importing this registry never imports ``flash_attn`` or ``triton``. A backend
+class is constructed as ``cls(device)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from kernels.base import AttentionBackend
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """Where a backend lives and what it runs on.
+
+    Attributes:
+        module: dotted module path (imported on first use).
+        cls: class name inside ``module``.
+        cuda_only: refuse non-CUDA devices.
+    """
+
+    module: str
+    cls: str
+    cuda_only: bool
+
+
+BACKENDS: dict[str, BackendSpec] = {
+    "torch": BackendSpec("kernels.torch_ref", "TorchAttentionBackend", cuda_only=False),
+    "flash": BackendSpec("kernels.flash", "FlashAttentionBackend", cuda_only=True),
+    "triton": BackendSpec("kernels.triton", "TritonAttentionBackend", cuda_only=True),
+}
+
+AUTO_ORDER_CUDA = ("flash", "triton")
+"""Preference of ``"auto"`` on CUDA: the first one that imports wins, else torch."""
+
+
+def backend_names() -> list[str]:
+    """Every name ``get_backend`` accepts, ``"auto"`` included."""
+    return [*BACKENDS, "auto"]
+
+
+def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """Construct the attention backend called ``name`` for ``device``.
+
+    ``"auto"`` picks, on CUDA, the first of flash, triton, torch whose module imports; on any
+    other device, torch.
+
+    Raises:
+        ValueError: unknown name (the message lists the choices), or a CUDA-only backend
+            asked for on another device.
+        ImportError: a named backend's module (or its library) cannot be imported.
+    """
+    device = torch.device(device)
+    if name == "auto":
+        return _auto(device)
+    spec = BACKENDS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown attention backend {name!r}; choices: {backend_names()}")
+    if spec.cuda_only and device.type != "cuda":
+        raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")
+    cls = getattr(importlib.import_module(spec.module), spec.cls)
+    return cls(device)
+
+
+def _auto(device: torch.device) -> AttentionBackend:
+    if device.type != "cuda":
+        return get_backend("torch", device)
+    for name in AUTO_ORDER_CUDA:
+        try:
+            return get_backend(name, device)
+        except ImportError:
+            continue
+    return get_backend("torch", device)

@@ -1,0 +1,137 @@
+"""Reference paged attention in plain torch (CPU and any other device torch runs on).
+
+Semantics are those of ``kernels.base`` (flat batch, paged K/V, causal over the cached prefix
+plus the new tokens). Two paths:
+
+* sequences with one query token (decode) are batched: their K/V are gathered into a padded
+  ``[B, max_len, num_kv_heads, head_dim]`` tensor and masked by length, so a decode step costs
+  one SDPA call per layer rather than one per sequence;
+* sequences with several query tokens (prefill, a prefill chunk after a cached prefix,
+  speculative drafts) run one ``scaled_dot_product_attention`` each, with ``is_causal`` when
+  nothing is cached and an explicit offset-causal mask otherwise.
+
+Attention is computed in fp32 whatever the cache dtype, so this backend is the accuracy
+oracle for the faster ones.
+
+Sources: scaled dot-product attention (Vaswani et al. 2017, arXiv 1706.03762); the paged
+K/V layout and slot mapping of vLLM (Kwon et al. 2023, arXiv 2309.06180); grouped-query
+attention (Ainslie et al. 2023, arXiv 2305.13245).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.base import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """Paged attention by gathering K/V through the block table, then torch SDPA.
+
+    Args:
+        device: accepted for the registry's uniform constructor; the backend works on
+            whatever device its input tensors live on.
+    """
+
+    name = "torch"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # int64 [T]
+    ) -> None:
+        """Write each new token's K and V into slot ``slot_mapping[t]`` of the caches (in place).
+
+        Raises:
+            RuntimeError: from torch when a slot is out of range or shapes disagree.
+        """
+        heads, dim = k_cache.shape[-2:]
+        # The caches are contiguous, so the flat view aliases them and index_copy_ writes through.
+        k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+        v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Causal attention of every query row over its sequence's K/V (GQA: head ``h`` reads
+        kv head ``h // (num_heads // num_kv_heads)``, as transformers' ``repeat_kv``).
+
+        Returns:
+            ``[T, num_heads, head_dim]`` in ``query.dtype``.
+        """
+        out = torch.empty_like(query)
+        starts = meta.query_start_loc_cpu
+        q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
+        decode = [i for i, n in enumerate(q_lens) if n == 1]
+        if decode:
+            self._decode(query, k_cache, v_cache, meta, scale, decode, out)
+        for i, n in enumerate(q_lens):
+            if n > 1:
+                self._prefill(query, k_cache, v_cache, meta, scale, i, out)
+        return out
+
+    def _decode(self, query, k_cache, v_cache, meta, scale, seqs: list[int],
+                out: torch.Tensor) -> None:
+        """One query token per sequence for ``seqs``: a single padded, length-masked SDPA."""
+        block_size, kv_heads, dim = k_cache.shape[1:]
+        heads = query.shape[1]
+        group = heads // kv_heads
+        lens = [meta.seq_lens_cpu[i] for i in seqs]
+        max_len = max(lens)
+        num_blocks = -(-max_len // block_size)
+        all_seqs = len(seqs) == meta.num_seqs
+        if all_seqs:
+            rows = meta.query_start_loc[:-1].long()
+            tables = meta.block_tables[:, :num_blocks]
+            seq_lens = meta.seq_lens
+        else:
+            idx = torch.tensor(seqs, device=query.device)
+            rows = meta.query_start_loc[idx].long()
+            tables = meta.block_tables[idx, :num_blocks]
+            seq_lens = meta.seq_lens[idx]
+        b = len(seqs)
+        tables = tables.long()
+        # [B, blocks, block_size, Hkv, D] -> [B, Hkv, S, D]
+        k = k_cache[tables].reshape(b, -1, kv_heads, dim).transpose(1, 2).float()
+        v = v_cache[tables].reshape(b, -1, kv_heads, dim).transpose(1, 2).float()
+        # All query heads of one kv group share the single position, so the group can stand in
+        # for the query length: [B, Hkv, G, D] against [B, Hkv, S, D] needs no K/V repeat.
+        q = query[rows].view(b, kv_heads, group, dim).float()
+        pos = torch.arange(k.shape[2], device=query.device)
+        mask = (pos[None, :] < seq_lens[:, None].to(pos.dtype))[:, None, None, :]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[rows] = o.reshape(b, heads, dim).to(out.dtype)
+
+    def _prefill(self, query, k_cache, v_cache, meta, scale, i: int, out: torch.Tensor) -> None:
+        """Sequence ``i`` with several query tokens: the last ``q_len`` of ``seq_len`` positions."""
+        block_size, kv_heads, dim = k_cache.shape[1:]
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        q_len, seq_len = end - start, meta.seq_lens_cpu[i]
+        num_blocks = -(-seq_len // block_size)
+        blocks = meta.block_tables[i, :num_blocks].long()
+        # [S, Hkv, D] -> [Hkv, S, D]
+        k = k_cache[blocks].reshape(-1, kv_heads, dim)[:seq_len].transpose(0, 1).float()
+        v = v_cache[blocks].reshape(-1, kv_heads, dim)[:seq_len].transpose(0, 1).float()
+        q = query[start:end].transpose(0, 1).float()  # [H, q_len, D]
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            # Row j sits at position seq_len - q_len + j and sees keys 0..that position.
+            rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[start:end] = o.transpose(0, 1).to(out.dtype)
