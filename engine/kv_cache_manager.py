@@ -1,0 +1,136 @@
+"""Per-request block tables on top of the block pool, with prefix caching."""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
+from engine.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: object = None) -> int:
+    """Chained hash of a full block: its parent's hash, its token ids, and ``extra``.
+
+    ``extra`` stands for anything else that changes the block's K/V (none yet: no adapters or
+    multimodal inputs), so equal hashes imply equal K/V.
+    """
+    return hash((parent_hash, token_ids, extra))
+
+
+class KVCacheManager:
+    """Allocates, shares and frees the blocks of each request.
+
+    "Out of blocks" is a return value (``allocate_slots`` → False) that the scheduler answers
+    by preempting a request; this class never preempts on its own.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found in cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            tokens = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest run of cached full blocks at the start of the request's tokens.
+
+        At least one token is always left to compute (the step needs its logits), so a prefix
+        that covers every token is cut back by one block.
+
+        Returns:
+            (block ids, number of tokens they cover). Blocks are not yet referenced: pass them
+            to ``allocate_slots`` as ``cached_blocks``.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        hashes = self._block_hashes(request, max_blocks)
+        hit: list[int] = []
+        for i in range(max_blocks):
+            tokens = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
+            block_id = self.pool.lookup(hashes[i], tokens)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit, len(hit) * bs
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's prefix lookup for the hit rate."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       cached_blocks: list[int] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``.
+
+        ``cached_blocks`` (from ``get_computed_blocks``, first admission only) are referenced and
+        placed at the head of the block table. Returns False, changing nothing, when the pool
+        has too few free blocks.
+        """
+        cached_blocks = cached_blocks or []
+        bs = self.block_size
+        total = request.num_computed_tokens + num_new_tokens
+        needed = -(-total // bs) - len(request.block_ids) - len(cached_blocks)
+        # Cached blocks with ref 0 leave the free queue when touched: count them as used.
+        idle_cached = sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
+        if needed > self.pool.num_free_blocks - idle_cached:
+            return False
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            request.block_ids.extend(cached_blocks)
+            request.num_cached_blocks = len(request.block_ids)
+        if needed > 0:
+            new = self.pool.allocate(needed)
+            assert new is not None  # checked above
+            request.block_ids.extend(new)
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose K/V are computed for accepted tokens.
+
+        Only tokens in ``all_token_ids`` count (never draft positions whose K/V may belong to
+        rejected drafts), so a hash never covers rejected K/V.
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // bs
+        if num_full <= request.num_cached_blocks:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(request.num_cached_blocks, num_full):
+            tokens = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
+            self.pool.register(request.block_ids[i], hashes[i], tokens)
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request (tail first, so shared heads stay cached longest)."""
+        self.pool.free(list(reversed(request.block_ids)))
+        request.block_ids = []
+        request.num_cached_blocks = 0
+        self._hashes.pop(request.request_id, None)

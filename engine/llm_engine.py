@@ -1,0 +1,283 @@
+"""The synchronous engine: add requests, step, collect outputs (schedule → run → update)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import SpecConfig, SpecState, propose_ngram
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(ValueError):
+    """A request the engine cannot take (too long, bad parameters); the message names the field."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; retry later."""
+
+
+class LLMEngine:
+    """One model, one paged KV cache, one scheduler; ``step()`` advances every running request.
+
+    Not thread-safe: ``engine.async_engine.AsyncEngine`` runs it on a thread of its own.
+    """
+
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoTokenizer
+
+        from grammar.compiler import GrammarCompiler
+
+        self.config = config.validate()
+        t0 = time.perf_counter()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(config.model))
+        self.runner = ModelRunner(config)
+        hf = self.runner.hf_config
+        model_limit = int(getattr(hf, "max_position_embeddings", 2048))
+        self.max_model_len = min(config.max_model_len or model_limit, model_limit)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = getattr(hf, "eos_token_id", None)
+        self.grammar = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
+                                       max_workers=config.grammar_workers, timeout_s=config.grammar_timeout_s)
+        self.default_spec = SpecConfig.from_dict(config.speculative)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._spec: dict[str, SpecConfig | None] = {}
+        self.num_steps = 0
+        self.load_time_s = time.perf_counter() - t0
+        log.info("engine ready: %s, %d KV blocks (%.2f GiB), max_model_len %d, backend %s, %.1f s",
+                 config.model, self.runner.num_blocks,
+                 self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30),
+                 self.max_model_len, self.runner.backend.name, self.load_time_s)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    grammar=None) -> str:
+        """Queue a request.
+
+        Args:
+            request_id: caller's id (a fresh one when None); must be unique among live requests.
+            prompt_token_ids: the tokenized prompt (at least one token).
+            params: sampling parameters.
+            grammar: a ``CompiledGrammar``, a ``Future`` of one (the request waits in
+                WAITING_FOR_GRAMMAR while it compiles), or None.
+
+        Raises:
+            EngineError: empty or too long prompt, bad parameters, duplicate id.
+            EngineOverloaded: the waiting queue is full.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        spec = self.check_request(prompt_token_ids, params)
+        if request_id in self.scheduler.requests:
+            raise EngineError(f"request id {request_id!r} is already in use")
+        matcher, future = None, None
+        if isinstance(grammar, Future):
+            future = grammar
+        elif grammar is not None:
+            matcher = grammar.matcher()
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_id, matcher, future)
+        if spec is not None:
+            req.spec_state = SpecState()
+        self._spec[request_id] = spec
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(req)
+        return request_id
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SpecConfig | None:
+        """Validate a request without queueing it (safe from any thread); return its speculation config.
+
+        Raises:
+            EngineError: naming the offending field.
+            EngineOverloaded: the waiting queue is full.
+        """
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise EngineError("prompt is empty: at least one token is needed")
+        if n >= self.max_model_len:
+            raise EngineError(f"prompt has {n} tokens; this model allows at most {self.max_model_len - 1} "
+                              f"(max_model_len {self.max_model_len} includes at least one output token)")
+        if -(-(n + 1) // self.config.block_size) > self.kv.num_blocks:
+            raise EngineError(f"prompt of {n} tokens does not fit in the KV cache "
+                              f"({self.kv.num_blocks} blocks of {self.config.block_size} tokens)")
+        if params.max_tokens < 1:
+            raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
+        if params.temperature < 0:
+            raise EngineError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise EngineError(f"top_p must be in (0, 1], got {params.top_p}")
+        if params.top_k < 0:
+            raise EngineError(f"top_k must be >= 0, got {params.top_k}")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are waiting "
+                                   f"(limit {self.config.max_waiting})")
+        try:
+            return SpecConfig.from_dict(params.speculative) if params.speculative is not None else self.default_spec
+        except (ValueError, TypeError) as e:
+            raise EngineError(str(e)) from None
+
+    def stats(self) -> dict:
+        """Gauges and counters for /metrics and /health (read without locks: approximate)."""
+        kv = self.kv
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "kv_usage": kv.usage,
+            "prefix_cache_hit_rate": kv.hit_rate,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+        }
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request at once, freeing its blocks; False if it is unknown or already done."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, update requests; return outputs of every request that changed."""
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        seen: set[str] = set()
+        if not sched.is_empty:
+            self.num_steps += 1
+            bitmask = self._grammar_bitmask(sched)
+            result = self.runner.execute(sched, bitmask)
+            for req, new in self.scheduler.update(sched, result.sampled, result.logprobs):
+                outputs.append(self._output(req, new))
+                seen.add(req.request_id)
+            self._propose_drafts()
+        for req in self.scheduler.drain_finished():
+            if req.request_id not in seen:
+                outputs.append(self._output(req, []))
+        return outputs
+
+    def _grammar_bitmask(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """One row per logits position; row j of a request reflects its grammar after drafts[:j]."""
+        if not any(sr.sample and sr.request.matcher is not None for sr in sched.scheduled):
+            return None
+        from grammar.bitmask import allocate_bitmask
+
+        rows = sum(sr.num_logits for sr in sched.scheduled)
+        bitmask = allocate_bitmask(rows, self.runner.vocab_size)
+        row = 0
+        for sr in sched.scheduled:
+            if not sr.sample:
+                continue
+            m = sr.request.matcher
+            if m is not None:
+                drafts = sr.request.draft_token_ids[:sr.num_drafts]
+                m.fill_bitmask(bitmask, row)
+                for j, d in enumerate(drafts):
+                    m.accept_tokens([d])  # drafts were validated against the grammar
+                    m.fill_bitmask(bitmask, row + j + 1)
+                if drafts:
+                    m.rollback(len(drafts))
+            row += sr.num_logits
+        return bitmask
+
+    def _propose_drafts(self) -> None:
+        running = self.scheduler.running
+        for req in running:
+            spec = self._spec.get(req.request_id)
+            st = req.spec_state
+            if spec is None or st is None or req.num_computed_tokens < req.num_tokens - 1:
+                continue
+            if len(running) > spec.max_batch_size:
+                continue
+            if st.backoff > 0:
+                st.backoff -= 1
+                continue
+            if st.proposed >= 4 and st.rate < spec.min_acceptance:
+                # Drafts keep failing here: stop paying for their verification for a while.
+                st.backoff, st.proposed, st.accepted = spec.backoff_steps, 0.0, 0.0
+                continue
+            room = min(spec.num_speculative_tokens,
+                       req.params.max_tokens - req.num_output_tokens - 1,
+                       self.max_model_len - req.num_tokens - 1)
+            if room <= 0:
+                continue
+            drafts = propose_ngram(np.asarray(req.all_token_ids, dtype=np.int64), room,
+                                   spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if drafts and req.matcher is not None:
+                drafts = drafts[:req.matcher.validate_tokens(drafts)]
+            req.draft_token_ids = drafts
+
+    def _output(self, req: Request, new: list[int]) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        text = ""
+        if detok is not None:
+            text = detok.push(new)
+            if detok.stopped and not req.is_finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                self.scheduler.drain_finished()
+        finished = req.is_finished
+        if finished and detok is not None:
+            text += detok.finish()
+            self._detok.pop(req.request_id, None)
+            self._spec.pop(req.request_id, None)
+        m = req.metrics
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=new, new_text=text, finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=m.num_cached_tokens, error=req.error,
+            ttft_ms=(m.first_token_time - m.arrival_time) * 1e3 if m.first_token_time else None,
+            total_ms=(m.finished_time - m.arrival_time) * 1e3 if finished and m.finished_time else None,
+            num_draft_tokens=m.num_draft_tokens, num_accepted_tokens=m.num_accepted_tokens,
+            num_verify_steps=m.num_verify_steps, num_forced_tokens=m.num_forced_tokens,
+            num_steps=m.num_steps,
+            new_logprobs=req.output_logprobs[len(req.output_logprobs) - len(new):] if req.params.logprobs and new else [],
+        )
+
+    # -- convenience ---------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 grammars: list | None = None) -> list[dict]:
+        """Run requests to completion (tests, benchmarks, one-shot CLI).
+
+        Returns, per prompt in order: ``{"token_ids", "text", "finish_reason", "error", "output"}``
+        where ``output`` is the last RequestOutput.
+        """
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = []
+        for i, p in enumerate(prompts):
+            g = grammars[i] if grammars else None
+            ids.append(self.add_request(None, p, plist[i], g))
+        results = {rid: {"token_ids": [], "text": "", "finish_reason": None, "error": None, "output": None}
+                   for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                r = results.get(out.request_id)
+                if r is None:
+                    continue
+                r["token_ids"].extend(out.new_token_ids)
+                r["text"] += out.new_text
+                r["output"] = out
+                if out.finished:
+                    r["finish_reason"] = out.finish_reason
+                    r["error"] = out.error
+        return [results[rid] for rid in ids]

@@ -1,0 +1,140 @@
+"""Turns a schedule into tensors, runs the model over the flat batch, masks and samples."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+from kernels.base import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """KV-cache size when none is configured (bytes).
+
+    CPU: 20% of the memory available now, capped at 4 GiB (a CPU decode step is bound by the
+    weights, not by how many sequences fit). CUDA: the caller sizes it from free device memory.
+    """
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 8 << 30
+    return int(min(0.2 * avail, 4 << 30))
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Per sampled request (in schedule order): accepted drafts + one new token; logprobs if asked."""
+
+    sampled: list[list[int]]
+    logprobs: list[list[float]] | None
+
+
+class ModelRunner:
+    """Owns the model weights, the paged KV cache and the attention backend."""
+
+    def __init__(self, config: EngineConfig):
+        from engine.models.loader import load_model
+        from kernels.registry import get_backend
+
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        self.model, self.hf_config = load_model(config.model, dtype=self.dtype, device=self.device)
+        self.backend = get_backend(config.attention_backend, self.device)
+        self.block_size = config.block_size
+        self.vocab_size = self.model.vocab_size
+        self.num_blocks = self._num_blocks()
+        shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.model.num_layers)]
+        self.sampler = Sampler(config.seed)
+
+    @property
+    def bytes_per_block(self) -> int:
+        m = self.model
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_gib is not None:
+            total = int(cfg.kv_cache_gib * (1 << 30))
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            total = int(free * float(cfg.extra.get("gpu_memory_utilization", 0.85)))
+        else:
+            total = default_kv_cache_bytes(self.device)
+        return max(total // self.bytes_per_block, 1)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, bitmask: torch.Tensor | None) -> ModelRunnerOutput:
+        """Run one step.
+
+        Args:
+            out: the schedule (requests in batch order).
+            bitmask: int32 ``[num_logits_rows, ceil(V / 32)]`` or None when no request is constrained.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        bs = self.block_size
+        for sr in out.scheduled:
+            req = sr.request
+            end = sr.start + sr.num_new_tokens
+            input_ids.extend(req.tokens_range(sr.start, end))
+            positions.extend(range(sr.start, end))
+            blocks = req.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(sr.start, end))
+            qsl.append(qsl[-1] + sr.num_new_tokens)
+            seq_lens.append(end)
+            if sr.sample:
+                logits_idx.extend(range(qsl[-1] - sr.num_logits, qsl[-1]))
+        max_blocks = max(len(sr.request.block_ids) for sr in out.scheduled)
+        table = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int32)
+        for i, sr in enumerate(out.scheduled):
+            ids = sr.request.block_ids
+            table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=table.to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, meta, self.backend)
+        if not logits_idx:
+            return ModelRunnerOutput([], None)
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_idx, device=dev)]).float()
+        if bitmask is not None:
+            from grammar.bitmask import apply_bitmask_
+
+            apply_bitmask_(logits, bitmask.to(logits.device, non_blocking=True))
+        sampled_reqs = [sr.request for sr in out.scheduled if sr.sample]
+        drafts = [sr.request.draft_token_ids[:sr.num_drafts] for sr in out.scheduled if sr.sample]
+        want_lp = any(r.params.logprobs for r in sampled_reqs)
+        tokens, lps = self.sampler(logits.cpu(), sampled_reqs, drafts, want_logprobs=want_lp)
+        return ModelRunnerOutput(tokens, lps)

@@ -1,0 +1,44 @@
+"""What the engine hands back to its callers after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's progress after one step (or its end).
+
+    Attributes:
+        request_id: the caller's id.
+        new_token_ids: output tokens added this step (sampled, accepted drafts, forced).
+        new_text: text made final this step (complete UTF-8 characters, stop strings removed).
+        finished: True on the last output of a request.
+        finish_reason: "stop" (EOS, stop string, grammar complete), "length" (max_tokens or model
+            length), "abort", or "error"; None until finished.
+        num_prompt_tokens / num_output_tokens: usage counts so far.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        error: message when ``finish_reason == "error"``.
+        ttft_ms: time from arrival to first output token (ms), once known.
+        total_ms: time from arrival to finish (ms), once finished.
+        num_draft_tokens / num_accepted_tokens / num_forced_tokens: speculation counters.
+        new_logprobs: log-probabilities of ``new_token_ids`` when requested.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    num_forced_tokens: int = 0
+    num_steps: int = 0
+    new_logprobs: list[float] = field(default_factory=list)

@@ -1,0 +1,170 @@
+"""A generation request as the engine sees it, and its sampling parameters."""
+
+from __future__ import annotations
+
+import enum
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from grammar.base import GrammarMatcher
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR}
+
+FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each output token.
+
+    Attributes:
+        max_tokens: most output tokens (forced and accepted draft tokens count).
+        temperature: 0 = greedy (argmax of the masked logits).
+        top_p: nucleus mass kept, in (0, 1].
+        top_k: keep the k most likely tokens; 0 = all.
+        seed: per-request generator seed; ``None`` = derived from the engine seed and request id.
+        stop: strings that end the output (not included in it).
+        ignore_eos: keep going past EOS (unconstrained requests only).
+        logprobs: return the log-probability of each chosen token.
+        speculative: per-request n-gram speculation settings, or ``None`` for the engine default;
+            ``{"method": "off"}`` disables it.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    speculative: dict | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps (``time.perf_counter`` seconds) and counters of one request."""
+
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    num_forced_tokens: int = 0
+    num_steps: int = 0
+
+
+class Request:
+    """Engine-side state of one request (DESIGN.md §2).
+
+    The scheduler's rule: ``num_computed_tokens`` (tokens whose K/V is in the cache) catches up
+    with ``num_tokens + len(draft_token_ids)``. Prefill, prefill chunks, decode, forced tokens
+    and drafts are all just tokens not yet computed.
+    """
+
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
+                 "num_computed_tokens", "draft_token_ids", "block_ids", "status", "params",
+                 "matcher", "grammar_future", "eos_token_id", "metrics", "generator",
+                 "error", "finish_reason_detail", "arrival_index", "num_cached_blocks",
+                 "output_logprobs", "spec_state")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_id: int | None, matcher: "GrammarMatcher | None" = None,
+                 grammar_future: "Future | None" = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.draft_token_ids: list[int] = []
+        self.block_ids: list[int] = []
+        self.num_cached_blocks = 0  # leading blocks of block_ids already hashed/registered
+        self.params = params
+        self.matcher = matcher
+        self.grammar_future = grammar_future
+        self.status = RequestStatus.WAITING_FOR_GRAMMAR if grammar_future is not None else RequestStatus.WAITING
+        self.eos_token_id = eos_token_id
+        self.metrics = RequestMetrics()
+        self.generator = None  # torch.Generator, created lazily by the sampler
+        self.error: str | None = None
+        self.finish_reason_detail: str | None = None
+        self.arrival_index = 0
+        self.output_logprobs: list[float] = []
+        self.spec_state = None  # adaptive speculation state (engine.spec_decode)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens (drafts excluded)."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_drafts(self) -> int:
+        return len(self.all_token_ids) + len(self.draft_token_ids)
+
+    def append_output(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def token_at(self, i: int) -> int:
+        """Token at position ``i`` of prompt + output + drafts."""
+        n = len(self.all_token_ids)
+        return self.all_token_ids[i] if i < n else self.draft_token_ids[i - n]
+
+    def tokens_range(self, start: int, end: int) -> list[int]:
+        n = len(self.all_token_ids)
+        if end <= n:
+            return self.all_token_ids[start:end]
+        return self.all_token_ids[start:] + self.draft_token_ids[max(0, start - n):end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASON.get(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

@@ -1,0 +1,285 @@
+"""Continuous-batching scheduler (the vLLM v1 rule: computed tokens catch up with known tokens).
+
+Each step: running requests first (in admission order), then waiting ones, under a token budget
+(``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). A prompt longer than the
+chunk limit is read over several steps (chunked prefill). When the KV cache has no room, the
+most recently admitted running request is preempted: its blocks are freed and it goes back to
+the head of the waiting queue to be recomputed (its freed blocks keep their hashes, so the
+recompute often hits the prefix cache).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request.
+        start: ``num_computed_tokens`` before the step = position of the first new token.
+        num_new_tokens: tokens fed this step (prompt chunk, decode/forced tokens, then drafts).
+        num_drafts: draft tokens at the end of the new tokens (0 when not speculating).
+        sample: True when the chunk reaches the end of the known tokens, so logits are taken:
+            ``num_drafts + 1`` rows (one per draft position plus the bonus position).
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    num_drafts: int
+    sample: bool
+
+    @property
+    def num_logits(self) -> int:
+        return self.num_drafts + 1 if self.sample else 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the model runner computes in one step (requests in batch order)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides which requests run each step and keeps their KV blocks."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrivals = 0
+        self.num_preemptions = 0
+        self.newly_finished: list[Request] = []  # finished since the engine last drained them
+        self.enable_forced_tokens = True
+        self.max_forced_tokens = 16
+
+    # -- queue verbs -------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self._arrivals += 1
+        request.arrival_index = self._arrivals
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request with ``status``, freeing its blocks at once (idempotent)."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = status
+        request.draft_token_ids = []
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        request.metrics.finished_time = time.perf_counter()
+        self.newly_finished.append(request)
+
+    def drain_finished(self) -> list[Request]:
+        out, self.newly_finished = self.newly_finished, []
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.draft_token_ids = []
+        request.status = RequestStatus.PREEMPTED
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- the step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        out = SchedulerOutput()
+        scheduled_ids: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # req itself was preempted; running[i] is now the next request
+            out.scheduled.append(self._make(req, num_new))
+            scheduled_ids.add(req.request_id)
+            budget -= num_new
+            i += 1
+
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        cfg = self.config
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                if not self._grammar_ready(req):
+                    skipped.append(self.waiting.popleft())
+                    continue
+            cached_blocks, num_cached = self.kv.get_computed_blocks(req) if not req.block_ids else ([], 0)
+            req.num_computed_tokens = num_cached
+            num_new = min(req.num_tokens - num_cached, budget, cfg.max_prefill_chunk)
+            if not self.kv.allocate_slots(req, num_new, cached_blocks):
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self.kv.record_lookup(req.num_tokens, num_cached)
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._make(req, num_new))
+            budget -= num_new
+        # Requests still compiling keep their place at the head, in arrival order.
+        for req in reversed(skipped):
+            self.waiting.appendleft(req)
+
+    def _grammar_ready(self, req: Request) -> bool:
+        fut = req.grammar_future
+        if fut is None or not fut.done():
+            return False
+        req.grammar_future = None
+        exc = fut.exception()
+        if exc is not None:
+            req.error = str(exc)
+            self.finish(req, RequestStatus.FINISHED_ERROR)
+            return False
+        req.matcher = fut.result().matcher()
+        req.status = RequestStatus.WAITING
+        return True
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining > 1 and req.draft_token_ids:
+            req.draft_token_ids = []  # drafts only ride on a request whose prefill is done
+        limit = min(budget, self.config.max_prefill_chunk if remaining > 1 else budget)
+        num_new = remaining + len(req.draft_token_ids)
+        if num_new > limit and req.draft_token_ids:
+            # Not enough room to verify every draft: keep the ones that fit.
+            keep = max(0, limit - remaining)
+            req.draft_token_ids = req.draft_token_ids[:keep]
+            num_new = remaining + keep
+        return min(num_new, limit)
+
+    def update(self, out: SchedulerOutput, sampled: list[list[int]],
+               logprobs: list[list[float]] | None = None) -> list[tuple[Request, list[int]]]:
+        """Apply one step's results.
+
+        Args:
+            out: the step's schedule.
+            sampled: for each scheduled request with ``sample`` (in order), the accepted draft
+                tokens followed by one sampled token (so ``1 <= len <= num_drafts + 1``).
+            logprobs: matching log-probabilities, when any request asked for them.
+
+        Returns:
+            (request, new output token ids) for every request that gained tokens (sampled, accepted
+            drafts and grammar-forced tokens), in batch order. Requests finished here are freed.
+        """
+        now = time.perf_counter()
+        updates: list[tuple[Request, list[int]]] = []
+        k = 0
+        for sr in out.scheduled:
+            req = sr.request
+            req.metrics.num_steps += 1
+            if not sr.sample:
+                req.num_computed_tokens += sr.num_new_tokens
+                self.kv.cache_full_blocks(req)
+                continue
+            tokens = sampled[k]
+            lps = logprobs[k] if logprobs is not None else None
+            k += 1
+            if req.is_finished:
+                continue  # aborted while the step ran
+            num_rejected = sr.num_drafts - (len(tokens) - 1)
+            req.num_computed_tokens = sr.start + sr.num_new_tokens - num_rejected
+            if sr.num_drafts:
+                req.metrics.num_draft_tokens += sr.num_drafts
+                req.metrics.num_accepted_tokens += len(tokens) - 1
+                req.metrics.num_verify_steps += 1
+                if req.spec_state is not None:
+                    req.spec_state.record(sr.num_drafts, len(tokens) - 1)
+            req.draft_token_ids = []
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            new = self._append(req, tokens, lps)
+            if not req.is_finished and self.enable_forced_tokens and req.matcher is not None:
+                forced = req.matcher.forced_tokens(self.max_forced_tokens)
+                if forced:
+                    n_before = len(new)
+                    new += self._append(req, forced, [0.0] * len(forced) if lps is not None else None)
+                    req.metrics.num_forced_tokens += len(new) - n_before
+            if not req.is_finished:
+                self.kv.cache_full_blocks(req)
+            updates.append((req, new))
+        return updates
+
+    def _append(self, req: Request, tokens: list[int], lps: list[float] | None) -> list[int]:
+        """Append tokens one by one, stopping at EOS, max_tokens, model length or grammar end."""
+        added: list[int] = []
+        params = req.params
+        for j, t in enumerate(tokens):
+            if req.matcher is not None and not req.matcher.accept_tokens([t]):
+                req.error = f"token {t} violates the grammar (internal error)"
+                self.finish(req, RequestStatus.FINISHED_ERROR)
+                break
+            req.append_output([t])
+            added.append(t)
+            if lps is not None:
+                req.output_logprobs.append(lps[j])
+            if t == req.eos_token_id and not params.ignore_eos:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.matcher is not None and req.matcher.is_terminated():
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+            if req.is_finished:
+                break
+        return added
+
+    def _make(self, req: Request, num_new: int) -> ScheduledRequest:
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.perf_counter()
+        end = req.num_computed_tokens + num_new
+        sample = end >= req.num_tokens
+        num_drafts = end - req.num_tokens if sample else 0
+        return ScheduledRequest(req, req.num_computed_tokens, num_new, num_drafts, sample)

@@ -1,0 +1,104 @@
+"""N-gram (prompt-lookup) draft proposals, trimmed by the grammar, with an adaptive off-switch.
+
+Prompt lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram`` method): find
+the longest suffix of the request's tokens, of length ``prompt_lookup_min..prompt_lookup_max``,
+that occurred earlier in prompt + output, and propose the tokens that followed that earlier
+occurrence. Extraction copies names, dates and numbers from the document, so such drafts are
+often right, and verifying k drafts costs one forward whose price on a weight-bound CPU hardly
+grows with k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+@dataclass(slots=True)
+class SpecConfig:
+    """Speculation settings (server default, overridable per request).
+
+    Attributes:
+        method: "ngram" or "off".
+        num_speculative_tokens: most draft tokens per step.
+        prompt_lookup_min / prompt_lookup_max: suffix lengths searched (tokens).
+        max_batch_size: speculation is skipped when more requests than this are running
+            (verification then costs real compute instead of riding on weight reads).
+        min_acceptance: a request whose recent acceptance rate falls below this stops proposing
+            for ``backoff_steps`` steps.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 8
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    max_batch_size: int = 8
+    min_acceptance: float = 0.3
+    backoff_steps: int = 16
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SpecConfig | None":
+        """Parse ``{"method": "ngram", ...}``; ``None`` or method "off" → None.
+
+        Raises:
+            ValueError: an unknown key or method, or out-of-range numbers.
+        """
+        if not d:
+            return None
+        allowed = set(cls.__dataclass_fields__)
+        unknown = set(d) - allowed
+        if unknown:
+            raise ValueError(f"speculative: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        cfg = cls(**d)
+        if cfg.method == "off":
+            return None
+        if cfg.method != "ngram":
+            raise ValueError(f"speculative.method must be 'ngram' or 'off', got {cfg.method!r}")
+        if not (1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max):
+            raise ValueError("speculative: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if not (1 <= cfg.num_speculative_tokens <= 64):
+            raise ValueError("speculative.num_speculative_tokens must be in 1..64")
+        return cfg
+
+
+@dataclass(slots=True)
+class SpecState:
+    """Per-request acceptance tracking for the adaptive off-switch."""
+
+    proposed: float = 0.0  # exponentially decayed counts
+    accepted: float = 0.0
+    backoff: int = 0
+
+    def record(self, proposed: int, accepted: int, decay: float = 0.7) -> None:
+        self.proposed = self.proposed * decay + proposed
+        self.accepted = self.accepted * decay + accepted
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 1.0
+
+
+def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Draft up to ``k`` tokens by prompt lookup.
+
+    Args:
+        tokens: int64 ``[num_tokens]``, the request's prompt + output.
+        k: most tokens to propose.
+        n_min, n_max: suffix lengths to try, longest first.
+
+    Returns:
+        The tokens that followed the most recent earlier occurrence of the longest matching
+        suffix (possibly fewer than ``k``), or ``[]``.
+    """
+    n_tok = tokens.shape[0]
+    for n in range(min(n_max, n_tok - 1), n_min - 1, -1):
+        suffix = tokens[n_tok - n:]
+        # Windows starting at 0..n_tok-n-1: every earlier occurrence, excluding the suffix itself.
+        windows = sliding_window_view(tokens[:n_tok - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
