@@ -1,0 +1,255 @@
+"""Our forward for the Llama family: Llama / SmolLM / Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+One flat batch of tokens with no padding goes through the decoder; attention reads and writes
+a paged KV cache through an ``AttentionBackend`` (``kernels.base``). Q, K and V come from one
+fused projection and the MLP's gate and up from another, so a decode step runs two matmuls
+where transformers runs five.
+
+Every linear layer is a module with ``forward(x [N, in_features]) -> [N, out_features]``
+(``DenseLinear`` here); a quantized module with the same call can replace any of them by
+attribute assignment (see ``LlamaForCausalLM.linear_layers``) without touching the attention
+or MLP code.
+
+Sources: Llama (Touvron et al. 2023, arXiv 2302.13971): pre-norm RMSNorm (Zhang & Sennrich
+2019, arXiv 1910.07467), SwiGLU MLP (Shazeer 2020, arXiv 2002.05202), rotary position
+embedding (Su et al. 2021, arXiv 2104.09864) in the "rotate half" layout of transformers'
+``modeling_llama``; Qwen3's per-head q/k RMSNorm as in transformers' ``modeling_qwen3``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.rope import RopeSpec, rope_cos_sin
+from engine.models.spec import LlamaSpec
+from kernels.base import AttentionBackend, AttentionMetadata
+
+
+class DenseLinear(nn.Module):
+    """``y = x @ weight.T + bias`` with frozen weights.
+
+    Attributes:
+        weight: ``[out_features, in_features]``.
+        bias: ``[out_features]`` or ``None``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, *,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _empty_param((out_features, in_features), dtype, device)
+        self.bias = _empty_param((out_features,), dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out]
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 (as HF)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty_param((dim,), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim // 2]`` (rotate-half layout:
+    dims ``i`` and ``i + head_dim/2`` form one pair)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim ** -0.5
+        kw = dict(dtype=dtype, device=device)
+        self.qkv_proj = DenseLinear(spec.hidden_size, self.q_size + 2 * self.kv_size,
+                                    spec.qkv_bias, **kw)
+        self.o_proj = DenseLinear(self.q_size, spec.hidden_size, spec.o_bias, **kw)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, **kw) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, **kw) if spec.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused in one projection."""
+
+    def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.gate_up_proj = DenseLinear(spec.hidden_size, 2 * spec.intermediate_size,
+                                        spec.mlp_bias, **kw)
+        self.down_proj = DenseLinear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
+        self.attn = Attention(spec, **kw)
+        self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
+        self.mlp = MLP(spec, **kw)
+
+    def forward(self, h, cos, sin, k_cache, v_cache, meta, backend) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), cos, sin, k_cache, v_cache, meta, backend)
+        return h + self.mlp(self.post_attn_norm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus the LM head, over a flat token batch and a paged KV cache.
+
+    Parameters are created uninitialised; fill them with ``engine.models.loader``. Parameter
+    names: ``embed_tokens.weight``, ``layers.{i}.input_norm.weight``,
+    ``layers.{i}.attn.qkv_proj.{weight,bias}`` (rows: q, then k, then v),
+    ``layers.{i}.attn.o_proj.weight``, ``layers.{i}.attn.{q,k}_norm.weight`` (Qwen3),
+    ``layers.{i}.post_attn_norm.weight``, ``layers.{i}.mlp.gate_up_proj.weight`` (rows: gate,
+    then up), ``layers.{i}.mlp.down_proj.weight``, ``norm.weight``, ``lm_head.weight`` (the
+    embedding itself when ``spec.tie_word_embeddings``; see ``tie_weights``).
+
+    Args:
+        spec: the architecture (``LlamaSpec.from_hf_config``).
+        dtype: weight dtype.
+        device: where weights and the RoPE tables live.
+    """
+
+    def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        device = torch.device(device)
+        kw = dict(dtype=dtype, device=device)
+        self.spec = spec
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _empty_param((spec.vocab_size, spec.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, **kw) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
+        self.lm_head = DenseLinear(spec.hidden_size, spec.vocab_size, False, **kw)
+        cos, sin = rope_cos_sin(spec.rope, spec.head_dim, spec.max_position_embeddings, device)
+        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
+        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        if spec.tie_word_embeddings:
+            self.tie_weights()
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.spec.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.spec.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def max_context_len(self) -> int:
+        """Longest sequence this forward computes exactly: the position table's length, or the
+        sliding window when the model has one (within it, windowed and full attention agree)."""
+        window = self.spec.sliding_window
+        limit = self.spec.max_position_embeddings
+        return limit if window is None else min(limit, window)
+
+    def tie_weights(self) -> None:
+        """Make the LM head share the embedding matrix (``tie_word_embeddings``)."""
+        self.lm_head.weight = self.embed_tokens.weight
+
+    def linear_layers(self) -> Iterator[tuple[str, nn.Module]]:
+        """``(dotted name, module)`` of every projection a quantized module may replace:
+        ``layers.{i}.attn.qkv_proj``, ``.attn.o_proj``, ``.mlp.gate_up_proj``, ``.mlp.down_proj``."""
+        for i, layer in enumerate(self.layers):
+            for name in ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+                yield f"layers.{i}.{name}", layer.get_submodule(name)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer K, V
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, hidden_size], final norm applied
+        """Run the decoder over a flat batch, writing each new token's K/V into its cache slot.
+
+        Args:
+            input_ids: token ids ``[T]``.
+            positions: position of each token in its sequence ``[T]`` (< ``max_context_len``).
+            kv_caches: one ``(k_cache, v_cache)`` per layer, each
+                ``[num_blocks, block_size, num_kv_heads, head_dim]`` in ``self.dtype``.
+            meta: where each token's sequence and cache slots are.
+            backend: the attention implementation.
+
+        Returns:
+            Final-normed hidden states ``[T, hidden_size]`` in ``self.dtype``.
+
+        Raises:
+            ValueError: ``kv_caches`` does not hold one pair per layer.
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV cache pairs, got {len(kv_caches)}")
+        # One table lookup per step, shared by every layer.
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        h = F.embedding(input_ids, self.embed_tokens.weight)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, k_cache, v_cache, meta, backend)
+        return self.norm(h)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: ``hidden [R, hidden_size]`` -> fp32 logits ``[R, vocab_size]``."""
+        return self.lm_head(hidden).float()
+
+
+def _empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+__all__ = ["Attention", "DecoderLayer", "DenseLinear", "LlamaForCausalLM", "LlamaSpec", "MLP",
+           "RMSNorm", "RopeSpec", "apply_rope"]

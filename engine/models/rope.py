@@ -1,0 +1,101 @@
+"""Rotary position embedding tables from a transformers config's ``rope_parameters``.
+
+Supported ``rope_type`` values:
+
+* ``"default"`` — ``inv_freq[i] = theta ** (-2i / head_dim)`` (Su et al. 2021, arXiv 2104.09864);
+* ``"linear"`` — position interpolation: every frequency divided by ``factor`` (Chen et al.
+  2023, arXiv 2306.15595);
+* ``"llama3"`` — Llama 3.1's frequency-dependent scaling: wavelengths shorter than
+  ``original_max_position_embeddings / high_freq_factor`` are kept, those longer than
+  ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and the band
+  between is interpolated linearly in ``original_max / wavelength`` (Meta's llama-models
+  reference, ``apply_scaling``; the same rule as transformers' ``_compute_llama3_parameters``).
+
+Others (dynamic NTK, YaRN, LongRoPE, ...) raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeSpec:
+    """RoPE settings read from a config.
+
+    Attributes:
+        rope_type: one of ``SUPPORTED_ROPE_TYPES``.
+        theta: base wavelength.
+        factor: scaling factor ("linear", "llama3"); 1.0 otherwise.
+        low_freq_factor, high_freq_factor, original_max_position_embeddings: "llama3" only.
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf_config(cls, config) -> "RopeSpec":
+        """Read ``config.rope_parameters`` (transformers 5; falls back to ``rope_theta`` /
+        ``rope_scaling`` of older configs).
+
+        Raises:
+            ValueError: an unsupported ``rope_type`` or partial rotary embedding.
+        """
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        if not params:
+            params = dict(getattr(config, "rope_scaling", None) or {})
+            params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: "
+                             f"{list(SUPPORTED_ROPE_TYPES)}")
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial rotary embedding (partial_rotary_factor={partial}) "
+                             "is not supported")
+        spec = cls(rope_type=rope_type, theta=float(params["rope_theta"]))
+        if rope_type == "linear":
+            spec = cls(rope_type=rope_type, theta=spec.theta, factor=float(params["factor"]))
+        elif rope_type == "llama3":
+            spec = cls(rope_type=rope_type, theta=spec.theta, factor=float(params["factor"]),
+                       low_freq_factor=float(params["low_freq_factor"]),
+                       high_freq_factor=float(params["high_freq_factor"]),
+                       original_max_position_embeddings=int(
+                           params["original_max_position_embeddings"]))
+        return spec
+
+
+def inv_frequencies(spec: RopeSpec, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` fp32 (radians per position)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (spec.theta ** exponents)
+    if spec.rope_type == "linear":
+        return inv_freq / spec.factor
+    if spec.rope_type == "llama3":
+        old = spec.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - spec.low_freq_factor) / (
+            spec.high_freq_factor - spec.low_freq_factor)
+        blended = (1 - smooth) * inv_freq / spec.factor + smooth * inv_freq
+        scaled = torch.where(wavelen > old / spec.low_freq_factor, inv_freq / spec.factor, inv_freq)
+        in_band = (wavelen >= old / spec.high_freq_factor) & (wavelen <= old / spec.low_freq_factor)
+        return torch.where(in_band, blended, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(spec: RopeSpec, head_dim: int, max_positions: int,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` tables, each fp32 ``[max_positions, head_dim // 2]``; row ``p`` rotates
+    position ``p``. Computed in fp32 like transformers, so tables agree with its bit for bit."""
+    inv_freq = inv_frequencies(spec, head_dim).to(device)
+    angles = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq
+    return angles.cos(), angles.sin()
