@@ -8,11 +8,14 @@ class is constructed as ``cls(device)``.
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kernels.base import AttentionBackend
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +40,7 @@ BACKENDS: dict[str, BackendSpec] = {
 }
 
 AUTO_ORDER_CUDA = ("flash", "triton")
-"""Preference of ``"auto"`` on CUDA: the first one that imports wins, else torch."""
+"""Preference of ``"auto"`` on CUDA: the first one that constructs wins, else torch."""
 
 
 def backend_names() -> list[str]:
@@ -48,13 +51,14 @@ def backend_names() -> list[str]:
 def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """Construct the attention backend called ``name`` for ``device``.
 
-    ``"auto"`` picks, on CUDA, the first of flash, triton, torch whose module imports; on any
-    other device, torch.
+    ``"auto"`` picks, on CUDA, the first of flash, triton whose construction succeeds (a
+    backend whose library is missing raises ImportError or RuntimeError there), else torch;
+    on any other device, torch.
 
     Raises:
         ValueError: unknown name (the message lists the choices), or a CUDA-only backend
             asked for on another device.
-        ImportError: a named backend's module (or its library) cannot be imported.
+        ImportError, RuntimeError: a named backend's module or library is unavailable.
     """
     device = torch.device(device)
     if name == "auto":
@@ -74,6 +78,6 @@ def _auto(device: torch.device) -> AttentionBackend:
     for name in AUTO_ORDER_CUDA:
         try:
             return get_backend(name, device)
-        except ImportError:
-            continue
+        except (ImportError, RuntimeError) as exc:
+            log.info("attention backend %r unavailable on %s: %s", name, device, exc)
     return get_backend("torch", device)
