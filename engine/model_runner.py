@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.input_batch import build_step_inputs
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
-from kernels.base import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -89,46 +89,11 @@ class ModelRunner:
             out: the schedule (requests in batch order).
             bitmask: int32 ``[num_logits_rows, ceil(V / 32)]`` or None when no request is constrained.
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        logits_idx: list[int] = []
-        bs = self.block_size
-        for sr in out.scheduled:
-            req = sr.request
-            end = sr.start + sr.num_new_tokens
-            input_ids.extend(req.tokens_range(sr.start, end))
-            positions.extend(range(sr.start, end))
-            blocks = req.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(sr.start, end))
-            qsl.append(qsl[-1] + sr.num_new_tokens)
-            seq_lens.append(end)
-            if sr.sample:
-                logits_idx.extend(range(qsl[-1] - sr.num_logits, qsl[-1]))
-        max_blocks = max(len(sr.request.block_ids) for sr in out.scheduled)
-        table = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int32)
-        for i, sr in enumerate(out.scheduled):
-            ids = sr.request.block_ids
-            table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-        )
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta, self.backend)
-        if not logits_idx:
+        inp = build_step_inputs(out, self.block_size, self.device)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend)
+        if inp.logits_indices.numel() == 0:
             return ModelRunnerOutput([], None)
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_idx, device=dev)]).float()
+        logits = self.model.compute_logits(hidden[inp.logits_indices]).float()
         if bitmask is not None:
             from grammar.bitmask import apply_bitmask_
 
