@@ -1,0 +1,144 @@
+"""The engine invariant: greedy outputs do not change when batching, prefix caching, chunked
+prefill, preemption, aborts of other requests or speculation are switched on (tiny model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import EngineError, LLMEngine
+from engine.request import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    shared = [rng.randrange(20, 49000) for _ in range(40)]
+    out = []
+    for i in range(16):
+        body = [rng.randrange(20, 49000) for _ in range(rng.randrange(3, 50))]
+        out.append((shared if i % 2 else shared[:17]) + body if i % 3 else body)
+    # A prompt that repeats itself, so n-gram drafts get proposed and accepted.
+    out.append([101, 202, 303, 404, 505] * 8)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, prompts):
+    """Each request alone, everything off."""
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, enable_prefix_caching=False, num_kv_blocks=64,
+                                 max_prefill_chunk=4096, max_num_batched_tokens=4096))
+    eng.scheduler.enable_forced_tokens = False
+    params = [SamplingParams(max_tokens=12 + i % 7, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    return [eng.generate([p], params[i])[0]["token_ids"] for i, p in enumerate(prompts)], params
+
+
+def test_batched_chunked_cached_preempted_equals_alone(tiny_model_dir, prompts, reference):
+    ref, params = reference
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=24, max_num_seqs=8,
+                                 max_prefill_chunk=16, max_num_batched_tokens=48))
+    results = eng.generate(prompts, params)
+    assert [r["token_ids"] for r in results] == ref
+    assert all(r["finish_reason"] == "length" for r in results)
+    st = eng.stats()
+    assert st["num_preemptions"] > 0
+    assert st["prefix_cache_hits"] > 0
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_second_pass_hits_prefix_cache_and_matches(tiny_model_dir, prompts, reference):
+    ref, params = reference
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=512))
+    first = eng.generate(prompts, params)
+    hits_before = eng.kv.prefix_hits
+    second = eng.generate(prompts, params)
+    assert [r["token_ids"] for r in first] == ref
+    assert [r["token_ids"] for r in second] == ref
+    # Every full block of every prompt (but the last token's) was cached by the first pass.
+    expected_hits = sum(((len(p) - 1) // 16) * 16 for p in prompts)
+    assert eng.kv.prefix_hits - hits_before == expected_hits
+
+
+def test_speculation_keeps_greedy_outputs(tiny_model_dir, prompts, reference):
+    ref, params = reference
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "max_batch_size": 64, "min_acceptance": 0.0}
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, speculative=spec,
+                                 max_prefill_chunk=16, max_num_batched_tokens=64))
+    results = eng.generate(prompts, params)
+    assert [r["token_ids"] for r in results] == ref
+    drafted = sum(r["output"].num_draft_tokens for r in results)
+    accepted = sum(r["output"].num_accepted_tokens for r in results)
+    assert drafted > 0 and accepted > 0
+    assert eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]
+
+
+def test_aborts_do_not_disturb_others(tiny_model_dir, prompts, reference):
+    ref, params = reference
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=40, max_num_batched_tokens=64))
+    ids = [eng.add_request(f"r{i}", p, params[i]) for i, p in enumerate(prompts)]
+    extra = [eng.add_request(f"x{i}", p, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+             for i, p in enumerate(prompts[:6])]
+    tokens = {rid: [] for rid in ids + extra}
+    finished = {}
+    step = 0
+    while eng.has_unfinished():
+        if step == 3:
+            for rid in extra:
+                assert eng.abort(rid)
+        for out in eng.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        step += 1
+    assert [tokens[r] for r in ids] == ref
+    assert all(finished[r] == "abort" for r in extra)
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_stop_strings_and_eos(tiny_model_dir, prompts, reference):
+    ref, params = reference
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64))
+    full = eng.generate([prompts[0]], params[0])[0]
+    text = full["text"]
+    assert len(text) > 4
+    stop = text[2:4]
+    r = eng.generate([prompts[0]], SamplingParams(max_tokens=params[0].max_tokens, temperature=0,
+                                                   ignore_eos=True, stop=[stop]))[0]
+    assert r["finish_reason"] == "stop"
+    assert r["text"] == text[:text.find(stop)]
+    # EOS: make a later reference token the engine's EOS id; output must end right there.
+    j = next(i for i in range(1, len(ref[0])) if ref[0][i] not in ref[0][:i])
+    eng.eos_token_id = ref[0][j]
+    r = eng.generate([prompts[0]], SamplingParams(max_tokens=20, temperature=0))[0]
+    assert r["finish_reason"] == "stop"
+    assert r["token_ids"] == ref[0][:j + 1]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir, prompts):
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128))
+    p = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = eng.generate([prompts[1]], p)[0]["token_ids"]
+    together = eng.generate(prompts[:5], p)[1]["token_ids"]
+    assert alone == together
+    other = eng.generate([prompts[1]], SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True))
+    assert other[0]["token_ids"] != alone
+
+
+def test_bad_requests_are_refused_with_named_fields(tiny_model_dir):
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=16, max_model_len=64))
+    with pytest.raises(EngineError, match="empty"):
+        eng.add_request(None, [], SamplingParams())
+    with pytest.raises(EngineError, match="max_model_len 64"):
+        eng.add_request(None, [5] * 64, SamplingParams())
+    with pytest.raises(EngineError, match="max_tokens"):
+        eng.add_request(None, [5, 6], SamplingParams(max_tokens=0))
+    with pytest.raises(EngineError, match="top_p"):
+        eng.add_request(None, [5, 6], SamplingParams(top_p=0))
+    with pytest.raises(EngineError, match="speculative"):
+        eng.add_request(None, [5, 6], SamplingParams(speculative={"method": "medusa"}))
+    # Output stops at max_model_len.
+    r = eng.generate([[5] * 60], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert r["finish_reason"] == "length" and len(r["token_ids"]) == 4
