@@ -1,0 +1,85 @@
+"""Sampler: greedy verification, and a chi-square test that speculative sampling keeps the
+target distribution (Leviathan et al. 2023) on a tiny vocabulary."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.request import Request, SamplingParams
+from engine.sampler import Sampler, _probs
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper chi-square quantile by Wilson–Hilferty (z = 3.09 ~ alpha 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    n = counts.sum()
+    keep = probs * n >= 5
+    exp = probs[keep] * n
+    obs = counts[keep].double()
+    rest_exp = n - exp.sum()
+    rest_obs = n - obs.sum()
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = int(keep.sum()) - 1
+    if rest_exp >= 5:
+        stat += float((rest_obs - rest_exp) ** 2 / rest_exp)
+        df += 1
+    return stat, df
+
+
+def _req(seed: int, **kw) -> Request:
+    return Request(f"r{seed}", [1], SamplingParams(seed=seed, **kw), eos_token_id=None)
+
+
+def test_greedy_verification_accepts_matching_prefix_then_corrects():
+    logits = torch.full((4, 10), -5.0)
+    for row, tok in enumerate([3, 7, 1, 9]):
+        logits[row, tok] = 5.0
+    s = Sampler()
+    r = _req(0, temperature=0)
+    assert s(logits, [r], [[3, 7, 1]])[0] == [[3, 7, 1, 9]]  # all accepted + bonus
+    assert s(logits, [r], [[3, 2, 1]])[0] == [[3, 7]]  # second rejected, corrected to 7
+    assert s(logits[:1], [r], [[]])[0] == [[3]]
+
+
+def test_speculative_sampling_preserves_distribution():
+    torch.manual_seed(0)
+    V = 12
+    logits = torch.randn(3, V) * 1.5
+    sampler = Sampler()
+    n = 6000
+    params = dict(temperature=0.9, top_k=10)
+    p = [_probs(logits[i:i + 1], _req(0, **params))[0].double() for i in range(3)]
+    draft = [int(torch.argsort(p[0])[-2]), int(torch.argmax(p[1]))]  # a plausible, not top, first draft
+    first_plain = torch.zeros(V)
+    first_spec = torch.zeros(V)
+    second_spec_given_accept = torch.zeros(V)
+    for seed in range(n):
+        plain = sampler(logits[:1], [_req(seed, **params)], [[]])[0][0]
+        first_plain[plain[0]] += 1
+        spec = sampler(logits, [_req(seed + 10 ** 6, **params)], [draft])[0][0]
+        first_spec[spec[0]] += 1
+        if spec[0] == draft[0] and len(spec) > 1:
+            second_spec_given_accept[spec[1]] += 1
+    for counts, probs in ((first_plain, p[0]), (first_spec, p[0]), (second_spec_given_accept, p[1])):
+        stat, df = chi2(counts, probs)
+        assert stat < chi2_critical(df), (stat, df)
+    # And the test has power: the draft token's own row would be the wrong distribution.
+    stat, df = chi2(first_spec, p[1])
+    assert stat > chi2_critical(df)
+
+
+def test_top_p_top_k_restrict_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    r = _req(0, temperature=1.0, top_p=0.7)
+    probs = _probs(logits, r)[0]
+    sm = torch.softmax(logits[0], -1)
+    assert sm[0] < 0.7 <= sm[0] + sm[1]
+    assert (probs[2:] == 0).all()
+    assert abs(probs[:2].sum().item() - 1) < 1e-6
+    probs = _probs(logits, _req(0, temperature=1.0, top_k=3))[0]
+    assert (probs[3:] == 0).all() and (probs[:3] > 0).all()
