@@ -1,0 +1,128 @@
+"""Service-level errors and the one place that turns any domain error into a problem.
+
+Handlers raise; they never build error responses themselves. ``to_problem`` maps an exception
+from the service, the grammar compiler or the engine to ``(Problem, headers)`` so that the
+``/generate`` handlers (problem-details JSON) and the OpenAI-compatible routes (OpenAI's error
+shape) report the same status and message for the same fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.async_engine import EngineDeadError
+from engine.llm_engine import EngineError, EngineOverloaded
+from grammar.base import GrammarError, GrammarTimeout
+from schemas.common import Problem
+
+
+class ServiceError(Exception):
+    """Base of the errors the service raises on purpose; ``status`` is the HTTP status."""
+
+    status = 500
+    title = "Internal Server Error"
+
+    def __init__(self, detail: str, *, field: str | None = None, keyword: str | None = None,
+                 path: str | None = None, position: int | None = None):
+        super().__init__(detail)
+        self.detail = detail
+        self.field = field
+        self.keyword = keyword
+        self.path = path
+        self.position = position
+
+
+class InputError(ServiceError):
+    """The request is well-formed but asks for something invalid (bad schema, prompt too long)."""
+
+    status = 400
+    title = "Bad Request"
+
+
+class Unauthorized(ServiceError):
+    """Missing or wrong API key."""
+
+    status = 401
+    title = "Unauthorized"
+
+
+class PayloadTooLarge(ServiceError):
+    """The request body exceeds the configured limit."""
+
+    status = 413
+    title = "Payload Too Large"
+
+
+class Overloaded(ServiceError):
+    """Too many requests are waiting; retry after ``retry_after`` seconds."""
+
+    status = 429
+    title = "Too Many Requests"
+
+    def __init__(self, detail: str, retry_after: int = 1):
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+
+class Unavailable(ServiceError):
+    """The service is draining for shutdown or its engine is dead."""
+
+    status = 503
+    title = "Service Unavailable"
+
+
+class GenerationTimeout(ServiceError):
+    """The request ran past the configured deadline; it was aborted in the engine."""
+
+    status = 504
+    title = "Gateway Timeout"
+
+
+class GenerationFailed(ServiceError):
+    """The engine reported an error for this request alone (the batch went on)."""
+
+    status = 500
+    title = "Internal Server Error"
+
+
+def to_problem(exc: BaseException, request_id: str | None = None,
+               retry_after: int = 1) -> tuple[Problem, dict[str, str]]:
+    """Map an exception to a problem-details body and extra response headers.
+
+    Args:
+        exc: any exception raised while serving a request.
+        request_id: the id the request was logged under (echoed in the body).
+        retry_after: seconds suggested to a client refused for overload.
+
+    Returns:
+        ``(problem, headers)``; unknown exceptions become a 500 whose detail names only the
+        request id, so internal messages never leak to clients.
+    """
+    headers: dict[str, str] = {}
+    if isinstance(exc, ServiceError):
+        if isinstance(exc, Overloaded):
+            headers["Retry-After"] = str(exc.retry_after)
+        if isinstance(exc, Unauthorized):
+            headers["WWW-Authenticate"] = "Bearer"
+        p = Problem(title=exc.title, status=exc.status, detail=exc.detail, field=exc.field,
+                    keyword=exc.keyword, path=exc.path, position=exc.position)
+    elif isinstance(exc, GrammarTimeout):
+        p = Problem(title="Bad Request", status=400, detail=f"grammar compile timed out: {exc}",
+                    keyword=exc.keyword, path=exc.path, position=exc.position)
+    elif isinstance(exc, GrammarError):
+        p = Problem(title="Bad Request", status=400, detail=str(exc), keyword=exc.keyword,
+                    path=exc.path, position=exc.position)
+    elif isinstance(exc, EngineOverloaded):
+        headers["Retry-After"] = str(retry_after)
+        p = Problem(title="Too Many Requests", status=429, detail=str(exc))
+    elif isinstance(exc, EngineError):
+        p = Problem(title="Bad Request", status=400, detail=str(exc))
+    elif isinstance(exc, EngineDeadError):
+        p = Problem(title="Service Unavailable", status=503, detail=str(exc))
+    elif isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        p = Problem(title="Gateway Timeout", status=504, detail="the request timed out")
+    else:
+        p = Problem(title="Internal Server Error", status=500,
+                    detail=f"internal error; see the server log for request {request_id}")
+    p.request_id = request_id
+    return p, headers

@@ -1,0 +1,449 @@
+"""The generation core every endpoint shares: prompt → tokens, request → params and grammar, run.
+
+``POST /generate`` and the OpenAI-compatible routes differ only in their wire types; both go
+through these functions so that limits, errors, validation, metrics and logs are the same:
+
+1. ``tokenize(state, prompt=..., messages=...)`` → prompt token ids (chat template applied to
+   ``messages`` with ``add_generation_prompt=True``).
+2. ``sampling_params(state.config, ...)`` → ``SamplingParams``.
+3. ``grammar_spec(state.config, response_schema=..., regex=..., choice=...)`` → ``GrammarSpec``
+   or ``None``.
+4. ``await run(state, prompt_ids, params, spec, request_id)`` → ``GenerationResult``; or
+   ``gen = await start(...)`` then ``async for item in gen`` for streaming: ``GenerationDelta``
+   items, then one ``GenerationResult``.
+
+Errors (all mapped to HTTP by ``service.errors.to_problem``): ``InputError`` (400),
+``grammar.base.GrammarError`` (400, naming keyword/path/position), ``engine.llm_engine.EngineError``
+(400, e.g. prompt too long), ``EngineOverloaded`` (429), ``Unavailable`` / ``EngineDeadError``
+(503), ``GenerationTimeout`` (504), ``GenerationFailed`` (500). ``start`` raises all of those
+that can be known before the first token, so a streaming handler can still answer with a
+status code instead of a broken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from engine.request import SamplingParams
+from grammar.base import GrammarSpec
+from schemas.common import Timings, Usage
+from service.errors import GenerationFailed, GenerationTimeout, InputError, Unavailable
+from service.state import ServiceConfig, ServiceState
+from service.validation import check_schema
+
+log = logging.getLogger("stencil.generation")
+
+# Tokenizing a few kB takes well under a millisecond; beyond this many characters it moves to a
+# worker thread so one huge prompt cannot stall every other request's stream.
+_THREAD_TOKENIZE_CHARS = 16_384
+
+
+# -- prompts ---------------------------------------------------------------------------------------
+
+def _message_text(content: Any, index: int) -> str:
+    """Content of a chat message as text: a string, or OpenAI-style ``[{"type": "text", ...}]`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InputError(f"messages[{index}].content[{j}]: only text parts are supported",
+                                 field=f"messages[{index}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InputError(f"messages[{index}].content must be a string or a list of text parts",
+                     field=f"messages[{index}].content")
+
+
+def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """Render chat messages with the tokenizer's chat template, ending with the assistant's turn.
+
+    Args:
+        tokenizer: a transformers tokenizer with a ``chat_template``.
+        messages: ``[{"role": ..., "content": ...}, ...]``; other keys (``tool_calls``, ``name``,
+            ``tool_call_id``) are passed to the template unchanged.
+        tools: OpenAI-style tool definitions handed to the template, if it uses them.
+
+    Raises:
+        InputError: (field ``messages``) no chat template, or the template refused the messages
+            (e.g. roles out of order).
+
+    The template runs in transformers' sandboxed Jinja environment: request content is data,
+    never code.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError("this model has no chat template; send a plain 'prompt' instead", field="messages")
+    msgs = []
+    for i, m in enumerate(messages):
+        msg = dict(m)
+        msg["content"] = _message_text(m.get("content"), i)
+        msgs.append(msg)
+    kwargs = {"tools": tools} if tools else {}
+    try:
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
+    except Exception as e:  # noqa: BLE001 - jinja raises TemplateError and others for bad input
+        raise InputError(f"the chat template refused these messages: {e}", field="messages") from None
+
+
+def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None,
+                  tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a plain prompt, or of messages rendered with the chat template.
+
+    A plain prompt gets the tokenizer's usual special tokens (BOS where the model wants one);
+    a rendered chat already contains them as text, so it is encoded without adding more.
+
+    Raises:
+        InputError: neither or both of ``prompt`` and ``messages``; template errors.
+    """
+    if (prompt is None) == (messages is None):
+        raise InputError("give exactly one of 'prompt' and 'messages'", field="prompt")
+    if messages is not None:
+        if not messages:
+            raise InputError("messages is empty", field="messages")
+        text = render_messages(tokenizer, messages, tools)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(prompt, add_special_tokens=True))
+
+
+async def tokenize(state: ServiceState, prompt: str | None = None, messages: list[dict] | None = None,
+                   tools: list[dict] | None = None) -> list[int]:
+    """``encode_prompt`` with the service's size limits, off the event loop for long inputs.
+
+    Raises:
+        InputError: over ``max_prompt_chars`` or ``max_messages``; see ``encode_prompt``.
+    """
+    cfg = state.config
+    if messages is not None:
+        if len(messages) > cfg.max_messages:
+            raise InputError(f"{len(messages)} messages; the limit is {cfg.max_messages}", field="messages")
+        size = sum(len(_message_text(m.get("content"), i)) for i, m in enumerate(messages))
+    else:
+        size = len(prompt or "")
+    if size > cfg.max_prompt_chars:
+        field = "messages" if messages is not None else "prompt"
+        raise InputError(f"{field} has {size} characters; the limit is {cfg.max_prompt_chars}", field=field)
+    tok = state.engine.tokenizer
+    if size > _THREAD_TOKENIZE_CHARS:
+        return await asyncio.to_thread(encode_prompt, tok, prompt, messages, tools)
+    return encode_prompt(tok, prompt, messages, tools)
+
+
+# -- parameters ------------------------------------------------------------------------------------
+
+def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temperature: float = 0.0,
+                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                    stop: str | list[str] | None = None, logprobs: bool = False,
+                    speculative: bool | dict | None = None) -> SamplingParams:
+    """Build ``SamplingParams`` from request fields, enforcing the service's caps.
+
+    Args:
+        cfg: the service limits (``max_tokens_cap``, ``default_max_tokens``, stop limits).
+        max_tokens: most output tokens; ``None`` = ``cfg.default_max_tokens``.
+        temperature: 0 = greedy; top_p in (0, 1]; top_k 0 = all tokens.
+        seed: per-request sampling seed (reproducible sampling), or ``None``.
+        stop: a stop string or a list of them (not included in the output).
+        logprobs: return each chosen token's log-probability.
+        speculative: ``True``/``False`` switches n-gram speculation on/off; a dict gives its
+            settings (``engine.spec_decode.SpecConfig`` fields); ``None`` = the server default.
+
+    Raises:
+        InputError: naming the field that is out of range.
+    """
+    if max_tokens is None:
+        max_tokens = cfg.default_max_tokens
+    if max_tokens < 1:
+        raise InputError(f"max_tokens must be >= 1, got {max_tokens}", field="max_tokens")
+    if max_tokens > cfg.max_tokens_cap:
+        raise InputError(f"max_tokens is {max_tokens}; this server allows at most {cfg.max_tokens_cap}",
+                         field="max_tokens")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if not math.isfinite(value):
+            raise InputError(f"{name} must be a finite number, got {value}", field=name)
+    if temperature < 0:
+        raise InputError(f"temperature must be >= 0, got {temperature}", field="temperature")
+    if not 0 < top_p <= 1:
+        raise InputError(f"top_p must be in (0, 1], got {top_p}", field="top_p")
+    if top_k < 0:
+        raise InputError(f"top_k must be >= 0, got {top_k}", field="top_k")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > cfg.max_stop:
+        raise InputError(f"{len(stops)} stop strings; the limit is {cfg.max_stop}", field="stop")
+    for s in stops:
+        if not s or len(s) > cfg.max_stop_chars:
+            raise InputError(f"each stop string must have 1..{cfg.max_stop_chars} characters", field="stop")
+    if isinstance(speculative, bool):
+        speculative = {"method": "ngram"} if speculative else {"method": "off"}
+    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                          top_k=top_k, seed=seed, stop=stops, logprobs=logprobs, speculative=speculative)
+
+
+def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str | None = None,
+                 choice: list[str] | None = None, whitespace: str = "compact",
+                 strict: bool = True) -> GrammarSpec | None:
+    """The constraint a request asks for, checked against the service's limits.
+
+    Args:
+        response_schema: a JSON Schema (dict or bool), or ``None``.
+        regex: a pattern the whole output must match, or ``None``.
+        choice: the output must be exactly one of these strings, or ``None``.
+        whitespace: JSON only: "compact" or "flexible".
+        strict: JSON only: refuse keywords that cannot be enforced (True) or ignore them with a
+            warning in the response (False).
+
+    Returns:
+        ``None`` when no constraint is given.
+
+    Raises:
+        InputError: more than one constraint; a schema that is invalid, too large, too deep or
+            has a non-local ``$ref`` (see ``service.validation.check_schema``); a regex or
+            choice over the limits.
+    """
+    given = [n for n, v in (("response_schema", response_schema), ("regex", regex), ("choice", choice))
+             if v is not None]
+    if len(given) > 1:
+        raise InputError(f"give at most one of response_schema, regex and choice (got {', '.join(given)})",
+                         field=given[1])
+    if whitespace not in ("compact", "flexible"):
+        raise InputError(f"whitespace must be 'compact' or 'flexible', got {whitespace!r}", field="whitespace")
+    if response_schema is not None:
+        check_schema(response_schema, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
+        return GrammarSpec.json_schema(response_schema, whitespace=whitespace, strict=strict)
+    if regex is not None:
+        if not regex:
+            raise InputError("regex is empty", field="regex")
+        if len(regex) > cfg.max_regex_chars:
+            raise InputError(f"regex has {len(regex)} characters; the limit is {cfg.max_regex_chars}",
+                             field="regex")
+        return GrammarSpec("regex", regex)
+    if choice is not None:
+        if not choice:
+            raise InputError("choice is empty: give at least one string", field="choice")
+        if len(choice) > cfg.max_choices:
+            raise InputError(f"{len(choice)} choices; the limit is {cfg.max_choices}", field="choice")
+        if any(not isinstance(c, str) or len(c) > cfg.max_choice_chars for c in choice):
+            raise InputError(f"each choice must be a string of at most {cfg.max_choice_chars} characters",
+                             field="choice")
+        return GrammarSpec("choice", json.dumps(list(choice), ensure_ascii=False))
+    return None
+
+
+# -- results ---------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class GenerationDelta:
+    """Output made final since the previous item of a stream.
+
+    Attributes:
+        text: new text (complete UTF-8 characters; may be "" when tokens are held back).
+        token_ids: new output token ids.
+        logprobs: log-probabilities of ``token_ids`` (natural log), when requested, else None.
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+
+
+class GenerationResult(msgspec.Struct, kw_only=True):
+    """The finished answer to one request.
+
+    Attributes:
+        id: the request id.
+        text: the whole output text (equal to the concatenated stream deltas).
+        token_ids: the output token ids.
+        finish_reason: "stop" (EOS, stop string, grammar complete) or "length" (max_tokens or
+            the model's context).
+        output: the parsed JSON (schema requests) or the chosen string (choice requests);
+            ``None`` otherwise and whenever the output was cut short.
+        valid: the output satisfies the request's constraint (jsonschema with format checking
+            for schemas, a full match for regexes); always False for "length".
+        usage: token counts, speculative counters included.
+        timings: ttft / total / grammar wait in milliseconds.
+        warnings: why ``valid`` is False, and keywords ignored under ``strict: false``.
+        logprobs: per output token, when requested.
+    """
+
+    id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    output: Any
+    valid: bool
+    usage: Usage
+    timings: Timings
+    warnings: list[str]
+    logprobs: list[float] | None = None
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+class GenerationStream:
+    """An admitted request: iterate it for ``GenerationDelta`` items, then one ``GenerationResult``.
+
+    Iterate at most once. Leaving the iteration early (client gone, task cancelled) aborts the
+    request in the engine, which frees its KV blocks at once.
+    """
+
+    def __init__(self, state: ServiceState, prompt_ids: list[int], params: SamplingParams,
+                 spec: GrammarSpec | None, compiled: Any, request_id: str, arrival: float,
+                 grammar_ms: float):
+        self.state = state
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.spec = spec
+        self.compiled = compiled
+        self.request_id = request_id
+        self.arrival = arrival
+        self.grammar_ms = grammar_ms
+        self.result: GenerationResult | None = None
+
+    def __aiter__(self) -> AsyncIterator[GenerationDelta | GenerationResult]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[GenerationDelta | GenerationResult]:
+        st = self.state
+        deadline = self.arrival + st.config.request_timeout_s
+        agen = st.engine.generate(self.prompt_ids, self.params, self.compiled, self.request_id)
+        parts: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        first_at: float | None = None
+        last_at = self.arrival
+        final = None
+        st.inflight += 1
+        try:
+            while True:
+                remaining = deadline - time.perf_counter()
+                try:
+                    if remaining <= 0:
+                        raise TimeoutError
+                    async with asyncio.timeout(remaining):
+                        out = await anext(agen)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    st.metrics.timeouts.inc()
+                    raise GenerationTimeout(f"request {self.request_id} ran past its {st.config.request_timeout_s:g} s "
+                                            "deadline and was aborted") from None
+                if out.finish_reason == "error":
+                    raise GenerationFailed(f"request {self.request_id} failed in the engine: {out.error}")
+                if out.finish_reason == "abort":
+                    raise Unavailable(f"request {self.request_id} was aborted: the server is shutting down")
+                if out.new_token_ids:
+                    now = time.perf_counter()
+                    if first_at is None:
+                        first_at = now
+                        st.metrics.ttft.observe(now - self.arrival)
+                    else:
+                        # Tokens of one step (accepted drafts, forced runs) share the step's gap.
+                        gap = (now - last_at) / len(out.new_token_ids)
+                        for _ in out.new_token_ids:
+                            st.metrics.itl.observe(gap)
+                    last_at = now
+                if out.new_token_ids or out.new_text:
+                    parts.append(out.new_text)
+                    token_ids.extend(out.new_token_ids)
+                    lp = list(out.new_logprobs) if self.params.logprobs else None
+                    if lp:
+                        logprobs.extend(lp)
+                    yield GenerationDelta(out.new_text, list(out.new_token_ids), lp)
+                if out.finished:
+                    final = out
+                    break
+        finally:
+            st.inflight -= 1
+            await agen.aclose()
+        if final is None:
+            raise GenerationFailed(f"request {self.request_id} ended without a final output")
+        self.result = self._finish(final, "".join(parts), token_ids, logprobs, first_at)
+        yield self.result
+
+    def _finish(self, out, text: str, token_ids: list[int], logprobs: list[float],
+                first_at: float | None) -> GenerationResult:
+        st = self.state
+        now = time.perf_counter()
+        checked = st.checker.check(self.spec, text, out.finish_reason)
+        warnings = [str(w) for w in (getattr(self.compiled, "warnings", None) or ())] + checked.warnings
+        usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                      total_tokens=out.num_prompt_tokens + out.num_output_tokens,
+                      cached_tokens=out.num_cached_tokens, draft_tokens=out.num_draft_tokens,
+                      accepted_tokens=out.num_accepted_tokens, forced_tokens=out.num_forced_tokens)
+        timings = Timings(ttft_ms=round((first_at - self.arrival) * 1e3, 3) if first_at is not None else None,
+                          total_ms=round((now - self.arrival) * 1e3, 3), grammar_ms=round(self.grammar_ms, 3))
+        st.metrics.record_finished(usage, out.finish_reason, checked.valid if self.spec is not None else None)
+        log.info("request finished", extra={
+            "request_id": self.request_id, "finish_reason": out.finish_reason, "valid": checked.valid,
+            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "ttft_ms": timings.ttft_ms, "total_ms": timings.total_ms})
+        return GenerationResult(id=self.request_id, text=text, token_ids=token_ids,
+                                finish_reason=out.finish_reason, output=checked.output, valid=checked.valid,
+                                usage=usage, timings=timings, warnings=warnings,
+                                logprobs=logprobs if self.params.logprobs else None)
+
+
+async def start(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
+                spec: GrammarSpec | None, request_id: str, arrival: float | None = None) -> GenerationStream:
+    """Admit a request: check it, compile its grammar (on the compiler's pool), return its stream.
+
+    Args:
+        state: the app's injected state.
+        prompt_ids: prompt token ids (see ``tokenize``).
+        params: see ``sampling_params``.
+        spec: see ``grammar_spec``; ``None`` = unconstrained.
+        request_id: unique among live requests; used in logs, metrics and errors.
+        arrival: ``time.perf_counter()`` when the request arrived (default: now); timings and the
+            deadline count from it.
+
+    Raises:
+        Unavailable: the service is draining or the engine is dead.
+        EngineError / EngineOverloaded: the engine refuses the request (too long prompt, full
+            waiting queue).
+        GrammarError: the constraint cannot be compiled exactly (or compiling timed out).
+    """
+    arrival = time.perf_counter() if arrival is None else arrival
+    if state.draining:
+        raise Unavailable("the server is shutting down and admits no new requests")
+    if not state.engine.is_alive:
+        raise Unavailable(f"the engine is not running: {state.engine.error!r}")
+    # Refuse early (cheap) so a doomed request does not pay for a grammar compile.
+    state.engine.engine.check_request(prompt_ids, params)
+    compiled, grammar_ms = None, 0.0
+    if spec is not None:
+        t = time.perf_counter()
+        compiled = await state.engine.compile_grammar(spec)
+        grammar_ms = (time.perf_counter() - t) * 1e3
+        state.metrics.grammar_wait.observe(grammar_ms / 1e3)
+    return GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms)
+
+
+async def stream(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
+                 spec: GrammarSpec | None, request_id: str,
+                 arrival: float | None = None) -> AsyncIterator[GenerationDelta | GenerationResult]:
+    """Yield ``GenerationDelta`` items, then the final ``GenerationResult`` (errors as in ``start``)."""
+    gen = await start(state, prompt_ids, params, spec, request_id, arrival)
+    async for item in gen:
+        yield item
+
+
+async def run(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
+              spec: GrammarSpec | None, request_id: str, arrival: float | None = None) -> GenerationResult:
+    """Generate to the end and return the result (errors as in ``start``, plus timeout/failure)."""
+    gen = await start(state, prompt_ids, params, spec, request_id, arrival)
+    result = None
+    async for item in gen:
+        result = item
+    if not isinstance(result, GenerationResult):
+        raise GenerationFailed(f"request {request_id} ended without a result")
+    return result

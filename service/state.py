@@ -1,0 +1,102 @@
+"""Service configuration and the typed state every handler receives by dependency injection."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.config import ConfigError
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
+    from service.metrics import Metrics
+    from service.validation import OutputChecker
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    """Limits and options of the HTTP service (the engine has its own ``EngineConfig``).
+
+    Attributes:
+        api_key: when set, every route but ``/health`` needs ``Authorization: Bearer <key>``
+            (or ``X-API-Key``); ``None`` reads ``STENCIL_API_KEY`` (empty = no key).
+        model_name: id reported by ``/v1/models`` and in responses; ``None`` = the model
+            directory's name.
+        max_body_bytes: largest request body (bytes); larger → 413.
+        max_prompt_chars: longest ``prompt`` or sum of message contents (characters).
+        max_messages: most chat messages in one request.
+        max_schema_bytes: largest ``response_schema`` as compact JSON (bytes).
+        max_schema_depth: deepest nesting of objects/arrays in a schema.
+        max_regex_chars: longest ``regex``.
+        max_choices / max_choice_chars: most ``choice`` entries / longest entry.
+        max_stop: most stop strings; max_stop_chars: longest one.
+        max_tokens_cap: largest ``max_tokens`` a request may ask for.
+        default_max_tokens: ``max_tokens`` when a request gives none.
+        request_timeout_s: deadline of one request from arrival (seconds); past it → 504.
+        shutdown_grace_s: how long in-flight requests may run after SIGTERM (seconds).
+        retry_after_s: ``Retry-After`` sent with 429 (seconds).
+    """
+
+    api_key: str | None = None
+    model_name: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int = 200_000
+    max_messages: int = 256
+    max_schema_bytes: int = 64 << 10
+    max_schema_depth: int = 32
+    max_regex_chars: int = 4096
+    max_choices: int = 256
+    max_choice_chars: int = 1024
+    max_stop: int = 8
+    max_stop_chars: int = 256
+    max_tokens_cap: int = 4096
+    default_max_tokens: int = 256
+    request_timeout_s: float = 300.0
+    shutdown_grace_s: float = 30.0
+    retry_after_s: int = 1
+
+    def validate(self) -> "ServiceConfig":
+        """Resolve the API key from the environment and check ranges; return self.
+
+        Raises:
+            engine.config.ConfigError: naming the offending field.
+        """
+        if self.api_key is None:
+            self.api_key = os.environ.get("STENCIL_API_KEY") or None
+        for name in ("max_body_bytes", "max_prompt_chars", "max_messages", "max_schema_bytes",
+                     "max_schema_depth", "max_regex_chars", "max_choices", "max_choice_chars",
+                     "max_stop_chars", "max_tokens_cap", "default_max_tokens", "retry_after_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_stop < 0:
+            raise ConfigError(f"max_stop must be >= 0, got {self.max_stop}")
+        if self.default_max_tokens > self.max_tokens_cap:
+            raise ConfigError(f"default_max_tokens ({self.default_max_tokens}) exceeds max_tokens_cap "
+                              f"({self.max_tokens_cap})")
+        if self.request_timeout_s <= 0 or self.shutdown_grace_s < 0:
+            raise ConfigError("request_timeout_s must be > 0 and shutdown_grace_s >= 0")
+        return self
+
+
+@dataclass(slots=True)
+class ServiceState:
+    """What a handler needs, injected as ``state: ServiceState``.
+
+    Attributes:
+        engine: the running engine (owned by the app's lifespan).
+        config: the service's limits.
+        metrics: this app's Prometheus registry and series.
+        checker: cached output validators.
+        model_name: the served model's id.
+        draining: set on shutdown; new generation requests get 503.
+        inflight: generation requests now being served.
+    """
+
+    engine: "AsyncEngine"
+    config: ServiceConfig
+    metrics: "Metrics"
+    checker: "OutputChecker"
+    model_name: str
+    draining: bool = False
+    inflight: int = field(default=0)

@@ -1,0 +1,170 @@
+"""Checks at both ends of a constrained request: the schema coming in, the output going out.
+
+Coming in, a JSON Schema is checked against its meta-schema (the draft named by ``$schema``,
+default 2020-12), against size and nesting limits, and for ``$ref`` values that would point
+outside the document (never fetched: remote references are refused).
+
+Going out, the generated text is parsed and validated with ``jsonschema`` — an oracle apart
+from the grammar that shaped it. Validators are built once per schema and reused, since
+building one costs milliseconds and running one tens of microseconds (FACTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+from jsonschema.validators import validator_for
+from referencing import Registry
+
+from grammar.base import GrammarSpec
+from service.errors import InputError
+
+
+def _pointer(parts) -> str:
+    """JSON pointer (``#/a/0/b``) of a path given as keys and indices (RFC 6901 escaping)."""
+    out = "#"
+    for p in parts:
+        out += "/" + str(p).replace("~", "~0").replace("/", "~1")
+    return out
+
+
+def check_schema(schema: Any, *, max_bytes: int, max_depth: int) -> None:
+    """Refuse a JSON Schema the service must not compile.
+
+    Args:
+        schema: the decoded ``response_schema`` (a dict or a bool).
+        max_bytes: largest compact JSON encoding allowed (bytes).
+        max_depth: deepest nesting of objects/arrays allowed.
+
+    Raises:
+        InputError: (field ``response_schema``) not an object or bool, too large, too deep, a
+            ``$ref`` that is not local (``#...``), or invalid under its meta-schema — the
+            message names the keyword and the JSON pointer of the offending part.
+    """
+    if not isinstance(schema, (dict, bool)):
+        raise InputError(f"response_schema must be a JSON object or boolean, got {type(schema).__name__}",
+                         field="response_schema")
+    size = len(json.dumps(schema, separators=(",", ":")).encode())
+    if size > max_bytes:
+        raise InputError(f"response_schema is {size} bytes; the limit is {max_bytes}", field="response_schema")
+    # Iterative walk: a recursive one would let a deep schema exhaust the Python stack.
+    stack: list[tuple[Any, tuple, int]] = [(schema, (), 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if depth > max_depth:
+            raise InputError(f"response_schema nests deeper than {max_depth} levels",
+                             field="response_schema", path=_pointer(path))
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                raise InputError(f"$ref {ref!r} points outside the schema; only local references (#...) "
+                                 "are allowed and nothing is ever fetched",
+                                 field="response_schema", keyword="$ref", path=_pointer(path))
+            stack.extend((v, path + (k,), depth + 1) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, path + (i,), depth + 1) for i, v in enumerate(node))
+    if isinstance(schema, bool):
+        return
+    draft = schema.get("$schema")
+    if draft is not None and not isinstance(draft, str):
+        raise InputError("$schema must be a string URI", field="response_schema", keyword="$schema",
+                         path="#/$schema")
+    cls = validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = _pointer(e.path)
+        raise InputError(f"invalid JSON Schema at {where}: {e.message}", field="response_schema",
+                         keyword=str(e.path[-1]) if e.path else e.validator, path=where) from None
+
+
+@dataclass(slots=True)
+class CheckedOutput:
+    """The verdict on one finished output.
+
+    Attributes:
+        output: the parsed JSON value (JSON schema), the chosen string (choice), else ``None``.
+        valid: the output satisfies the request's constraint and was not cut short.
+        warnings: why it is not valid, in words (empty when valid).
+    """
+
+    output: Any
+    valid: bool
+    warnings: list[str] = field(default_factory=list)
+
+
+class OutputChecker:
+    """Validates finished outputs against their ``GrammarSpec`` with cached validators.
+
+    One per app (not a global): an LRU of ``capacity`` jsonschema validators and compiled
+    Python regexes, keyed by the spec's canonical text.
+    """
+
+    def __init__(self, capacity: int = 256):
+        self.capacity = capacity
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._empty_registry = Registry()  # no retrieval callback: remote $refs are never fetched
+
+    def _cached(self, key: tuple[str, str], build):
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        value = build()
+        self._cache[key] = value
+        if len(self._cache) > self.capacity:
+            self._cache.popitem(last=False)
+        return value
+
+    def validator(self, schema_text: str):
+        """The jsonschema validator (with format checking) of a canonical schema text."""
+        def build():
+            schema = json.loads(schema_text)
+            cls = validator_for(schema, default=jsonschema.Draft202012Validator)
+            return cls(schema, format_checker=cls.FORMAT_CHECKER, registry=self._empty_registry)
+        return self._cached(("json", schema_text), build)
+
+    def _regex(self, pattern: str):
+        def build():
+            try:
+                return re.compile(pattern)
+            except re.error:
+                return False  # a dialect difference; the grammar already enforced the pattern
+        return self._cached(("regex", pattern), build)
+
+    def check(self, spec: GrammarSpec | None, text: str, finish_reason: str | None) -> CheckedOutput:
+        """Parse and validate ``text`` against ``spec``.
+
+        A request cut short (``finish_reason == "length"``, or anything but ``"stop"``) is never
+        valid and its ``output`` is ``None``: a truncated document is not a document.
+        """
+        if finish_reason != "stop":
+            why = ("output was cut at max_tokens before it was complete" if finish_reason == "length"
+                   else f"generation ended with finish_reason {finish_reason!r}")
+            return CheckedOutput(None, False, [why])
+        if spec is None:
+            return CheckedOutput(None, True)
+        if spec.kind == "json_schema":
+            try:
+                value = json.loads(text)
+            except ValueError as e:
+                return CheckedOutput(None, False, [f"output is not valid JSON: {e}"])
+            errors = sorted(self.validator(spec.value).iter_errors(value), key=lambda e: list(e.path))
+            if errors:
+                return CheckedOutput(value, False, [f"output fails the schema at {_pointer(e.path)}: {e.message}"
+                                                    for e in errors[:5]])
+            return CheckedOutput(value, True)
+        if spec.kind == "regex":
+            rx = self._regex(spec.value)
+            if rx is False or rx.fullmatch(text):
+                return CheckedOutput(None, True)
+            return CheckedOutput(None, False, ["output does not fully match the regex"])
+        choices = json.loads(spec.value)
+        if text in choices:
+            return CheckedOutput(text, True)
+        return CheckedOutput(None, False, ["output is not one of the choices"])
