@@ -93,7 +93,7 @@ class TorchAttentionBackend:
         num_blocks = -(-max_len // block_size)
         all_seqs = len(seqs) == meta.num_seqs
         if all_seqs:
-            rows = meta.query_start_loc[:-1].long()
+            rows = None
             tables = meta.block_tables[:, :num_blocks]
             seq_lens = meta.seq_lens
         else:
@@ -103,16 +103,22 @@ class TorchAttentionBackend:
             seq_lens = meta.seq_lens[idx]
         b = len(seqs)
         tables = tables.long()
-        # [B, blocks, block_size, Hkv, D] -> [B, Hkv, S, D]
-        k = k_cache[tables].reshape(b, -1, kv_heads, dim).transpose(1, 2).float()
-        v = v_cache[tables].reshape(b, -1, kv_heads, dim).transpose(1, 2).float()
+        # [B * blocks, block_size * Hkv * D] -> [B, Hkv, S, D]
+        k = _gather_blocks(k_cache, tables.flatten()).view(b, -1, kv_heads, dim)
+        v = _gather_blocks(v_cache, tables.flatten()).view(b, -1, kv_heads, dim)
+        k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()
         # All query heads of one kv group share the single position, so the group can stand in
         # for the query length: [B, Hkv, G, D] against [B, Hkv, S, D] needs no K/V repeat.
-        q = query[rows].view(b, kv_heads, group, dim).float()
+        q = (query if all_seqs else query[rows]).view(b, kv_heads, group, dim).float()
         pos = torch.arange(k.shape[2], device=query.device)
         mask = (pos[None, :] < seq_lens[:, None].to(pos.dtype))[:, None, None, :]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out[rows] = o.reshape(b, heads, dim).to(out.dtype)
+        o = o.reshape(b, heads, dim).to(out.dtype)
+        if all_seqs:
+            # Every sequence has one query row, so rows are 0..B-1 in order.
+            out.copy_(o)
+        else:
+            out[rows] = o
 
     def _prefill(self, query, k_cache, v_cache, meta, scale, i: int, out: torch.Tensor) -> None:
         """Sequence ``i`` with several query tokens: the last ``q_len`` of ``seq_len`` positions."""
@@ -122,8 +128,9 @@ class TorchAttentionBackend:
         num_blocks = -(-seq_len // block_size)
         blocks = meta.block_tables[i, :num_blocks].long()
         # [S, Hkv, D] -> [Hkv, S, D]
-        k = k_cache[blocks].reshape(-1, kv_heads, dim)[:seq_len].transpose(0, 1).float()
-        v = v_cache[blocks].reshape(-1, kv_heads, dim)[:seq_len].transpose(0, 1).float()
+        k = _gather_blocks(k_cache, blocks).view(-1, kv_heads, dim)[:seq_len]
+        v = _gather_blocks(v_cache, blocks).view(-1, kv_heads, dim)[:seq_len]
+        k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()
         q = query[start:end].transpose(0, 1).float()  # [H, q_len, D]
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
@@ -135,3 +142,12 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[start:end] = o.transpose(0, 1).to(out.dtype)
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """Rows ``blocks`` (int64 ``[N]``) of ``cache`` viewed as ``[num_blocks, block_size * H * D]``.
+
+    ``index_select`` on the 2-D view copies whole blocks; measured on CPU it is many times
+    faster than advanced indexing of the 4-D cache with a 2-D index.
+    """
+    return cache.view(cache.shape[0], -1).index_select(0, blocks)
