@@ -1,0 +1,78 @@
+"""Packed token bitmasks: allocation, application to logits, unpacking.
+
+Layout (the one of xgrammar and outlines-core's kernels): an int32 tensor
+``[rows, ceil(vocab_size / 32)]``; bit ``t % 32`` (least significant first) of word ``t // 32`` set
+means token ``t`` is allowed. Bits at positions ≥ ``vocab_size`` in the last word are ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG_INF_BITS = -8388608  # 0xFF800000: the IEEE-754 float32 bit pattern of -inf, as int32
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Words per row: ``ceil(vocab_size / 32)``."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_bitmask(rows: int, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An int32 bitmask ``[rows, ceil(vocab_size / 32)]`` with every bit set (all tokens allowed)."""
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32, device=device)
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 ``[R, W]`` → int32 ``[R, vocab_size]`` of 0/1 (a strided view of ``[R, W*32]``)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]; >> is arithmetic but & 1 keeps one bit
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size]
+
+
+def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack ``bitmask`` int32 ``[R, W]`` into bool ``[R, vocab_size]`` (True = allowed).
+
+    Raises:
+        ValueError: wrong dtype, or ``W * 32 < vocab_size``.
+    """
+    _check(bitmask, vocab_size)
+    return _unpack(bitmask, vocab_size).bool()
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set disallowed logits to ``-inf``, in place.
+
+    Args:
+        logits: float32 ``[R, V]``, contiguous.
+        bitmask: int32 ``[R, ceil(V / 32)]`` (or wider), moved to ``logits.device`` if needed.
+
+    One vectorized pass, no loop over rows or tokens: the bits are spread to int32 0/1 by shifts,
+    turned into an all-ones/all-zeros keep mask, and merged into the float bit patterns
+    (``(x & keep) | (-inf & ~keep)``), which is exact and ≈ 3× cheaper on CPU than
+    ``masked_fill_`` with a bool mask.
+
+    Raises:
+        ValueError: dtype, shape or layout mismatch.
+    """
+    if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+        raise ValueError(f"logits must be contiguous float32 [R, V], got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    rows, vocab = logits.shape
+    _check(bitmask, vocab)
+    if bitmask.shape[0] != rows:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows, logits {rows}")
+    if bitmask.device != logits.device:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    if logits.device.type == "cpu" and bool((bitmask == -1).all()):
+        return  # nothing constrained; a cheap check on CPU (it would sync a GPU)
+    keep = _unpack(bitmask, vocab).neg()  # 0 → 0, 1 → -1 (all ones)
+    as_int = logits.view(torch.int32)
+    as_int.bitwise_and_(keep)
+    as_int.bitwise_or_(keep.bitwise_not_().bitwise_and_(_NEG_INF_BITS))
+
+
+def _check(bitmask: torch.Tensor, vocab_size: int) -> None:
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2:
+        raise ValueError(f"bitmask must be int32 [R, W], got {bitmask.dtype} {tuple(bitmask.shape)}")
+    if bitmask.shape[1] * 32 < vocab_size:
+        raise ValueError(f"bitmask width {bitmask.shape[1]} words < ceil({vocab_size} / 32)")

@@ -1,0 +1,134 @@
+"""User regexes for outlines-core: checks with positions, literal escaping, choice alternations.
+
+outlines-core compiles regexes with Rust's ``regex-automata`` into a DFA. That rules out
+lookaround, backreferences, atomic groups, conditionals and inner anchors / word boundaries, and
+its errors ("error building NFA") carry no position. So unsupported constructs are found here by
+a small scanner with exact character offsets, and syntax errors are located afterwards with
+Python's ``re`` parser (``re.error.pos``), whose syntax agrees with Rust's on the common core.
+
+Regexes are implicitly anchored at both ends; a leading ``^`` and a trailing ``$`` are accepted and
+dropped (they change nothing under full matching).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+from grammar.base import GrammarError
+
+# Rust regex-syntax's own escape set (``regex_syntax::escape``); others may not be escaped
+# (``\<`` is a word boundary in Rust).
+_RUST_META = set("\\.+*?()|[]{}^$#&-~")
+
+_ANCHORS = {"A": "\\A", "z": "\\z", "Z": "\\Z", "b": "word boundary \\b", "B": "\\B",
+            "<": "word boundary \\<", ">": "word boundary \\>"}
+
+
+def strip_outer_anchors(pattern: str) -> tuple[str, int]:
+    """Drop a leading ``^`` and an unescaped trailing ``$``.
+
+    Returns:
+        ``(core, offset)`` where ``offset`` (0 or 1) maps core positions back to ``pattern``.
+    """
+    start = 1 if pattern.startswith("^") else 0
+    end = len(pattern)
+    if end > start and pattern.endswith("$"):
+        backslashes = len(pattern[start:end - 1]) - len(pattern[start:end - 1].rstrip("\\"))
+        if backslashes % 2 == 0:
+            end -= 1
+    return pattern[start:end], start
+
+
+def check_supported(pattern: str) -> str:
+    """Validate the constructs of ``pattern`` that a DFA cannot express.
+
+    Returns:
+        The pattern without its outer anchors, ready to compile.
+
+    Raises:
+        GrammarError: with ``position`` (offset in ``pattern``) of the first lookaround,
+            backreference, atomic group, conditional, or inner anchor / word boundary.
+    """
+    core, offset = strip_outer_anchors(pattern)
+    i, n = 0, len(core)
+    class_depth = 0
+    while i < n:
+        c = core[i]
+        pos = i + offset
+        if c == "\\":
+            nxt = core[i + 1:i + 2]
+            if class_depth == 0:
+                if nxt.isdigit() and nxt != "0":
+                    raise GrammarError("backreferences are not supported", position=pos)
+                if nxt in ("k", "g") and core[i + 2:i + 3] in ("<", "{", "'"):
+                    raise GrammarError("backreferences are not supported", position=pos)
+                if nxt and nxt in _ANCHORS:
+                    raise GrammarError(f"anchor {_ANCHORS[nxt]} is not supported (the regex is "
+                                       "matched as a whole)", position=pos)
+            i += 2
+            continue
+        if class_depth:
+            if c == "[":
+                class_depth += 1  # Rust nests classes ([a-z&&[^aeiou]], [[:alpha:]])
+            elif c == "]":
+                class_depth -= 1
+            i += 1
+            continue
+        if c == "[":
+            class_depth = 1
+            i += 1
+            if core[i:i + 1] == "^":
+                i += 1
+            if core[i:i + 1] == "]":
+                i += 1  # a leading ] is literal
+            continue
+        if c in "^$":
+            raise GrammarError(f"anchor {c!r} inside the regex is not supported (the regex is "
+                               "matched as a whole)", position=pos)
+        if c == "(" and core[i + 1:i + 2] == "?":
+            head = core[i + 2:i + 4]
+            if head[:1] in ("=", "!") or head in ("<=", "<!"):
+                raise GrammarError("lookaround assertions are not supported", position=pos)
+            if head == "P=":
+                raise GrammarError("backreferences are not supported", position=pos)
+            if head[:1] == ">":
+                raise GrammarError("atomic groups are not supported", position=pos)
+            if head[:1] == "(":
+                raise GrammarError("conditional groups are not supported", position=pos)
+        i += 1
+    return core
+
+
+def locate_syntax_error(pattern: str) -> tuple[int | None, str | None]:
+    """Where Python's ``re`` parser stops on ``pattern``: ``(position, message)``, or
+    ``(None, None)`` if Python accepts it (a Rust-only difference)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "possible nested set" for Rust-style classes
+            re.compile(pattern)
+    except re.error as e:
+        return e.pos, e.msg
+    except (OverflowError, RecursionError) as e:
+        return None, str(e)
+    return None, None
+
+
+def escape_literal(text: str) -> str:
+    """Escape ``text`` so a Rust regex matches it literally."""
+    return "".join("\\" + ch if ch in _RUST_META else ch for ch in text)
+
+
+def choice_regex(choices: list[str]) -> str:
+    """An alternation matching exactly one of ``choices``.
+
+    Raises:
+        GrammarError: an empty list, or a choice holding byte 0x01 (the grammar end sentinel,
+            which no output can contain).
+    """
+    if not choices:
+        raise GrammarError("choice needs at least one string")
+    for k, ch in enumerate(choices):
+        if "\x01" in ch:
+            raise GrammarError(f"choice {k} contains U+0001, which outputs cannot contain")
+    return "(?:" + "|".join(escape_literal(ch) for ch in choices) + ")"
