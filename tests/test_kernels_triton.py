@@ -229,25 +229,47 @@ def test_backend_without_triton_raises_runtime_error(monkeypatch):
         TritonAttentionBackend("cuda")
 
 
-def test_package_imports_without_triton_and_compiled_kernels_refuse_cpu():
-    """In fresh interpreters: ``import kernels.triton`` with triton hidden works and pulls in no
-    kernel module; with triton present but no interpreter, a CPU launch says what to set."""
-    hidden = ("import sys; sys.modules['triton'] = None\n"
+def test_package_imports_without_triton():
+    """In a fresh interpreter with triton hidden, ``import kernels.triton`` works and pulls in
+    no kernel module."""
+    script = ("import sys; sys.modules['triton'] = None\n"
               "import kernels.triton\n"
               "assert 'kernels.triton.paged_attention' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", script], check=True)
+
+
+COMPILE_SCRIPT = """
+import torch
+from kernels.triton.aot import compile_paged_attention, compile_reshape_and_cache
+from kernels.triton.paged_attention import launch_config
+from kernels.triton.reshape_and_cache import reshape_and_cache
+
+kv = torch.zeros(1, 1, 16)
+cache = torch.zeros(1, 16, 1, 16)
+try:
+    reshape_and_cache(kv, kv, cache, cache, torch.zeros(1, dtype=torch.long))
+except RuntimeError as e:
+    assert "TRITON_INTERPRET=1" in str(e), e
+else:
+    raise SystemExit("a compiled kernel accepted CPU tensors")
+
+for dtype, heads, kv_heads, dim, max_q in [(torch.bfloat16, 9, 3, 64, 1),
+                                           (torch.bfloat16, 32, 8, 128, 300),
+                                           (torch.float32, 8, 2, 64, 100)]:
+    config = launch_config(dtype, heads, kv_heads, dim, 16, max_q, 8)
+    kernel = compile_paged_attention(dtype, config, capability=90)
+    assert kernel.asm["cubin"], config
+compile_reshape_and_cache(torch.bfloat16, 8, 128, capability=90)
+"""
+
+
+def test_compiled_mode_refuses_cpu_and_kernels_compile_for_hopper():
+    """Without the interpreter: a CPU launch says what to set, and the launch configurations
+    of a decode batch, a long bf16 prefill and an fp32 batch compile to sm_90 cubins (Triton's
+    type checks and code generation, which the interpreter skips)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-c", hidden], check=True, env=env)
-    compiled = ("import torch\n"
-                "from kernels.triton.reshape_and_cache import reshape_and_cache\n"
-                "kv = torch.zeros(1, 1, 16)\n"
-                "cache = torch.zeros(1, 16, 1, 16)\n"
-                "try:\n"
-                "    reshape_and_cache(kv, kv, cache, cache, torch.zeros(1, dtype=torch.long))\n"
-                "except RuntimeError as e:\n"
-                "    assert 'TRITON_INTERPRET=1' in str(e), e\n"
-                "else:\n"
-                "    raise SystemExit('no error')\n")
-    subprocess.run([sys.executable, "-c", compiled], check=True, env=env)
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], check=True, env=env)
 
 
 # --- compiled on a GPU -------------------------------------------------------------------

@@ -140,6 +140,47 @@ def _paged_attention_kernel(
              mask=row_ok[:, None] & dim_ok[None, :])
 
 
+def launch_config(
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_query_len: int,
+    num_seqs: int,
+    *,
+    interpreted: bool = False,
+    block_q_rows: int | None = None,
+    block_n: int | None = None,
+) -> dict[str, object]:
+    """The kernel's compile-time parameters (``tl.constexpr`` names -> values) for a batch.
+
+    ``block_q_rows`` is the target of rows per program (query tokens x heads of one group):
+    16 by default when every query is short (decode, drafts), else 64; ``tl.dot`` needs at
+    least 16. ``block_n`` is the key tile (a power of two >= 16): 32 for fp32 (twice the
+    registers per element), else 64.
+    """
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if block_q_rows is None:
+        block_q_rows = 16 if max_query_len * group_pad <= 16 else 64
+    block_q = max(block_q_rows // group_pad, triton.cdiv(16, group_pad), 1)
+    if block_n is None:
+        block_n = 32 if dtype == torch.float32 else 64
+    return {
+        "GROUP": group,
+        "GROUP_PAD": group_pad,
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": max(16, triton.next_power_of_2(head_dim)),
+        "BLOCK_SIZE": block_size,
+        "BLOCK_Q": block_q,
+        "BLOCK_N": block_n,
+        "SEQS_PAD": triton.next_power_of_2(max(num_seqs, 1)),
+        "UPCAST": interpreted and dtype == torch.bfloat16,
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -165,9 +206,7 @@ def paged_attention(
         meta: the step's metadata (tensors on the same device as ``query``).
         scale: softmax scale, usually ``head_dim ** -0.5``.
         out: optional output buffer (for example a slice of a preallocated tensor).
-        block_q_rows: target rows per program (query tokens x heads of one group); default 16
-            for decode-sized queries, 64 otherwise.
-        block_n: key positions per tile (a power of two >= 16); default 32 for fp32, else 64.
+        block_q_rows, block_n: tile sizes, see ``launch_config``.
 
     Returns:
         ``out`` (allocated when not given).
@@ -201,19 +240,11 @@ def paged_attention(
     if num_tokens == 0:
         return out
 
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    if block_q_rows is None:
-        block_q_rows = 16 if meta.max_query_len * group_pad <= 16 else 64
-    block_q = max(1, block_q_rows // group_pad)
-    # tl.dot wants at least 16 rows.
-    block_q = max(block_q, triton.cdiv(16, group_pad))
-    if block_n is None:
-        block_n = 32 if query.dtype == torch.float32 else 64
-    fp32 = query.dtype == torch.float32
-    upcast = interpreted and query.dtype == torch.bfloat16
+    config = launch_config(query.dtype, num_heads, num_kv_heads, head_dim, block_size,
+                           meta.max_query_len, meta.num_seqs, interpreted=interpreted,
+                           block_q_rows=block_q_rows, block_n=block_n)
     num_seqs = meta.num_seqs
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    grid = (num_tokens // config["BLOCK_Q"] + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -223,18 +254,9 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0),
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        SEQS_PAD=triton.next_power_of_2(max(num_seqs, 1)),
-        UPCAST=upcast,
-        DOT_PRECISION="ieee" if fp32 else "tf32",
+        **config,
     )
     return out
 
 
-__all__ = ["paged_attention"]
+__all__ = ["launch_config", "paged_attention"]
