@@ -178,11 +178,12 @@ def test_rope_tables_match_transformers(rope_parameters):
     torch.testing.assert_close(sin[positions[0]], ref_sin[0, :, :64], atol=0, rtol=0)
 
 
-def test_unsupported_configs_raise_clear_errors():
+def test_unsupported_configs_raise_clear_errors(tmp_path):
     from transformers import GPT2Config, LlamaConfig
 
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match=r"'gpt2'.*supported.*llama.*mistral.*qwen2.*qwen3"):
-        LlamaSpec.from_hf_config(GPT2Config())
+        load_model(tmp_path)
     yarn = LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
     with pytest.raises(ValueError, match="rope_type 'yarn'"):
         LlamaSpec.from_hf_config(yarn)
@@ -198,3 +199,26 @@ def test_real_smollm2_prompt_and_decode_match_transformers(default_model_dir, to
     assert_close_rel(logits, hf_logits(ref, prompt))
     logits = batch.step([(seq, [int(logits[-1].argmax())])])
     assert_close_rel(logits, hf_logits(ref, batch.tokens[seq])[-1:])
+
+
+def test_tiny_mistral_matches_transformers_and_caps_context_at_window(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "mistral", vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+        sliding_window=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(str(tmp_path))
+    ours, ref = load_pair(tmp_path)
+    assert ours.max_context_len == 64
+    batch = PagedBatch(ours)
+    prompt = random_prompt(30, 5, ours.vocab_size)
+    seq = batch.add()
+    assert_close_rel(batch.step([(seq, prompt[:20])]), hf_logits(ref, prompt[:20]))
+    assert_close_rel(batch.step([(seq, prompt[20:])]), hf_logits(ref, prompt)[20:])
