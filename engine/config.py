@@ -18,6 +18,8 @@ class EngineConfig:
         model: directory of an HF-format model (config.json, safetensors, tokenizer).
         device: torch device string ("cpu", "cuda", "cuda:0").
         dtype: weight and KV-cache dtype ("float32", "bfloat16", "float16").
+        weights: "fp32" (dense weights in ``dtype``), "int4" (GGUF 4-bit blocks served as
+            torch int4-packed weights, CPU) or "auto" (the faster one for the model).
         attention_backend: name in ``kernels.registry`` ("torch", "flash", "triton") or
             "auto" (the fastest one available on ``device``).
         block_size: tokens per KV-cache block.
@@ -40,6 +42,7 @@ class EngineConfig:
     model: Path
     device: str = "cpu"
     dtype: str = "float32"
+    weights: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -75,6 +78,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.weights not in ("auto", "fp32", "int4"):
+            raise ConfigError(f"weights must be auto, fp32 or int4, got {self.weights!r}")
         if self.grammar_timeout_s <= 0:
             raise ConfigError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         return self

@@ -34,6 +34,12 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Switch prefix caching on or off (benchmarks); the cached hashes are dropped either way."""
+        self.enable_prefix_caching = enabled
+        self.pool.enable_caching = enabled
+        self.pool.reset_prefix_cache()
+
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
