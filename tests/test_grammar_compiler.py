@@ -1,0 +1,196 @@
+"""GrammarCompiler: caches, errors with positions, time limit in a killable worker, spec kinds."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jsonschema
+import pytest
+
+from grammar.base import GrammarError, GrammarSpec, GrammarTimeout
+from grammar.compiler import GrammarCompiler
+from grammar.vocab import TokenVocabulary
+
+EOS = 40
+CHARS = "abcdxyz0123456789.-()[]^$\\ "
+TOKENS = {i: ch.encode() for i, ch in enumerate(CHARS)}
+ID = {b.decode(): i for i, b in TOKENS.items()}
+# A DFA with ~2^20 states: far beyond any small time limit.
+EXPLOSIVE = "(a|b)*a" + "[ab]" * 20
+
+
+@pytest.fixture(scope="module")
+def vocab() -> TokenVocabulary:
+    return TokenVocabulary.from_token_bytes(TOKENS, EOS, 48)
+
+
+@pytest.fixture(scope="module")
+def compiler(vocab):
+    with GrammarCompiler(vocab, 48, max_workers=1, timeout_s=0.5) as c:
+        yield c
+
+
+def accepts_text(grammar, text: str) -> bool:
+    m = grammar.matcher()
+    return m.accept_tokens([ID[ch] for ch in text]) and m.accept_tokens([EOS])
+
+
+def test_second_compile_is_a_cache_hit(vocab):
+    with GrammarCompiler(vocab, 48) as c:
+        g1 = c.compile(GrammarSpec("regex", "ab+"))
+        g2 = c.compile(GrammarSpec("regex", "ab+"))
+        assert g1 is g2
+        assert (c.stats.compiles, c.stats.cache_hits) == (1, 1)
+        c.compile(GrammarSpec("regex", "ab*"))
+        assert c.stats.compiles == 2 and len(c.stats.compile_ms) == 2
+
+
+def test_lru_evicts_the_least_recently_used(vocab):
+    with GrammarCompiler(vocab, 48, cache_size=2) as c:
+        a, b, d = (GrammarSpec("regex", p) for p in ("a", "b", "d"))
+        c.compile(a), c.compile(b), c.compile(a), c.compile(d)  # b is now the oldest
+        c.compile(a)
+        assert c.stats.cache_hits == 2
+        c.compile(b)
+        assert c.stats.compiles == 4
+
+
+@pytest.mark.parametrize("pattern, position, words", [
+    ("ab[", 2, "invalid regex"),
+    ("a)", 1, "invalid regex"),
+    ("a(?=b)", 1, "lookaround"),
+    ("a(?!b)", 1, "lookaround"),
+    ("(?<=x)a", 0, "lookaround"),
+    ("x(?<!x)a", 1, "lookaround"),
+    (r"(a)\1", 3, "backreference"),
+    ("(?P<n>a)(?P=n)", 8, "backreference"),
+    ("(?>a)b", 0, "atomic"),
+    ("a^b", 1, "anchor"),
+    ("^a$b", 2, "anchor"),
+    (r"x\bfoo", 1, "anchor"),
+])
+def test_invalid_or_unsupported_regex_reports_its_position(compiler, pattern, position, words):
+    with pytest.raises(GrammarError) as info:
+        compiler.compile(GrammarSpec("regex", pattern))
+    assert not isinstance(info.value, GrammarTimeout)
+    assert info.value.position == position
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("pattern, good, bad", [
+    ("^ab$", "ab", "a"),                 # outer anchors are dropped
+    (r"a\$", "a$", "a"),                 # an escaped $ stays
+    ("[^]a]b", "cb", "ab"),              # ] first in a class is literal
+    ("[(?=]x", "(x", "x"),               # lookaround syntax inside a class is just characters
+    (r"\(\d\)", "(7)", "7"),
+])
+def test_tricky_but_supported_regexes(compiler, pattern, good, bad):
+    g = compiler.compile(GrammarSpec("regex", pattern))
+    assert accepts_text(g, good) and not accepts_text(g, bad)
+
+
+def test_regex_the_vocabulary_cannot_spell_is_an_error(compiler):
+    with pytest.raises(GrammarError, match="no token sequence"):
+        compiler.compile(GrammarSpec("regex", "ab#"))
+
+
+def test_timeout_kills_the_build_and_the_worker_is_free_afterwards(compiler):
+    before = compiler.stats.timeouts
+    t = time.perf_counter()
+    with pytest.raises(GrammarTimeout):
+        compiler.compile(GrammarSpec("regex", EXPLOSIVE))
+    assert time.perf_counter() - t < 3.0
+    # One worker only: had the runaway build kept running, this compile would queue behind it.
+    t = time.perf_counter()
+    g = compiler.compile(GrammarSpec("regex", "x(yz)?"))
+    assert time.perf_counter() - t < 3.0
+    assert accepts_text(g, "xyz") and not accepts_text(g, "xy")
+    assert compiler.stats.timeouts == before + 1
+
+
+def test_submit_returns_at_once_and_shares_inflight_compiles(compiler):
+    spec = GrammarSpec("regex", EXPLOSIVE + "c")
+    t = time.perf_counter()
+    f1 = compiler.submit(spec)
+    f2 = compiler.submit(spec)
+    assert time.perf_counter() - t < 0.1
+    assert f1 is f2
+    assert isinstance(f1.exception(timeout=10), GrammarTimeout)
+
+
+def test_size_limits(vocab):
+    with GrammarCompiler(vocab, 48, max_index_bytes=64) as c:
+        with pytest.raises(GrammarError, match="too large"):
+            c.compile(GrammarSpec("regex", "[a-d]{1,8}"))
+    with GrammarCompiler(vocab, 48, max_regex_chars=5) as c:
+        with pytest.raises(GrammarError, match="limit"):
+            c.compile(GrammarSpec("regex", "abcdabcd"))
+
+
+def test_choice_is_an_alternation_of_literals(compiler):
+    g = compiler.compile(GrammarSpec("choice", json.dumps(["a.c", "(x)", "a^$", "b"])))
+    for text in ("a.c", "(x)", "a^$", "b"):
+        assert accepts_text(g, text), text
+    for text in ("abc", "x", "a", "a.cb", ""):
+        assert not accepts_text(g, text), text
+    with pytest.raises(GrammarError):
+        compiler.compile(GrammarSpec("choice", "[]"))
+    with pytest.raises(GrammarError):
+        compiler.compile(GrammarSpec("choice", '["a", 3]'))
+
+
+def test_disk_cache_survives_a_new_compiler(vocab, tmp_path):
+    spec = GrammarSpec("regex", r"-?\d+(\.\d+)?")
+    with GrammarCompiler(vocab, 48, disk_cache_dir=tmp_path) as c1:
+        g1 = c1.compile(spec)
+    files = list(tmp_path.glob("*.idx"))
+    assert len(files) == 1
+    with GrammarCompiler(vocab, 48, disk_cache_dir=tmp_path) as c2:
+        g2 = c2.compile(spec)
+        assert (c2.stats.compiles, c2.stats.disk_hits) == (0, 1)
+    assert g2.index.get_transitions() == g1.index.get_transitions()
+    assert accepts_text(g2, "-12.5") and not accepts_text(g2, "12.")
+    files[0].write_bytes(files[0].read_bytes()[:-3])  # torn file: rebuilt, not trusted
+    with GrammarCompiler(vocab, 48, disk_cache_dir=tmp_path) as c3:
+        c3.compile(spec)
+        assert (c3.stats.compiles, c3.stats.disk_hits) == (1, 0)
+
+
+def test_closed_compiler_refuses_work(vocab):
+    c = GrammarCompiler(vocab, 48)
+    c.close()
+    with pytest.raises(RuntimeError):
+        c.submit(GrammarSpec("regex", "a"))
+
+
+# -- JSON Schema on the real tokenizer ------------------------------------------------------------
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def real_compiler(tokenizer):
+    with GrammarCompiler(tokenizer, len(tokenizer)) as c:
+        yield c
+
+
+def test_json_schema_on_the_real_vocabulary(real_compiler, tokenizer):
+    g = real_compiler.compile(GrammarSpec.json_schema(PERSON))
+    assert isinstance(g.warnings, tuple)
+    validator = jsonschema.Draft202012Validator(PERSON)
+    good = '{"name":"Ada Lovelace","age":36}'
+    assert validator.is_valid(json.loads(good))
+    m = g.matcher()
+    ids = tokenizer.encode(good, add_special_tokens=False)
+    assert m.accept_tokens(ids)
+    assert m.is_accepting() and m.accept_tokens([tokenizer.eos_token_id])
+    invalid = ['{"name":"Ada"}', '{"name":"Ada","age":3.5}', '{"name":7,"age":3}']
+    reordered = '{"age":36,"name":"Ada"}'  # valid, but properties follow the schema's order
+    assert not any(validator.is_valid(json.loads(doc)) for doc in invalid)
+    for doc in [*invalid, reordered]:
+        m = g.matcher()
+        ids = tokenizer.encode(doc, add_special_tokens=False)
+        assert not (m.accept_tokens(ids) and m.is_accepting()), doc
