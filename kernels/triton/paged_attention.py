@@ -231,6 +231,9 @@ def paged_attention(
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension, strides {t.stride()}")
+    if meta.block_tables.stride(-1) != 1:
+        raise ValueError(f"block_tables needs a contiguous last dimension, "
+                         f"strides {meta.block_tables.stride()}")
     if num_tokens != meta.num_tokens:
         raise ValueError(f"query has {num_tokens} rows, metadata {meta.num_tokens}")
     check_launchable(_paged_attention_kernel, query)
