@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
+from engine.async_engine import AsyncEngine
 from engine.config import ConfigError
-
-if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
-    from service.metrics import Metrics
-    from service.validation import OutputChecker
+from service.metrics import Metrics
+from service.validation import OutputChecker
 
 
 @dataclass(slots=True)
@@ -81,7 +77,7 @@ class ServiceConfig:
 
 @dataclass(slots=True)
 class ServiceState:
-    """What a handler needs, injected as ``state: ServiceState``.
+    """What a handler needs, injected as ``service: ServiceState``.
 
     Attributes:
         engine: the running engine (owned by the app's lifespan).
@@ -93,10 +89,10 @@ class ServiceState:
         inflight: generation requests now being served.
     """
 
-    engine: "AsyncEngine"
+    engine: AsyncEngine
     config: ServiceConfig
-    metrics: "Metrics"
-    checker: "OutputChecker"
+    metrics: Metrics
+    checker: OutputChecker
     model_name: str
     draining: bool = False
     inflight: int = field(default=0)

@@ -1,0 +1,139 @@
+"""Wire types of ``POST /generate`` (request, response, stream events).
+
+Unknown fields are refused (``forbid_unknown_fields``): a typo such as ``max_token`` must not be
+silently ignored. Ranges that do not depend on the server's configuration are declared here
+(they appear in the OpenAPI schema); the rest (``max_tokens`` cap, schema size) are checked by
+``service.generation`` against ``ServiceConfig``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from schemas.common import Problem, Timings, Usage
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """One chat message; the chat template of the model renders the list."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Body of ``POST /generate``.
+
+    Give exactly one of ``prompt`` / ``messages``, and at most one of ``response_schema`` /
+    ``regex`` / ``choice``.
+
+    Attributes:
+        prompt: raw text continued by the model.
+        messages: chat messages, rendered with the model's chat template (assistant turn opened).
+        response_schema: a JSON Schema the output must validate against (draft from ``$schema``,
+            default 2020-12).
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        max_tokens: most output tokens (server default when absent; capped by the server).
+        temperature: 0 = greedy (the default: extraction wants the most likely answer).
+        top_p / top_k: nucleus and top-k filtering (1.0 / 0 = off).
+        seed: sampling seed; the same request and seed give the same output.
+        stop: strings that end the output early (not included).
+        stream: answer with server-sent events.
+        strict: refuse schema keywords that cannot be enforced exactly (False: ignore them and
+            report a warning).
+        whitespace: JSON layout: "compact" (no free whitespace) or "flexible".
+        speculative: n-gram speculation on/off, or its settings; absent = server default.
+        logprobs: return each output token's log-probability.
+    """
+
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    response_schema: dict[str, Any] | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNegInt = 0
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    strict: bool = True
+    whitespace: Literal["compact", "flexible"] = "compact"
+    speculative: bool | dict[str, Any] | None = None
+    logprobs: bool = False
+
+
+class GenerateResponse(msgspec.Struct, kw_only=True):
+    """Answer of ``POST /generate`` (and the fields of the final stream event).
+
+    Attributes:
+        id: request id (also in the ``X-Request-Id`` header and the server log).
+        text: the generated text.
+        output: the parsed JSON (schema), the chosen string (choice), else null; null when cut short.
+        valid: the output satisfies the constraint (checked with jsonschema for schemas, a full
+            match for regexes); false when ``finish_reason`` is "length".
+        finish_reason: "stop" or "length".
+        usage: token counts (speculative counters included).
+        timings: ttft_ms, total_ms, grammar_ms.
+        warnings: why ``valid`` is false; keywords ignored under ``strict: false``.
+        logprobs: natural-log probabilities of the output tokens, when asked for.
+    """
+
+    id: str
+    text: str
+    output: Any
+    valid: bool
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    warnings: list[str]
+    logprobs: list[float] | None = None
+
+
+class StreamDelta(msgspec.Struct, kw_only=True, tag="delta", tag_field="type"):
+    """A ``data:`` event with new text (``type: "delta"``)."""
+
+    text: str
+    logprobs: list[float] | None = None
+
+
+class StreamFinal(msgspec.Struct, kw_only=True, tag="final", tag_field="type"):
+    """The last event before ``data: [DONE]`` (``type: "final"``): everything but the text."""
+
+    id: str
+    output: Any
+    valid: bool
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    warnings: list[str]
+
+
+class StreamError(msgspec.Struct, kw_only=True, tag="error", tag_field="type"):
+    """Sent instead of ``final`` when the request fails after the stream began (``type: "error"``)."""
+
+    error: Problem
+
+
+class HealthResponse(msgspec.Struct, kw_only=True):
+    """Body of ``GET /health``.
+
+    Attributes:
+        status: "ok", "draining" or "dead".
+        model: the served model's id.
+        inflight: generation requests now being served.
+        engine: ``LLMEngine.stats()`` (running, waiting, KV blocks, prefix cache, steps).
+        error: why the engine died, when it did.
+    """
+
+    status: Literal["ok", "draining", "dead"]
+    model: str
+    inflight: int
+    engine: dict[str, Any]
+    error: str | None = None

@@ -1,0 +1,341 @@
+"""The Litestar application: lifespan owning the engine, DI of the service state, error mapping.
+
+``create_app(engine_config_or_engine, service_config)`` builds the app. The lifespan loads the
+model off the event loop, starts the engine thread, and on shutdown stops admitting (503),
+lets in-flight requests finish within ``shutdown_grace_s``, then stops the engine. Handlers get
+``service: ServiceState`` by dependency injection. Every domain error becomes an RFC 9457
+problem (``application/problem+json``) in one place, ``_problem_response``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.connection import ASGIConnection
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.handlers import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig, ResponseSpec
+from litestar.response import ServerSentEvent
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.config import EngineConfig
+from engine.llm_engine import EngineError, EngineOverloaded
+from grammar.base import GrammarError
+from schemas.common import Problem
+from schemas.generate import (GenerateRequest, GenerateResponse, HealthResponse, StreamDelta, StreamError,
+                              StreamFinal)
+from service import generation
+from service.errors import ServiceError, Unauthorized, to_problem
+from service.metrics import Metrics
+from service.state import ServiceConfig, ServiceState
+from service.validation import OutputChecker
+
+log = logging.getLogger("stencil.app")
+
+PROBLEM_JSON = "application/problem+json"
+_PUBLIC = ("/health", "/metrics", "/schema")  # reachable without the API key
+_ERROR_RESPONSES = {
+    code: ResponseSpec(Problem, description=desc, media_type=PROBLEM_JSON)
+    for code, desc in ((400, "invalid schema, regex, prompt or parameter"), (401, "missing or wrong API key"),
+                       (413, "request body too large"), (422, "body does not match the request type"),
+                       (429, "waiting queue full; see Retry-After"), (503, "draining or engine dead"),
+                       (504, "request deadline passed"), (500, "internal error (request id in the body)"))
+}
+
+
+class _Holder:
+    """Where the lifespan puts the state once the engine is up (one per app, not global)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: ServiceState | None = None
+
+
+def service_state(app: Litestar) -> ServiceState | None:
+    """The running app's ``ServiceState`` (``None`` before startup); for the CLI and tests."""
+    return app.state["stencil"].state
+
+
+def _request_id(connection: ASGIConnection) -> str:
+    return connection.scope.setdefault("state", {}).setdefault("request_id", "req-" + uuid.uuid4().hex)
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+def _problem_response(request: Request, exc: Exception) -> Response:
+    rid = _request_id(request)
+    holder: _Holder = request.app.state["stencil"]
+    retry = holder.state.config.retry_after_s if holder.state else 1
+    if isinstance(exc, ValidationException):
+        problem, headers = _validation_problem(exc), {}
+        problem.request_id = rid
+    elif isinstance(exc, HTTPException) and not isinstance(exc, ServiceError):
+        problem = Problem(title=_TITLES.get(exc.status_code, "Error"), status=exc.status_code,
+                          detail=str(exc.detail), request_id=rid)
+        headers = dict(exc.headers or {})
+    else:
+        problem, headers = to_problem(exc, rid, retry)
+    if problem.status >= 500:
+        log.error("request failed with %d: %s", problem.status, exc, exc_info=problem.status == 500,
+                  extra={"request_id": rid})
+    return Response(content=problem, status_code=problem.status, media_type=PROBLEM_JSON,
+                    headers={**headers, "X-Request-Id": rid})
+
+
+_TITLES = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+           413: "Payload Too Large", 415: "Unsupported Media Type", 422: "Unprocessable Content",
+           429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
+
+def _validation_problem(exc: ValidationException) -> Problem:
+    """422 naming the field msgspec rejected; 400 when the body is not JSON at all.
+
+    Litestar puts ``{"message": ..., "key": "max_tokens"}`` items in ``exc.extra``; the key is
+    the body field (``data.`` prefix removed) and is the most useful thing to tell a client.
+    """
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    items = [e for e in extra if isinstance(e, dict)]
+    if not items:
+        text = str(exc.detail)
+        if "malformed" in text.lower():
+            return Problem(title="Bad Request", status=400, detail=f"the body is not valid JSON: {text}")
+        return Problem(title="Unprocessable Content", status=422, detail=text)
+    fields = [str(e["key"]) for e in items if e.get("key") and e.get("key") != "data"]
+    messages = [f"{e['key']}: {e.get('message')}" if e.get("key") and e.get("key") != "data" else str(e.get("message"))
+                for e in items]
+    field = fields[0] if fields else None
+    unknown = re.search(r"unknown field `([^`]*)`", messages[0])
+    if unknown:
+        field = unknown.group(1) if field is None else f"{field}.{unknown.group(1)}"
+    return Problem(title="Unprocessable Content", status=422, detail="; ".join(messages), field=field)
+
+
+# -- auth and metrics middleware -------------------------------------------------------------------
+
+def _api_key_guard(holder: _Holder) -> Callable:
+    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        key = holder.state.config.api_key if holder.state else None
+        if not key or connection.scope["path"].startswith(_PUBLIC):
+            return
+        given = connection.headers.get("x-api-key") or ""
+        auth = connection.headers.get("authorization") or ""
+        if auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise Unauthorized("missing or wrong API key (send 'Authorization: Bearer <key>')")
+    return guard
+
+
+def _observe_middleware(holder: _Holder, known: Callable[[], set[str]]):
+    """ASGI middleware: request id per HTTP request, ``X-Request-Id`` header, status counts."""
+    def factory(app):
+        async def middleware(scope, receive, send):
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            rid = _request_id(_ScopeView(scope))
+            status = {"code": 500}
+
+            async def send_wrapper(message):
+                if message["type"] == "http.response.start":
+                    status["code"] = message["status"]
+                    headers = list(message.get("headers", []))
+                    if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                        headers.append((b"x-request-id", rid.encode()))
+                    message = {**message, "headers": headers}
+                await send(message)
+
+            try:
+                await app(scope, receive, send_wrapper)
+            finally:
+                if holder.state is not None:
+                    path = scope["path"]
+                    endpoint = path if path in known() else "other"
+                    holder.state.metrics.requests.labels(endpoint, str(status["code"])).inc()
+        return middleware
+    return factory
+
+
+class _ScopeView:
+    __slots__ = ("scope",)
+
+    def __init__(self, scope) -> None:
+        self.scope = scope
+
+
+# -- handlers --------------------------------------------------------------------------------------
+
+def _response_of(result: generation.GenerationResult) -> GenerateResponse:
+    return GenerateResponse(id=result.id, text=result.text, output=result.output, valid=result.valid,
+                            finish_reason=result.finish_reason, usage=result.usage, timings=result.timings,
+                            warnings=result.warnings, logprobs=result.logprobs)
+
+
+_ENCODER = msgspec.json.Encoder()
+
+
+async def _sse_events(gen: generation.GenerationStream, rid: str) -> AsyncIterator[str]:
+    """``data:`` payloads: deltas, then the final fields (or an error), then ``[DONE]``."""
+    try:
+        async for item in gen:
+            if isinstance(item, generation.GenerationDelta):
+                if item.text or item.logprobs:
+                    yield _ENCODER.encode(StreamDelta(text=item.text, logprobs=item.logprobs)).decode()
+            else:
+                yield _ENCODER.encode(StreamFinal(id=item.id, output=item.output, valid=item.valid,
+                                                  finish_reason=item.finish_reason, usage=item.usage,
+                                                  timings=item.timings, warnings=item.warnings)).decode()
+    except (ServiceError, EngineError, EngineOverloaded, EngineDeadError, GrammarError) as e:
+        problem, _ = to_problem(e, rid)
+        yield _ENCODER.encode(StreamError(error=problem)).decode()
+    except Exception as e:  # noqa: BLE001 - headers are sent; the client must still learn it failed
+        log.exception("stream failed", extra={"request_id": rid})
+        problem, _ = to_problem(e, rid)
+        yield _ENCODER.encode(StreamError(error=problem)).decode()
+    yield "[DONE]"
+
+
+@post("/generate", status_code=200, responses=_ERROR_RESPONSES, summary="Generate text, constrained or not",
+      description="JSON answer, or server-sent events with `\"stream\": true` (text deltas, a final event "
+                  "with output/valid/finish_reason/usage, then `[DONE]`).")
+async def generate_handler(data: GenerateRequest, service: ServiceState, request: Request) -> GenerateResponse:
+    arrival = time.perf_counter()
+    rid = _request_id(request)
+    cfg = service.config
+    messages = [{"role": m.role, "content": m.content} for m in data.messages] if data.messages is not None else None
+    prompt_ids = await generation.tokenize(service, prompt=data.prompt, messages=messages)
+    params = generation.sampling_params(cfg, max_tokens=data.max_tokens, temperature=data.temperature,
+                                        top_p=data.top_p, top_k=data.top_k, seed=data.seed, stop=data.stop,
+                                        logprobs=data.logprobs, speculative=data.speculative)
+    spec = generation.grammar_spec(cfg, response_schema=data.response_schema, regex=data.regex,
+                                   choice=data.choice, whitespace=data.whitespace, strict=data.strict)
+    gen = await generation.start(service, prompt_ids, params, spec, rid, arrival)
+    if data.stream:
+        # The content-type header is explicit: for streams Litestar prefers the route's JSON media type.
+        return ServerSentEvent(_sse_events(gen, rid),  # type: ignore[return-value]
+                               headers={"cache-control": "no-cache",
+                                        "content-type": "text/event-stream; charset=utf-8"})
+    result = None
+    async for item in gen:
+        result = item
+    return _response_of(result)
+
+
+@get("/health", responses={503: ResponseSpec(HealthResponse, description="draining or engine dead")},
+     summary="Engine liveness and statistics")
+async def health_handler(service: ServiceState) -> Response[HealthResponse]:
+    eng = service.engine
+    stats = eng.engine.stats()
+    if not eng.is_alive:
+        status, code = "dead", 503
+    elif service.draining:
+        status, code = "draining", 503
+    else:
+        status, code = "ok", 200
+    body = HealthResponse(status=status, model=service.model_name, inflight=service.inflight, engine=stats,
+                          error=repr(eng.error) if eng.error is not None else None)
+    return Response(body, status_code=code)
+
+
+@get("/metrics", media_type="text/plain", summary="Prometheus metrics", include_in_schema=True)
+async def metrics_handler(service: ServiceState) -> Response[bytes]:
+    body, ctype = service.metrics.render()
+    return Response(body, media_type=ctype)
+
+
+def _stop_engine(aeng: AsyncEngine) -> None:
+    """Stop the engine thread and the grammar compiler's pool (never raises: shutdown must finish)."""
+    try:
+        aeng.shutdown()
+    except Exception:  # noqa: BLE001
+        log.exception("engine shutdown failed")
+        close = getattr(getattr(aeng.engine, "grammar", None), "close", None)
+        if close is not None:
+            close()
+
+
+# -- the factory -----------------------------------------------------------------------------------
+
+def create_app(engine: EngineConfig | AsyncEngine, config: ServiceConfig | None = None, *,
+               route_handlers: Sequence = (), on_engine_dead: Callable[[BaseException], None] | None = None,
+               ) -> Litestar:
+    """Build the Stencil app.
+
+    Args:
+        engine: an ``EngineConfig`` (the model is loaded at startup, off the event loop) or an
+            ``AsyncEngine`` (started at startup). Either way the app owns it and shuts it down.
+        config: service limits; ``None`` = defaults (API key from ``STENCIL_API_KEY``).
+        route_handlers: more routes (e.g. the OpenAI-compatible ones); they can ask for
+            ``service: ServiceState`` and raise the errors ``service.errors.to_problem`` knows.
+        on_engine_dead: called (on the engine thread) with the exception if the engine loop
+            dies; the CLI uses it to make the server exit non-zero.
+
+    Returns:
+        A Litestar app serving ``POST /generate``, ``GET /health``, ``GET /metrics`` and the
+        OpenAPI schema at ``/schema/openapi.json``.
+    """
+    cfg = (config or ServiceConfig()).validate()
+    holder = _Holder()
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar):
+        aeng = engine if isinstance(engine, AsyncEngine) else await asyncio.to_thread(AsyncEngine, engine)
+
+        def dead(exc: BaseException) -> None:
+            log.critical("engine loop died: %r; failing in-flight requests", exc)
+            if on_engine_dead is not None:
+                on_engine_dead(exc)
+
+        aeng.on_dead = dead
+        aeng.start()
+        model_name = cfg.model_name or Path(aeng.engine.config.model).name
+        holder.state = ServiceState(engine=aeng, config=cfg, metrics=Metrics(lambda: aeng),
+                                    checker=OutputChecker(), model_name=model_name)
+        log.info("serving %s", model_name)
+        try:
+            yield
+        finally:
+            state = holder.state
+            state.draining = True
+            deadline = time.monotonic() + cfg.shutdown_grace_s
+            while state.inflight > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if state.inflight:
+                log.warning("shutdown: aborting %d in-flight requests after %.0f s", state.inflight,
+                            cfg.shutdown_grace_s)
+            await asyncio.to_thread(_stop_engine, aeng)
+
+    def provide_state() -> ServiceState:
+        if holder.state is None:
+            raise EngineDeadError("the engine is not started")
+        return holder.state
+
+    handlers = [generate_handler, health_handler, metrics_handler, *route_handlers]
+    known_paths: set[str] = set()
+
+    app = Litestar(
+        route_handlers=handlers,
+        lifespan=[lifespan],
+        dependencies={"service": Provide(provide_state, sync_to_thread=False)},
+        exception_handlers={Exception: _problem_response},
+        guards=[_api_key_guard(holder)],
+        middleware=[_observe_middleware(holder, lambda: known_paths)],
+        request_max_body_size=cfg.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="Stencil", version="0.1.0",
+                                     description="Structured generation: JSON that matches your schema."),
+        state=State({"stencil": holder}),
+    )
+    known_paths.update(r.path for r in app.routes)
+    return app
