@@ -71,6 +71,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Self-attention over the paged cache: fused QKV, optional q/k norm, RoPE, cache write,
+    backend attention, output projection. ``[T, hidden] -> [T, hidden]``."""
+
     def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -117,6 +120,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``."""
+
     def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
@@ -133,7 +138,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus the LM head, over a flat token batch and a paged KV cache.
 
-    Parameters are created uninitialised; fill them with ``engine.models.loader``. Parameter
+    Parameters are created uninitialised (on ``device="meta"``: without memory); fill them
+    with ``engine.models.loader``, which builds on meta and places weights as it reads them.
+    Parameter
     names: ``embed_tokens.weight``, ``layers.{i}.input_norm.weight``,
     ``layers.{i}.attn.qkv_proj.{weight,bias}`` (rows: q, then k, then v),
     ``layers.{i}.attn.o_proj.weight``, ``layers.{i}.attn.{q,k}_norm.weight`` (Qwen3),
@@ -144,7 +151,8 @@ class LlamaForCausalLM(nn.Module):
     Args:
         spec: the architecture (``LlamaSpec.from_hf_config``).
         dtype: weight dtype.
-        device: where weights and the RoPE tables live.
+        device: where weights and the RoPE tables live; ``"meta"`` defers both (see
+            ``build_rope_tables``).
     """
 
     def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype = torch.float32,
@@ -158,11 +166,17 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, **kw) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.lm_head = DenseLinear(spec.hidden_size, spec.vocab_size, False, **kw)
+        self.build_rope_tables(device, dtype)
+        if spec.tie_word_embeddings:
+            self.tie_weights()
+
+    def build_rope_tables(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """(Re)compute the cos/sin tables ``[max_position_embeddings, head_dim // 2]`` on
+        ``device`` in ``dtype`` (HF casts its tables to the activation dtype too)."""
+        spec = self.spec
         cos, sin = rope_cos_sin(spec.rope, spec.head_dim, spec.max_position_embeddings, device)
         self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
         self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
-        if spec.tie_word_embeddings:
-            self.tie_weights()
 
     @property
     def num_layers(self) -> int:
@@ -220,7 +234,8 @@ class LlamaForCausalLM(nn.Module):
 
         Args:
             input_ids: token ids ``[T]``.
-            positions: position of each token in its sequence ``[T]`` (< ``max_context_len``).
+            positions: position of each token in its sequence ``[T]`` (< ``max_context_len``;
+                past ``max_position_embeddings`` the table lookup raises IndexError).
             kv_caches: one ``(k_cache, v_cache)`` per layer, each
                 ``[num_blocks, block_size, num_kv_heads, head_dim]`` in ``self.dtype``.
             meta: where each token's sequence and cache slots are.

@@ -45,15 +45,19 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
     model_dir = Path(model_dir)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     spec = LlamaSpec.from_hf_config(hf_config)
-    model = LlamaForCausalLM(spec, dtype=dtype, device=device)
+    # Placeholders on meta cost no memory, so the peak is one copy of the weights.
+    model = LlamaForCausalLM(spec, dtype=dtype, device="meta")
     with ExitStack() as stack:
         get = _open_checkpoint(model_dir, stack)
-        load_weights(model, get)
+        load_weights(model, get, device=device)
+    model.build_rope_tables(device, dtype)
     return model.eval(), hf_config
 
 
-def load_weights(model: LlamaForCausalLM, get: Callable[[str], torch.Tensor]) -> None:
-    """Fill every parameter of ``model`` from HF-named tensors returned by ``get(name)``.
+def load_weights(model: LlamaForCausalLM, get: Callable[[str], torch.Tensor], *,
+                 device: torch.device | str | None = None) -> None:
+    """Replace every parameter of ``model`` with HF-named tensors returned by ``get(name)``,
+    cast to the parameter's dtype and moved to ``device`` (default: where the parameter is).
 
     Works for any source of HF names: a safetensors checkpoint, or
     ``transformers_model.state_dict().__getitem__``.
@@ -63,6 +67,7 @@ def load_weights(model: LlamaForCausalLM, get: Callable[[str], torch.Tensor]) ->
         ValueError: a tensor's shape does not match the architecture.
     """
     spec = model.spec
+    target = torch.device(device) if device is not None else None
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue
@@ -71,7 +76,8 @@ def load_weights(model: LlamaForCausalLM, get: Callable[[str], torch.Tensor]) ->
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
                              f"expected {tuple(param.shape)}")
         module_name, _, attr = name.rpartition(".")
-        new = nn.Parameter(tensor.to(device=param.device, dtype=param.dtype), requires_grad=False)
+        new = nn.Parameter(tensor.to(device=target or param.device, dtype=param.dtype),
+                           requires_grad=False)
         setattr(model.get_submodule(module_name), attr, new)
     if spec.tie_word_embeddings:
         model.tie_weights()
