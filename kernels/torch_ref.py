@@ -109,7 +109,7 @@ class TorchAttentionBackend:
         k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()
         # All query heads of one kv group share the single position, so the group can stand in
         # for the query length: [B, Hkv, G, D] against [B, Hkv, S, D] needs no K/V repeat.
-        q = (query if all_seqs else query[rows]).view(b, kv_heads, group, dim).float()
+        q = (query if all_seqs else query[rows]).reshape(b, kv_heads, group, dim).float()
         pos = torch.arange(k.shape[2], device=query.device)
         mask = (pos[None, :] < seq_lens[:, None].to(pos.dtype))[:, None, None, :]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
