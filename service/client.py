@@ -1,0 +1,431 @@
+"""Stencil's Python client: typed extraction, raw generation and streaming over ``POST /generate``.
+
+Depends only on httpx and msgspec (pydantic is used when, and only when, a pydantic model is
+passed in). ``Client`` is synchronous, ``AsyncClient`` the asyncio twin; both share the request
+building, schema derivation, retry timing and answer decoding defined here.
+
+    client = Client("http://127.0.0.1:8000")
+    person = client.extract(Person, "Ada Lovelace, 36, London")   # -> Person instance
+
+Retries: 429 and 503 answers (and connection failures) are retried up to ``max_retries`` times,
+waiting the server's ``Retry-After`` when it sends one, else an exponential backoff
+(``backoff_s * 2**attempt``, capped at ``max_backoff_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+
+T = TypeVar("T")
+
+RETRY_STATUSES = frozenset({429, 503})
+
+
+class StencilError(Exception):
+    """A request failed: the server refused it, it timed out, or the answer was unusable.
+
+    Attributes:
+        status: HTTP status of the server's answer; ``None`` for transport failures and timeouts.
+        message: the server's own message (problem-details ``detail`` or OpenAI ``error.message``)
+            when it sent one, else a description of what failed.
+        body: the decoded error body, when the server sent JSON.
+    """
+
+    def __init__(self, message: str, status: int | None = None, body: Any = None):
+        super().__init__(f"HTTP {status}: {message}" if status is not None else message)
+        self.message = message
+        self.status = status
+        self.body = body
+
+
+class ExtractionError(StencilError):
+    """The server answered 200 but gave no output that fits the type.
+
+    Attributes:
+        response: the whole ``/generate`` answer (``text``, ``finish_reason``, ``valid``...).
+    """
+
+    def __init__(self, message: str, response: dict):
+        super().__init__(message, status=200, body=response)
+        self.response = response
+
+
+# -- schemas from types ----------------------------------------------------------------------------
+
+
+def json_schema_for(tp: Any) -> dict:
+    """JSON Schema of a msgspec Struct, dataclass, TypedDict, pydantic model or any msgspec type.
+
+    Local ``$ref``s are inlined unless they are recursive (then ``$defs`` stays, holding only the
+    recursive definitions); objects with ``properties`` and no ``additionalProperties`` get
+    ``additionalProperties: false``, since the type names every field it can hold.
+
+    Raises:
+        TypeError: msgspec cannot describe the type.
+    """
+    model_json_schema = getattr(tp, "model_json_schema", None)
+    schema = model_json_schema() if callable(model_json_schema) else msgspec.json.schema(tp)
+    defs = dict(schema.pop("$defs", None) or schema.pop("definitions", None) or {})
+    kept: dict[str, Any] = {}
+    out = _inline(schema, defs, kept, ())
+    if kept:
+        out = dict(out)
+        out["$defs"] = kept
+    return out
+
+
+def _ref_name(ref: str) -> str | None:
+    for prefix in ("#/$defs/", "#/definitions/"):
+        if ref.startswith(prefix):
+            return ref[len(prefix):]
+    return None
+
+
+def _inline(node: Any, defs: dict, kept: dict, stack: tuple[str, ...]) -> Any:
+    if isinstance(node, list):
+        return [_inline(x, defs, kept, stack) for x in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref")
+    name = _ref_name(ref) if isinstance(ref, str) else None
+    if name is not None and name in defs:
+        if name in stack:  # recursive: keep the reference, resolve its target once under $defs
+            if name not in kept:
+                kept[name] = {}
+                kept[name] = _inline(defs[name], defs, kept, ())
+            return {k: v for k, v in node.items() if k != "$ref"} | {"$ref": f"#/$defs/{name}"}
+        target = _inline(defs[name], defs, kept, stack + (name,))
+        siblings = {k: _inline(v, defs, kept, stack) for k, v in node.items() if k != "$ref"}
+        return {**target, **siblings}
+    out = {k: _inline(v, defs, kept, stack) for k, v in node.items()}
+    if out.get("type") == "object" and "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _is_pydantic(tp: Any) -> bool:
+    return callable(getattr(tp, "model_validate", None)) and callable(getattr(tp, "model_json_schema", None))
+
+
+def decode_output(tp: type[T], output: Any) -> T:
+    """Turn the server's parsed ``output`` into an instance of ``tp``.
+
+    Raises:
+        msgspec.ValidationError / pydantic.ValidationError: the output does not fit the type.
+    """
+    if _is_pydantic(tp):
+        return tp.model_validate(output)  # type: ignore[attr-defined]
+    return msgspec.convert(output, type=tp)
+
+
+# -- request / answer helpers -------------------------------------------------------------------------
+
+
+def _body(text_or_messages: str | list[dict], **fields: Any) -> dict:
+    body: dict[str, Any] = {}
+    if isinstance(text_or_messages, str):
+        body["prompt"] = text_or_messages
+    else:
+        body["messages"] = list(text_or_messages)
+    body.update({k: v for k, v in fields.items() if v is not None})
+    return body
+
+
+def _error_from(resp: httpx.Response) -> StencilError:
+    try:
+        data = resp.json()
+    except ValueError:
+        return StencilError(resp.text or resp.reason_phrase, resp.status_code)
+    message = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            message = err.get("message")
+        message = message or data.get("detail") or data.get("title")
+    return StencilError(str(message or data), resp.status_code, data)
+
+
+def retry_delay(resp: httpx.Response | None, attempt: int, backoff_s: float, max_backoff_s: float) -> float:
+    """Seconds to wait before retry ``attempt`` (0-based).
+
+    ``Retry-After`` (seconds or an HTTP date, RFC 9110 §10.2.3) wins when present, capped at
+    ``max_backoff_s``; otherwise ``backoff_s * 2**attempt``, capped likewise.
+    """
+    header = resp.headers.get("retry-after") if resp is not None else None
+    if header:
+        header = header.strip()
+        try:
+            return min(max(float(header), 0.0), max_backoff_s)
+        except ValueError:
+            when = email.utils.parsedate_to_datetime(header) if header else None
+            if when is not None:
+                return min(max(when.timestamp() - time.time(), 0.0), max_backoff_s)
+    return min(backoff_s * (2 ** attempt), max_backoff_s)
+
+
+def _extracted(tp: type[T], answer: dict) -> T:
+    output = answer.get("output")
+    if output is None or answer.get("valid") is False:
+        raise ExtractionError(
+            f"no valid output (finish_reason={answer.get('finish_reason')!r}, "
+            f"text={str(answer.get('text'))[:200]!r})", answer)
+    try:
+        return decode_output(tp, output)
+    except Exception as e:  # noqa: BLE001 - msgspec or pydantic validation error, reported alike
+        raise ExtractionError(f"output does not fit {getattr(tp, '__name__', tp)}: {e}", answer) from e
+
+
+def _sse_events():
+    """Stateful SSE parser (WHATWG HTML §9.2): feed lines, get ``(event, data)`` at blank lines."""
+    event, data = "message", []
+
+    def feed(line: str):
+        nonlocal event, data
+        if line == "":
+            if not data:
+                event = "message"
+                return None
+            out = (event, "\n".join(data))
+            event, data = "message", []
+            return out
+        if line.startswith(":"):
+            return None
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            event = value
+        elif field == "data":
+            data.append(value)
+        return None
+
+    return feed
+
+
+def _delta_of(data: str) -> tuple[str | None, dict | None]:
+    """(text delta, final event) carried by one ``/generate`` SSE ``data:`` payload.
+
+    The server sends ``{"type": "delta", "text"}`` events, then ``{"type": "final", ...}``
+    (``output``, ``valid``, ``finish_reason``, ``usage``...) or ``{"type": "error", "error":
+    <problem>}``, then ``[DONE]``. Unknown event types are skipped.
+
+    Raises:
+        StencilError: on an ``error`` event, with the problem's status and detail.
+    """
+    if data == "[DONE]":
+        return None, None
+    payload = json.loads(data)
+    kind = payload.get("type") if isinstance(payload, dict) else None
+    if kind == "delta":
+        return payload.get("text") or "", None
+    if kind == "final":
+        return None, payload
+    if kind == "error":
+        problem = payload.get("error") or {}
+        raise StencilError(str(problem.get("detail") or problem), problem.get("status"), payload)
+    return None, None
+
+
+class _Base:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
+                 max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0):
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.base_url = base_url.rstrip("/")
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.timeout = timeout
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def _timeout_error(self, e: Exception) -> StencilError:
+        return StencilError(f"request timed out after {self.timeout} s: {e!r}")
+
+
+class Client(_Base):
+    """Synchronous client.
+
+    Args:
+        base_url: the server's root, e.g. ``"http://127.0.0.1:8000"``.
+        api_key: sent as ``Authorization: Bearer ...`` when given.
+        timeout: seconds allowed for connecting and for each read (a whole non-streamed answer).
+        max_retries: retries after 429/503 answers or connection failures.
+        backoff_s / max_backoff_s: first backoff and its cap, in seconds.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
+                 max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 transport: httpx.BaseTransport | None = None):
+        super().__init__(base_url, api_key, timeout, max_retries, backoff_s, max_backoff_s)
+        self._http = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout,
+                                  transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _send(self, body: dict, stream: bool) -> httpx.Response:
+        """POST /generate with retries; the returned response is open (read it or close it)."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                req = self._http.build_request("POST", "/generate", json=body)
+                resp = self._http.send(req, stream=True)
+            except httpx.TimeoutException as e:
+                raise self._timeout_error(e) from e
+            except httpx.TransportError as e:
+                if attempt == self.max_retries:
+                    raise StencilError(f"cannot reach {self.base_url}: {e!r}") from e
+                time.sleep(retry_delay(None, attempt, self.backoff_s, self.max_backoff_s))
+                continue
+            if resp.status_code < 400:
+                if not stream:
+                    resp.read()
+                return resp
+            resp.read()
+            resp.close()
+            if resp.status_code in RETRY_STATUSES and attempt < self.max_retries:
+                time.sleep(retry_delay(resp, attempt, self.backoff_s, self.max_backoff_s))
+                continue
+            raise _error_from(resp)
+        raise AssertionError("unreachable")
+
+    def generate(self, text_or_messages: str | list[dict], **gen_kwargs: Any) -> dict:
+        """``POST /generate``; returns the answer as a dict (``text``, ``output``, ``valid``, ...).
+
+        ``gen_kwargs`` are body fields: ``response_schema``, ``regex``, ``max_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``.
+
+        Raises:
+            StencilError: an error answer (after retries), a timeout or a connection failure.
+        """
+        try:
+            return self._send(_body(text_or_messages, **gen_kwargs), stream=False).json()
+        except httpx.TimeoutException as e:
+            raise self._timeout_error(e) from e
+
+    def extract(self, tp: type[T], text_or_messages: str | list[dict], **gen_kwargs: Any) -> T:
+        """Generate JSON constrained by ``tp``'s schema and decode it into a ``tp`` instance.
+
+        Raises:
+            StencilError: the request failed.
+            ExtractionError: no valid output (e.g. ``finish_reason == "length"``).
+        """
+        answer = self.generate(text_or_messages, response_schema=json_schema_for(tp), **gen_kwargs)
+        return _extracted(tp, answer)
+
+    def stream(self, text_or_messages: str | list[dict], **gen_kwargs: Any) -> Iterator[str]:
+        """Yield text deltas of a streamed ``/generate``.
+
+        Afterwards ``self.last`` holds the final event (``output``, ``valid``, ``finish_reason``,
+        ``usage``, ``timings``) plus the whole ``text``.
+
+        Raises:
+            StencilError: the request failed before or during the stream.
+        """
+        self.last: dict | None = None
+        resp = self._send(_body(text_or_messages, stream=True, **gen_kwargs), stream=True)
+        feed, parts = _sse_events(), []
+        try:
+            for line in resp.iter_lines():
+                ev = feed(line)
+                if ev is None:
+                    continue
+                text, final = _delta_of(ev[1])
+                if final is not None:
+                    self.last = {**final, "text": "".join(parts)}
+                elif text:
+                    parts.append(text)
+                    yield text
+        except httpx.TimeoutException as e:
+            raise self._timeout_error(e) from e
+        finally:
+            resp.close()
+
+
+class AsyncClient(_Base):
+    """asyncio twin of ``Client`` (same arguments, ``await``-able methods, ``async for`` streams)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
+                 max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        super().__init__(base_url, api_key, timeout, max_retries, backoff_s, max_backoff_s)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=timeout,
+                                       transport=transport)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def _send(self, body: dict, stream: bool) -> httpx.Response:
+        for attempt in range(self.max_retries + 1):
+            try:
+                req = self._http.build_request("POST", "/generate", json=body)
+                resp = await self._http.send(req, stream=True)
+            except httpx.TimeoutException as e:
+                raise self._timeout_error(e) from e
+            except httpx.TransportError as e:
+                if attempt == self.max_retries:
+                    raise StencilError(f"cannot reach {self.base_url}: {e!r}") from e
+                await asyncio.sleep(retry_delay(None, attempt, self.backoff_s, self.max_backoff_s))
+                continue
+            if resp.status_code < 400:
+                if not stream:
+                    await resp.aread()
+                return resp
+            await resp.aread()
+            await resp.aclose()
+            if resp.status_code in RETRY_STATUSES and attempt < self.max_retries:
+                await asyncio.sleep(retry_delay(resp, attempt, self.backoff_s, self.max_backoff_s))
+                continue
+            raise _error_from(resp)
+        raise AssertionError("unreachable")
+
+    async def generate(self, text_or_messages: str | list[dict], **gen_kwargs: Any) -> dict:
+        """See ``Client.generate``."""
+        try:
+            return (await self._send(_body(text_or_messages, **gen_kwargs), stream=False)).json()
+        except httpx.TimeoutException as e:
+            raise self._timeout_error(e) from e
+
+    async def extract(self, tp: type[T], text_or_messages: str | list[dict], **gen_kwargs: Any) -> T:
+        """See ``Client.extract``."""
+        answer = await self.generate(text_or_messages, response_schema=json_schema_for(tp), **gen_kwargs)
+        return _extracted(tp, answer)
+
+    async def stream(self, text_or_messages: str | list[dict], **gen_kwargs: Any) -> AsyncIterator[str]:
+        """See ``Client.stream``."""
+        self.last: dict | None = None
+        resp = await self._send(_body(text_or_messages, stream=True, **gen_kwargs), stream=True)
+        feed, parts = _sse_events(), []
+        try:
+            async for line in resp.aiter_lines():
+                ev = feed(line)
+                if ev is None:
+                    continue
+                text, final = _delta_of(ev[1])
+                if final is not None:
+                    self.last = {**final, "text": "".join(parts)}
+                elif text:
+                    parts.append(text)
+                    yield text
+        except httpx.TimeoutException as e:
+            raise self._timeout_error(e) from e
+        finally:
+            await resp.aclose()

@@ -1,0 +1,305 @@
+"""Tool calls for the OpenAI-compatible chat endpoint: the grammar, the prompt, the parse.
+
+Wire format the model writes (the Hermes / Qwen convention, compact JSON inside):
+
+    <tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>
+
+With ``parallel_tool_calls`` (OpenAI's default) one or more such blocks follow each other,
+separated by one newline. Each block's JSON is constrained by a JSON Schema that is an
+``anyOf`` over the allowed functions, each branch ``{"name": {"const": f}, "arguments":
+<f's parameters>}`` — disjoint by the ``name`` constant. A function without ``parameters``
+takes ``{}`` exactly.
+
+``tool_choice``:
+- ``"none"``: no call; tools are left out of the prompt and the output is unconstrained by them.
+- ``"required"``: the whole output is one (or, in parallel, several) call blocks.
+- ``{"type": "function", "function": {"name": f}}``: exactly one block calling ``f``.
+- ``"auto"`` (default when tools are given): either call blocks, or a text answer, which is any
+  text not starting with ``<tool_call>`` (or, with a JSON ``response_format``, that JSON). The
+  grammar is the regex alternation of both, so the model picks with its first tokens.
+
+The regex for the JSON comes from the grammar's JSON Schema compiler (``schema_to_regex``);
+the result is a ``GrammarSpec`` of kind ``"regex"``. Tools reach the prompt through the chat
+template's ``tools=`` argument when the template uses it, else through a system message
+written here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from schemas.openai import ChatMessage, FunctionCall, FunctionDefinition, Tool, ToolCall, ToolChoiceFunction
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+CALL_SEP = "\n"
+ANY_TEXT = r"[\s\S]*"
+
+NO_ARGUMENTS: dict = {"type": "object", "properties": {}, "additionalProperties": False}
+
+SchemaToRegex = Callable[[dict], str]
+
+
+class ToolError(ValueError):
+    """A ``tools`` / ``tool_choice`` / tool message combination that cannot be served.
+
+    Attributes:
+        param: the request field at fault (``"tool_choice"``, ``"tools"``, ``"messages"``).
+    """
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How one request uses its tools.
+
+    Attributes:
+        mode: "none" (no call possible), "auto" (text or calls), "required" (calls only).
+        functions: the functions a call may name (one, for a named ``tool_choice``).
+        parallel: several calls allowed in one answer.
+    """
+
+    mode: Literal["none", "auto", "required"]
+    functions: tuple[FunctionDefinition, ...]
+    parallel: bool
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+
+def plan_tools(tools: list[Tool] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan:
+    """Resolve OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` into a plan.
+
+    Raises:
+        ToolError: duplicate function names, an unknown named function, or ``tool_choice``
+            other than ``none`` without tools.
+    """
+    tools = tools or []
+    names = [t.function.name for t in tools]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ToolError(f"function names must be unique; repeated: {', '.join(dupes)}", "tools")
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none":
+        return ToolPlan("none", (), False)
+    if not tools:
+        raise ToolError(f"tool_choice {_choice_text(tool_choice)} needs at least one tool in 'tools'", "tool_choice")
+    if isinstance(tool_choice, ToolChoiceFunction):
+        wanted = tool_choice.function.name
+        chosen = [t.function for t in tools if t.function.name == wanted]
+        if not chosen:
+            raise ToolError(f"tool_choice names function {wanted!r}, which is not among the tools "
+                            f"({', '.join(names)})", "tool_choice")
+        return ToolPlan("required", (chosen[0],), False)
+    parallel = True if parallel_tool_calls is None else parallel_tool_calls
+    return ToolPlan(tool_choice, tuple(t.function for t in tools), parallel)
+
+
+def _choice_text(choice: Any) -> str:
+    return repr(choice) if isinstance(choice, str) else repr(choice.function.name)
+
+
+def arguments_schema(fn: FunctionDefinition) -> dict:
+    """The JSON Schema a call's ``arguments`` must satisfy (``{}`` only, without parameters)."""
+    return fn.parameters if fn.parameters else NO_ARGUMENTS
+
+
+def call_schema(functions: tuple[FunctionDefinition, ...]) -> dict:
+    """JSON Schema of one call object: ``anyOf`` over functions, disjoint by the ``name`` const."""
+    branches = [{
+        "type": "object",
+        "properties": {"name": {"const": fn.name}, "arguments": arguments_schema(fn)},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    } for fn in functions]
+    return branches[0] if len(branches) == 1 else {"anyOf": branches}
+
+
+def literal(text: str) -> str:
+    """Regex matching ``text`` exactly; escapes only the metacharacters of both Python ``re`` and
+    Rust ``regex`` (escaping ``<`` would mean a word boundary to Rust's regex 1.10+)."""
+    return "".join("\\" + ch if ch in _META else ch for ch in text)
+
+
+_META = frozenset("\\.^$|?*+()[]{}")
+
+
+def not_starting_with(marker: str) -> str:
+    """Regex of every string (empty included) that does not start with ``marker`` (non-empty).
+
+    Such a string is a proper prefix of the marker, or agrees with it on some first ``i``
+    characters, then differs, then goes on freely. Both parts are written as nested groups with
+    one shared free tail: the flat alternation (one ``[\\s\\S]*`` per ``i``) made outlines-core's
+    index build run past a minute on a 49k vocabulary, the nested form takes ~0.25 s. No
+    lookahead, which outlines-core's regex dialect lacks.
+    """
+    diverge, prefixes = "", ""
+    for i in range(len(marker) - 1, -1, -1):
+        ch = literal(marker[i])
+        other = f"[^{ch}]"  # a lone '-' right after '^' is literal in both dialects
+        diverge = other if i == len(marker) - 1 else f"{other}|{ch}(?:{diverge})"
+        if i < len(marker) - 1:
+            prefixes = f"(?:{ch}{prefixes})?"
+    return f"(?:(?:{diverge}){ANY_TEXT}|{prefixes})"
+
+
+def tool_regex(plan: ToolPlan, schema_to_regex: SchemaToRegex, text_regex: str | None) -> str:
+    """The regex the whole assistant output must match under ``plan`` (mode not "none").
+
+    Args:
+        plan: an active plan.
+        schema_to_regex: JSON Schema → regex of its compact JSON (the grammar's compiler).
+        text_regex: what a text answer must match in "auto" mode (``None``: any text not
+            starting with ``<tool_call>``).
+
+    Raises:
+        grammar.base.GrammarError: from ``schema_to_regex`` on a schema it cannot enforce.
+    """
+    one = literal(CALL_OPEN) + "(?:" + schema_to_regex(call_schema(plan.functions)) + ")" + literal(CALL_CLOSE)
+    calls = f"{one}(?:{literal(CALL_SEP)}{one})*" if plan.parallel else one
+    if plan.mode == "required":
+        return calls
+    text = text_regex if text_regex is not None else not_starting_with(CALL_OPEN)
+    return f"(?:{calls}|{text})"
+
+
+_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
+
+
+def parse_tool_output(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolCall]]:
+    """Split a finished output into ``(content, tool_calls)``.
+
+    Output that starts with ``<tool_call>`` is read as call blocks (``content`` is ``None``);
+    anything else is a text answer with no calls. Arguments come back as compact JSON text,
+    as OpenAI sends them.
+
+    Raises:
+        ValueError: a call block whose JSON does not parse or lacks ``name`` / ``arguments``
+            (only possible when generation was cut short).
+    """
+    if not plan.active or not text.startswith(CALL_OPEN):
+        return text, []
+    calls = []
+    for body in _BLOCK.findall(text):
+        obj = json.loads(body)
+        if not isinstance(obj, dict) or "name" not in obj or "arguments" not in obj:
+            raise ValueError(f"tool call block is not {{name, arguments}}: {body[:200]!r}")
+        args = json.dumps(obj["arguments"], separators=(",", ":"), ensure_ascii=False)
+        calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                              function=FunctionCall(name=str(obj["name"]), arguments=args)))
+    if not calls:
+        raise ValueError(f"output starts a tool call but holds no complete block: {text[:200]!r}")
+    return None, calls
+
+
+# -- prompt --------------------------------------------------------------------------------------
+
+
+def template_supports_tools(chat_template: str | None) -> bool:
+    """True when a Jinja chat template reads a ``tools`` variable (then it renders them itself)."""
+    return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
+
+
+def tools_system_text(plan: ToolPlan) -> str:
+    """The system-message description of the callable functions and the call format."""
+    lines = ["You can call the following functions. Each is given as JSON with its name, "
+             "description and JSON Schema parameters:"]
+    for fn in plan.functions:
+        lines.append(json.dumps({"name": fn.name, "description": fn.description or "",
+                                 "parameters": arguments_schema(fn)}, ensure_ascii=False))
+    lines.append(f'To call a function, write {CALL_OPEN}{{"name": <function name>, "arguments": '
+                 f'<arguments as a JSON object>}}{CALL_CLOSE}'
+                 + (" (one block per call, one per line)." if plan.parallel else "."))
+    if plan.mode == "auto":
+        lines.append("If no function is needed, answer in plain text instead.")
+    return "\n".join(lines)
+
+
+def _text_of(msg: ChatMessage, index: int) -> str:
+    if msg.content is None:
+        return ""
+    if isinstance(msg.content, str):
+        return msg.content
+    parts = []
+    for part in msg.content:
+        if part.type != "text" or part.text is None:
+            raise ToolError(f"messages[{index}]: content part of type {part.type!r} is not supported "
+                            "(only 'text')", "messages")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _calls_text(calls: list[ToolCall]) -> str:
+    blocks = []
+    for c in calls:
+        blocks.append(CALL_OPEN + json.dumps({"name": c.function.name, "arguments": _arguments(c)},
+                                             separators=(",", ":"), ensure_ascii=False) + CALL_CLOSE)
+    return CALL_SEP.join(blocks)
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments) if call.function.arguments else {}
+    except ValueError:
+        raise ToolError(f"tool call {call.id!r}: arguments are not JSON: {call.function.arguments[:100]!r}",
+                        "messages") from None
+
+
+def template_messages(messages: list[ChatMessage], plan: ToolPlan, native_tools: bool) -> tuple[list[dict], list[dict] | None]:
+    """OpenAI messages → (messages for ``apply_chat_template``, its ``tools=`` argument or None).
+
+    With ``native_tools`` the template sees assistant ``tool_calls`` (arguments as objects) and
+    ``tool`` messages as they are. Otherwise past calls become their ``<tool_call>`` text, tool
+    results become user messages naming the function, and the tool description goes into the
+    system message (prepended to the first system message, or as a new first message).
+    ``developer`` messages are treated as ``system``.
+
+    Raises:
+        ToolError: non-text content parts, or arguments of a past call that are not JSON.
+    """
+    names: dict[str, str] = {}
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        text = _text_of(m, i)
+        if role == "assistant" and m.tool_calls:
+            for c in m.tool_calls:
+                names[c.id] = c.function.name
+            if native_tools:
+                out.append({"role": "assistant", "content": text, "tool_calls": [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.function.name, "arguments": _arguments(c)}} for c in m.tool_calls]})
+            else:
+                out.append({"role": "assistant", "content": (text + "\n" if text else "") + _calls_text(m.tool_calls)})
+        elif role == "tool" and not native_tools:
+            name = names.get(m.tool_call_id or "", m.name or "a function")
+            out.append({"role": "user", "content": f"Result of calling {name}: {text}"})
+        else:
+            msg: dict = {"role": role, "content": text}
+            if role == "tool" and m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+    if not plan.active:
+        return out, None
+    if native_tools:
+        return out, [{"type": "function", "function": {k: v for k, v in (
+            ("name", fn.name), ("description", fn.description), ("parameters", arguments_schema(fn)))
+            if v is not None}} for fn in plan.functions]
+    described = tools_system_text(plan)
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": described + "\n\n" + out[0]["content"]}
+    else:
+        out.insert(0, {"role": "system", "content": described})
+    return out, None
