@@ -96,7 +96,7 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     logprobs: list[float] | None = None
 
 
-class StreamDelta(msgspec.Struct, kw_only=True, tag="delta", tag_field="type"):
+class StreamDelta(msgspec.Struct, kw_only=True, omit_defaults=True, tag="delta", tag_field="type"):
     """A ``data:`` event with new text (``type: "delta"``)."""
 
     text: str

@@ -255,7 +255,7 @@ async def metrics_handler(service: ServiceState) -> Response[bytes]:
     return Response(body, media_type=ctype)
 
 
-def _stop_engine(aeng: AsyncEngine) -> None:
+def stop_engine(aeng: AsyncEngine) -> None:
     """Stop the engine thread and the grammar compiler's pool (never raises: shutdown must finish)."""
     try:
         aeng.shutdown()
@@ -315,7 +315,7 @@ def create_app(engine: EngineConfig | AsyncEngine, config: ServiceConfig | None 
             if state.inflight:
                 log.warning("shutdown: aborting %d in-flight requests after %.0f s", state.inflight,
                             cfg.shutdown_grace_s)
-            await asyncio.to_thread(_stop_engine, aeng)
+            await asyncio.to_thread(stop_engine, aeng)
 
     def provide_state() -> ServiceState:
         if holder.state is None:
@@ -333,6 +333,7 @@ def create_app(engine: EngineConfig | AsyncEngine, config: ServiceConfig | None 
         guards=[_api_key_guard(holder)],
         middleware=[_observe_middleware(holder, lambda: known_paths)],
         request_max_body_size=cfg.max_body_bytes,
+        logging_config=None,  # the CLI configures logging (structured, with request ids)
         openapi_config=OpenAPIConfig(title="Stencil", version="0.1.0",
                                      description="Structured generation: JSON that matches your schema."),
         state=State({"stencil": holder}),

@@ -1,0 +1,238 @@
+"""The ``stencil`` command: ``serve``, ``generate`` (one-shot, in process) and ``bench``.
+
+``stencil bench NAME ...`` dispatches to the module ``benchmarks.NAME``, which exposes
+``add_arguments(parser)`` and ``main(args) -> int | None``; modules are imported only when
+used, so a missing one fails only its own command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+BENCHMARKS = {
+    "conformance": "JSON Schema conformance of constrained outputs over a corpus",
+    "throughput": "decode tokens/s and latency at several concurrencies",
+    "spec": "speculative decoding on a copy-heavy extraction workload",
+    "weights": "fp32 vs int4 weights: speed and quality",
+    "soak": "long mixed load against a server; checks nothing leaks",
+}
+
+
+# -- arguments -------------------------------------------------------------------------------------
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", type=Path, default=None,
+                   help="HF-format model directory (default: SmolLM2-135M-Instruct, fetched once into the cache)")
+    g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:0)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--weights", default="auto", choices=["auto", "fp32", "int4"],
+                   help="weight format: dense fp32, int4 (GGUF 4-bit blocks, CPU) or auto")
+    g.add_argument("--attention-backend", default="auto", help="torch, triton, flash or auto")
+    g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB (default: from free memory)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gib)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one engine step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
+    g.add_argument("--max-waiting", type=int, default=256, help="waiting requests before new ones get 429")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--speculative", choices=["off", "ngram"], default="off",
+                   help="server-default speculation (requests may override)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--grammar-timeout", type=float, default=10.0, help="longest grammar compile (s)")
+
+
+def _add_service_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("service")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require this key (default: $STENCIL_API_KEY; empty = none)")
+    g.add_argument("--model-name", default=None, help="model id reported to clients (default: directory name)")
+    g.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (bytes)")
+    g.add_argument("--request-timeout", type=float, default=300.0, help="per-request deadline (s)")
+    g.add_argument("--shutdown-grace", type=float, default=30.0, help="in-flight time allowed after SIGTERM (s)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-format", default="json", choices=["json", "text"])
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """``EngineConfig`` from parsed engine arguments (the default model is fetched if needed)."""
+    from engine.config import EngineConfig
+
+    model = args.model
+    if model is None:
+        from engine.models.default_model import ensure_default_model
+
+        model = ensure_default_model()
+    return EngineConfig(
+        model=Path(model), device=args.device, dtype=args.dtype, weights=args.weights,
+        attention_backend=args.attention_backend, kv_cache_gib=args.kv_cache_gib,
+        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting,
+        num_threads=args.threads, grammar_timeout_s=args.grammar_timeout,
+        speculative={"method": "ngram"} if args.speculative == "ngram" else None,
+    ).validate()
+
+
+# -- commands --------------------------------------------------------------------------------------
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from service.app import create_app
+    from service.logs import configure_logging
+    from service.server import ServerRunner
+    from service.state import ServiceConfig
+
+    configure_logging(args.log_level, args.log_format)
+    scfg = ServiceConfig(api_key=args.api_key, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
+                         default_max_tokens=min(256, args.max_tokens_cap), max_body_bytes=args.max_body_bytes,
+                         request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace).validate()
+    runner = ServerRunner()
+    app = create_app(engine_config_from_args(args), scfg, on_engine_dead=runner.engine_dead)
+    return runner.run(app, args.host, args.port, grace_s=args.shutdown_grace, log_level=args.log_level)
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+async def _generate_once(args: argparse.Namespace) -> int:
+    from engine.async_engine import AsyncEngine
+    from service import generation
+    from service.errors import to_problem
+    from service.metrics import Metrics
+    from service.state import ServiceConfig, ServiceState
+    from service.validation import OutputChecker
+
+    schema = None
+    if args.schema is not None:
+        try:
+            schema = json.loads(Path(args.schema).read_text())
+        except (OSError, ValueError) as e:
+            _progress(f"error: cannot read schema {args.schema}: {e}")
+            return 2
+    t0 = time.perf_counter()
+    _progress("loading model ...")
+    aeng = await asyncio.to_thread(AsyncEngine, engine_config_from_args(args))
+    aeng.start()
+    _progress(f"model ready in {time.perf_counter() - t0:.1f} s")
+    cfg = ServiceConfig(max_tokens_cap=max(args.max_tokens, 1), default_max_tokens=max(args.max_tokens, 1))
+    state = ServiceState(engine=aeng, config=cfg.validate(), metrics=Metrics(lambda: aeng),
+                         checker=OutputChecker(), model_name=Path(aeng.engine.config.model).name)
+    try:
+        messages = None if args.raw else [{"role": "user", "content": args.prompt}]
+        prompt_ids = await generation.tokenize(state, prompt=args.prompt if args.raw else None, messages=messages)
+        params = generation.sampling_params(cfg, max_tokens=args.max_tokens, temperature=args.temperature,
+                                            seed=args.seed)
+        spec = generation.grammar_spec(cfg, response_schema=schema, regex=args.regex)
+        if spec is not None:
+            _progress("compiling grammar ...")
+        gen = await generation.start(state, prompt_ids, params, spec, "cli-" + os.urandom(6).hex())
+        _progress(f"generating (prompt {len(prompt_ids)} tokens) ...")
+        result = None
+        async for item in gen:
+            if isinstance(item, generation.GenerationDelta):
+                sys.stderr.write(item.text)
+                sys.stderr.flush()
+            else:
+                result = item
+        _progress(f"\n{result.usage.completion_tokens} tokens in {result.timings.total_ms / 1e3:.2f} s, "
+                  f"finish_reason={result.finish_reason}, valid={result.valid}")
+        for w in result.warnings:
+            _progress(f"warning: {w}")
+        if schema is not None and result.output is not None:
+            print(json.dumps(result.output, ensure_ascii=False, indent=2))
+        else:
+            print(result.text)
+        return 0 if result.valid else 1
+    except Exception as e:  # noqa: BLE001 - one-shot tool: report and exit non-zero
+        problem, _ = to_problem(e)
+        detail = problem.detail if problem.status < 500 else repr(e)
+        _progress(f"error ({problem.status}): {detail}")
+        return 2
+    finally:
+        from service.app import stop_engine
+
+        await asyncio.to_thread(stop_engine, aeng)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from service.logs import configure_logging
+
+    configure_logging("warning", "text")
+    return asyncio.run(_generate_once(args))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    name = args.name
+    try:
+        module = importlib.import_module(f"benchmarks.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in (f"benchmarks.{name}", "benchmarks"):
+            raise  # the benchmark exists but one of its own imports is missing: show that
+        known = ", ".join(sorted(BENCHMARKS))
+        print(f"stencil bench: benchmark {name!r} is not available (no module benchmarks.{name}); "
+              f"known: {known}", file=sys.stderr)
+        return 2
+    if not (hasattr(module, "add_arguments") and hasattr(module, "main")):
+        print(f"stencil bench: benchmarks.{name} has no add_arguments/main", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"stencil bench {name}",
+                                     description=BENCHMARKS.get(name, module.__doc__))
+    module.add_arguments(parser)
+    rc = module.main(parser.parse_args(args.bench_args))
+    return int(rc or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stencil", description="Stencil: structured-generation LLM service.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="serve the HTTP API", description="Serve POST /generate, the OpenAI-"
+                       "compatible API, /health and /metrics. SIGTERM drains and exits 0; if the engine "
+                       "dies the process exits 1.")
+    _add_engine_args(p)
+    _add_service_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="one constrained generation, in process",
+                       description="Load the model, generate once, print the result on stdout "
+                                   "(progress on stderr). Exit 0 when the output is valid.")
+    p.add_argument("prompt", help="the user message (or raw prompt with --raw)")
+    c = p.add_mutually_exclusive_group()
+    c.add_argument("--schema", type=Path, default=None, help="JSON Schema file the output must match")
+    c.add_argument("--regex", default=None, help="regex the whole output must match")
+    p.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="run a benchmark",
+                       description="Benchmarks: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items())
+                       + ". `stencil bench NAME --help` shows a benchmark's options.")
+    p.add_argument("name", help="one of: " + ", ".join(BENCHMARKS))
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``stencil`` console script; returns the exit status."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

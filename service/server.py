@@ -1,0 +1,84 @@
+"""Run an app under uvicorn with Stencil's shutdown rules.
+
+* SIGTERM / SIGINT: the service stops admitting at once (503 ``draining``), uvicorn stops
+  accepting connections and lets in-flight requests finish for up to ``grace_s`` seconds, then
+  the lifespan stops the engine. Exit status 0.
+* Engine loop death: in-flight requests have already failed (``AsyncEngine`` fails them); the
+  server is told to exit and the process ends with status 1, so a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import uvicorn
+
+from service.app import service_state
+
+log = logging.getLogger("stencil.server")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, marking the app as draining as soon as a stop signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, runner: "ServerRunner"):
+        super().__init__(config)
+        self._runner = runner
+
+    def handle_exit(self, sig, frame) -> None:
+        self._runner.drain()
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals once it has stopped, so the process would die "by
+        # SIGTERM" (status 143). A drained, clean stop is a success: exit 0 instead.
+        self._captured_signals.clear()
+
+
+class ServerRunner:
+    """Owns the uvicorn server of one app; pass ``runner.engine_dead`` to ``create_app``.
+
+    Usage::
+
+        runner = ServerRunner()
+        app = create_app(engine_config, service_config, on_engine_dead=runner.engine_dead)
+        sys.exit(runner.run(app, host, port, grace_s=30))
+    """
+
+    def __init__(self) -> None:
+        self.exit_code = 0
+        self.server: _Server | None = None
+        self.app = None
+
+    def drain(self) -> None:
+        """Refuse new generation requests from now on (503)."""
+        state = service_state(self.app) if self.app is not None else None
+        if state is not None:
+            state.draining = True
+
+    def engine_dead(self, exc: BaseException) -> None:
+        """Called on the engine thread when its loop dies: stop serving, exit non-zero."""
+        self.exit_code = 1
+        self.drain()
+        if self.server is not None:
+            self.server.should_exit = True  # uvicorn's main loop polls this flag every 0.1 s
+
+    def run(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 30.0,
+            sock: socket.socket | None = None, log_level: str = "info") -> int:
+        """Serve until a stop signal or engine death; return the process exit status.
+
+        Args:
+            app: the ASGI app from ``create_app``.
+            host / port: where to listen (ignored when ``sock`` is given).
+            grace_s: how long in-flight requests may run after a stop signal (seconds).
+            sock: an already bound socket (tests use port 0).
+            log_level: uvicorn's log level.
+        """
+        self.app = app
+        config = uvicorn.Config(app, host=host, port=port, lifespan="on", log_config=None,
+                                log_level=log_level, timeout_graceful_shutdown=grace_s,
+                                access_log=False)
+        self.server = _Server(config, self)
+        self.server.run(sockets=[sock] if sock is not None else None)
+        if not self.server.started and self.exit_code == 0:
+            self.exit_code = 1  # startup failed (model not found, port in use): not a clean stop
+        return self.exit_code
