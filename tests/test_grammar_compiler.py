@@ -109,6 +109,35 @@ def test_timeout_kills_the_build_and_the_worker_is_free_afterwards(compiler):
     assert compiler.stats.timeouts == before + 1
 
 
+def test_failures_are_remembered(vocab):
+    with GrammarCompiler(vocab, 48, timeout_s=0.3, failure_ttl_s=0.0) as c:
+        for _ in range(2):
+            with pytest.raises(GrammarError) as info:
+                c.compile(GrammarSpec("regex", "a(?=b)"))
+            assert info.value.position == 1
+        assert (c.stats.errors, c.stats.cache_hits) == (1, 1)
+        with pytest.raises(GrammarTimeout):
+            c.compile(GrammarSpec("regex", EXPLOSIVE))
+        with pytest.raises(GrammarTimeout):  # TTL 0: a timed-out spec is tried again
+            c.compile(GrammarSpec("regex", EXPLOSIVE))
+        assert c.stats.timeouts == 2
+    with GrammarCompiler(vocab, 48, timeout_s=0.3) as c:
+        with pytest.raises(GrammarTimeout):
+            c.compile(GrammarSpec("regex", EXPLOSIVE))
+        t = time.perf_counter()
+        with pytest.raises(GrammarTimeout):
+            c.compile(GrammarSpec("regex", EXPLOSIVE))
+        assert time.perf_counter() - t < 0.1 and c.stats.timeouts == 1
+
+
+def test_worker_memory_limit_turns_a_huge_build_into_an_error(vocab):
+    with GrammarCompiler(vocab, 48, timeout_s=30, worker_memory_bytes=150 << 20) as c:
+        with pytest.raises(GrammarError, match="too large") as info:
+            c.compile(GrammarSpec("regex", EXPLOSIVE + "[ab]"))
+        assert not isinstance(info.value, GrammarTimeout)
+        assert accepts_text(c.compile(GrammarSpec("regex", "ab")), "ab")  # a fresh worker
+
+
 def test_submit_returns_at_once_and_shares_inflight_compiles(compiler):
     spec = GrammarSpec("regex", EXPLOSIVE + "c")
     t = time.perf_counter()
