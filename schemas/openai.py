@@ -41,14 +41,14 @@ class Tool(Struct):
     type: Literal["function"] = "function"
 
 
-class FunctionCall(Struct, omit_defaults=True):
+class FunctionCall(Struct):
     """``arguments`` is JSON text, as OpenAI sends and expects it."""
 
     name: str
     arguments: str
 
 
-class ToolCall(Struct, omit_defaults=True):
+class ToolCall(Struct):
     id: str
     function: FunctionCall
     type: Literal["function"] = "function"

@@ -1,0 +1,218 @@
+"""The OpenAI-compatible routes, driven by the official ``openai`` package over real HTTP.
+
+A tiny random model emits garbage text, so every assertion on content is made on constrained
+output (JSON Schema, tool calls) or against another run of the same request (seeds, stops).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from live_server import MODEL_NAME, start_live_server  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "colour": {"enum": ["red", "green", "blue"]}},
+    "required": ["level", "colour"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {"type": "object",
+                       "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                      "days": {"type": "integer", "minimum": 1, "maximum": 3}},
+                       "required": ["city", "days"], "additionalProperties": False},
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "now", "description": "The current time."}}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    live = start_live_server(tiny_model_dir)
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _json_format(schema=SCHEMA):
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_json_schema_completion_validates(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, response_format=_json_format(),
+                                       max_completion_tokens=40, seed=7)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens > 0
+
+
+def test_json_object_is_any_object(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, response_format={"type": "json_object"},
+                                       max_tokens=24, seed=1, temperature=0)
+    c = r.choices[0]
+    if c.finish_reason == "stop":
+        assert isinstance(json.loads(c.message.content), dict)
+    else:  # cut at max_tokens: still the start of an object
+        assert c.finish_reason == "length" and c.message.content.startswith("{")
+
+
+def test_streamed_equals_whole_and_reports_usage(client):
+    kw = dict(model=MODEL_NAME, messages=MESSAGES, response_format=_json_format(), max_tokens=40, seed=11)
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == whole.choices[0].message.content
+    assert finish == ["stop"]
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_required_tool_call_arguments_validate(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, CLOCK],
+                                       tool_choice="required", max_tokens=80, seed=3)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert c.message.tool_calls, "required means at least one call"
+    params = {"get_weather": WEATHER["function"]["parameters"],
+              "now": {"type": "object", "properties": {}, "additionalProperties": False}}
+    for call in c.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+
+
+def test_named_function_without_parameters_gets_empty_arguments(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, CLOCK],
+                                       tool_choice={"type": "function", "function": {"name": "now"}},
+                                       max_tokens=40, seed=5)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("now", "{}")]
+
+
+def test_named_function_streams_one_whole_call(client):
+    kw = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, seed=2)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_auto_gives_text_or_a_valid_call(client):
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER],
+                                           max_tokens=30, seed=seed)
+        c = r.choices[0]
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls"
+            for call in c.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        else:
+            assert not c.message.content.startswith("<tool_call>")
+
+
+def test_n_choices_use_consecutive_seeds(client):
+    kw = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=6)
+    both = client.chat.completions.create(n=2, seed=20, **kw)
+    first = client.chat.completions.create(seed=20, **kw).choices[0].message.content
+    second = client.chat.completions.create(seed=21, **kw).choices[0].message.content
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.message.content for c in both.choices] == [first, second]
+    assert both.usage.completion_tokens == 12  # no EOS is likely in 6 random tokens, so assert it
+    assert all(c.finish_reason == "length" for c in both.choices)
+
+
+def test_stop_string_cuts_the_output(client):
+    kw = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=12, seed=4, temperature=0)
+    text = client.chat.completions.create(**kw).choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    r = client.chat.completions.create(stop=[stop], **kw).choices[0]
+    assert r.finish_reason == "stop"
+    assert r.message.content == text[:text.index(stop)]
+
+
+def test_logprobs_cover_each_token(client):
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, seed=9, logprobs=True)
+    c = r.choices[0]
+    items = c.logprobs.content
+    assert len(items) == r.usage.completion_tokens
+    assert bytes(b for it in items for b in it.bytes).decode() == c.message.content
+    assert all(it.logprob <= 0 and it.top_logprobs == [] for it in items)
+
+
+def test_completions_echo_and_logprobs(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="Hello there", max_tokens=4, seed=1, echo=True,
+                                  logprobs=0)
+    c = r.choices[0]
+    assert c.text.startswith("Hello there")
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert c.text[lp.text_offset[0]:] == "".join(lp.tokens)
+    plain = client.completions.create(model=MODEL_NAME, prompt="Hello there", max_tokens=4, seed=1)
+    assert c.text == "Hello there" + plain.choices[0].text
+
+
+def test_completions_stream_and_schema(client):
+    kw = dict(model=MODEL_NAME, prompt=["a", "b"], max_tokens=30, seed=3,
+              extra_body={"response_format": _json_format()})
+    whole = client.completions.create(**kw)
+    streamed = list(client.completions.create(stream=True, **kw))
+    for i in range(2):
+        text = "".join(ch.choices[0].text for ch in streamed if ch.choices and ch.choices[0].index == i)
+        assert text == whole.choices[i].text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_errors_use_openai_shape(client, server):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES,
+                                       response_format=_json_format({"type": "strin"}))
+    assert "strin" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, logprobs=True, top_logprobs=3)
+    assert e.value.body["param"] == "top_logprobs"
+    raw = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": "hi"})
+    assert raw.status_code == 400
+    assert set(raw.json()) == {"error"} and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+    # /generate keeps problem details
+    raw = httpx.post(server.url + "/generate", json={"prompt": "x", "response_schema": {"type": "strin"}})
+    assert raw.status_code == 400 and raw.headers["content-type"].startswith("application/problem+json")
+    assert "error" not in raw.json() and raw.json()["status"] == 400
