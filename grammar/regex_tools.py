@@ -48,16 +48,22 @@ def check_supported(pattern: str) -> str:
 
     Raises:
         GrammarError: with ``position`` (offset in ``pattern``) of the first lookaround,
-            backreference, atomic group, conditional, or inner anchor / word boundary.
+            backreference, atomic group, conditional, inner anchor / word boundary, unbalanced
+            parenthesis or trailing backslash. Balance matters beyond syntax: the pattern is
+            wrapped as ``(?:pattern)\\x01``, and ``x)|(y`` would otherwise parse, leaving one
+            branch without the end sentinel.
     """
     core, offset = strip_outer_anchors(pattern)
     i, n = 0, len(core)
-    class_depth = 0
+    class_depth = class_start = 0
+    open_groups: list[int] = []
     while i < n:
         c = core[i]
         pos = i + offset
         if c == "\\":
             nxt = core[i + 1:i + 2]
+            if not nxt:
+                raise GrammarError("trailing backslash", position=pos)
             if class_depth == 0:
                 if nxt.isdigit() and nxt != "0":
                     raise GrammarError("backreferences are not supported", position=pos)
@@ -76,13 +82,19 @@ def check_supported(pattern: str) -> str:
             i += 1
             continue
         if c == "[":
-            class_depth = 1
+            class_depth, class_start = 1, pos
             i += 1
             if core[i:i + 1] == "^":
                 i += 1
             if core[i:i + 1] == "]":
                 i += 1  # a leading ] is literal
             continue
+        if c == "(":
+            open_groups.append(pos)
+        elif c == ")":
+            if not open_groups:
+                raise GrammarError("unbalanced parenthesis", position=pos)
+            open_groups.pop()
         if c in "^$":
             raise GrammarError(f"anchor {c!r} inside the regex is not supported (the regex is "
                                "matched as a whole)", position=pos)
@@ -97,6 +109,10 @@ def check_supported(pattern: str) -> str:
             if head[:1] == "(":
                 raise GrammarError("conditional groups are not supported", position=pos)
         i += 1
+    if class_depth:
+        raise GrammarError("unterminated character class", position=class_start)
+    if open_groups:
+        raise GrammarError("missing ), unterminated group", position=open_groups[-1])
     return core
 
 

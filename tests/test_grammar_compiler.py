@@ -57,8 +57,10 @@ def test_lru_evicts_the_least_recently_used(vocab):
 
 
 @pytest.mark.parametrize("pattern, position, words", [
-    ("ab[", 2, "invalid regex"),
-    ("a)", 1, "invalid regex"),
+    ("ab[", 2, "unterminated character class"),
+    ("a)", 1, "unbalanced"),
+    ("*a", 0, "invalid regex"),          # Rust refuses; Python's parser gives the position
+    ("ab(?Q)", 3, "invalid regex"),
     ("a(?=b)", 1, "lookaround"),
     ("a(?!b)", 1, "lookaround"),
     ("(?<=x)a", 0, "lookaround"),
@@ -69,6 +71,9 @@ def test_lru_evicts_the_least_recently_used(vocab):
     ("a^b", 1, "anchor"),
     ("^a$b", 2, "anchor"),
     (r"x\bfoo", 1, "anchor"),
+    ("x)|(y", 1, "unbalanced"),          # would parse once wrapped as (?:x)|(y)\x01
+    ("(a|(b)", 0, "unterminated group"),
+    ("ab\\", 2, "trailing backslash"),
 ])
 def test_invalid_or_unsupported_regex_reports_its_position(compiler, pattern, position, words):
     with pytest.raises(GrammarError) as info:
