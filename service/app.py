@@ -269,22 +269,23 @@ def stop_engine(aeng: AsyncEngine) -> None:
 # -- the factory -----------------------------------------------------------------------------------
 
 def create_app(engine: EngineConfig | AsyncEngine, config: ServiceConfig | None = None, *,
-               route_handlers: Sequence = (), on_engine_dead: Callable[[BaseException], None] | None = None,
-               ) -> Litestar:
+               route_handlers: Sequence = (), include_openai: bool = True,
+               on_engine_dead: Callable[[BaseException], None] | None = None) -> Litestar:
     """Build the Stencil app.
 
     Args:
         engine: an ``EngineConfig`` (the model is loaded at startup, off the event loop) or an
             ``AsyncEngine`` (started at startup). Either way the app owns it and shuts it down.
         config: service limits; ``None`` = defaults (API key from ``STENCIL_API_KEY``).
-        route_handlers: more routes (e.g. the OpenAI-compatible ones); they can ask for
-            ``service: ServiceState`` and raise the errors ``service.errors.to_problem`` knows.
+        route_handlers: more routes; they can ask for ``service: ServiceState`` and raise the
+            errors ``service.errors.to_problem`` knows.
+        include_openai: also serve the OpenAI-compatible ``/v1`` routes (``service.openai_api``).
         on_engine_dead: called (on the engine thread) with the exception if the engine loop
             dies; the CLI uses it to make the server exit non-zero.
 
     Returns:
-        A Litestar app serving ``POST /generate``, ``GET /health``, ``GET /metrics`` and the
-        OpenAPI schema at ``/schema/openapi.json``.
+        A Litestar app serving ``POST /generate``, ``GET /health``, ``GET /metrics``, the
+        ``/v1`` routes and the OpenAPI schema at ``/schema/openapi.json``.
     """
     cfg = (config or ServiceConfig()).validate()
     holder = _Holder()
@@ -323,6 +324,10 @@ def create_app(engine: EngineConfig | AsyncEngine, config: ServiceConfig | None 
         return holder.state
 
     handlers = [generate_handler, health_handler, metrics_handler, *route_handlers]
+    if include_openai:
+        from service.openai_api import openai_route_handlers
+
+        handlers.extend(openai_route_handlers)
     known_paths: set[str] = set()
 
     app = Litestar(

@@ -1,0 +1,179 @@
+"""Service pieces that need no model: schema checks, output checks, parameter building, errors, logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from engine.async_engine import EngineDeadError
+from engine.llm_engine import EngineError, EngineOverloaded
+from grammar.base import GrammarError, GrammarSpec
+from service import generation
+from service.errors import GenerationTimeout, InputError, Overloaded, to_problem
+from service.logs import JsonFormatter
+from service.state import ServiceConfig
+from service.validation import OutputChecker, check_schema
+
+CFG = ServiceConfig(max_tokens_cap=100, default_max_tokens=20, max_schema_depth=8, max_schema_bytes=2000).validate()
+
+
+def _input_error(fn, *a, **kw) -> InputError:
+    with pytest.raises(InputError) as ei:
+        fn(*a, **kw)
+    return ei.value
+
+
+# -- schemas coming in -----------------------------------------------------------------------------
+
+def test_misspelt_type_names_keyword_and_path():
+    e = _input_error(check_schema, {"type": "object", "properties": {"age": {"type": "integr"}}},
+                     max_bytes=2000, max_depth=8)
+    assert e.path == "#/properties/age/type"
+    assert e.keyword == "type" and e.field == "response_schema"
+    assert "'integr'" in e.detail
+
+
+def test_draft_is_taken_from_dollar_schema():
+    # An array-valued "items" is valid in draft-07 and invalid in 2020-12 (the default).
+    tuple_items = {"type": "array", "items": [{"type": "string"}]}
+    check_schema({"$schema": "http://json-schema.org/draft-07/schema#", **tuple_items}, max_bytes=2000, max_depth=8)
+    e = _input_error(check_schema, tuple_items, max_bytes=2000, max_depth=8)
+    assert e.path == "#/items"
+
+
+@pytest.mark.parametrize("ref", ["http://example.com/s.json", "other.json#/a", "//host/x"])
+def test_non_local_refs_are_refused(ref):
+    e = _input_error(check_schema, {"properties": {"a": {"$ref": ref}}}, max_bytes=2000, max_depth=8)
+    assert e.keyword == "$ref" and e.path == "#/properties/a"
+
+
+def test_local_refs_and_bool_schemas_pass():
+    check_schema({"$defs": {"p": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/p"}}},
+                 max_bytes=2000, max_depth=8)
+    check_schema(True, max_bytes=10, max_depth=1)
+
+
+def test_depth_and_size_limits():
+    deep: dict = {}
+    node = deep
+    for _ in range(9):  # 9 nested "items" → depth 9 > 8
+        node["items"] = {}
+        node = node["items"]
+    e = _input_error(check_schema, deep, max_bytes=2000, max_depth=8)
+    assert "deeper than 8" in e.detail
+    check_schema(deep["items"], max_bytes=2000, max_depth=8)  # one level less passes
+    big = {"enum": ["x" * 100] * 30}
+    assert "bytes" in _input_error(check_schema, big, max_bytes=2000, max_depth=8).detail
+
+
+def test_schema_must_be_object_or_bool():
+    assert "must be a JSON object" in _input_error(check_schema, [1], max_bytes=100, max_depth=4).detail
+
+
+# -- outputs going out -----------------------------------------------------------------------------
+
+def test_json_output_is_checked_with_formats():
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"d": {"type": "string", "format": "date"}},
+                                    "required": ["d"]})
+    c = OutputChecker()
+    ok = c.check(spec, '{"d":"2024-02-29"}', "stop")
+    assert ok.valid and ok.output == {"d": "2024-02-29"} and ok.warnings == []
+    bad = c.check(spec, '{"d":"2023-02-29"}', "stop")  # not a leap year
+    assert not bad.valid and bad.output == {"d": "2023-02-29"} and "#/d" in bad.warnings[0]
+    assert not c.check(spec, '{"d":', "stop").valid
+
+
+def test_length_means_no_output_and_invalid():
+    spec = GrammarSpec.json_schema({"type": "integer"})
+    r = OutputChecker().check(spec, "12", "length")  # parses, but was cut short
+    assert r.output is None and r.valid is False and "max_tokens" in r.warnings[0]
+
+
+def test_regex_choice_and_unconstrained():
+    c = OutputChecker()
+    rx = GrammarSpec("regex", r"[0-9]{4}-[0-9]{2}")
+    assert c.check(rx, "2024-01", "stop").valid
+    assert not c.check(rx, "2024-01x", "stop").valid
+    ch = GrammarSpec("choice", json.dumps(["yes", "no"]))
+    assert c.check(ch, "no", "stop").output == "no"
+    assert not c.check(ch, "maybe", "stop").valid
+    assert c.check(None, "anything", "stop").valid
+
+
+def test_validator_cache_is_bounded():
+    c = OutputChecker(capacity=2)
+    for i in range(5):
+        c.validator(json.dumps({"maxLength": i}))
+    assert len(c._cache) == 2
+
+
+# -- request fields → engine objects ---------------------------------------------------------------
+
+def test_sampling_params_defaults_and_caps():
+    p = generation.sampling_params(CFG, stop="END", speculative=False)
+    assert p.max_tokens == 20 and p.temperature == 0.0 and p.stop == ["END"]
+    assert p.speculative == {"method": "off"}
+    assert generation.sampling_params(CFG, speculative=True).speculative == {"method": "ngram"}
+    assert _input_error(generation.sampling_params, CFG, max_tokens=101).field == "max_tokens"
+    assert _input_error(generation.sampling_params, CFG, max_tokens=0).field == "max_tokens"
+    assert _input_error(generation.sampling_params, CFG, top_p=0.0).field == "top_p"
+    assert _input_error(generation.sampling_params, CFG, temperature=float("nan")).field == "temperature"
+    assert _input_error(generation.sampling_params, CFG, stop=["a"] * 9).field == "stop"
+    assert _input_error(generation.sampling_params, CFG, stop=[""]).field == "stop"
+
+
+def test_grammar_spec_kinds_and_conflicts():
+    assert generation.grammar_spec(CFG) is None
+    s = generation.grammar_spec(CFG, response_schema={"type": "integer"}, whitespace="flexible", strict=False)
+    assert (s.kind, json.loads(s.value), s.whitespace, s.strict) == ("json_schema", {"type": "integer"}, "flexible", False)
+    assert generation.grammar_spec(CFG, regex="a+").value == "a+"
+    assert json.loads(generation.grammar_spec(CFG, choice=["é", "b"]).value) == ["é", "b"]
+    e = _input_error(generation.grammar_spec, CFG, response_schema={}, regex="a")
+    assert "at most one" in e.detail and e.field == "regex"
+    assert _input_error(generation.grammar_spec, CFG, choice=[]).field == "choice"
+    assert _input_error(generation.grammar_spec, CFG, regex="").field == "regex"
+
+
+def test_messages_need_a_template_and_text_parts():
+    class NoTemplate:
+        chat_template = None
+
+    assert _input_error(generation.render_messages, NoTemplate(), [{"role": "user", "content": "x"}]).field == "messages"
+    assert generation._message_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], 0) == "ab"
+    assert _input_error(generation._message_text, [{"type": "image_url"}], 3).field == "messages[3].content"
+    assert _input_error(generation.encode_prompt, None, "p", [{"role": "user", "content": "m"}]).field == "prompt"
+
+
+# -- errors → problems -----------------------------------------------------------------------------
+
+def test_problem_mapping():
+    p, h = to_problem(GrammarError("unsupported", keyword="contains", path="#/properties/x"), "r1")
+    assert (p.status, p.keyword, p.path, p.request_id) == (400, "contains", "#/properties/x", "r1")
+    p, _ = to_problem(GrammarError("bad regex", position=7))
+    assert (p.status, p.position) == (400, 7)
+    p, h = to_problem(EngineOverloaded("300 waiting"), retry_after=3)
+    assert p.status == 429 and h["Retry-After"] == "3"
+    assert to_problem(Overloaded("full", retry_after=2))[1]["Retry-After"] == "2"
+    assert to_problem(EngineError("prompt has 9000 tokens"))[0].status == 400
+    assert to_problem(EngineDeadError("died"))[0].status == 503
+    assert to_problem(GenerationTimeout("late"))[0].status == 504
+    p, _ = to_problem(KeyError("secret internal detail"), "r9")
+    assert p.status == 500 and "secret" not in p.detail and "r9" in p.detail
+
+
+def test_json_logs_carry_request_id():
+    rec = logging.LogRecord("stencil.x", logging.INFO, __file__, 1, "done %d", (3,), None)
+    rec.request_id = "req-1"
+    out = json.loads(JsonFormatter().format(rec))
+    assert out["msg"] == "done 3" and out["request_id"] == "req-1" and out["level"] == "info"
+
+
+def test_service_config_validation():
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="default_max_tokens"):
+        ServiceConfig(max_tokens_cap=10, default_max_tokens=20).validate()
+    with pytest.raises(ConfigError, match="max_body_bytes"):
+        ServiceConfig(max_body_bytes=0).validate()
