@@ -1,0 +1,99 @@
+"""Regexes (over decoded strings) for JSON Schema ``format`` values.
+
+Each regex admits only strings that ``jsonschema``'s ``Draft202012Validator.FORMAT_CHECKER``
+accepts (jsonschema 4.x with its format extras installed), usually a canonical subset:
+
+- date: ``date.fromisoformat`` on ``YYYY-MM-DD`` (year ≥ 1, real day of month, leap years).
+- time / date-time: RFC 3339 §5.6 as ``rfc3339_validator`` checks it (upper-case ``T``/``Z``).
+- email / idn-email: the checker wants an ``@``; we admit ``local@domain.tld`` (ASCII).
+- uuid: ``uuid.UUID`` with hyphens at 8, 13, 18, 23 (RFC 4122 textual form).
+- ipv4: ``ipaddress.IPv4Address`` (dotted quad, no leading zeros).
+- ipv6: ``ipaddress.IPv6Address`` without zone or embedded IPv4 (RFC 4291 §2.2 forms 1-2).
+- hostname: ``fqdn.FQDN(min_labels=1)`` (RFC 1123 labels ≤ 63, at most 4 labels so the total
+  stays under 253 characters).
+- uri / uri-reference / iri / iri-reference: RFC 3986 §3 ``scheme ":" hier-part`` with
+  registered-name hosts (and relative references for the ``-reference`` kinds).
+- json-pointer: RFC 6901.
+
+Formats that the checker does not know are annotations and constrain nothing (``None`` from
+``format_pattern`` means "unconstrained"); formats it knows but we do not cover raise
+``KeyError`` so the caller can fail closed.
+"""
+
+from __future__ import annotations
+
+_D = "[0-9]"
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = ("(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])"
+              "|(?:0[13-9]|1[0-2])-(?:29|30)"
+              "|(?:0[13578]|1[02])-31)")
+DATE = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+_TIME_CORE = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]{1,9})?"
+_OFFSET = "(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+TIME = _TIME_CORE + _OFFSET
+DATE_TIME = f"{DATE}T{TIME}"
+_HEX = "[0-9a-fA-F]"
+UUID = f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}"
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9][0-9]|[0-9])"
+IPV4 = f"{_OCTET}(?:\\.{_OCTET}){{3}}"
+_H16 = f"{_HEX}{{1,4}}"
+
+
+def _ipv6() -> str:
+    forms = [f"(?:{_H16}:){{7}}{_H16}"]
+    # "::" standing for one or more zero groups: i groups before it, j after, i + j <= 7.
+    for before in range(0, 8):
+        for after in range(0, 8 - before):
+            head = "" if before == 0 else f"{_H16}(?::{_H16}){{{before - 1}}}"
+            tail = "" if after == 0 else f"{_H16}(?::{_H16}){{{after - 1}}}"
+            forms.append(f"{head}::{tail}")
+    return "(?:" + "|".join(forms) + ")"
+
+
+IPV6 = _ipv6()
+_LABEL = "[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
+HOSTNAME = f"{_LABEL}(?:\\.{_LABEL}){{0,3}}"
+EMAIL = "[a-zA-Z0-9._%+-]{1,64}@[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?(?:\\.[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?){1,3}"
+_UNRESERVED = "a-zA-Z0-9._~\\-"
+_SUB_DELIMS = "!$&'()*+,;="
+_PCT = f"%{_HEX}{{2}}"
+_PCHAR = f"(?:[{_UNRESERVED}{_SUB_DELIMS}:@]|{_PCT})"
+_SCHEME = "[a-zA-Z][a-zA-Z0-9+.\\-]*"
+_REG_NAME = f"(?:[{_UNRESERVED}{_SUB_DELIMS}]|{_PCT})*"
+_USERINFO = f"(?:(?:[{_UNRESERVED}{_SUB_DELIMS}:]|{_PCT})*@)?"
+_AUTHORITY = f"{_USERINFO}{_REG_NAME}(?::[0-9]*)?"
+_SEGMENT = f"{_PCHAR}*"
+_SEGMENT_NZ = f"{_PCHAR}+"
+_QUERY_FRAG = f"(?:\\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?"
+_HIER = (f"(?://{_AUTHORITY}(?:/{_SEGMENT})*|/(?:{_SEGMENT_NZ}(?:/{_SEGMENT})*)?"
+         f"|{_SEGMENT_NZ}(?:/{_SEGMENT})*|)")
+URI = f"{_SCHEME}:{_HIER}{_QUERY_FRAG}"
+_SEGMENT_NZ_NC = f"(?:[{_UNRESERVED}{_SUB_DELIMS}@]|{_PCT})+"
+_RELATIVE = (f"(?://{_AUTHORITY}(?:/{_SEGMENT})*|/(?:{_SEGMENT_NZ}(?:/{_SEGMENT})*)?"
+             f"|{_SEGMENT_NZ_NC}(?:/{_SEGMENT})*|){_QUERY_FRAG}")
+URI_REFERENCE = f"(?:{URI}|{_RELATIVE})"
+JSON_POINTER = "(?:/(?:[^~/]|~[01])*)*"
+
+_PATTERNS = {
+    "date": DATE, "time": TIME, "date-time": DATE_TIME, "uuid": UUID, "ipv4": IPV4,
+    "ipv6": IPV6, "hostname": HOSTNAME, "email": EMAIL, "idn-email": EMAIL, "uri": URI,
+    "iri": URI, "uri-reference": URI_REFERENCE, "iri-reference": URI_REFERENCE,
+    "json-pointer": JSON_POINTER,
+}
+# Known to jsonschema's 2020-12 format checker but not covered here: fail closed.
+_CHECKED_UNSUPPORTED = {"duration", "idn-hostname", "regex", "relative-json-pointer",
+                        "uri-template"}
+
+
+def format_pattern(name: str) -> str | None:
+    """Anchored-by-convention regex (decoded level) for format ``name``.
+
+    Returns None for formats the checker ignores (pure annotations). Raises ``KeyError`` for
+    formats the checker enforces that we do not cover.
+    """
+    if name in _PATTERNS:
+        return _PATTERNS[name]
+    if name in _CHECKED_UNSUPPORTED:
+        raise KeyError(name)
+    return None

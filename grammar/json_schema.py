@@ -1,0 +1,505 @@
+"""JSON Schema → regex, exact or refused (fail closed).
+
+``schema_to_regex`` returns a regex (Python ``re`` / outlines-core 0.2.14 dialect, implicitly
+anchored) whose language is a set of serialized JSON documents that the schema admits: every
+string it matches validates with ``jsonschema`` (the draft named by ``$schema``, format
+checker on). The layout is canonical: compact JSON (or a bounded run of whitespace with
+``whitespace="flexible"``), properties in schema order, additional properties after the
+declared ones, strings escaped as ``json.dumps(ensure_ascii=False)`` does, integers without
+leading zeros, bounded numbers without exponent. A keyword that cannot be enforced exactly
+raises ``GrammarError(keyword=..., path="#/json/pointer")``, or with ``strict=False`` is ignored
+and reported in the warnings.
+
+Documented restrictions (subsets, never supersets): recursion through ``$ref`` is unrolled
+``max_recursion_depth`` times; ``{}``/``true`` values nest at most ``any_max_depth`` deep;
+a schema without ``type`` admits only the types its keywords talk about (``properties`` →
+object, ``items`` → array, ...), or any type when it names none. When ``additionalProperties``
+is absent the grammar writes no extra properties (as OpenAI structured outputs, XGrammar and
+Outlines do): extra keys are rarely wanted from a model, and every "any value" slot multiplies
+the automaton (on MaskBench-dev, 100 schemas: 68 pass instead of 49, compile p50 93 ms instead of
+1.4 s). ``extra_properties=True`` follows the specification instead (extra keys after the
+declared ones); an explicit ``additionalProperties`` schema is always honoured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+import jsonschema
+from jsonschema import validators
+
+from grammar import number_range as nr
+from grammar.base import GrammarError
+from grammar.schema_arrays import compile_array
+from grammar.schema_canonical import canonical_json
+from grammar.schema_merge import MergeError, json_key, merge
+from grammar.schema_objects import compile_object
+from grammar.schema_oneof import disjoint
+from grammar.schema_refs import RefResolver
+from grammar.schema_rx import Rx, alt, repeat, seq
+from grammar.schema_strings import StringError, StringSpec, string_regex
+
+_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_TYPE_KEYWORDS = {
+    "object": ("properties", "required", "additionalProperties", "patternProperties",
+               "propertyNames", "minProperties", "maxProperties", "dependentRequired",
+               "dependencies"),
+    "array": ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "contains",
+              "uniqueItems"),
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+}
+_OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaOptions:
+    """Compiler options (see ``schema_to_regex``)."""
+
+    whitespace: str = "compact"
+    strict: bool = True
+    max_recursion_depth: int = 3
+    any_max_depth: int = 2
+    any_max_length: int | None = None
+    extra_properties: bool = False
+
+
+@dataclass(slots=True)
+class SchemaCompiler:
+    """One compilation: the root, its resolver and validator, options, warnings, ref stack."""
+
+    root: object
+    opts: SchemaOptions
+    warnings: list[str] = field(default_factory=list)
+    ref_depth: dict[str, int] = field(default_factory=dict)
+    resolver: RefResolver = field(init=False)
+    validator: object = field(init=False)
+    old_draft: bool = field(init=False)
+    ws: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.resolver = RefResolver(self.root)
+        cls = validators.validator_for(self.root, default=jsonschema.Draft202012Validator)
+        self.validator = cls(self.root if isinstance(self.root, (dict, bool)) else {},
+                             format_checker=cls.FORMAT_CHECKER)
+        dialect = self.root.get("$schema", "") if isinstance(self.root, dict) else ""
+        self.old_draft = any(d in str(dialect) for d in _OLD_DRAFTS)
+        self.ws = "" if self.opts.whitespace == "compact" else "[ \\t\\n\\r]{0,2}"
+
+    # -- errors --------------------------------------------------------------------------------
+    def unsupported(self, keyword: str, path: str, message: str | None = None) -> None:
+        """Fail closed on ``keyword`` (strict) or record a warning and go on."""
+        text = message or f"keyword {keyword!r} cannot be enforced exactly"
+        if self.opts.strict:
+            raise GrammarError(text, keyword=keyword, path=path)
+        self.warnings.append(f"{keyword} at {path}: {text} (ignored)")
+
+    # -- helpers for the type modules ----------------------------------------------------------
+    def value_valid(self, value: object, schema: object) -> bool:
+        """Whether ``value`` validates against ``schema`` (a subschema of the root)."""
+        try:
+            return self.validator.evolve(schema=schema).is_valid(value)
+        except Exception:  # an invalid subschema counts as admitting nothing
+            return False
+
+    def string_for(self, schema: object, path: str) -> Rx:
+        """Regex of the string literals ``schema`` admits (used for keys)."""
+        r = self.sub(schema, path, only_types=("string",))
+        return r
+
+    def any_value(self, depth: int | None = None) -> str:
+        """Any JSON value nested at most ``depth`` containers deep."""
+        depth = self.opts.any_max_depth if depth is None else depth
+        scalar = alt(['"' + self._any_char() + '*"', nr.NUMBER, "true", "false", "null"])
+        if depth <= 0:
+            return scalar
+        inner = self.any_value(depth - 1)
+        comma, colon = self.ws + "," + self.ws, self.ws + ":" + self.ws
+        n = self.opts.any_max_length
+        more = None if n is None else max(n - 1, 0)
+        array = seq("\\[", self.ws, alt(["", seq(inner, repeat(seq(comma, inner), 0, more))]),
+                    self.ws, "\\]")
+        member = seq('"' + self._any_char() + '*"', colon, inner)
+        obj = seq("\\{", self.ws, alt(["", seq(member, repeat(seq(comma, member), 0, more))]),
+                  self.ws, "\\}")
+        return alt([scalar, array, obj])  # type: ignore[list-item]
+
+    @staticmethod
+    def _any_char() -> str:
+        from grammar.schema_strings import ANY_CHAR
+        return ANY_CHAR
+
+    # -- the recursive walk --------------------------------------------------------------------
+    def sub(self, schema: object, path: str, only_types: tuple[str, ...] | None = None) -> Rx:
+        """Regex of ``schema`` at JSON pointer ``path``; None when it admits nothing."""
+        if schema is True or schema == {}:
+            return self._restrict_any(only_types)
+        if schema is False:
+            return None
+        if not isinstance(schema, dict):
+            raise GrammarError("a schema must be an object or a boolean", keyword="type", path=path)
+        if "$ref" in schema and isinstance(schema["$ref"], str):
+            return self._ref(schema, path, only_types)
+        schema = _normalize(schema)
+        if "allOf" in schema:
+            return self._all_of(schema, path, only_types)
+        if "anyOf" in schema:
+            rest = {k: v for k, v in schema.items() if k != "anyOf"}
+            return alt([self.sub({"allOf": [rest, b]} if rest else b, f"{path}/anyOf/{i}", only_types)
+                        for i, b in enumerate(schema["anyOf"])])
+        if "oneOf" in schema:
+            return self._one_of(schema, path, only_types)
+        for key in ("$dynamicRef", "$recursiveRef"):
+            if key in schema:
+                self.unsupported(key, path)
+        if "not" in schema:
+            schema = self._not(schema, path)
+            if schema is None:
+                return None
+        if "if" in schema:
+            self.unsupported("if", path)
+        if "enum" in schema or "const" in schema:
+            return self._enum(schema, path, only_types)
+        return self._typed(schema, path, only_types)
+
+    def _restrict_any(self, only_types) -> Rx:
+        if only_types is None:
+            return self.any_value()
+        return self._typed({"type": list(only_types)}, "#", None)
+
+    def _ref(self, schema: dict, path: str, only_types) -> Rx:
+        base = self.resolver.base_of(schema, self.resolver.root_base)
+        target = self.resolver.resolve(schema["$ref"], base, path)
+        key = target.pointer if target.base == self.resolver.root_base else target.base + target.pointer
+        count = self.ref_depth.get(key, 0)
+        if count > self.opts.max_recursion_depth:
+            return None  # recursion unrolled far enough: this branch admits nothing more
+        siblings = {k: v for k, v in schema.items() if k != "$ref"}
+        resolved = target.schema
+        if siblings and not self.old_draft and any(k in _ASSERTIONS for k in siblings):
+            resolved = {"allOf": [resolved, siblings]}
+        self.ref_depth[key] = count + 1
+        try:
+            return self.sub(resolved, target.pointer, only_types)
+        finally:
+            self.ref_depth[key] = count
+
+    def _deref(self, schema: object, path: str) -> object:
+        """Inline top-level ``$ref``s of an ``allOf`` member (one level, cycle-safe)."""
+        seen = 0
+        while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and seen < 32:
+            base = self.resolver.base_of(schema, self.resolver.root_base)
+            target = self.resolver.resolve(schema["$ref"], base, path)
+            siblings = {k: v for k, v in schema.items() if k != "$ref"}
+            if siblings and not self.old_draft and any(k in _ASSERTIONS for k in siblings):
+                schema = {"allOf": [target.schema, siblings]}
+            else:
+                schema = target.schema
+            seen += 1
+        if seen >= 32:
+            raise GrammarError("$ref chain too long", keyword="$ref", path=path)
+        return _normalize(schema) if isinstance(schema, dict) else schema
+
+    def _flatten_all_of(self, schema: object, path: str, out: list) -> None:
+        schema = self._deref(schema, path)
+        if isinstance(schema, dict) and "allOf" in schema:
+            rest = {k: v for k, v in schema.items() if k != "allOf"}
+            out.append(rest)
+            for i, member in enumerate(schema["allOf"]):
+                self._flatten_all_of(member, f"{path}/allOf/{i}", out)
+        else:
+            out.append(schema)
+
+    def _all_of(self, schema: dict, path: str, only_types) -> Rx:
+        members: list = []
+        self._flatten_all_of(schema, path, members)
+        merged: object = True
+        try:
+            for m in members:
+                merged = merge(merged, m)
+        except MergeError as exc:
+            self.unsupported(exc.keyword, f"{path}/allOf", exc.message)
+            return self.sub(members[0], path, only_types)
+        return self.sub(merged, path, only_types)
+
+    def _one_of(self, schema: dict, path: str, only_types) -> Rx:
+        rest = {k: v for k, v in schema.items() if k != "oneOf"}
+        branches = []
+        for b in schema["oneOf"]:
+            flat: list = []
+            self._flatten_all_of({"allOf": [rest, b]} if rest else b, path, flat)
+            try:
+                merged: object = True
+                for m in flat:
+                    merged = merge(merged, m)
+            except MergeError as exc:
+                self.unsupported(exc.keyword, f"{path}/oneOf", exc.message)
+                merged = b
+            branches.append(merged)
+        for i in range(len(branches)):
+            for j in range(i + 1, len(branches)):
+                if not disjoint(self, branches[i], branches[j]):
+                    self.unsupported("oneOf", f"{path}/oneOf",
+                                     f"branches {i} and {j} may both match")
+        return alt([self.sub(b, f"{path}/oneOf/{i}", only_types) for i, b in enumerate(branches)])
+
+    def _not(self, schema: dict, path: str) -> dict | None:
+        neg = self._deref(schema["not"], f"{path}/not")
+        rest = {k: v for k, v in schema.items() if k != "not"}
+        if neg is True or neg == {}:
+            return None
+        if neg is False:
+            return rest
+        if isinstance(neg, dict) and set(neg) <= {"type"} | _ANNOTATIONS:
+            banned = {neg["type"]} if isinstance(neg["type"], str) else set(neg["type"])
+            if "number" in banned:
+                banned.add("integer")
+            allowed = [t for t in (_types(rest) or list(_TYPES)) if t not in banned]
+            if "integer" in banned and "number" in allowed:
+                self.unsupported("not", f"{path}/not", "not integer but number")
+            return {**rest, "type": allowed}
+        if isinstance(neg, dict) and set(neg) <= {"enum", "const"} | _ANNOTATIONS:
+            values = neg.get("enum", []) + ([neg["const"]] if "const" in neg else [])
+            if "enum" in rest or "const" in rest:
+                return {**rest, "enum": [v for v in _enum_values(rest)
+                                         if json_key(v) not in {json_key(x) for x in values}]}
+        if isinstance(neg, dict) and set(neg) <= {"required"} | _ANNOTATIONS and len(neg["required"]) == 1:
+            name = neg["required"][0]
+            props = dict(rest.get("properties", {}))
+            props[name] = False
+            return {**rest, "properties": props}
+        self.unsupported("not", f"{path}/not")
+        return rest
+
+    def _enum(self, schema: dict, path: str, only_types) -> Rx:
+        values = _enum_values(schema)
+        if not values and "enum" in schema:
+            raise GrammarError("enum is empty: no value can match", keyword="enum", path=path)
+        out = []
+        for v in values:
+            if only_types is not None and _json_type(v) not in only_types and not (
+                    _json_type(v) == "integer" and "number" in only_types):
+                continue
+            if not self.value_valid(v, schema):
+                continue
+            out.append(self._literal(v))
+        return alt(out)
+
+    def _literal(self, value: object) -> str:
+        from grammar import schema_charset as cs
+        text = canonical_json(value)
+        if self.ws == "":
+            return cs.literal(text)
+        return cs.literal(text)  # enum literals keep the compact layout
+
+    def _typed(self, schema: dict, path: str, only_types) -> Rx:
+        types = _types(schema)
+        if types is None:
+            implied = [t for t, kws in _TYPE_KEYWORDS.items() if any(k in schema for k in kws)]
+            types = (implied + (["integer"] if "number" in implied else [])) or list(_TYPES)
+        if only_types is not None:
+            types = [t for t in types if t in only_types or (t == "integer" and "number" in only_types)]
+        if "number" in types and "integer" in types:
+            types = [t for t in types if t != "integer"]
+        parts = []
+        for t in types:
+            if t == "object":
+                parts.append(compile_object(self, schema, path))
+            elif t == "array":
+                parts.append(compile_array(self, schema, path))
+            elif t == "string":
+                parts.append(self._string(schema, path))
+            elif t in ("number", "integer"):
+                parts.append(self._number(schema, path, integer=(t == "integer")))
+            elif t == "boolean":
+                parts.append("(?:true|false)")
+            elif t == "null":
+                parts.append("null")
+            else:
+                raise GrammarError(f"unknown type {t!r}", keyword="type", path=path)
+        return alt(parts)
+
+    def _string(self, schema: dict, path: str) -> Rx:
+        fmt = schema.get("format") if isinstance(schema.get("format"), str) else None
+        spec = StringSpec(schema.get("minLength", 0), schema.get("maxLength"),
+                          schema.get("pattern"), fmt)
+        try:
+            return string_regex(spec)
+        except StringError as exc:
+            if self.opts.strict:
+                raise GrammarError(exc.message, keyword=exc.keyword, path=f"{path}/{exc.keyword}",
+                                   position=exc.position) from None
+            self.warnings.append(f"{exc.keyword} at {path}: {exc.message} (ignored)")
+            return string_regex(StringSpec(spec.min_length, spec.max_length))
+
+    def _number(self, schema: dict, path: str, integer: bool) -> Rx:
+        lo, lo_x, hi, hi_x = _bounds(schema)
+        mult = schema.get("multipleOf")
+        if integer or (mult is not None and _is_int(mult)):
+            ilo = None if lo is None else int(lo.to_integral_value("ROUND_CEILING"))
+            if lo is not None and lo_x and ilo == lo:
+                ilo += 1
+            ihi = None if hi is None else int(hi.to_integral_value("ROUND_FLOOR"))
+            if hi is not None and hi_x and ihi == hi:
+                ihi -= 1
+            if mult is not None and not _is_int(mult):
+                return self._int_fraction_multiple(mult, ilo, ihi, path)
+            return self._int_multiple(int(Decimal(str(mult))) if mult is not None else 1, ilo, ihi, path)
+        if mult is not None:
+            self.unsupported("multipleOf", path)
+        return nr.number_range(lo, lo_x, hi, hi_x)
+
+    def _int_fraction_multiple(self, mult, lo, hi, path) -> Rx:
+        # Every integer is a multiple of 1/k for integer k.
+        inv = Decimal(1) / Decimal(str(mult))
+        if inv == inv.to_integral_value():
+            return nr.int_range(lo, hi)
+        self.unsupported("multipleOf", path)
+        return nr.int_range(lo, hi)
+
+    def _int_multiple(self, k: int, lo: int | None, hi: int | None, path: str) -> Rx:
+        if k <= 0:
+            raise GrammarError("multipleOf must be positive", keyword="multipleOf", path=path)
+        if k == 1:
+            return nr.int_range(lo, hi)
+        if lo is not None and hi is not None and (hi - lo) // k <= 256:
+            first = -(-lo // k) * k
+            return alt([str(v) for v in range(first, hi + 1, k)])
+        if lo is None and hi is None and k in (2, 5, 10):
+            return "(?:" + _multiple_tail(k) + ")"
+        self.unsupported("multipleOf", path)
+        return nr.int_range(lo, hi)
+
+
+def _multiple_tail(k: int) -> str:
+    """Canonical integers divisible by 2, 5 or 10 (last digit decides), zero not negated."""
+    last = {2: "[02468]", 5: "[05]", 10: "0"}[k]
+    nonzero_last = {2: "[2468]", 5: "5", 10: None}[k]
+    parts = ["0", f"-?[1-9][0-9]*{last}"]
+    if nonzero_last:
+        parts.append(f"-?{nonzero_last}")
+    return "|".join(parts)
+
+
+_ANNOTATIONS = {"title", "description", "examples", "default", "$comment", "$schema", "$id", "id",
+                "deprecated", "readOnly", "writeOnly", "$anchor", "definitions", "$defs",
+                "contentMediaType", "contentEncoding", "contentSchema", "$vocabulary"}
+_ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+               "exclusiveMinimum", "maxLength", "minLength", "pattern", "maxItems", "minItems",
+               "uniqueItems", "maxContains", "minContains", "maxProperties", "minProperties",
+               "required", "dependentRequired", "properties", "patternProperties",
+               "additionalProperties", "propertyNames", "items", "prefixItems", "additionalItems",
+               "contains", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+               "not", "if", "then", "else", "dependentSchemas", "dependencies", "format", "$ref"}
+
+
+def _types(schema: dict) -> list[str] | None:
+    t = schema.get("type")
+    if t is None:
+        return None
+    return [t] if isinstance(t, str) else list(t)
+
+
+def _json_type(v: object) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
+        return "integer"
+    if isinstance(v, float):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    return "array" if isinstance(v, list) else "object"
+
+
+def _enum_values(schema: dict) -> list:
+    values = list(schema["enum"]) if isinstance(schema.get("enum"), list) else []
+    if "const" in schema:
+        values = [v for v in values if json_key(v) == json_key(schema["const"])] if "enum" in schema \
+            else [schema["const"]]
+    return values
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and float(x).is_integer()
+
+
+def _dec(x: object) -> Decimal | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return Decimal(repr(x)) if isinstance(x, float) else Decimal(x)
+
+
+def _bounds(s: dict) -> tuple[Decimal | None, bool, Decimal | None, bool]:
+    lo, lo_x = _dec(s.get("minimum")), False
+    emin = _dec(s.get("exclusiveMinimum"))
+    if emin is not None and (lo is None or emin >= lo):
+        lo, lo_x = emin, True
+    hi, hi_x = _dec(s.get("maximum")), False
+    emax = _dec(s.get("exclusiveMaximum"))
+    if emax is not None and (hi is None or emax <= hi):
+        hi, hi_x = emax, True
+    return lo, lo_x, hi, hi_x
+
+
+def _normalize(schema: dict) -> dict:
+    """Rewrite draft-04 boolean ``exclusiveMinimum``/``exclusiveMaximum`` into the numeric form."""
+    out = schema
+    for ex, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(out.get(ex), bool):
+            out = dict(out)
+            flag = out.pop(ex)
+            if flag and bound in out:
+                out[ex] = out.pop(bound)
+    return out
+
+
+def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
+                    max_recursion_depth: int = 3, any_max_depth: int = 2,
+                    any_max_length: int | None = None,
+                    extra_properties: bool = False) -> tuple[str, list[str]]:
+    """Compile a JSON Schema to a regex over serialized JSON documents.
+
+    Args:
+        schema: the schema (a dict or a boolean), any draft from 04 to 2020-12.
+        whitespace: "compact" (no free whitespace) or "flexible" (up to 2 of space, tab, CR,
+            LF around structural characters).
+        strict: raise on keywords that cannot be enforced exactly (True), or ignore them and
+            list them in the returned warnings (False).
+        max_recursion_depth: how many times one ``$ref`` target may be entered on one path.
+        any_max_depth: container nesting allowed inside ``{}``/``true`` values.
+        any_max_length: most members per array/object inside ``{}`` values (None: unbounded).
+        extra_properties: allow additional properties where ``additionalProperties`` is absent
+            (default False: none).
+
+    Returns:
+        (regex, warnings): the regex is implicitly anchored at both ends.
+
+    Raises:
+        GrammarError: unsatisfiable schema, remote ``$ref``, or (strict) a keyword that cannot
+            be enforced exactly; ``keyword`` and ``path`` (JSON pointer) name the culprit.
+    """
+    if whitespace not in ("compact", "flexible"):
+        raise GrammarError(f"unknown whitespace mode {whitespace!r}", keyword="whitespace")
+    opts = SchemaOptions(whitespace, strict, max_recursion_depth, any_max_depth, any_max_length,
+                         extra_properties)
+    if schema is False:
+        raise GrammarError("the schema `false` admits no value", keyword="false", path="#")
+    compiler = SchemaCompiler(schema, opts)
+    regex = compiler.sub(schema, "#")
+    if regex is None:
+        raise GrammarError("the schema admits no value (unsatisfiable)", keyword=_culprit(schema),
+                           path="#")
+    return regex, compiler.warnings
+
+
+def _culprit(schema: object) -> str:
+    if isinstance(schema, dict):
+        for k in ("enum", "minItems", "maxItems", "minimum", "maximum", "minLength", "required",
+                  "allOf", "$ref"):
+            if k in schema:
+                return k
+    return "schema"

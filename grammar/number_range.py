@@ -1,0 +1,168 @@
+"""Exact regexes for JSON numbers inside numeric bounds.
+
+Integers are written canonically (RFC 8259 §6 ``int``: no leading zeros, never ``-0``).
+Bounded numbers are written without exponent: ``-?int(\\.[0-9]+)?``. The construction is the
+classic digit-range split (numbers of one length at a time, then the first differing digit),
+extended to fractions by comparing the fraction digits left to right. Bounds are
+``decimal.Decimal`` values so that 0.1 means one tenth exactly.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from grammar.schema_rx import Rx, alt, repeat, seq
+
+DIGIT = "[0-9]"
+INTEGER = "-?(?:0|[1-9][0-9]*)"
+NUMBER = INTEGER + "(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+_ANY_FRACTION = "(?:\\.[0-9]+)?"
+
+
+def _digit_class(lo: int, hi: int) -> Rx:
+    if lo > hi:
+        return None
+    if lo == hi:
+        return str(lo)
+    if lo == 0 and hi == 9:
+        return DIGIT
+    return f"[{lo}-{hi}]"
+
+
+def _same_length(x: str, y: str) -> Rx:
+    """Digit strings of ``len(x)`` between ``x`` and ``y`` inclusive (``x <= y``, same length)."""
+    if x == y:
+        return x
+    if set(x[1:]) <= {"0"} and set(y[1:]) <= {"9"}:
+        return seq(_digit_class(int(x[0]), int(y[0])), repeat(DIGIT, len(x) - 1, len(x) - 1))
+    if x[0] == y[0]:
+        return seq(x[0], _same_length(x[1:], y[1:]))
+    n = len(x) - 1
+    return alt([
+        seq(x[0], _same_length(x[1:], "9" * n)),
+        seq(_digit_class(int(x[0]) + 1, int(y[0]) - 1), repeat(DIGIT, n, n)),
+        seq(y[0], _same_length("0" * n, y[1:])),
+    ])
+
+
+def nonneg_int_range(lo: int, hi: int | None) -> Rx:
+    """Canonical decimal integers in ``[lo, hi]`` with ``0 <= lo`` (``hi=None``: unbounded)."""
+    if hi is not None and hi < lo:
+        return None
+    parts: list[Rx] = []
+    top = len(str(hi)) if hi is not None else len(str(lo))
+    for length in range(len(str(lo)), top + 1):
+        first = 0 if length == 1 else 10 ** (length - 1)
+        last = 10 ** length - 1
+        a, b = max(lo, first), (last if hi is None else min(hi, last))
+        if a <= b:
+            parts.append(_same_length(str(a), str(b)))
+    if hi is None:
+        parts.append("[1-9]" + repeat(DIGIT, top, None))
+    return alt(parts)
+
+
+def int_range(lo: int | None, hi: int | None) -> Rx:
+    """Canonical JSON integers ``v`` with ``lo <= v <= hi`` (None: unbounded on that side)."""
+    if lo is None and hi is None:
+        return INTEGER
+    if lo is not None and hi is not None and hi < lo:
+        return None
+    parts = []
+    if hi is None or hi >= 0:
+        parts.append(nonneg_int_range(max(lo, 0) if lo is not None else 0, hi))
+    if lo is None or lo < 0:
+        mag_lo = max(1, -hi) if hi is not None else 1
+        mag = nonneg_int_range(mag_lo, None if lo is None else -lo)
+        parts.append(seq("-", mag))
+    return alt(parts)
+
+
+def _split(d: Decimal) -> tuple[int, str]:
+    """Integer part and fraction digits (trailing zeros dropped) of a non-negative decimal."""
+    text = format(d, "f")
+    whole, _, frac = text.partition(".")
+    return int(whole), frac.rstrip("0")
+
+
+def _frac(lo: str | None, hi: str | None, lo_strict: bool, hi_strict: bool) -> tuple[bool, Rx]:
+    """Fraction digit strings ``s`` with ``0.lo <=/< 0.s <=/< 0.hi``.
+
+    ``lo=None`` / ``hi=None`` mean that side is already satisfied strictly. Returns (whether the
+    empty string is admitted, regex for the non-empty strings).
+    """
+    lo_ok = lo is None or (lo == "" and not lo_strict)
+    hi_ok = hi is None or hi != "" or not hi_strict
+    empty_ok = lo_ok and hi_ok
+    if lo is None and hi is None:
+        return True, DIGIT + "+"
+    if hi == "":
+        # Equal to the upper bound so far: only zeros keep it in range.
+        return (empty_ok, "0+" if empty_ok else None)
+    if lo == "" and hi is None:
+        return True, (DIGIT + "+" if not lo_strict else "0*[1-9][0-9]*")
+    l0 = int(lo[0]) if lo else 0
+    h0 = int(hi[0]) if hi else 9
+    parts: list[Rx] = []
+    free_lo = l0 + 1 if lo is not None else 0
+    free_hi = h0 - 1 if hi is not None else 9
+    parts.append(seq(_digit_class(free_lo, free_hi), DIGIT + "*"))
+    for d in sorted({l0 if lo is not None else None, h0 if hi is not None else None} - {None}):
+        next_lo = lo[1:].rstrip("0") if lo is not None and d == l0 else None
+        if lo is not None and d == l0 and lo == "":
+            next_lo = ""
+        next_hi = hi[1:].rstrip("0") if hi is not None and d == h0 else None
+        if lo is not None and d < l0 or hi is not None and d > h0:
+            continue
+        if lo is not None and d > l0:
+            next_lo = None
+        if hi is not None and d < h0:
+            next_hi = None
+        rest_empty, rest = _frac(next_lo, next_hi, lo_strict, hi_strict)
+        parts.append(seq(str(d), alt(["" if rest_empty else None, rest])))
+    return empty_ok, alt(parts)
+
+
+def _fraction_text(empty_ok: bool, nonempty: Rx) -> Rx:
+    return alt(["" if empty_ok else None, seq("\\.", nonempty)])
+
+
+def _nonneg_decimal(lo: Decimal, lo_strict: bool, hi: Decimal | None, hi_strict: bool) -> Rx:
+    li, lf = _split(lo)
+    if hi is None:
+        return alt([
+            seq(nonneg_int_range(li + 1, None), _ANY_FRACTION),
+            seq(str(li), _fraction_text(*_frac(lf, None, lo_strict, hi_strict))),
+        ])
+    hi_i, hf = _split(hi)
+    if li == hi_i:
+        return seq(str(li), _fraction_text(*_frac(lf, hf, lo_strict, hi_strict)))
+    return alt([
+        seq(str(li), _fraction_text(*_frac(lf, None, lo_strict, hi_strict))),
+        seq(nonneg_int_range(li + 1, hi_i - 1), _ANY_FRACTION) if hi_i - 1 >= li + 1 else None,
+        seq(str(hi_i), _fraction_text(*_frac(None, hf, lo_strict, hi_strict))),
+    ])
+
+
+def number_range(lo: Decimal | None, lo_strict: bool, hi: Decimal | None, hi_strict: bool) -> Rx:
+    """JSON numbers ``v`` within the bounds, written without exponent; None if none exist.
+
+    ``lo_strict`` / ``hi_strict`` make a bound exclusive. Zero is written ``0`` (never ``-0``).
+    """
+    if lo is None and hi is None:
+        return NUMBER
+    if lo is not None and hi is not None and (hi < lo or (hi == lo and (lo_strict or hi_strict))):
+        return None
+    parts: list[Rx] = []
+    if hi is None or hi > 0 or (hi == 0 and not hi_strict):
+        if lo is None or lo < 0:
+            parts.append(_nonneg_decimal(Decimal(0), False, hi, hi_strict))
+        else:
+            parts.append(_nonneg_decimal(lo, lo_strict, hi, hi_strict))
+    if lo is None or lo < 0:
+        if hi is not None and hi < 0:
+            mag = _nonneg_decimal(-hi, hi_strict, None if lo is None else -lo, lo_strict)
+        else:
+            mag = _nonneg_decimal(Decimal(0), True, None if lo is None else -lo, lo_strict)
+        parts.append(seq("-", mag))
+    return alt(parts)

@@ -1,0 +1,156 @@
+"""Character sets and the regex text shared by the JSON Schema compiler.
+
+A ``CharSet`` is a sorted tuple of disjoint inclusive code-point ranges. It is turned into
+regex text in the one dialect both Python ``re`` and outlines-core 0.2.14 (Rust
+``regex-automata`` syntax, Unicode mode, matching UTF-8 bytes) read the same way: classes
+with every metacharacter escaped, control characters as ``\\xHH`` and everything else as the
+literal character. No ``\\d``/``\\w``/``.`` shorthand is emitted, since Rust and Python disagree
+on their Unicode meaning.
+
+Canonical JSON strings: the grammar writes each decoded character one way only, the way
+``json.dumps(..., ensure_ascii=False)`` does (RFC 8259 §7 escapes): ``\\"``, ``\\\\``, ``\\b``,
+``\\f``, ``\\n``, ``\\r``, ``\\t``, other controls below U+0020 as ``\\u00xx`` (lower-case hex),
+everything else literal (``/`` unescaped, non-ASCII as UTF-8). One encoding per character makes
+string languages comparable (enum exclusion, ``oneOf`` disjointness) and keeps automata small.
+"""
+
+from __future__ import annotations
+
+MAX_CP = 0x10FFFF
+CharSet = tuple[tuple[int, int], ...]
+
+ANY_CHAR: CharSet = ((0, MAX_CP),)
+EMPTY: CharSet = ()
+
+_NAMED_ESCAPES = {0x22: '\\\\"', 0x5C: "\\\\\\\\", 0x08: "\\\\b", 0x0C: "\\\\f", 0x0A: "\\\\n",
+                  0x0D: "\\\\r", 0x09: "\\\\t"}
+# Characters that must be escaped inside a class for both dialects ('[' opens a nested class
+# in Rust; '&', '~', '-' form set operators there).
+_CLASS_META = set("\\]^-[&~")
+_LITERAL_META = set("\\.+*?()|[]{}^$")
+
+
+def charset(*ranges: tuple[int, int]) -> CharSet:
+    """Normalise ranges (any order, overlapping) into a CharSet."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(r for r in ranges if r[0] <= r[1]):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def chars(text: str) -> CharSet:
+    """The set of the characters of ``text``."""
+    return charset(*((ord(c), ord(c)) for c in text))
+
+
+def union(*sets: CharSet) -> CharSet:
+    return charset(*(r for s in sets for r in s))
+
+
+def complement(s: CharSet) -> CharSet:
+    out, start = [], 0
+    for lo, hi in s:
+        if lo > start:
+            out.append((start, lo - 1))
+        start = hi + 1
+    if start <= MAX_CP:
+        out.append((start, MAX_CP))
+    return tuple(out)
+
+
+def intersect(a: CharSet, b: CharSet) -> CharSet:
+    return complement(union(complement(a), complement(b)))
+
+
+def subtract(a: CharSet, b: CharSet) -> CharSet:
+    return intersect(a, complement(b))
+
+
+def contains(s: CharSet, cp: int) -> bool:
+    return any(lo <= cp <= hi for lo, hi in s)
+
+
+def size(s: CharSet) -> int:
+    return sum(hi - lo + 1 for lo, hi in s)
+
+
+def _class_char(cp: int) -> str:
+    c = chr(cp)
+    if cp < 0x20 or cp == 0x7F:
+        return f"\\x{cp:02x}"
+    if 0xD800 <= cp <= 0xDFFF:
+        raise ValueError("surrogate code point in a character class")
+    return "\\" + c if c in _CLASS_META else c
+
+
+def literal(text: str) -> str:
+    """Regex text matching exactly ``text`` (escaping only what both dialects treat as meta)."""
+    out = []
+    for c in text:
+        cp = ord(c)
+        if cp < 0x20 or cp == 0x7F:
+            out.append(f"\\x{cp:02x}")
+        elif c in _LITERAL_META:
+            out.append("\\" + c)
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def _without_surrogates(s: CharSet) -> CharSet:
+    return subtract(s, ((0xD800, 0xDFFF),))
+
+
+def class_regex(s: CharSet) -> str | None:
+    """Regex text for one character of ``s`` (None when ``s`` is empty)."""
+    s = _without_surrogates(s)
+    if not s:
+        return None
+    if len(s) == 1 and s[0][0] == s[0][1]:
+        return literal(chr(s[0][0]))
+    comp = _without_surrogates(complement(s))
+    negate = len(comp) < len(s)
+    body = []
+    for lo, hi in (comp if negate else s):
+        if lo == hi:
+            body.append(_class_char(lo))
+        elif hi == lo + 1:
+            body.append(_class_char(lo) + _class_char(hi))
+        else:
+            body.append(f"{_class_char(lo)}-{_class_char(hi)}")
+    return "[" + ("^" if negate else "") + "".join(body) + "]"
+
+
+_ESCAPED: CharSet = charset((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
+
+
+def json_char(s: CharSet) -> str | None:
+    """Regex for one decoded character of ``s`` written canonically inside a JSON string.
+
+    Returns None when ``s`` is empty. See the module docstring for the canonical escapes.
+    """
+    alts = []
+    plain = class_regex(subtract(s, _ESCAPED))
+    if plain is not None:
+        alts.append(plain)
+    escaped = intersect(s, _ESCAPED)
+    named = [cp for lo, hi in escaped for cp in range(lo, hi + 1)]
+    unicode_escaped = [cp for cp in named if cp not in _NAMED_ESCAPES]
+    alts.extend(_NAMED_ESCAPES[cp] for cp in named if cp in _NAMED_ESCAPES)
+    if unicode_escaped:
+        if len(unicode_escaped) == 0x20 - len([c for c in _NAMED_ESCAPES if c < 0x20]):
+            alts.append("\\\\u00(?:0[0-7]|0b|0e|0f|1[0-9a-f])")
+        else:
+            alts.extend(f"\\\\u00{cp:02x}" for cp in unicode_escaped)
+    if not alts:
+        return None
+    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+
+
+def json_escape_text(text: str) -> str:
+    """The canonical JSON string body of ``text`` (what ``json.dumps(ensure_ascii=False)`` writes)."""
+    import json
+    return json.dumps(text, ensure_ascii=False)[1:-1]

@@ -1,0 +1,202 @@
+"""Intersection of two JSON Schemas (``allOf``), keyword by keyword.
+
+``merge(a, b)`` returns one schema that admits exactly the instances both admit, or raises
+``MergeError`` naming the keyword it cannot combine exactly. Subschemas of a common property
+or of ``items`` are not merged here but wrapped as ``{"allOf": [x, y]}`` and merged lazily when
+the compiler reaches them (so recursive ``$ref``s are never expanded eagerly). Both inputs must
+have their own top-level ``$ref`` already resolved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from decimal import Decimal
+
+
+class MergeError(ValueError):
+    def __init__(self, keyword: str, message: str):
+        super().__init__(message)
+        self.keyword = keyword
+        self.message = message
+
+
+_TYPE_ORDER = ("null", "boolean", "object", "array", "number", "integer", "string")
+
+
+def json_key(value: object) -> str:
+    """A key that tells JSON values apart the way JSON Schema equality does (1 == 1.0, 1 != true)."""
+    def norm(v):
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            return v
+        if isinstance(v, (int, float)):
+            return ["#num", str(Decimal(repr(v)).normalize()) if isinstance(v, float) else str(v)]
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        return {k: norm(x) for k, x in v.items()}
+    return json.dumps(norm(value), sort_keys=True)
+
+
+def types_of(schema: dict) -> set[str] | None:
+    t = schema.get("type")
+    if t is None:
+        return None
+    return {t} if isinstance(t, str) else set(t)
+
+
+def _intersect_types(a: set[str] | None, b: set[str] | None) -> list[str] | None:
+    if a is None:
+        return None if b is None else sorted(b, key=_TYPE_ORDER.index)
+    if b is None:
+        return sorted(a, key=_TYPE_ORDER.index)
+    out = a & b
+    if "integer" in a and "number" in b or "number" in a and "integer" in b:
+        out.add("integer")
+    return sorted(out, key=_TYPE_ORDER.index)
+
+
+def _both(x, y):
+    if x is True or x is None:
+        return y
+    if y is True or y is None:
+        return x
+    if x is False or y is False:
+        return False
+    if x == y:
+        return x
+    return {"allOf": [x, y]}
+
+
+def _tighter(a: dict, b: dict, key: str, pick) -> object:
+    if key not in a:
+        return b[key]
+    if key not in b:
+        return a[key]
+    return pick(a[key], b[key])
+
+
+def _key_schema(schema: dict, name: str) -> object:
+    """What ``schema`` demands of property ``name`` (``True`` when nothing)."""
+    if name in schema.get("properties", {}):
+        return schema["properties"][name]
+    if schema.get("patternProperties"):
+        raise MergeError("patternProperties", "cannot merge patternProperties with other properties")
+    return schema.get("additionalProperties", True)
+
+
+def _merge_objects(a: dict, b: dict, out: dict) -> None:
+    props_a, props_b = a.get("properties", {}), b.get("properties", {})
+    if props_a or props_b or "additionalProperties" in a or "additionalProperties" in b:
+        if (a.get("patternProperties") or b.get("patternProperties")) and a.get(
+                "patternProperties") != b.get("patternProperties"):
+            raise MergeError("patternProperties", "cannot merge differing patternProperties")
+        names = list(props_a) + [n for n in props_b if n not in props_a]
+        if names:
+            out["properties"] = {n: _both(_key_schema(a, n), _key_schema(b, n)) for n in names}
+        addl = _both(a.get("additionalProperties", True), b.get("additionalProperties", True))
+        if addl is not True:
+            out["additionalProperties"] = addl
+    if "patternProperties" in a or "patternProperties" in b:
+        out["patternProperties"] = a.get("patternProperties") or b.get("patternProperties")
+    required = list(a.get("required", [])) + [r for r in b.get("required", []) if r not in a.get("required", [])]
+    if required:
+        out["required"] = required
+    if "propertyNames" in a and "propertyNames" in b:
+        out["propertyNames"] = _both(a["propertyNames"], b["propertyNames"])
+
+
+def _merge_arrays(a: dict, b: dict, out: dict) -> None:
+    for key in ("prefixItems", "additionalItems"):
+        if key in a and key in b and a[key] != b[key]:
+            raise MergeError(key, f"cannot merge two different {key}")
+    ia, ib = a.get("items"), b.get("items")
+    if isinstance(ia, list) or isinstance(ib, list):
+        if ia is not None and ib is not None and ia != ib:
+            raise MergeError("items", "cannot merge tuple items with other items")
+    elif "items" in a and "items" in b:
+        out["items"] = _both(ia, ib)
+    if "prefixItems" in a and "items" in b and "prefixItems" not in b or (
+            "prefixItems" in b and "items" in a and "prefixItems" not in a):
+        raise MergeError("prefixItems", "cannot merge prefixItems with plain items")
+
+
+def _lcm_multiple(x, y):
+    if x == y:
+        return x
+    dx, dy = Decimal(str(x)), Decimal(str(y))
+    big, small = (dx, dy) if dx >= dy else (dy, dx)
+    if (big / small) == (big / small).to_integral_value():
+        return x if dx >= dy else y
+    if dx == dx.to_integral_value() and dy == dy.to_integral_value():
+        return math.lcm(int(dx), int(dy))
+    raise MergeError("multipleOf", "cannot merge these multipleOf values")
+
+
+def _same(key: str):
+    def pick(x, y):
+        if x != y:
+            raise MergeError(key, f"cannot merge two different {key} values")
+        return x
+    return pick
+
+
+_PICKS = {
+    "minimum": max, "exclusiveMinimum": max, "maximum": min, "exclusiveMaximum": min,
+    "minLength": max, "maxLength": min, "minItems": max, "maxItems": min,
+    "minProperties": max, "maxProperties": min, "minContains": max, "maxContains": min,
+    "uniqueItems": lambda x, y: bool(x or y), "multipleOf": _lcm_multiple,
+}
+
+
+def merge(a: object, b: object) -> object:
+    """The intersection of schemas ``a`` and ``b`` (booleans allowed); raises ``MergeError``."""
+    if a is True:
+        return b
+    if b is True:
+        return a
+    if a is False or b is False:
+        return False
+    assert isinstance(a, dict) and isinstance(b, dict)
+    out: dict = {}
+    for source in (b, a):  # a's annotations win
+        out.update({k: v for k, v in source.items() if k not in _HANDLED})
+    types = _intersect_types(types_of(a), types_of(b))
+    if types is not None:
+        out["type"] = types
+    enums = [s["enum"] for s in (a, b) if "enum" in s] + [[s["const"]] for s in (a, b) if "const" in s]
+    if enums:
+        keep = {json_key(v) for v in enums[0]}
+        for other in enums[1:]:
+            keep &= {json_key(v) for v in other}
+        out["enum"] = [v for v in enums[0] if json_key(v) in keep]
+    for key, pick in _PICKS.items():
+        if key in a or key in b:
+            out[key] = _tighter(a, b, key, pick)
+    for key in ("pattern", "format", "contains", "not", "if", "then", "else", "dependencies",
+                "dependentRequired", "dependentSchemas", "unevaluatedProperties",
+                "unevaluatedItems", "oneOf", "$dynamicRef", "$recursiveRef"):
+        if key in a or key in b:
+            out[key] = _tighter(a, b, key, _same(key))
+    _merge_objects(a, b, out)
+    _merge_arrays(a, b, out)
+    for key in ("items", "prefixItems", "additionalItems"):
+        if key not in out:
+            for source in (a, b):
+                if key in source:
+                    out[key] = source[key]
+                    break
+    any_a, any_b = a.get("anyOf"), b.get("anyOf")
+    if any_a is not None and any_b is not None:
+        if len(any_a) * len(any_b) > 64:
+            raise MergeError("anyOf", "anyOf cross product too large")
+        out["anyOf"] = [{"allOf": [x, y]} for x in any_a for y in any_b]
+    elif any_a is not None or any_b is not None:
+        out["anyOf"] = any_a if any_a is not None else any_b
+    return out
+
+
+_HANDLED = {"type", "enum", "const", "properties", "additionalProperties", "patternProperties",
+            "required", "propertyNames", "items", "prefixItems", "additionalItems", "anyOf",
+            "allOf", "pattern", "format", "contains", "not", "if", "then", "else",
+            "dependencies", "dependentRequired", "dependentSchemas", "unevaluatedProperties",
+            "unevaluatedItems", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", *_PICKS}

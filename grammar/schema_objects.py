@@ -1,0 +1,163 @@
+"""JSON objects: ``properties``, ``required``, ``additionalProperties``, ``patternProperties``,
+``propertyNames``, ``minProperties``/``maxProperties`` (2020-12 §10.3.2, §6.5).
+
+Canonical layout: declared properties in schema order (then required names that are not
+declared, in ``required`` order), then any additional properties. Optional properties are
+written as "any subset, in order": with a required property the regex is linear, without one
+it lists which property comes first (quadratic in the number of properties, capped by
+``MAX_OBJECT_REGEX``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from grammar import schema_charset as cs
+from grammar.schema_rx import Rx, alt, opt, seq
+from grammar.schema_strings import excluded_keys_regex
+
+if TYPE_CHECKING:
+    from grammar.json_schema import SchemaCompiler
+
+MAX_OBJECT_REGEX = 2_000_000
+_ANY_KEY = '"' + cs.json_char(cs.ANY_CHAR) + '*"'
+
+
+def _key_literal(name: str) -> str:
+    return '"' + cs.literal(cs.json_escape_text(name)) + '"'
+
+
+def _declared_part(items: list[tuple[str, bool]], comma: str, min_one: bool) -> Rx:
+    """Members in order; optional ones may be skipped; commas only between written members.
+
+    Returns None for the empty language; "" when only the empty member list is possible and
+    allowed. ``min_one`` forbids writing no member at all.
+    """
+    first_required = next((i for i, (_, req) in enumerate(items) if req), None)
+    if first_required is not None:
+        head = "".join(opt(seq(m, comma)) for m, _ in items[:first_required])
+        tail = "".join(seq(comma, m) if req else opt(seq(comma, m))
+                       for m, req in items[first_required + 1:])
+        return head + items[first_required][0] + tail
+    if not items:
+        return None if min_one else ""
+    firsts: list[Rx] = []
+    tails = [""] * (len(items) + 1)
+    for i in range(len(items) - 1, -1, -1):
+        tails[i] = opt(seq(comma, items[i][0])) + tails[i + 1]
+    size = 0
+    for i, (m, _) in enumerate(items):
+        firsts.append(m + tails[i + 1])
+        size += len(firsts[-1])
+        if size > MAX_OBJECT_REGEX:
+            raise OverflowError
+    body = alt(firsts)
+    return body if min_one else opt(body)
+
+
+def compile_object(c: "SchemaCompiler", s: dict, path: str) -> Rx:
+    ws, comma, colon = c.ws, c.ws + "," + c.ws, c.ws + ":" + c.ws
+    props: dict = s.get("properties", {}) if isinstance(s.get("properties"), dict) else {}
+    required = [r for r in s.get("required", []) if isinstance(r, str)]
+    patterns: dict = s.get("patternProperties") or {}
+    names_schema = s.get("propertyNames", True)
+    addl = s.get("additionalProperties", True if c.opts.extra_properties else False)
+    for key in ("dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties"):
+        if s.get(key) not in (None, {}, True):
+            c.unsupported(key, path)
+
+    def value_for(name: str, schema: object, where: str) -> Rx:
+        matching = [p for p in patterns if re.search(p, name)]
+        subs = [schema] + [patterns[p] for p in matching]
+        merged = subs[0] if len(subs) == 1 else {"allOf": subs}
+        if names_schema is not True and not c.value_valid(name, names_schema):
+            return None
+        return c.sub(merged, where)
+
+    order = list(props) + [r for r in required if r not in props]
+    members: list[tuple[str, bool]] = []
+    for name in order:
+        if name in props:
+            schema, where = props[name], f"{path}/properties/{_escape(name)}"
+        else:
+            if not patterns and addl is False:
+                return None
+            schema = next((patterns[p] for p in patterns if re.search(p, name)), addl)
+            if any(re.search(p, name) for p in patterns):
+                schema = True
+            where = f"{path}/required"
+        value = value_for(name, schema, where)
+        if value is None:
+            if name in required:
+                return None
+            continue
+        members.append((seq(_key_literal(name), colon, value), name in required))
+
+    extra = _extra_member(c, s, path, order, patterns, addl, names_schema, colon)
+    min_p, max_p = s.get("minProperties", 0), s.get("maxProperties")
+    n_req = sum(1 for _, r in members if r)
+    if max_p is not None and max_p < n_req:
+        return None
+    if max_p is not None and (extra is not None or max_p < len(members)):
+        c.unsupported("maxProperties", path)
+    if extra is None and min_p > len(members):
+        return None
+    if min_p > max(n_req, 1):
+        c.unsupported("minProperties", path)
+    min_one = min_p >= 1 and n_req == 0
+    try:
+        if extra is None:
+            body = _declared_part(members, comma, min_one)
+        else:
+            extras = "(?:" + comma + extra + ")*"
+            if n_req:
+                body = seq(_declared_part(members, comma, False), extras)
+            else:
+                declared = _declared_part(members, comma, True)
+                body = alt([seq(declared, extras), seq(extra, extras)])
+                if not min_one:
+                    body = opt(body)
+    except OverflowError:
+        c.unsupported("properties", path, "too many optional properties to write exactly")
+        return None
+    return seq("\\{", ws, body, ws, "\\}")
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], patterns: dict,
+                  addl: object, names_schema: object, colon: str) -> Rx:
+    """Regex of one additional ``"key":value`` member, or None when none is allowed."""
+    parts: list[Rx] = []
+    if addl is not False and patterns:
+        c.unsupported("patternProperties", path, "patternProperties with open additionalProperties")
+        return None
+    if patterns:
+        if len(patterns) > 1:
+            c.unsupported("patternProperties", path, "several patternProperties")
+            return None
+        (pattern, schema), = patterns.items()
+        key = c.string_for({"type": "string", "pattern": pattern}, f"{path}/patternProperties")
+        value = c.sub(schema, f"{path}/patternProperties/{_escape(pattern)}")
+        if key is not None and any(re.fullmatch(key, _key_literal_text(n)) for n in declared):
+            c.unsupported("patternProperties", path, "pattern matches a declared property")
+            return None
+        parts.append(seq(key, colon, value))
+    elif addl is not False:
+        if names_schema is not True:
+            key = c.string_for(names_schema, f"{path}/propertyNames")
+            if key is not None and any(re.fullmatch(key, _key_literal_text(n)) for n in declared):
+                c.unsupported("propertyNames", path, "property names overlap declared ones")
+                return None
+        else:
+            key = excluded_keys_regex(declared) if declared else _ANY_KEY
+        value = c.sub(addl, f"{path}/additionalProperties")
+        parts.append(seq(key, colon, value))
+    return alt(parts)
+
+
+def _key_literal_text(name: str) -> str:
+    return '"' + cs.json_escape_text(name) + '"'

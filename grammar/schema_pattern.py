@@ -1,0 +1,354 @@
+"""Parse a JSON Schema ``pattern`` and re-emit it over canonical JSON string text.
+
+``pattern`` is matched by ``jsonschema`` with Python ``re.search`` on the *decoded* string
+(JSON Schema 2020-12 validation §6.3.3: unanchored). We parse the common subset of the
+syntax (literals, classes, ``. \\d \\w \\s`` and negations, groups, alternation, greedy or lazy
+quantifiers, ``^``/``$``/``\\A``/``\\Z`` at the ends of top-level alternatives) into a small AST
+whose atoms are character sets, then emit each atom through ``schema_charset.json_char``.
+
+Exactness: each atom carries a subset of Python's meaning (``\\d`` → ASCII digits, ``\\w`` →
+ASCII word characters; negations remove a superset), so the emitted language is a subset of
+what ``re.search`` accepts and never more. Python's ``$`` also matches before one final
+newline; that case is admitted. Lookaround, backreferences, word boundaries, inline flags
+and anchors in the middle raise ``PatternError``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from grammar import schema_charset as cs
+from grammar.schema_rx import Rx, alt, repeat, seq
+
+
+class PatternError(ValueError):
+    """The pattern uses syntax we cannot translate exactly; ``position`` is a character offset."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(f"{message} at position {position}")
+        self.message = message
+        self.position = position
+
+
+@dataclass(frozen=True, slots=True)
+class Atom:
+    chars: cs.CharSet  # decoded characters this atom may match (a subset of Python's meaning)
+
+
+@dataclass(frozen=True, slots=True)
+class Seq:
+    items: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Alt:
+    items: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Rep:
+    item: object
+    lo: int
+    hi: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Anchor:
+    start: bool  # True: ^ or \A; False: $ (newline allowed before the end) or \Z
+    newline_ok: bool = False
+
+
+@functools.cache
+def _unicode_sets() -> dict[str, cs.CharSet]:
+    """Python ``re``'s exact ``\\d`` and ``\\s`` sets (str patterns), computed once."""
+    def collect(pred) -> cs.CharSet:
+        return cs.charset(*((c, c) for c in range(cs.MAX_CP + 1)
+                            if not 0xD800 <= c <= 0xDFFF and pred(chr(c))))
+    return {"d": collect(str.isdecimal), "s": collect(str.isspace)}
+
+
+_ASCII_WORD = cs.charset((48, 57), (65, 90), (95, 95), (97, 122))
+
+
+def _shorthand(letter: str) -> tuple[cs.CharSet, cs.CharSet]:
+    """(under, over) approximations of ``\\d``, ``\\w``, ``\\s`` and their negations."""
+    low = letter.lower()
+    if low == "d":
+        pair = (cs.charset((48, 57)), _unicode_sets()["d"])
+    elif low == "s":
+        exact = _unicode_sets()["s"]
+        pair = (exact, exact)
+    else:
+        pair = (_ASCII_WORD, cs.union(_ASCII_WORD, ((0x80, cs.MAX_CP),)))
+    if letter.isupper():
+        return cs.complement(pair[1]), cs.complement(pair[0])
+    return pair
+
+
+_SIMPLE_ESCAPES = {"t": 9, "n": 10, "r": 13, "f": 12, "v": 11, "a": 7, "0": 0}
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.text = text
+        self.i = 0
+
+    def error(self, message: str) -> PatternError:
+        return PatternError(message, self.i)
+
+    def peek(self) -> str | None:
+        return self.text[self.i] if self.i < len(self.text) else None
+
+    def parse(self):
+        node = self.alternation()
+        if self.i != len(self.text):
+            raise self.error("unbalanced ')'")
+        return node
+
+    def alternation(self):
+        branches = [self.sequence()]
+        while self.peek() == "|":
+            self.i += 1
+            branches.append(self.sequence())
+        return branches[0] if len(branches) == 1 else Alt(tuple(branches))
+
+    def sequence(self):
+        items = []
+        while self.peek() not in (None, "|", ")"):
+            items.append(self.quantified(self.atom()))
+        return Seq(tuple(items))
+
+    def quantified(self, node):
+        while True:
+            c = self.peek()
+            if c in ("*", "+", "?"):
+                self.i += 1
+                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            elif c == "{" and (bounds := self._braces()) is not None:
+                lo, hi = bounds
+            else:
+                return node
+            if isinstance(node, Anchor):
+                raise self.error("quantified anchor")
+            if self.peek() == "?":
+                self.i += 1  # lazy: same language
+            elif self.peek() == "+":
+                raise self.error("possessive quantifier")
+            node = Rep(node, lo, hi)
+
+    def _braces(self) -> tuple[int, int | None] | None:
+        end = self.text.find("}", self.i)
+        if end < 0:
+            return None
+        body = self.text[self.i + 1:end]
+        lo_s, comma, hi_s = body.partition(",")
+        if not (lo_s.isdigit() or (comma and lo_s == "" and hi_s.isdigit())):
+            return None
+        if hi_s and not hi_s.isdigit():
+            return None
+        lo = int(lo_s) if lo_s else 0
+        hi = (int(hi_s) if hi_s else None) if comma else lo
+        if hi is not None and hi < lo:
+            raise self.error("quantifier range out of order")
+        self.i = end + 1
+        return lo, hi
+
+    def atom(self):
+        c = self.peek()
+        if c == "(":
+            return self.group()
+        if c == "[":
+            return self.char_class()
+        if c == ".":
+            self.i += 1
+            return Atom(cs.complement(cs.chars("\n")))
+        if c == "^":
+            self.i += 1
+            return Anchor(start=True)
+        if c == "$":
+            self.i += 1
+            return Anchor(start=False, newline_ok=True)
+        if c in ("*", "+", "?"):
+            raise self.error("nothing to repeat")
+        if c == "\\":
+            return self.escape(in_class=False)
+        self.i += 1
+        return Atom(cs.chars(c))
+
+    def group(self):
+        self.i += 1
+        if self.text.startswith("?:", self.i):
+            self.i += 2
+        elif self.text.startswith("?P<", self.i) or (self.text.startswith("?<", self.i)
+                                                     and self.text[self.i + 2:self.i + 3] not in ("=", "!")):
+            end = self.text.find(">", self.i)
+            if end < 0:
+                raise self.error("unterminated group name")
+            self.i = end + 1
+        elif self.peek() == "?":
+            raise self.error("unsupported group construct (lookaround, flags or backreference)")
+        node = self.alternation()
+        if self.peek() != ")":
+            raise self.error("missing ')'")
+        self.i += 1
+        return node
+
+    def escape(self, in_class: bool):
+        """Parse an escape; returns Atom/Anchor, or (under, over) sets inside a class."""
+        self.i += 1
+        c = self.peek()
+        if c is None:
+            raise self.error("trailing backslash")
+        self.i += 1
+        if c in "dDwWsS":
+            under, over = _shorthand(c)
+            return (under, over) if in_class else Atom(under)
+        if c in _SIMPLE_ESCAPES:
+            cp = _SIMPLE_ESCAPES[c]
+        elif c == "b" and in_class:
+            cp = 8
+        elif c in "xuU":
+            width = {"x": 2, "u": 4, "U": 8}[c]
+            digits = self.text[self.i:self.i + width]
+            if len(digits) != width or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                raise self.error(f"bad \\{c} escape")
+            self.i += width
+            cp = int(digits, 16)
+        elif not in_class and c in "AZ":
+            return Anchor(start=(c == "A"))
+        elif c.isalnum():
+            raise self.error(f"unsupported escape \\{c}")
+        else:
+            cp = ord(c)
+        s = cs.charset((cp, cp))
+        return (s, s) if in_class else Atom(s)
+
+    def char_class(self) -> Atom:
+        self.i += 1
+        negate = self.peek() == "^"
+        if negate:
+            self.i += 1
+        under: list[cs.CharSet] = []
+        over: list[cs.CharSet] = []
+        first = True
+        while True:
+            c = self.peek()
+            if c is None:
+                raise self.error("unterminated character class")
+            if c == "]" and not first:
+                self.i += 1
+                break
+            first = False
+            lo_pair = self._class_item()
+            if (self.peek() == "-" and self.text[self.i + 1:self.i + 2] not in ("]", "")
+                    and len(lo_pair[0]) == 1 and lo_pair[0][0][0] == lo_pair[0][0][1]):
+                self.i += 1
+                hi_pair = self._class_item()
+                if len(hi_pair[0]) != 1 or hi_pair[0][0][0] != hi_pair[0][0][1]:
+                    raise self.error("bad class range")
+                lo, hi = lo_pair[0][0][0], hi_pair[0][0][0]
+                if hi < lo:
+                    raise self.error("class range out of order")
+                lo_pair = (((lo, hi),), ((lo, hi),))
+            under.append(lo_pair[0])
+            over.append(lo_pair[1])
+        if negate:
+            return Atom(cs.complement(cs.union(*over)))
+        return Atom(cs.union(*under))
+
+    def _class_item(self) -> tuple[cs.CharSet, cs.CharSet]:
+        c = self.peek()
+        if c == "\\":
+            return self.escape(in_class=True)
+        self.i += 1
+        s = cs.chars(c)
+        return s, s
+
+
+def parse(pattern: str):
+    """Parse ``pattern`` into the AST above; raises ``PatternError``."""
+    return _Parser(pattern).parse()
+
+
+def length_range(node) -> tuple[int, int | None]:
+    """(min, max) number of decoded characters ``node`` matches (max None = unbounded)."""
+    if isinstance(node, Atom):
+        return 1, 1
+    if isinstance(node, Anchor):
+        return 0, 0
+    if isinstance(node, Seq):
+        lo, hi = 0, 0
+        for item in node.items:
+            a, b = length_range(item)
+            lo += a
+            hi = None if hi is None or b is None else hi + b
+        return lo, hi
+    if isinstance(node, Alt):
+        ranges = [length_range(b) for b in node.items]
+        return min(r[0] for r in ranges), (None if any(r[1] is None for r in ranges)
+                                           else max(r[1] for r in ranges))
+    a, b = length_range(node.item)
+    return a * node.lo, (None if node.hi is None or b is None else b * node.hi)
+
+
+def emit(node) -> Rx:
+    """Regex over canonical JSON string text for an anchor-free AST (None = empty language)."""
+    if isinstance(node, Atom):
+        return cs.json_char(node.chars)
+    if isinstance(node, Seq):
+        return seq(*(emit(i) for i in node.items))
+    if isinstance(node, Alt):
+        return alt([emit(b) for b in node.items])
+    if isinstance(node, Rep):
+        return repeat(emit(node.item), node.lo, node.hi)
+    raise PatternError("anchor inside the pattern", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    """One top-level alternative with its end anchors removed."""
+
+    body: object
+    start: bool
+    end: bool
+    newline_ok: bool
+
+
+def branches(node) -> list[Branch]:
+    """Split the top-level alternatives and strip their anchors; raises on anchors elsewhere."""
+    top = node.items if isinstance(node, Alt) else (node,)
+    out = []
+    for b in top:
+        items = list(b.items) if isinstance(b, Seq) else [b]
+        if len(items) == 1 and isinstance(items[0], Alt):
+            out.extend(branches(items[0]))
+            continue
+        start = bool(items) and isinstance(items[0], Anchor) and items[0].start
+        if start:
+            items = items[1:]
+        end = bool(items) and isinstance(items[-1], Anchor) and not items[-1].start
+        newline_ok = end and items[-1].newline_ok
+        if end:
+            items = items[:-1]
+        if len(items) == 1 and isinstance(items[0], Alt) and (start or end):
+            for sub in branches(items[0]):
+                if sub.start or sub.end:
+                    raise PatternError("anchor inside the pattern", 0)
+                out.append(Branch(sub.body, start, end, newline_ok))
+            continue
+        body = Seq(tuple(items))
+        if _has_anchor(body):
+            raise PatternError("anchor inside the pattern", 0)
+        out.append(Branch(body, start, end, newline_ok))
+    return out
+
+
+def _has_anchor(node) -> bool:
+    if isinstance(node, Anchor):
+        return True
+    if isinstance(node, (Seq, Alt)):
+        return any(_has_anchor(i) for i in node.items)
+    if isinstance(node, Rep):
+        return _has_anchor(node.item)
+    return False

@@ -1,0 +1,142 @@
+"""JSON string values: ``minLength``/``maxLength``, ``pattern`` and ``format`` (2020-12 §6.3, §7).
+
+Lengths count decoded characters (code points), so one canonical escape such as ``\\n`` is
+one character. Returns the regex of the whole literal, quotes included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from grammar import schema_charset as cs
+from grammar import schema_pattern as sp
+from grammar.formats import format_pattern
+from grammar.schema_rx import Rx, alt, repeat, seq
+
+ANY_CHAR = cs.json_char(cs.ANY_CHAR)
+NEWLINE = cs.json_char(cs.chars("\n"))
+
+
+class StringError(ValueError):
+    def __init__(self, keyword: str, message: str, position: int | None = None):
+        super().__init__(message)
+        self.keyword = keyword
+        self.message = message
+        self.position = position
+
+
+@dataclass(frozen=True, slots=True)
+class StringSpec:
+    min_length: int = 0
+    max_length: int | None = None
+    pattern: str | None = None
+    format: str | None = None
+
+
+def _fit_length(body, lo: int, hi: int | None):
+    """Return ``body`` restricted to lengths in [lo, hi], or None if not exactly expressible."""
+    blo, bhi = sp.length_range(body)
+    if blo >= lo and (hi is None or (bhi is not None and bhi <= hi)):
+        return body
+    items = list(body.items) if isinstance(body, sp.Seq) else [body]
+    variable = [i for i, it in enumerate(items) if sp.length_range(it)[0] != sp.length_range(it)[1]]
+    if len(variable) != 1:
+        return None
+    k = variable[0]
+    rep = items[k]
+    if not (isinstance(rep, sp.Rep) and isinstance(rep.item, sp.Atom)):
+        return None
+    fixed = sum(sp.length_range(it)[0] for i, it in enumerate(items) if i != k)
+    new_lo = max(rep.lo, lo - fixed)
+    new_hi = rep.hi if hi is None else (hi - fixed if rep.hi is None else min(rep.hi, hi - fixed))
+    if new_hi is not None and (new_hi < new_lo or new_hi < 0):
+        return sp.Seq((sp.Atom(cs.EMPTY),))
+    items[k] = sp.Rep(rep.item, max(new_lo, 0), new_hi)
+    return sp.Seq(tuple(items))
+
+
+def _branch_regex(branch: sp.Branch) -> Rx:
+    body = sp.emit(branch.body)
+    prefix = "" if branch.start else ANY_CHAR + "*"
+    if not branch.end:
+        suffix = ANY_CHAR + "*"
+    elif branch.newline_ok:
+        suffix = "(?:" + NEWLINE + ")?"
+    else:
+        suffix = ""
+    return seq(prefix, body, suffix)
+
+
+def _pattern_body(pattern: str, lo: int, hi: int | None) -> Rx:
+    try:
+        branches = sp.branches(sp.parse(pattern))
+    except sp.PatternError as exc:
+        raise StringError("pattern", f"unsupported pattern: {exc.message}", exc.position) from None
+    if lo == 0 and hi is None:
+        return alt([_branch_regex(b) for b in branches])
+    out: list[Rx] = []
+    for b in branches:
+        if not (b.start and b.end and not b.newline_ok) and not (b.start and b.end):
+            raise StringError("pattern", "an unanchored pattern together with minLength/maxLength "
+                              "is not supported")
+        fitted = _fit_length(b.body, lo, hi)
+        if fitted is None:
+            raise StringError("pattern", "pattern combined with minLength/maxLength is not "
+                              "expressible exactly")
+        out.append(sp.emit(fitted))
+        if b.newline_ok:
+            # Python's '$' also admits one trailing newline; that string is one char longer.
+            with_nl = _fit_length(b.body, max(lo - 1, 0), None if hi is None else hi - 1)
+            if with_nl is not None and (hi is None or hi >= 1):
+                out.append(seq(sp.emit(with_nl), NEWLINE))
+    return alt(out)
+
+
+def string_regex(spec: StringSpec) -> Rx:
+    """Regex of the JSON string literals (with quotes) that satisfy ``spec``; None if none.
+
+    Raises:
+        StringError: a pattern we cannot translate, a checked format we do not cover, or a
+            combination (e.g. format plus pattern) we cannot intersect exactly.
+    """
+    lo, hi = spec.min_length, spec.max_length
+    if hi is not None and hi < lo:
+        return None
+    fmt = None
+    if spec.format is not None:
+        try:
+            fmt = format_pattern(spec.format)
+        except KeyError:
+            raise StringError("format", f"format {spec.format!r} is not supported") from None
+    if fmt is not None and spec.pattern is not None:
+        raise StringError("pattern", "pattern together with format is not supported")
+    if fmt is not None:
+        body = _pattern_body("^(?:" + fmt + ")\\Z", lo, hi)
+    elif spec.pattern is not None:
+        body = _pattern_body(spec.pattern, lo, hi)
+    else:
+        body = repeat(ANY_CHAR, lo, hi)
+    return seq('"', body, '"')
+
+
+def excluded_keys_regex(names: list[str]) -> Rx:
+    """String literals whose decoded value is *not* one of ``names`` (a trie complement)."""
+    trie: dict = {}
+    for name in names:
+        node = trie
+        for ch in name:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def walk(node: dict) -> Rx:
+        children = [c for c in node if c != ""]
+        others = cs.complement(cs.chars("".join(children)))
+        parts: list[Rx] = []
+        if "" not in node:
+            parts.append("")
+        parts.append(seq(cs.json_char(others), ANY_CHAR + "*"))
+        for c in children:
+            parts.append(seq(cs.json_char(cs.chars(c)), walk(node[c])))
+        return alt(parts)
+
+    return seq('"', walk(trie), '"')
