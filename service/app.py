@@ -24,7 +24,7 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.di import Provide
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, SerializationException, ValidationException
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.response import ServerSentEvent
@@ -83,8 +83,11 @@ def _problem_response(request: Request, exc: Exception) -> Response:
         problem, headers = _validation_problem(exc), {}
         problem.request_id = rid
     elif isinstance(exc, HTTPException) and not isinstance(exc, ServiceError):
+        detail = str(exc.detail)
+        if isinstance(exc.__cause__, SerializationException):  # the body could not be decoded
+            detail = f"the body is not valid JSON: {detail}"
         problem = Problem(title=_TITLES.get(exc.status_code, "Error"), status=exc.status_code,
-                          detail=str(exc.detail), request_id=rid)
+                          detail=detail, request_id=rid)
         headers = dict(exc.headers or {})
     else:
         problem, headers = to_problem(exc, rid, retry)

@@ -1,0 +1,250 @@
+"""POST /generate, /health, /metrics and the error mapping, through Litestar's TestClient (tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+from litestar.testing import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.config import EngineConfig
+from service.app import create_app, service_state
+from service.state import ServiceConfig
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+}
+DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    app = create_app(EngineConfig(model=tiny_model_dir, num_kv_blocks=256, max_num_seqs=16),
+                     ServiceConfig(max_tokens_cap=512, default_max_tokens=32, max_body_bytes=65536,
+                                   request_timeout_s=60))
+    with TestClient(app, timeout=60) as c:
+        yield c
+
+
+def _sse(text: str) -> list:
+    """``data:`` payloads of an event stream, JSON-decoded except ``[DONE]``."""
+    out = []
+    for event in text.split("\n\n"):
+        for line in event.splitlines():
+            if line.startswith("data: "):
+                payload = line[len("data: "):]
+                out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def test_regex_request_returns_a_full_match(client):
+    r = client.post("/generate", json={"prompt": "Today is", "regex": DATE, "max_tokens": 20})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["finish_reason"] == "stop" and body["valid"] is True
+    assert re.fullmatch(DATE, body["text"])
+    assert r.headers["x-request-id"] == body["id"]
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    assert body["timings"]["total_ms"] >= body["timings"]["ttft_ms"] > 0
+
+
+def test_schema_request_returns_valid_json(client):
+    r = client.post("/generate", json={"messages": [{"role": "user", "content": "Ann, 30"}],
+                                       "response_schema": PERSON, "max_tokens": 64})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["finish_reason"] == "stop" and body["valid"] is True, body
+    assert json.loads(body["text"]) == body["output"]
+    jsonschema.Draft202012Validator(PERSON).validate(body["output"])  # independent oracle
+
+
+def test_choice_and_cut_short_outputs(client):
+    r = client.post("/generate", json={"prompt": "Answer:", "choice": ["alpha", "beta"]}).json()
+    assert r["text"] in ("alpha", "beta") and r["output"] == r["text"] and r["valid"]
+    r = client.post("/generate", json={"prompt": "x", "response_schema": PERSON, "max_tokens": 2}).json()
+    assert r["finish_reason"] == "length" and r["output"] is None and r["valid"] is False
+    assert r["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("body, status, needle, field", [
+    ({"prompt": "x", "response_schema": {"type": "strin"}}, 400, "'strin'", "response_schema"),
+    ({"prompt": "x", "max_token": 3}, 422, "max_token", "max_token"),
+    ({"prompt": "x", "max_tokens": 0}, 422, ">= 1", "max_tokens"),
+    ({"prompt": "x", "max_tokens": 513}, 400, "at most 512", "max_tokens"),
+    ({"prompt": 5}, 422, "Expected `str | null`", "prompt"),
+    ({"prompt": "x", "regex": "a", "choice": ["a"]}, 400, "at most one", "choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt": "y"}, 400, "exactly one", "prompt"),
+    ({"prompt": "x", "response_schema": {"$ref": "https://example.com/s.json"}}, 400, "outside", "response_schema"),
+    ({"prompt": "x", "whitespace": "wide"}, 422, "whitespace", "whitespace"),
+])
+def test_bad_requests_name_the_problem(client, body, status, needle, field):
+    r = client.post("/generate", json=body)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    problem = r.json()
+    assert needle in problem["detail"] and problem["field"] == field and problem["status"] == status
+    assert problem["request_id"] == r.headers["x-request-id"]
+
+
+def test_strin_names_keyword_and_path(client):
+    p = client.post("/generate", json={"prompt": "x", "response_schema": {"type": "strin"}}).json()
+    assert (p["keyword"], p["path"]) == ("type", "#/type")
+
+
+def test_bad_regex_names_position(client):
+    p = client.post("/generate", json={"prompt": "x", "regex": "ab(c"})
+    assert p.status_code == 400 and p.json()["position"] is not None
+
+
+def test_malformed_json_and_too_long_prompt(client):
+    r = client.post("/generate", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["detail"]
+    r = client.post("/generate", json={"prompt": "hello " * 3000})  # > 2047 tokens of the tiny model
+    assert r.status_code == 400 and "tokens" in r.json()["detail"]
+    r = client.post("/generate", json={"prompt": "x" * 70000})  # body > 64 KiB
+    assert r.status_code == 413
+    # The server keeps serving after each of these.
+    assert client.post("/generate", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_concurrent_requests_are_batched(client):
+    state = service_state(client.app)
+    steps0 = state.engine.engine.stats()["num_steps"]
+
+    async def fire():
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://stencil", timeout=60) as ac:
+            return await asyncio.gather(*(
+                ac.post("/generate", json={"prompt": f"item {i}", "regex": "[ab]{400}", "max_tokens": 12})
+                for i in range(8)))
+
+    responses = client.blocking_portal.call(fire)
+    bodies = [r.json() for r in responses]
+    assert [r.status_code for r in responses] == [200] * 8
+    assert all(b["finish_reason"] == "length" and b["usage"]["completion_tokens"] == 12 for b in bodies), bodies
+    assert all(re.fullmatch("[ab]+", b["text"]) for b in bodies), bodies
+    steps = state.engine.engine.stats()["num_steps"] - steps0
+    assert steps < 8 * 12 // 2, f"{steps} steps for 8 x 12 tokens: requests were not batched"
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 5, 64])
+def test_stream_equals_non_stream(client, max_tokens):
+    body = {"prompt": "Describe a person.", "response_schema": PERSON, "max_tokens": max_tokens,
+            "temperature": 0.8, "seed": 1234}
+    plain = client.post("/generate", json=body).json()
+    r = client.post("/generate", json={**body, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _sse(r.text)
+    assert events[-1] == "[DONE]"
+    final = events[-2]
+    deltas = events[:-2]
+    assert final["type"] == "final" and all(e["type"] == "delta" for e in deltas)
+    assert "".join(e["text"] for e in deltas) == plain["text"]
+    for key in ("output", "valid", "finish_reason", "usage", "warnings"):
+        assert final[key] == plain[key], key
+
+
+def test_unconstrained_stream_with_stop_matches(client):
+    body = {"prompt": "a b c", "max_tokens": 24, "temperature": 1.0, "seed": 7, "stop": ["e"]}
+    plain = client.post("/generate", json=body).json()
+    events = _sse(client.post("/generate", json={**body, "stream": True}).text)
+    assert "".join(e["text"] for e in events[:-2]) == plain["text"]
+    assert "e" not in plain["text"]
+
+
+def test_queue_full_gives_429_with_retry_after(client):
+    eng = service_state(client.app).engine.engine
+    saved = eng.config.max_waiting
+    eng.config.max_waiting = 0
+    try:
+        r = client.post("/generate", json={"prompt": "x", "max_tokens": 1})
+    finally:
+        eng.config.max_waiting = saved
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert client.post("/generate", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_api_key(client):
+    cfg = service_state(client.app).config
+    cfg.api_key = "s3cret"
+    try:
+        assert client.post("/generate", json={"prompt": "x", "max_tokens": 1}).status_code == 401
+        wrong = client.post("/generate", json={"prompt": "x", "max_tokens": 1},
+                            headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["status"] == 401
+        ok = client.post("/generate", json={"prompt": "x", "max_tokens": 1},
+                         headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+        assert client.post("/generate", json={"prompt": "x", "max_tokens": 1},
+                           headers={"X-API-Key": "s3cret"}).status_code == 200
+        assert client.get("/health").status_code == 200  # probes need no key
+    finally:
+        cfg.api_key = None
+
+
+def test_health_and_openapi(client):
+    h = client.get("/health")
+    assert h.status_code == 200
+    body = h.json()
+    assert body["status"] == "ok" and body["engine"]["kv_blocks_total"] == 256
+    assert body["engine"]["running"] == 0 and body["engine"]["kv_blocks_free"] == 256
+    schema = client.get("/schema/openapi.json").json()
+    props = schema["components"]["schemas"]["GenerateRequest"]["properties"]
+    assert {"prompt", "messages", "response_schema", "regex", "choice", "stream"} <= set(props)
+    assert "/generate" in schema["paths"] and "/health" in schema["paths"]
+
+
+def test_metrics_track_requests(client):
+    def scrape() -> dict:
+        text = client.get("/metrics").text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name + (json.dumps(s.labels, sort_keys=True) if s.labels else "")
+                out[key] = s.value
+        return out
+
+    before = scrape()
+    body = client.post("/generate", json={"prompt": "count", "regex": "[ab]{30}", "max_tokens": 6}).json()
+    after = scrape()
+    assert after["stencil_completion_tokens_total"] - before["stencil_completion_tokens_total"] == 6
+    assert (after["stencil_prompt_tokens_total"] - before["stencil_prompt_tokens_total"]
+            == body["usage"]["prompt_tokens"])
+    ok = 'stencil_http_requests_total{"endpoint": "/generate", "status": "200"}'
+    assert after[ok] - before.get(ok, 0) == 1
+    assert after["stencil_time_to_first_token_seconds_count"] - before["stencil_time_to_first_token_seconds_count"] == 1
+    assert after["stencil_inter_token_latency_seconds_count"] - before["stencil_inter_token_latency_seconds_count"] == 5
+    assert after["stencil_kv_blocks_total"] == 256 and after["stencil_kv_blocks_used"] == 0
+    assert after["stencil_requests_running"] == 0 and after["stencil_requests_waiting"] == 0
+    assert after["stencil_engine_alive"] == 1
+    for name in ("stencil_prefix_cache_hit_rate", "stencil_grammar_compile_seconds_count",
+                 "stencil_grammar_cache_hits_total", "stencil_spec_draft_tokens_total",
+                 "stencil_spec_accepted_tokens_total"):
+        assert name in after, name
+
+
+def test_dead_engine_reported(tiny_model_dir):
+    dead: list = []
+    app = create_app(EngineConfig(model=tiny_model_dir, num_kv_blocks=64), ServiceConfig(),
+                     on_engine_dead=dead.append)
+    with TestClient(app, timeout=30) as c:
+        eng = service_state(app).engine
+
+        def boom():
+            raise RuntimeError("simulated kernel fault")
+
+        eng.engine.step = boom
+        r = c.post("/generate", json={"prompt": "x", "max_tokens": 4})
+        assert r.status_code == 503, r.text
+        h = c.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "dead" and "simulated" in h.json()["error"]
+        assert c.post("/generate", json={"prompt": "x", "max_tokens": 4}).status_code == 503
+    assert len(dead) == 1 and "simulated" in str(dead[0])
