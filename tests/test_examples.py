@@ -1,0 +1,46 @@
+"""The examples run, as a user would run them, against a live server on the tiny model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    from live_server import start_live_server
+
+    live = start_live_server(tiny_model_dir)
+    yield live
+    live.stop()
+
+
+def _run(script: str, url: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "examples" / script), "--url", url], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_typed_client_example(server):
+    p = _run("typed_client.py", server.url)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("Person: Person(name=") and lines[1].startswith("Job: Job(person=")
+    assert "valid=True" in lines[2]
+    assert sum(line.startswith("Async: Person(") for line in lines) == 2
+
+
+def test_tool_call_example(server):
+    pytest.importorskip("openai")
+    p = _run("tool_call.py", server.url)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "finish_reason: tool_calls" in p.stdout
+    assert "model called get_weather({'city': " in p.stdout
+    assert "answer:" in p.stdout
