@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Annotated
 
 import httpx
 import msgspec
 
 
 class Person(msgspec.Struct):
-    name: str
-    age: int
-    city: str
+    name: Annotated[str, msgspec.Meta(max_length=40)]
+    age: Annotated[int, msgspec.Meta(ge=0, le=150)]
+    city: Annotated[str, msgspec.Meta(max_length=40)]
 
 
 TEXT = "Maria Garcia is a 34-year-old architect who lives in Lisbon and cycles to work."
 
 
-def extract(url: str, text: str, api_key: str | None = None) -> tuple[Person, dict]:
+def extract(url: str, text: str, api_key: str | None = None, max_tokens: int = 64) -> tuple[Person, dict]:
     """Ask the server for a ``Person`` found in ``text``; return it and the raw response."""
     body = {
         "messages": [
@@ -33,7 +34,7 @@ def extract(url: str, text: str, api_key: str | None = None) -> tuple[Person, di
             {"role": "user", "content": text},
         ],
         "response_schema": msgspec.json.schema(Person),
-        "max_tokens": 64,
+        "max_tokens": max_tokens,
     }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     r = httpx.post(f"{url.rstrip('/')}/generate", json=body, headers=headers, timeout=120)
@@ -50,8 +51,9 @@ def main() -> int:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="Stencil server (default %(default)s)")
     p.add_argument("--api-key", default=None, help="API key, if the server requires one")
     p.add_argument("--text", default=TEXT, help="text to extract from")
+    p.add_argument("--max-tokens", type=int, default=64, help="output token limit (default %(default)s)")
     args = p.parse_args()
-    person, answer = extract(args.url, args.text, args.api_key)
+    person, answer = extract(args.url, args.text, args.api_key, args.max_tokens)
     print(repr(person))
     print(f"{answer['usage']['completion_tokens']} tokens in {answer['timings']['total_ms']:.0f} ms",
           file=sys.stderr)

@@ -230,10 +230,7 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
         return ServerSentEvent(_sse_events(gen, rid),  # type: ignore[return-value]
                                headers={"cache-control": "no-cache",
                                         "content-type": "text/event-stream; charset=utf-8"})
-    result = None
-    async for item in gen:
-        result = item
-    return _response_of(result)
+    return _response_of(await generation.collect(gen, request.receive))
 
 
 @get("/health", responses={503: ResponseSpec(HealthResponse, description="draining or engine dead")},

@@ -78,6 +78,17 @@ class GenerationTimeout(ServiceError):
     title = "Gateway Timeout"
 
 
+class ClientDisconnected(ServiceError):
+    """The client went away before the answer was ready; the request was aborted.
+
+    499 is nginx's "client closed request": nobody reads this response, the status is for logs
+    and metrics.
+    """
+
+    status = 499
+    title = "Client Closed Request"
+
+
 class GenerationFailed(ServiceError):
     """The engine reported an error for this request alone (the batch went on)."""
 

@@ -36,7 +36,7 @@ import msgspec
 from engine.request import SamplingParams
 from grammar.base import GrammarSpec
 from schemas.common import Timings, Usage
-from service.errors import GenerationFailed, GenerationTimeout, InputError, Unavailable
+from service.errors import ClientDisconnected, GenerationFailed, GenerationTimeout, InputError, Unavailable
 from service.state import ServiceConfig, ServiceState
 from service.validation import check_schema
 
@@ -437,13 +437,53 @@ async def stream(state: ServiceState, prompt_ids: list[int], params: SamplingPar
         yield item
 
 
+async def _until_disconnect(receive) -> None:
+    """Return once the ASGI ``receive`` channel reports ``http.disconnect``."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(gen: GenerationStream, receive=None) -> GenerationResult:
+    """Consume an admitted request to its result, aborting it if the client hangs up.
+
+    Args:
+        gen: from ``start``.
+        receive: the ASGI ``receive`` callable of the HTTP request whose body has been read
+            (Litestar: ``request.receive``); its next message is ``http.disconnect`` when the
+            client leaves. ``None`` = do not watch.
+
+    Raises:
+        ClientDisconnected: the client left; the engine request was aborted (blocks freed).
+        and the errors of iterating ``gen`` (timeout, engine failure).
+    """
+    async def consume() -> GenerationResult:
+        result = None
+        async for item in gen:
+            result = item
+        if not isinstance(result, GenerationResult):
+            raise GenerationFailed(f"request {gen.request_id} ended without a result")
+        return result
+
+    if receive is None:
+        return await consume()
+    work = asyncio.ensure_future(consume())
+    watch = asyncio.ensure_future(_until_disconnect(receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()  # unwinds the engine stream, whose exit aborts the request
+        watch.cancel()
+    if work.cancelled() or not work.done():
+        await asyncio.gather(work, return_exceptions=True)
+        raise ClientDisconnected(f"client closed the connection; request {gen.request_id} aborted")
+    return work.result()
+
+
 async def run(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
               spec: GrammarSpec | None, request_id: str, arrival: float | None = None) -> GenerationResult:
     """Generate to the end and return the result (errors as in ``start``, plus timeout/failure)."""
     gen = await start(state, prompt_ids, params, spec, request_id, arrival)
-    result = None
-    async for item in gen:
-        result = item
-    if not isinstance(result, GenerationResult):
-        raise GenerationFailed(f"request {request_id} ended without a result")
-    return result
+    return await collect(gen)

@@ -1,0 +1,111 @@
+"""Behaviour that needs a real server and real sockets: client disconnects, engine death, the example."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.config import EngineConfig
+from service.app import service_state
+from service.state import ServiceConfig
+from service_live import LiveServer
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG = {"prompt": "go", "regex": "[ab]{4000}", "max_tokens": 1000}  # can only end by length or abort
+
+
+def _wait(pred, timeout_s: float = 10.0, step: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return False
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=256),
+                     ServiceConfig(max_tokens_cap=1024)).start()
+    yield srv
+    srv.stop()
+
+
+def _finished_total(srv) -> float:
+    m = service_state(srv.app).metrics.finished
+    return sum(s.value for fam in m.collect() for s in fam.samples if s.name.endswith("_total"))
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    eng = service_state(server.app).engine.engine
+    finished_before = _finished_total(server)
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server.url + "/generate", json={**LONG, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"delta"' in line:
+                    break  # one delta seen: the request is running; now hang up
+        assert eng.stats()["running"] == 1 or eng.stats()["kv_blocks_free"] < 256
+    assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
+    assert _wait(lambda: eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"])
+    # Aborted, not run to its 1000 tokens: a finished request would have been counted.
+    assert _finished_total(server) == finished_before
+    # And the server goes on serving.
+    ok = httpx.post(server.url + "/generate", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_non_streamed_client_timeout_aborts(server):
+    eng = service_state(server.app).engine.engine
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/generate", json=LONG, timeout=0.5)
+    assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["kv_blocks_free"] == 256)
+
+
+def test_example_extract_runs(server):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "extract.py"), "--url", server.url,
+                           "--max-tokens", "200"], capture_output=True, text=True, timeout=120)
+    # The tiny model's words are random, but the answer must be a schema-valid, typed Person.
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Person(name=")
+
+
+def test_engine_death_fails_inflight_and_exits_nonzero(tiny_model_dir):
+    srv = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=64), ServiceConfig()).start()
+    eng = service_state(srv.app).engine
+    results: dict = {}
+
+    def plain():
+        results["plain"] = httpx.post(srv.url + "/generate", json=LONG, timeout=30)
+
+    def streamed():
+        with httpx.stream("POST", srv.url + "/generate", json={**LONG, "stream": True}, timeout=30) as r:
+            results["stream"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    for t in threads:
+        t.start()
+    assert _wait(lambda: eng.engine.stats()["running"] == 2)
+
+    def boom():
+        raise RuntimeError("simulated device fault")
+
+    t0 = time.monotonic()
+    eng.engine.step = boom
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - t0 < 5, "in-flight requests hung after the engine died"
+    assert results["plain"].status_code == 503 and "died" in results["plain"].json()["detail"]
+    events = results["stream"]
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: "):])
+    assert last["type"] == "error" and last["error"]["status"] == 503
+    srv.thread.join(20)
+    assert srv.exit_code == 1
