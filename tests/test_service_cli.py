@@ -1,0 +1,52 @@
+"""The ``stencil`` command line: help texts, lazy benchmark dispatch, one-shot generate."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+
+import pytest
+
+from service import cli
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "serve"),
+    (["serve"], "--api-key"),
+    (["generate"], "--schema"),
+    (["bench"], "soak"),
+])
+def test_help_everywhere(capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--help"])
+    assert e.value.code == 0
+    assert needle in capsys.readouterr().out
+
+
+def test_bench_dispatches_lazily(monkeypatch, capsys):
+    seen = {}
+    fake = types.ModuleType("benchmarks.fake_bench")
+    fake.add_arguments = lambda p: p.add_argument("--n", type=int, default=1)
+    fake.main = lambda args: seen.setdefault("n", args.n) and 3
+    monkeypatch.setitem(sys.modules, "benchmarks.fake_bench", fake)
+    assert cli.main(["bench", "fake_bench", "--n", "5"]) == 3
+    assert seen == {"n": 5}
+    assert cli.main(["bench", "no_such_bench"]) == 2
+    assert "not available" in capsys.readouterr().err
+
+
+def test_generate_one_shot(tiny_model_dir, capsys):
+    rc = cli.main(["generate", "--model", str(tiny_model_dir), "--num-kv-blocks", "64",
+                   "--regex", "[0-9]{4}-[0-9]{2}-[0-9]{2}", "When?"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}\n", out.out)
+    assert "loading model" in out.err and "finish_reason=stop" in out.err
+
+
+def test_generate_reports_bad_schema(tiny_model_dir, tmp_path, capsys):
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "strin"}')
+    rc = cli.main(["generate", "--model", str(tiny_model_dir), "--num-kv-blocks", "64", "--schema", str(schema), "x"])
+    assert rc == 2 and "error (400)" in capsys.readouterr().err
