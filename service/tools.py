@@ -4,8 +4,10 @@ Wire format the model writes (the Hermes / Qwen convention, compact JSON inside)
 
     <tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>
 
-With ``parallel_tool_calls`` (OpenAI's default) one or more such blocks follow each other,
-separated by one newline. Each block's JSON is constrained by a JSON Schema that is an
+With ``parallel_tool_calls`` (OpenAI's default) one or more such blocks follow each other
+directly. (With a newline allowed between blocks, SmolLM2-135M chose the newline over EOS and
+repeated its call until ``max_tokens``; right after ``</tool_call>`` it prefers EOS to ``<``.)
+Each block's JSON is constrained by a JSON Schema that is an
 ``anyOf`` over the allowed functions, each branch ``{"name": {"const": f}, "arguments":
 <f's parameters>}`` — disjoint by the ``name`` constant. A function without ``parameters``
 takes ``{}`` exactly.
@@ -37,7 +39,7 @@ from schemas.openai import ChatMessage, FunctionCall, FunctionDefinition, Tool, 
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-CALL_SEP = "\n"
+CALL_SEP = ""
 ANY_TEXT = r"[\s\S]*"
 
 NO_ARGUMENTS: dict = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -219,7 +221,7 @@ def tools_system_text(plan: ToolPlan) -> str:
                                  "parameters": arguments_schema(fn)}, ensure_ascii=False))
     lines.append(f'To call a function, write {CALL_OPEN}{{"name": <function name>, "arguments": '
                  f'<arguments as a JSON object>}}{CALL_CLOSE}'
-                 + (" (one block per call, one per line)." if plan.parallel else "."))
+                 + (" (one block per call)." if plan.parallel else "."))
     if plan.mode == "auto":
         lines.append("If no function is needed, answer in plain text instead.")
     return "\n".join(lines)
@@ -255,7 +257,8 @@ def _arguments(call: ToolCall) -> Any:
                         "messages") from None
 
 
-def template_messages(messages: list[ChatMessage], plan: ToolPlan, native_tools: bool) -> tuple[list[dict], list[dict] | None]:
+def template_messages(messages: list[ChatMessage], plan: ToolPlan,
+                      native_tools: bool) -> tuple[list[dict], list[dict] | None]:
     """OpenAI messages → (messages for ``apply_chat_template``, its ``tools=`` argument or None).
 
     With ``native_tools`` the template sees assistant ``tool_calls`` (arguments as objects) and

@@ -95,17 +95,33 @@ def test_streamed_equals_whole_and_reports_usage(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+PARAMS = {"get_weather": WEATHER["function"]["parameters"],
+          "now": {"type": "object", "properties": {}, "additionalProperties": False}}
+
+
 def test_required_tool_call_arguments_validate(client):
     r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, CLOCK],
-                                       tool_choice="required", max_tokens=80, seed=3)
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=80, seed=3)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
-    assert c.message.tool_calls, "required means at least one call"
-    params = {"get_weather": WEATHER["function"]["parameters"],
-              "now": {"type": "object", "properties": {}, "additionalProperties": False}}
-    for call in c.message.tool_calls:
-        assert call.type == "function" and call.id.startswith("call_")
-        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    assert len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+def test_parallel_calls_each_validate(client):
+    # A random model may chain calls until max_tokens; then there are no tool_calls, only the
+    # cut text, which must still be call blocks.
+    for seed in range(3):
+        c = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, CLOCK],
+                                           tool_choice="required", max_tokens=120, seed=seed).choices[0]
+        if c.finish_reason == "tool_calls":
+            assert c.message.tool_calls and c.message.content is None
+            for call in c.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+        else:
+            assert c.finish_reason == "length" and c.message.content.startswith("<tool_call>{")
 
 
 def test_named_function_without_parameters_gets_empty_arguments(client):

@@ -111,9 +111,10 @@ def test_required_regex_single_and_parallel():
     a, b = _block("get_weather", {"city": "Paris"}), _block("now", {})
     r_one, r_many = re.compile(tool_regex(one, _to_regex, None)), re.compile(tool_regex(many, _to_regex, None))
     assert r_one.fullmatch(a) and r_one.fullmatch(b)
-    assert not r_one.fullmatch(a + "\n" + b)
-    assert r_many.fullmatch(a + "\n" + b) and r_many.fullmatch(b)
-    for bad in ["", "hello", _block("get_weather", {"city": "Oslo"}), _block("now", {"x": 1}), a + "\n"]:
+    assert not r_one.fullmatch(a + b)
+    assert r_many.fullmatch(a + b) and r_many.fullmatch(b + a + b)
+    for bad in ["", "hello", _block("get_weather", {"city": "Oslo"}), _block("now", {"x": 1}), a + "\n",
+                a + "\n" + b]:
         assert not r_many.fullmatch(bad), bad
 
 
@@ -135,7 +136,7 @@ def test_auto_regex_is_text_or_calls():
 
 def test_parse_calls_and_text():
     plan = plan_tools([WEATHER, CLOCK], "auto", True)
-    content, calls = parse_tool_output(_block("get_weather", {"city": "Paris"}) + "\n" + _block("now", {}), plan)
+    content, calls = parse_tool_output(_block("get_weather", {"city": "Paris"}) + _block("now", {}), plan)
     assert content is None
     assert [(c.function.name, c.function.arguments, c.type) for c in calls] == \
         [("get_weather", '{"city":"Paris"}', "function"), ("now", "{}", "function")]
