@@ -192,11 +192,16 @@ class LLMEngine:
             if m is not None:
                 drafts = sr.request.draft_token_ids[:sr.num_drafts]
                 m.fill_bitmask(bitmask, row)
-                for j, d in enumerate(drafts):
-                    m.accept_tokens([d])  # drafts were validated against the grammar
-                    m.fill_bitmask(bitmask, row + j + 1)
-                if drafts:
-                    m.rollback(len(drafts))
+                accepted = 0
+                for d in drafts:
+                    # A draft the grammar refuses is also refused by the verifier (its row masks
+                    # it out), so later rows are never read: leave them as they are.
+                    if not m.accept_tokens([d]):
+                        break
+                    accepted += 1
+                    m.fill_bitmask(bitmask, row + accepted)
+                if accepted:
+                    m.rollback(accepted)
             row += sr.num_logits
         return bitmask
 
