@@ -10,7 +10,9 @@ status codes are the ones ``service.errors.to_problem`` gives every route.
 ``{"type": "object"}``), ``json_schema`` (``{name, schema, strict}``; ``strict: false`` lets
 the grammar ignore keywords it cannot enforce, otherwise they are refused with 400). Tools:
 see ``service/tools.py``. ``n`` choices are independent requests with seeds ``seed, seed+1,
-...``. Streams are server-sent events ending ``data: [DONE]``.
+...``. Streams are server-sent events ending ``data: [DONE]``. As in OpenAI's API,
+``temperature`` defaults to 1 here (``POST /generate`` defaults to greedy). Legacy ``logprobs``
+with ``echo`` cover the generated tokens only.
 
 Register with ``create_app(..., route_handlers=openai_route_handlers)``; the handlers take the
 dependency ``svc: ServiceState`` that ``service.app`` provides.
@@ -37,10 +39,10 @@ from grammar.base import GrammarSpec
 from schemas.openai import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChoiceDelta,
     ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, ErrorBody,
-    ErrorResponse, Model, ModelList, ResponseFormat, TokenLogprob, ToolCallDelta, Usage,
+    ErrorResponse, Model, ModelList, ResponseFormat, TokenLogprob, Tool, ToolCallDelta, Usage,
 )
 from service import generation as gen
-from service.errors import InputError, ServiceError, Unavailable, to_problem
+from service.errors import GenerationFailed, InputError, ServiceError, Unavailable, to_problem
 from service.state import ServiceState
 from service.tools import (
     CALL_OPEN, ToolError, ToolPlan, arguments_schema, parse_tool_output, plan_tools, template_messages,
@@ -128,13 +130,14 @@ def _format_schema(fmt: ResponseFormat | None) -> tuple[Any, bool]:
 
 
 async def _spec(svc: ServiceState, fmt: ResponseFormat | None, plan: ToolPlan,
-                tools_params: list[dict | None]) -> GrammarSpec | None:
+                tools: list[Tool] | None) -> GrammarSpec | None:
     """The grammar of the whole output: the response format's, or the tool-call regex."""
     schema, strict = _format_schema(fmt)
     if not plan.active:
         return gen.grammar_spec(svc.config, response_schema=schema, strict=strict)
     cfg = svc.config
-    for i, params in enumerate(tools_params):
+    for i, tool in enumerate(tools or []):
+        params = tool.function.parameters
         if params is not None:
             try:
                 check_schema(params, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
@@ -145,12 +148,9 @@ async def _spec(svc: ServiceState, fmt: ResponseFormat | None, plan: ToolPlan,
         check_schema(schema, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
     from grammar.json_schema import schema_to_regex
 
-    def to_regex(s: dict) -> str:
-        return schema_to_regex(s, strict=strict)[0]
-
     def build() -> str:
-        text = to_regex(schema) if schema is not None else None
-        return tool_regex(plan, to_regex, text)
+        text = schema_to_regex(schema, strict=strict)[0] if schema is not None else None
+        return tool_regex(plan, lambda s: schema_to_regex(s, strict=plan.strict)[0], text)
 
     # A large schema can take a while to translate; keep the event loop serving others.
     return GrammarSpec("regex", await asyncio.to_thread(build))
@@ -246,7 +246,7 @@ async def _prepare_chat(svc: ServiceState, data: ChatCompletionRequest) -> _Chat
     native = template_supports_tools(getattr(tok, "chat_template", None))
     messages, tools_arg = template_messages(data.messages, plan, native)
     prompt_ids = await gen.tokenize(svc, messages=messages, tools=tools_arg)
-    spec = await _spec(svc, data.response_format, plan, [fn.parameters for fn in plan.functions])
+    spec = await _spec(svc, data.response_format, plan, data.tools)
     temperature = 1.0 if data.temperature is None else data.temperature
     params = [gen.sampling_params(svc.config, max_tokens=_max_tokens(data.max_completion_tokens, data.max_tokens),
                                   temperature=temperature, top_p=1.0 if data.top_p is None else data.top_p,
@@ -265,19 +265,29 @@ def _chat_choice(svc: ServiceState, job: _ChatJob, index: int, r: gen.Generation
 
 
 def _split(svc: ServiceState, plan: ToolPlan, r: gen.GenerationResult):
-    """(content, tool_calls, finish_reason) of one finished choice."""
+    """(content, tool_calls, finish_reason) of one finished choice.
+
+    Output cut short (``length``, or a stop string inside a call) comes back as plain text.
+
+    Raises:
+        GenerationFailed: a call's arguments fail their schema although the grammar was strict
+            (a grammar defect: refuse rather than hand the client a bad call).
+    """
     if not plan.active or r.finish_reason != "stop":
         return r.text, [], r.finish_reason
-    content, calls = parse_tool_output(r.text, plan)
+    try:
+        content, calls = parse_tool_output(r.text, plan)
+    except ValueError:
+        return r.text, [], r.finish_reason
     if not calls:
         return content, [], r.finish_reason
     by_name = {fn.name: fn for fn in plan.functions}
-    for c in calls:  # the grammar guarantees this; jsonschema confirms it as an independent oracle
+    for c in calls:  # jsonschema confirms what the grammar enforced, as an independent oracle
         schema = arguments_schema(by_name[c.function.name])
         errors = list(svc.checker.validator(json.dumps(schema)).iter_errors(json.loads(c.function.arguments)))
-        if errors:
-            raise InputError(f"tool call arguments for {c.function.name!r} fail their schema: {errors[0].message}",
-                             field="tools")
+        if errors and plan.strict:
+            raise GenerationFailed(f"tool call arguments for {c.function.name!r} fail their schema: "
+                                   f"{errors[0].message}")
     return None, calls, "tool_calls"
 
 

@@ -77,6 +77,12 @@ class ToolPlan:
     def active(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def strict(self) -> bool:
+        """Refuse parameter keywords the grammar cannot enforce, unless every function opts out
+        with ``strict: false`` (then they are ignored, as OpenAI's non-strict mode allows)."""
+        return not self.functions or any(fn.strict is not False for fn in self.functions)
+
 
 def plan_tools(tools: list[Tool] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan:
     """Resolve OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` into a plan.

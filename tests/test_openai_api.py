@@ -225,6 +225,11 @@ def test_errors_use_openai_shape(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, logprobs=True, top_logprobs=3)
     assert e.value.body["param"] == "top_logprobs"
+    for bad, param in (({"n": 0}, "n"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+                       ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+                       ({"tools": [WEATHER, WEATHER]}, "tools")):
+        raw = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES, **bad})
+        assert (raw.status_code, raw.json()["error"]["param"]) == (400, param), raw.text
     raw = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": "hi"})
     assert raw.status_code == 400
     assert set(raw.json()) == {"error"} and set(raw.json()["error"]) == {"message", "type", "param", "code"}
