@@ -52,7 +52,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
             for line in r.iter_lines():
                 if line.startswith("data: ") and '"delta"' in line:
                     break  # one delta seen: the request is running; now hang up
-        assert eng.stats()["running"] == 1 or eng.stats()["kv_blocks_free"] < 256
+            assert eng.stats()["running"] == 1 and eng.stats()["kv_blocks_free"] < 256
     assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
     assert _wait(lambda: eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"])
     # Aborted, not run to its 1000 tokens: a finished request would have been counted.
