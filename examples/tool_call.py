@@ -1,7 +1,7 @@
 """A tool-call round trip with the official ``openai`` package pointed at Stencil.
 
-1. The model is asked a question with a ``get_weather`` tool and must call it
-   (``tool_choice="required"``); Stencil's grammar guarantees the arguments match the
+1. The model is asked a question with a ``get_weather`` tool and must call it once
+   (``tool_choice="required"``, ``parallel_tool_calls=False``); Stencil's grammar guarantees the arguments match the
    function's JSON Schema.
 2. The function runs here, locally.
 3. Its result goes back as a ``tool`` message, and the model writes the final answer.
@@ -52,8 +52,9 @@ def main() -> int:
     model = args.model or client.models.list().data[0].id
     messages = [{"role": "user", "content": "What's the weather like in Paris today, in celsius?"}]
 
+    # One question, one call: parallel calls off, so the grammar ends the answer after the call.
     first = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
-                                           max_tokens=64, seed=0)
+                                           parallel_tool_calls=False, max_tokens=64, seed=0)
     reply = first.choices[0].message
     print("finish_reason:", first.choices[0].finish_reason)
     messages.append(reply.model_dump(exclude_none=True))

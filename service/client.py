@@ -99,8 +99,8 @@ def _inline(node: Any, defs: dict, kept: dict, stack: tuple[str, ...]) -> Any:
     if name is not None and name in defs:
         if name in stack:  # recursive: keep the reference, resolve its target once under $defs
             if name not in kept:
-                kept[name] = {}
-                kept[name] = _inline(defs[name], defs, kept, ())
+                kept[name] = {}  # placeholder: a reference met while resolving it stays a reference
+                kept[name] = _inline(defs[name], defs, kept, (name,))
             return {k: v for k, v in node.items() if k != "$ref"} | {"$ref": f"#/$defs/{name}"}
         target = _inline(defs[name], defs, kept, stack + (name,))
         siblings = {k: _inline(v, defs, kept, stack) for k, v in node.items() if k != "$ref"}
@@ -243,6 +243,7 @@ class _Base:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.timeout = timeout
+        self.last: dict | None = None  # final event of the latest stream()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def _timeout_error(self, e: Exception) -> StencilError:
@@ -334,7 +335,7 @@ class Client(_Base):
         Raises:
             StencilError: the request failed before or during the stream.
         """
-        self.last: dict | None = None
+        self.last = None
         resp = self._send(_body(text_or_messages, stream=True, **gen_kwargs), stream=True)
         feed, parts = _sse_events(), []
         try:
@@ -411,7 +412,7 @@ class AsyncClient(_Base):
 
     async def stream(self, text_or_messages: str | list[dict], **gen_kwargs: Any) -> AsyncIterator[str]:
         """See ``Client.stream``."""
-        self.last: dict | None = None
+        self.last = None
         resp = await self._send(_body(text_or_messages, stream=True, **gen_kwargs), stream=True)
         feed, parts = _sse_events(), []
         try:
