@@ -42,7 +42,7 @@ from schemas.openai import (
     ErrorResponse, Model, ModelList, ResponseFormat, TokenLogprob, Tool, ToolCallDelta, Usage,
 )
 from service import generation as gen
-from service.errors import GenerationFailed, InputError, ServiceError, Unavailable, to_problem
+from service.errors import ClientDisconnected, GenerationFailed, InputError, ServiceError, Unavailable, to_problem
 from service.state import ServiceState
 from service.tools import (
     CALL_OPEN, ToolError, ToolPlan, arguments_schema, parse_tool_output, plan_tools, template_messages,
@@ -291,10 +291,35 @@ def _split(svc: ServiceState, plan: ToolPlan, r: gen.GenerationResult):
     return None, calls, "tool_calls"
 
 
-async def _run_all(svc: ServiceState, prompt_ids: list[int], params: list, spec, base_id: str):
-    async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(gen.run(svc, prompt_ids, p, spec, f"{base_id}-{i}")) for i, p in enumerate(params)]
-    return [t.result() for t in tasks]
+async def _run_all(svc: ServiceState, jobs: list[tuple[list[int], Any]], spec: GrammarSpec | None, base_id: str,
+                   receive) -> list[gen.GenerationResult]:
+    """Run one request per ``(prompt_ids, params)`` to the end, together.
+
+    All are admitted first, so a refusal (400/429) comes before any work. A failure of one
+    cancels the rest (raised as an ``ExceptionGroup``); the client hanging up (``http.disconnect``
+    on the ASGI ``receive``) aborts all and raises ``ClientDisconnected``.
+    """
+    streams = [await gen.start(svc, ids, p, spec, f"{base_id}-{k}") for k, (ids, p) in enumerate(jobs)]
+
+    async def results() -> list[gen.GenerationResult]:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(gen.collect(s)) for s in streams]
+        return [t.result() for t in tasks]
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(results()), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, watch):
+            t.cancel()  # cancelling ``work`` unwinds every stream, which aborts its engine request
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        raise ClientDisconnected(f"client closed the connection; {base_id} aborted")
+    return work.result()
 
 
 async def _merged(streams: list[gen.GenerationStream]) -> AsyncIterator[tuple[int, Any]]:
@@ -396,7 +421,7 @@ async def _chat_events(svc: ServiceState, job: _ChatJob, streams: list[gen.Gener
 
 
 @post("/chat/completions", status_code=200, summary="OpenAI-compatible chat completion")
-async def chat_completions(data: ChatCompletionRequest, svc: ServiceState) -> Any:
+async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, request: Request) -> Any:
     """Create a chat completion (OpenAI ``POST /v1/chat/completions``), whole or streamed."""
     job = await _prepare_chat(svc, data)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -405,7 +430,7 @@ async def chat_completions(data: ChatCompletionRequest, svc: ServiceState) -> An
         include = bool(data.stream_options and data.stream_options.include_usage)
         return Stream(_chat_events(svc, job, streams, rid, include), media_type="text/event-stream",
                       headers={"Cache-Control": "no-cache"})
-    results = await _run_all(svc, job.prompt_ids, job.params, job.spec, rid)
+    results = await _run_all(svc, [(job.prompt_ids, p) for p in job.params], job.spec, rid, request.receive)
     choices = [_chat_choice(svc, job, i, r) for i, r in enumerate(results)]
     return ChatCompletion(id=rid, created=int(time.time()), model=job.model, choices=choices,
                           usage=_usage(results, [len(job.prompt_ids)]))
@@ -447,7 +472,7 @@ async def _completion_events(svc: ServiceState, model: str, streams: list[gen.Ge
 
 
 @post("/completions", status_code=200, summary="OpenAI-compatible text completion (legacy)")
-async def completions(data: CompletionRequest, svc: ServiceState) -> Any:
+async def completions(data: CompletionRequest, svc: ServiceState, request: Request) -> Any:
     """Create a text completion (OpenAI ``POST /v1/completions``), whole or streamed."""
     model = _check_model(svc, data.model)
     _check_common(data.n, data.presence_penalty, data.frequency_penalty, data.stream, data.stream_options)
@@ -479,9 +504,7 @@ async def completions(data: CompletionRequest, svc: ServiceState) -> Any:
         return Stream(_completion_events(svc, model, streams, prompts, counts, data.n, data.echo, rid, include,
                                          want_logprobs),
                       media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(gen.run(svc, ids, p, spec, f"{rid}-{k}")) for k, (ids, p) in enumerate(jobs)]
-    results = [t.result() for t in tasks]
+    results = await _run_all(svc, jobs, spec, rid, request.receive)
     choices = []
     for k, r in enumerate(results):
         prefix = prompts[k // data.n] if data.echo else ""

@@ -15,7 +15,9 @@ import jsonschema
 import msgspec
 import pytest
 
+from engine.config import EngineConfig
 from service.client import AsyncClient, Client, ExtractionError, StencilError, json_schema_for, retry_delay
+from service.state import ServiceConfig
 
 Level = Annotated[int, msgspec.Meta(ge=0, le=9)]
 Colour = Literal["red", "green", "blue"]
@@ -193,11 +195,15 @@ def test_async_retries():
 # -- live server ---------------------------------------------------------------------------------
 
 
+MODEL_NAME = "tiny"
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from live_server import start_live_server
+    from service_live import LiveServer
 
-    live = start_live_server(tiny_model_dir)
+    live = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, max_num_seqs=8),
+                      ServiceConfig(model_name=MODEL_NAME, max_tokens_cap=1024)).start()
     yield live
     live.stop()
 

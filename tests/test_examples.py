@@ -9,14 +9,21 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import EngineConfig
+from service.state import ServiceConfig
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+MODEL_NAME = "tiny"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from live_server import start_live_server
+    from service_live import LiveServer
 
-    live = start_live_server(tiny_model_dir)
+    live = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, max_num_seqs=8),
+                      ServiceConfig(model_name=MODEL_NAME, max_tokens_cap=1024)).start()
     yield live
     live.stop()
 

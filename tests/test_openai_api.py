@@ -7,6 +7,8 @@ output (JSON Schema, tool calls) or against another run of the same request (see
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import jsonschema
@@ -14,7 +16,11 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from live_server import MODEL_NAME, start_live_server  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from service.app import service_state  # noqa: E402
+from service.state import ServiceConfig  # noqa: E402
+
+MODEL_NAME = "tiny"
 
 SCHEMA = {
     "type": "object",
@@ -40,7 +46,10 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    live = start_live_server(tiny_model_dir)
+    from service_live import LiveServer
+
+    live = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, max_num_seqs=8),
+                      ServiceConfig(model_name=MODEL_NAME, max_tokens_cap=1024)).start()
     yield live
     live.stop()
 
@@ -237,3 +246,34 @@ def test_errors_use_openai_shape(client, server):
     raw = httpx.post(server.url + "/generate", json={"prompt": "x", "response_schema": {"type": "strin"}})
     assert raw.status_code == 400 and raw.headers["content-type"].startswith("application/problem+json")
     assert "error" not in raw.json() and raw.json()["status"] == 400
+
+
+def _wait(pred, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_hanging_up_aborts_every_choice(server):
+    eng = service_state(server.app).engine.engine
+    finished = service_state(server.app).metrics.finished
+
+    def finished_total() -> float:
+        return sum(s.value for fam in finished.collect() for s in fam.samples if s.name.endswith("_total"))
+
+    before = finished_total()
+    # [ab]{3000} cannot end within 1000 tokens: only max_tokens or an abort stops these choices.
+    body = json.dumps({"model": MODEL_NAME, "messages": MESSAGES, "n": 2, "max_tokens": 1000, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "ab", "schema": {"type": "string", "pattern": "^[ab]{3000}$"}}}})
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    assert _wait(lambda: eng.stats()["running"] == 2)
+    sock.close()
+    assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
+    assert _wait(lambda: eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"])
+    assert finished_total() == before  # aborted, not run to their 1000 tokens
