@@ -54,7 +54,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        self.engine.grammar.shutdown()
+        self.engine.grammar.close()
 
     @property
     def is_alive(self) -> bool:
