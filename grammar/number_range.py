@@ -14,8 +14,8 @@ from decimal import Decimal
 from grammar.schema_rx import Rx, alt, repeat, seq
 
 DIGIT = "[0-9]"
-INTEGER = "-?(?:0|[1-9][0-9]*)"
-NUMBER = INTEGER + "(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+INTEGER = "(?:0|-?[1-9][0-9]*)"
+NUMBER = "-?(?:0|[1-9][0-9]*)" + "(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 _ANY_FRACTION = "(?:\\.[0-9]+)?"
 
 
@@ -100,7 +100,7 @@ def _frac(lo: str | None, hi: str | None, lo_strict: bool, hi_strict: bool) -> t
         # Equal to the upper bound so far: only zeros keep it in range.
         return (empty_ok, "0+" if empty_ok else None)
     if lo == "" and hi is None:
-        return True, (DIGIT + "+" if not lo_strict else "0*[1-9][0-9]*")
+        return (not lo_strict), (DIGIT + "+" if not lo_strict else "0*[1-9][0-9]*")
     l0 = int(lo[0]) if lo else 0
     h0 = int(hi[0]) if hi else 9
     parts: list[Rx] = []

@@ -15,6 +15,11 @@ from grammar.schema_rx import Rx, alt, repeat, seq
 
 ANY_CHAR = cs.json_char(cs.ANY_CHAR)
 NEWLINE = cs.json_char(cs.chars("\n"))
+# Inside length-bounded strings: no '"' and no control characters other than \n and \t.
+# outlines-core 0.2.14's index build grows exponentially with the count when the escaped quote
+# is allowed (measured: 16 characters took 1.9 s with it, 0.05 s without). A subset, so exact.
+BOUNDED_CHAR = cs.json_char(cs.subtract(cs.ANY_CHAR, cs.union(cs.chars('"'), cs.charset((0, 8)),
+                                                              cs.charset((11, 31)))))
 
 
 class StringError(ValueError):
@@ -31,6 +36,7 @@ class StringSpec:
     max_length: int | None = None
     pattern: str | None = None
     format: str | None = None
+    max_length_cap: int | None = None  # write at most this many characters (a subset)
 
 
 def _fit_length(body, lo: int, hi: int | None):
@@ -114,8 +120,11 @@ def string_regex(spec: StringSpec) -> Rx:
         body = _pattern_body("^(?:" + fmt + ")\\Z", lo, hi)
     elif spec.pattern is not None:
         body = _pattern_body(spec.pattern, lo, hi)
+    elif hi is None:
+        body = repeat(ANY_CHAR, lo, None)
     else:
-        body = repeat(ANY_CHAR, lo, hi)
+        cap = hi if spec.max_length_cap is None else max(min(hi, spec.max_length_cap), lo)
+        body = repeat(BOUNDED_CHAR, lo, cap)
     return seq('"', body, '"')
 
 

@@ -1,0 +1,224 @@
+"""Exact accept/reject cases for each JSON Schema keyword of grammar.json_schema.
+
+Every case is checked twice: the regex (Python ``re.fullmatch``) must give the expected verdict,
+and jsonschema (format checker on) must agree that accepted texts are valid instances.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from grammar.base import GrammarError
+from grammar.json_schema import schema_to_regex
+
+
+def _check(schema, accept, reject, **kw):
+    regex, _ = schema_to_regex(schema, **kw)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+    for text in accept:
+        assert re.fullmatch(regex, text), f"should accept {text!r}"
+        assert validator.is_valid(json.loads(text)), f"oracle rejects accepted {text!r}"
+    for text in reject:
+        assert not re.fullmatch(regex, text), f"should reject {text!r}"
+    return regex
+
+
+def test_types_and_type_arrays():
+    _check({"type": "null"}, ["null"], ["nul", "0", '""'])
+    _check({"type": "boolean"}, ["true", "false"], ["True", "1"])
+    _check({"type": "integer"}, ["0", "-7", "120"], ["-0", "01", "1.5", "1e3", "+1"])
+    _check({"type": "number"}, ["0", "-1.25", "3e-7", "2E+10"], ["01", ".5", "1.", "-"])
+    _check({"type": "string"}, ['""', '"a\\"b"', '"é\\n"'], ['"a"b"', "'a'", '"\\x"'])
+    _check({"type": ["string", "null"]}, ['"x"', "null"], ["1", "[]"])
+
+
+def test_enum_and_const_any_value():
+    _check({"enum": ["a.b", 1, None, {"k": [1, 2]}, [True]]},
+           ['"a.b"', "1", "null", '{"k":[1,2]}', "[true]"], ['"a-b"', "2", '{"k":[1]}', "1.0"])
+    _check({"const": "x*y"}, ['"x*y"'], ['"xxy"', '"x*yy"'])
+    _check({"type": "integer", "enum": [1, "a", 2.5, 3]}, ["1", "3"], ['"a"', "2.5"])
+
+
+def test_empty_enum_and_false_are_unsatisfiable():
+    with pytest.raises(GrammarError) as e:
+        schema_to_regex({"enum": []})
+    assert e.value.keyword == "enum"
+    with pytest.raises(GrammarError):
+        schema_to_regex(False)
+    with pytest.raises(GrammarError) as e:
+        schema_to_regex({"type": "array", "minItems": 3, "maxItems": 2})
+    assert e.value.keyword == "minItems"
+
+
+def test_properties_required_and_optional_subsets():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
+                                               "c": {"type": "boolean"}}, "required": ["b"]}
+    _check(schema, ['{"b":"x"}', '{"a":1,"b":"x"}', '{"b":"x","c":true}', '{"a":1,"b":"","c":false}'],
+           ['{}', '{"a":1}', '{"b":"x",}', '{,"b":"x"}', '{"b":"x","a":1}', '{"b":"x","d":1}'])
+    none_required = {"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "null"},
+                                                      "c": {"type": "null"}}}
+    _check(none_required, ["{}", '{"a":null}', '{"b":null}', '{"a":null,"c":null}',
+                           '{"a":null,"b":null,"c":null}'],
+           ['{,}', '{"a":null,}', '{,"b":null}', '{"c":null,"a":null}'])
+
+
+def test_additional_properties():
+    closed = {"type": "object", "properties": {"a": {"type": "null"}}, "additionalProperties": False}
+    _check(closed, ["{}", '{"a":null}'], ['{"b":1}'])
+    typed = {"type": "object", "properties": {"a": {"type": "null"}},
+             "additionalProperties": {"type": "integer"}}
+    _check(typed, ['{"a":null,"b":1}', '{"b":1,"c":2}', "{}"], ['{"b":"x"}', '{"a":1}', '{"a":null,"a":1}'])
+    open_ = {"type": "object", "properties": {"a": {"type": "null"}}}
+    _check(open_, ['{"a":null}'], ['{"z":1}'])  # default: no extra keys written
+    _check(open_, ['{"a":null,"z":[1,{"q":"r"}]}', '{"ab":1}'], ['{"a":1}', '{"a":null,"a":3}'],
+           extra_properties=True)
+
+
+def test_pattern_properties_and_property_names():
+    schema = {"type": "object", "patternProperties": {"^x-[a-z]+$": {"type": "integer"}},
+              "additionalProperties": False}
+    _check(schema, ["{}", '{"x-a":1}', '{"x-a":1,"x-bc":2}'], ['{"y":1}', '{"x-a":"s"}', '{"x-A":1}'])
+    names = {"type": "object", "propertyNames": {"pattern": "^[a-c]+$"},
+             "additionalProperties": {"type": "null"}}
+    _check(names, ['{"ab":null}', "{}"], ['{"ad":null}'])
+
+
+def test_items_prefix_items_and_bounds():
+    _check({"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+           ["[1]", "[1,2,3]"], ["[]", "[1,2,3,4]", "[1,]", '["a"]'])
+    _check({"type": "array", "prefixItems": [{"type": "string"}, {"type": "null"}], "items": False},
+           ["[]", '["a"]', '["a",null]'], ['[null]', '["a",null,1]'])
+    _check({"$schema": "http://json-schema.org/draft-04/schema#", "type": "array",
+            "items": [{"type": "integer"}], "additionalItems": {"type": "boolean"}},
+           ["[]", "[1]", "[1,true,false]"], ["[true]", "[1,2]"])
+
+
+def test_string_lengths_count_characters_not_bytes():
+    _check({"type": "string", "minLength": 2, "maxLength": 3},
+           ['"ab"', '"abc"', '"é\\n"', '"日本語"'], ['"a"', '"abcd"', '"\\n"'])
+
+
+def test_pattern_is_a_search_over_the_decoded_string():
+    _check({"type": "string", "pattern": "[0-9]{3}"}, ['"a123b"', '"999"'], ['"12"', '"a1b2c3"'])
+    _check({"type": "string", "pattern": "^a.c$"}, ['"abc"', '"a\\"c"', '"abc\\n"'], ['"ac"', '"abcd"'])
+    _check({"type": "string", "pattern": "^(foo|bar)+$"}, ['"foobar"', '"bar"'], ['"fo"', '""'])
+    _check({"type": "string", "pattern": "^[a-z][a-z0-9_]*$", "maxLength": 4},
+           ['"a"', '"ab_9"'], ['"ab_90"', '"9a"'])
+
+
+def test_unsupported_pattern_features_fail_closed_with_position():
+    with pytest.raises(GrammarError) as e:
+        schema_to_regex({"type": "string", "pattern": "^(?=a)b"})
+    assert e.value.keyword == "pattern" and e.value.position is not None
+    regex, warnings = schema_to_regex({"type": "string", "pattern": "(a)\\1"}, strict=False)
+    assert warnings and "pattern" in warnings[0]
+
+
+@pytest.mark.parametrize("fmt,good,bad", [
+    ("date", ["2024-02-29", "2023-12-31"], ["2023-02-29", "2023-13-01", "0000-01-01", "2023-1-01"]),
+    ("time", ["23:59:59Z", "08:00:00.5+02:00"], ["24:00:00Z", "08:00:00"]),
+    ("date-time", ["2023-04-30T10:00:00Z"], ["2023-04-31T10:00:00Z", "2023-04-30 10:00:00Z"]),
+    ("email", ["a.b@example.com"], ["ab", "a@"]),
+    ("uuid", ["123e4567-e89b-12d3-a456-426614174000"], ["123e4567e89b12d3a456426614174000"]),
+    ("ipv4", ["192.168.0.1", "0.0.0.0"], ["256.1.1.1", "01.2.3.4", "1.2.3"]),
+    ("ipv6", ["::1", "2001:db8::ff00:42:8329", "1:2:3:4:5:6:7:8"], ["1:2:3:4:5:6:7:8:9", ":::"]),
+    ("hostname", ["example.com", "a-b.c"], ["-a.com", "a..b", "a_b.com"]),
+    ("uri", ["https://example.com/a?b=c#d", "urn:isbn:123"], ["//example.com", "not a uri"]),
+])
+def test_formats_agree_with_the_format_checker(fmt, good, bad):
+    _check({"type": "string", "format": fmt}, [json.dumps(g) for g in good],
+           [json.dumps(b) for b in bad])
+
+
+def test_integer_ranges_exact():
+    regex = _check({"type": "integer", "minimum": -15, "maximum": 230}, [], [])
+    for v in range(-40, 300):
+        assert bool(re.fullmatch(regex, str(v))) == (-15 <= v <= 230), v
+    regex = _check({"type": "integer", "exclusiveMinimum": 9, "exclusiveMaximum": 1000}, [], [])
+    for v in list(range(0, 30)) + list(range(990, 1010)):
+        assert bool(re.fullmatch(regex, str(v))) == (9 < v < 1000), v
+    draft4 = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "integer",
+              "minimum": 0, "exclusiveMinimum": True}
+    _check(draft4, ["1", "17"], ["0", "-1"])
+
+
+def test_number_ranges_with_fractions():
+    schema = {"type": "number", "minimum": -1.5, "exclusiveMaximum": 2.25}
+    regex = _check(schema, ["-1.5", "0", "2.2499", "-1.4"], ["-1.51", "2.25", "2.250", "3", "-2"])
+    for text in ["-1.50", "1.999", "2.24", "0.0", "-0.5"]:
+        assert re.fullmatch(regex, text)
+
+
+def test_multiple_of_integers():
+    _check({"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 30},
+           ["0", "5", "30"], ["3", "35", "-5"])
+    _check({"type": "integer", "multipleOf": 2}, ["0", "-4", "12", "8"], ["3", "-7", "11"])
+    with pytest.raises(GrammarError) as e:
+        schema_to_regex({"type": "integer", "multipleOf": 7})
+    assert e.value.keyword == "multipleOf"
+
+
+def test_any_of_one_of_and_all_of():
+    _check({"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 1}]},
+           ["3", '"a"'], ['"ab"', "null"])
+    _check({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "integer"}},
+                       "required": ["k"]},
+                      {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]}]},
+           ['{"k":"a"}', '{"k":"a","x":1}', '{"k":"b"}'], ['{"k":"c"}'])
+    with pytest.raises(GrammarError) as e:
+        schema_to_regex({"oneOf": [{"type": "integer"}, {"type": "number"}]})
+    assert e.value.keyword == "oneOf"
+    _check({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                      {"properties": {"a": {"minimum": 5}, "b": {"type": "null"}}}]},
+           ['{"a":5}', '{"a":7,"b":null}'], ['{"a":4}', '{}', '{"b":null}'])
+
+
+def test_refs_local_pointer_defs_and_recursion():
+    schema = {"$defs": {"node": {"type": "object", "properties": {
+        "v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}}, "required": ["v"]}},
+        "$ref": "#/$defs/node"}
+    regex = _check(schema, ['{"v":1}', '{"v":1,"next":{"v":2}}'], ['{"next":{"v":2}}'])
+    deep = '{"v":0' + ''.join(',"next":{"v":%d' % i for i in range(1, 8)) + '}' * 8
+    assert not re.fullmatch(regex, deep)  # unrolled only max_recursion_depth times
+    _check({"definitions": {"a": {"type": "boolean"}}, "properties": {"x": {"$ref": "#/definitions/a"}},
+            "required": ["x"]}, ['{"x":true}'], ['{"x":1}'])
+    with pytest.raises(GrammarError) as e:
+        schema_to_regex({"$ref": "https://example.com/schema.json"})
+    assert e.value.keyword == "$ref"
+
+
+def test_empty_schema_is_any_json_within_depth():
+    regex = _check({}, ["1", '"s"', "[1,[2]]", '{"a":{"b":1}}'],
+                   ["[[[1]]]", '{"a":{"b":[]}}', "[1,]"], any_max_depth=2)
+    assert re.fullmatch(regex, "null")
+
+
+def test_not_and_unsupported_keywords_fail_closed():
+    _check({"type": ["string", "integer"], "not": {"type": "integer"}}, ['"a"'], ["1"])
+    for schema, keyword in [({"type": "array", "uniqueItems": True}, "uniqueItems"),
+                            ({"type": "object", "if": {"required": ["a"]}, "then": {}}, "if")]:
+        with pytest.raises(GrammarError) as e:
+            schema_to_regex(schema)
+        assert e.value.keyword == keyword and e.value.path == "#"
+    regex, warnings = schema_to_regex({"type": "array", "uniqueItems": True, "items": {"type": "null"}},
+                                      strict=False)
+    assert any("uniqueItems" in w and "#" in w for w in warnings)
+    assert re.fullmatch(regex, "[null,null]")
+
+
+def test_annotations_are_ignored_silently():
+    regex, warnings = schema_to_regex({"type": "string", "title": "t", "description": "d",
+                                       "examples": ["x"], "default": "y", "$comment": "c",
+                                       "deprecated": True, "readOnly": True})
+    assert warnings == [] and re.fullmatch(regex, '"q"')
+
+
+def test_flexible_whitespace_is_bounded():
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["a"]}
+    _check(schema, ['{ "a" : [1, 2] }', '{\n "a":[ 1 ,2 ]\n}'], ['{   "a":[]}', '{"a":[1,   2]}'], whitespace="flexible")
