@@ -62,7 +62,10 @@ def compile_object(c: "SchemaCompiler", s: dict, path: str) -> Rx:
     required = [r for r in s.get("required", []) if isinstance(r, str)]
     patterns: dict = s.get("patternProperties") or {}
     names_schema = s.get("propertyNames", True)
-    addl = s.get("additionalProperties", True if c.opts.extra_properties else False)
+    # Without additionalProperties: extra keys only where nothing is declared (a free-form
+    # object), unless the caller asks for the specification's default everywhere.
+    free_form = not props and not patterns
+    addl = s.get("additionalProperties", True if c.opts.extra_properties or free_form else False)
     for key in ("dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties"):
         if s.get(key) not in (None, {}, True):
             c.unsupported(key, path)

@@ -73,6 +73,7 @@ def test_additional_properties():
     typed = {"type": "object", "properties": {"a": {"type": "null"}},
              "additionalProperties": {"type": "integer"}}
     _check(typed, ['{"a":null,"b":1}', '{"b":1,"c":2}', "{}"], ['{"b":"x"}', '{"a":1}', '{"a":null,"a":1}'])
+    _check({"type": "object"}, ["{}", '{"k":[1]}'], ["[]"])  # nothing declared: free-form
     open_ = {"type": "object", "properties": {"a": {"type": "null"}}}
     _check(open_, ['{"a":null}'], ['{"z":1}'])  # default: no extra keys written
     _check(open_, ['{"a":null,"z":[1,{"q":"r"}]}', '{"ab":1}'], ['{"a":1}', '{"a":null,"a":3}'],
