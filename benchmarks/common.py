@@ -27,6 +27,7 @@ class Trace:
     steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    verify_steps: int = 0
     forced_tokens: int = 0
 
     def add(self, now: float, n_tokens: int) -> None:
@@ -100,6 +101,7 @@ def run_closed_loop(engine, prompts: list[list[int]], params, grammars: list | N
                 tr.steps = o.num_steps
                 tr.draft_tokens, tr.accepted_tokens = o.num_draft_tokens, o.num_accepted_tokens
                 tr.forced_tokens = o.num_forced_tokens
+                tr.verify_steps = o.num_verify_steps
                 live -= 1
         if on_step is not None:
             on_step(now)

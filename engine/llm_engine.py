@@ -165,8 +165,12 @@ class LLMEngine:
         seen: set[str] = set()
         if not sched.is_empty:
             self.num_steps += 1
-            bitmask = self._grammar_bitmask(sched)
+            failed: list[tuple[Request, BaseException]] = []
+            bitmask = self._grammar_bitmask(sched, failed)
             result = self.runner.execute(sched, bitmask)
+            # Finished only now: the forward above still reads their block tables.
+            for req, exc in failed:
+                self._fail(req, "computing its grammar mask", exc)
             for req, new in self.scheduler.update(sched, result.sampled, result.logprobs):
                 outputs.append(self._output(req, new))
                 seen.add(req.request_id)
@@ -176,8 +180,20 @@ class LLMEngine:
                 outputs.append(self._output(req, []))
         return outputs
 
-    def _grammar_bitmask(self, sched: SchedulerOutput) -> torch.Tensor | None:
-        """One row per logits position; row j of a request reflects its grammar after drafts[:j]."""
+    def _fail(self, req: Request, stage: str, exc: BaseException) -> None:
+        """Finish one request with an error (its blocks freed); the batch goes on without it."""
+        log.error("request %s failed while %s", req.request_id, stage, exc_info=exc)
+        # The client sees the stage and the exception type, not internal messages.
+        req.error = f"internal error while {stage} ({type(exc).__name__}); see the server log"
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+
+    def _grammar_bitmask(self, sched: SchedulerOutput,
+                         failed: list[tuple[Request, BaseException]]) -> torch.Tensor | None:
+        """One row per logits position; row j of a request reflects its grammar after drafts[:j].
+
+        A request whose matcher raises is appended to ``failed`` with the exception and its rows
+        are left all-allowed; the caller fails it after the forward pass.
+        """
         if not any(sr.sample and sr.request.matcher is not None for sr in sched.scheduled):
             return None
         from grammar.bitmask import allocate_bitmask
@@ -190,20 +206,27 @@ class LLMEngine:
                 continue
             m = sr.request.matcher
             if m is not None:
-                drafts = sr.request.draft_token_ids[:sr.num_drafts]
-                m.fill_bitmask(bitmask, row)
-                accepted = 0
-                for d in drafts:
-                    # A draft the grammar refuses is also refused by the verifier (its row masks
-                    # it out), so later rows are never read: leave them as they are.
-                    if not m.accept_tokens([d]):
-                        break
-                    accepted += 1
-                    m.fill_bitmask(bitmask, row + accepted)
-                if accepted:
-                    m.rollback(accepted)
+                try:
+                    self._fill_rows(m, sr.request.draft_token_ids[:sr.num_drafts], bitmask, row)
+                except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
+                    bitmask[row:row + sr.num_logits] = -1
+                    failed.append((sr.request, e))
             row += sr.num_logits
         return bitmask
+
+    @staticmethod
+    def _fill_rows(m, drafts: list[int], bitmask: torch.Tensor, row: int) -> None:
+        m.fill_bitmask(bitmask, row)
+        accepted = 0
+        for d in drafts:
+            # A draft the grammar refuses is also refused by the verifier (its row masks it
+            # out), so later rows are never read: leave them as they are.
+            if not m.accept_tokens([d]):
+                break
+            accepted += 1
+            m.fill_bitmask(bitmask, row + accepted)
+        if accepted:
+            m.rollback(accepted)
 
     def _propose_drafts(self) -> None:
         running = self.scheduler.running
@@ -226,8 +249,15 @@ class LLMEngine:
                        self.max_model_len - req.num_tokens - 1)
             if room <= 0:
                 continue
-            drafts = propose_ngram(np.asarray(req.all_token_ids, dtype=np.int64), room,
-                                   spec.prompt_lookup_min, spec.prompt_lookup_max)
+            drafts: list[int] = []
+            if spec.grammar_drafts and req.matcher is not None:
+                forced = req.matcher.forced_text(64)
+                if forced:
+                    text = forced.decode("utf-8", errors="ignore")
+                    drafts = self.tokenizer.encode(text, add_special_tokens=False)[:room]
+            if len(drafts) < room:
+                tokens = np.asarray(req.all_token_ids + drafts, dtype=np.int64)
+                drafts += propose_ngram(tokens, room - len(drafts), spec.prompt_lookup_min, spec.prompt_lookup_max)
             if drafts and req.matcher is not None:
                 drafts = drafts[:req.matcher.validate_tokens(drafts)]
             req.draft_token_ids = drafts
@@ -236,13 +266,23 @@ class LLMEngine:
         detok = self._detok.get(req.request_id)
         text = ""
         if detok is not None:
-            text = detok.push(new)
-            if detok.stopped and not req.is_finished:
-                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-                self.scheduler.drain_finished()
+            try:
+                text = detok.push(new)
+                if detok.stopped and not req.is_finished:
+                    # step() skips requests it already reported, so this finish is not reported twice.
+                    self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                if req.is_finished:
+                    text += detok.finish()
+            except Exception as e:  # noqa: BLE001 - one request's text must not stop the batch
+                text = ""
+                if req.is_finished:  # already ended (length, stop): report the failure all the same
+                    req.status = RequestStatus.FINISHED_ERROR
+                    req.error = f"internal error while detokenizing ({type(e).__name__}); see the server log"
+                    log.error("request %s failed while detokenizing", req.request_id, exc_info=e)
+                else:
+                    self._fail(req, "detokenizing", e)
         finished = req.is_finished
-        if finished and detok is not None:
-            text += detok.finish()
+        if finished:
             self._detok.pop(req.request_id, None)
             self._spec.pop(req.request_id, None)
         m = req.metrics

@@ -28,6 +28,8 @@ class SpecConfig:
             (verification then costs real compute instead of riding on weight reads).
         min_acceptance: a request whose recent acceptance rate falls below this stops proposing
             for ``backoff_steps`` steps.
+        grammar_drafts: for constrained requests, draft the text the grammar forces next (e.g.
+            ``,"age":`` after a string field), tokenized, before the n-gram continuation.
     """
 
     method: str = "ngram"
@@ -37,6 +39,7 @@ class SpecConfig:
     max_batch_size: int = 8
     min_acceptance: float = 0.3
     backoff_steps: int = 16
+    grammar_drafts: bool = True
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpecConfig | None":

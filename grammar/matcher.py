@@ -51,6 +51,10 @@ class CompiledGrammar:
     # lazily (a state's token list can be 49 k long); dict writes are atomic under the GIL and
     # every writer stores the same value, so sharing across threads is safe.
     _forced: dict = field(default_factory=dict, repr=False)
+    # state → (byte, next state) when every allowed token starts with the same byte and the
+    # output may not end there (see ``forced_byte``); filled lazily like ``_forced``.
+    _forced_bytes: dict = field(default_factory=dict, repr=False)
+    _byte_tokens: dict = field(default_factory=dict, repr=False)  # byte value → single-byte token id
 
     def matcher(self) -> "Matcher":
         """A fresh cursor at the start of the grammar."""
@@ -66,6 +70,41 @@ class CompiledGrammar:
                 hit = (allowed[0], self.index.get_next_state(state, allowed[0]))
             self._forced[state] = hit
         return hit
+
+
+    def forced_byte(self, state: int, max_allowed: int = 4096) -> tuple[int, int] | None:
+        """``(byte, next_state)`` if the grammar forces the next *byte* from ``state``, else None.
+
+        The byte is forced when the output may not end at ``state`` and every allowed token
+        starts with it; the next state is the one reached through the token made of that byte
+        alone (byte-level vocabularies have one for every byte). States allowing more than
+        ``max_allowed`` tokens (free text) are not examined: they are never forced.
+        """
+        hit = self._forced_bytes.get(state, _UNKNOWN)
+        if hit is not _UNKNOWN:
+            return hit
+        hit = None
+        index, sentinel = self.index, self.vocab.sentinel_id
+        allowed = index.get_allowed_tokens(state) or []
+        if 0 < len(allowed) <= max_allowed:
+            tb = self.vocab.token_bytes
+            first = {tb[t][0] for t in allowed if t != sentinel and t in tb}
+            if len(first) == 1 and sentinel not in allowed:
+                b = first.pop()
+                tid = self._single_byte_token(b)
+                nxt = index.get_next_state(state, tid) if tid is not None else None
+                if nxt is not None:
+                    hit = (b, nxt)
+        self._forced_bytes[state] = hit
+        return hit
+
+    def _single_byte_token(self, b: int) -> int | None:
+        if not self._byte_tokens:
+            for tid, bs in self.vocab.token_bytes.items():
+                if len(bs) == 1:
+                    self._byte_tokens.setdefault(bs[0], tid)
+            self._byte_tokens.setdefault(-1, -1)  # marks the table as built
+        return self._byte_tokens.get(b)
 
 
 class Matcher:
@@ -204,6 +243,25 @@ class Matcher:
                 break
             out.append(tid)
         return out
+
+    def forced_text(self, max_bytes: int = 64) -> bytes:
+        """The bytes the grammar forces next from the current state, up to ``max_bytes``; no state change.
+
+        Unlike :meth:`forced_tokens` this sees through tokenization: after ``{"name":"Ada"`` in
+        a schema with a following ``age`` field it returns ``b',"age":'`` although many token
+        sequences spell it. Used to draft tokens that the model then verifies (exact).
+        """
+        if self._terminated:
+            return b""
+        out = bytearray()
+        state = self._guide.get_state()
+        while len(out) < max_bytes:
+            step = self._grammar.forced_byte(state)
+            if step is None:
+                break
+            b, state = step
+            out.append(b)
+        return bytes(out)
 
     def _set_eos_bits(self, row_view: np.ndarray) -> None:
         for e in self._grammar.vocab.eos_token_ids:

@@ -142,3 +142,33 @@ def test_bad_requests_are_refused_with_named_fields(tiny_model_dir):
     # Output stops at max_model_len.
     r = eng.generate([[5] * 60], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
     assert r["finish_reason"] == "length" and len(r["token_ids"]) == 4
+
+
+def test_constrained_speculation_and_forcing_keep_greedy_outputs(tiny_model_dir, prompts):
+    """Grammar drafts + n-gram drafts + forced tokens vs all off, on constrained requests."""
+    from grammar.base import GrammarSpec
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
+        "ok": {"type": "boolean"}}, "required": ["name", "age", "tags", "ok"]}
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128))
+    specs = [GrammarSpec.json_schema(schema), GrammarSpec("regex", r"(ab|cd){2,4}-[0-9]{3}"),
+             GrammarSpec("choice", '["alpha", "beta", "gamma delta"]')]
+    grammars = [eng.grammar.compile(specs[i % 3]) for i in range(len(prompts))]
+    spec = {"method": "ngram", "num_speculative_tokens": 6, "max_batch_size": 64, "min_acceptance": 0.0}
+
+    def run(on: bool):
+        eng.scheduler.enable_forced_tokens = on
+        params = SamplingParams(max_tokens=60, temperature=0, speculative=spec if on else {"method": "off"})
+        return eng.generate(prompts, params, grammars)
+
+    off, on = run(False), run(True)
+    assert [r["token_ids"] for r in on] == [r["token_ids"] for r in off]
+    assert [r["text"] for r in on] == [r["text"] for r in off]
+    assert sum(r["output"].num_accepted_tokens for r in on) > 0
+    assert sum(r["output"].num_steps for r in on) < sum(r["output"].num_steps for r in off)
+    for r, g in zip(on, grammars):
+        if r["finish_reason"] == "stop":
+            import re
+            assert re.fullmatch(g.regex, r["text"], flags=re.DOTALL), r["text"]

@@ -223,3 +223,28 @@ def test_forced_stops_where_tokenizations_diverge(compiler):
     assert m.forced_tokens(5) == []
     m.accept_tokens(ids("x"))
     assert m.forced_tokens(5) == ids("y", "z") + [EOS]
+
+
+def test_forced_text_sees_through_tokenization():
+    """``forced_text`` returns the bytes every continuation must start with, however tokenized."""
+    from grammar.base import GrammarSpec
+    from grammar.compiler import GrammarCompiler
+    from grammar.vocab import TokenVocabulary
+
+    pieces = [b"{", b'"', b"a", b"b", b":", b",", b"}", b"1", b"2", b'{"', b'":', b',"', b"ab", b'"b":']
+    vocab = TokenVocabulary.from_token_bytes({i + 3: t for i, t in enumerate(pieces)}, eos_token_ids=(1,),
+                                             model_vocab_size=32)
+    with GrammarCompiler(vocab, 32) as comp:
+        g = comp.compile(GrammarSpec("regex", r'\{"a":[12]+,"b":[12]\}'))
+        m = g.matcher()
+        assert m.forced_text() == b'{"a":'
+        ids = {t: i + 3 for i, t in enumerate(pieces)}
+        assert m.accept_tokens([ids[b'{"'], ids[b"a"], ids[b'":'], ids[b"1"]])
+        assert m.forced_text() == b""  # another digit or the comma: not forced
+        assert m.accept_tokens([ids[b","]])
+        assert m.forced_text() == b'"b":'
+        assert m.num_tokens == 5  # forced_text changed nothing
+        assert m.accept_tokens([ids[b'"b":'], ids[b"2"]])
+        assert m.forced_text() == b"}"
+        assert m.accept_tokens([ids[b"}"]])
+        assert m.forced_text() == b""  # may end here: EOS is not a byte
