@@ -65,6 +65,7 @@ class SchemaOptions:
     any_max_length: int | None = None
     extra_properties: bool = False
     max_string_length: int = 128
+    max_regex_chars: int = 8_000_000
 
 
 @dataclass(slots=True)
@@ -75,6 +76,7 @@ class SchemaCompiler:
     opts: SchemaOptions
     warnings: list[str] = field(default_factory=list)
     ref_depth: dict[str, int] = field(default_factory=dict)
+    emitted: int = 0  # characters of regex text produced so far (all subschemas)
     resolver: RefResolver = field(init=False)
     validator: object = field(init=False)
     old_draft: bool = field(init=False)
@@ -135,6 +137,18 @@ class SchemaCompiler:
     # -- the recursive walk --------------------------------------------------------------------
     def sub(self, schema: object, path: str, only_types: tuple[str, ...] | None = None) -> Rx:
         """Regex of ``schema`` at JSON pointer ``path``; None when it admits nothing."""
+        out = self._sub(schema, path, only_types)
+        if out is not None:
+            # Unrolled recursion and shared definitions are copied into the text; stop before
+            # an exponential schema exhausts memory.
+            self.emitted += len(out)
+            if self.emitted > self.opts.max_regex_chars or len(out) > self.opts.max_regex_chars:
+                raise GrammarError(f"the regex grows beyond {self.opts.max_regex_chars} characters "
+                                   "(lower max_recursion_depth or simplify the schema)",
+                                   keyword="$ref" if any(self.ref_depth.values()) else "schema", path=path)
+        return out
+
+    def _sub(self, schema: object, path: str, only_types: tuple[str, ...] | None) -> Rx:
         if schema is True or schema == {}:
             return self._restrict_any(only_types)
         if schema is False:
@@ -498,8 +512,17 @@ def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict:
                          extra_properties, max_string_length)
     if schema is False:
         raise GrammarError("the schema `false` admits no value", keyword="false", path="#")
-    compiler = SchemaCompiler(schema, opts)
-    regex = compiler.sub(schema, "#")
+    try:
+        compiler = SchemaCompiler(schema, opts)
+        regex = compiler.sub(schema, "#")
+    except RecursionError:
+        raise GrammarError("the schema nests or refers to itself too deeply", keyword="$ref",
+                           path="#") from None
+    except GrammarError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+        # A malformed schema (e.g. "minLength": "3") is the client's error, not a crash.
+        raise GrammarError(f"invalid schema: {exc}", keyword="schema", path="#") from None
     if regex is None:
         raise GrammarError("the schema admits no value (unsatisfiable)", keyword=_culprit(schema),
                            path="#")
