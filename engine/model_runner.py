@@ -51,7 +51,9 @@ class ModelRunner:
         self.dtype = _DTYPES[config.dtype]
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        self.model, self.hf_config = load_model(config.model, dtype=self.dtype, device=self.device)
+        self.model, self.hf_config = load_model(config.model, dtype=self.dtype, device=self.device,
+                                                weights=config.weights,
+                                                gguf_file=config.extra.get("gguf_file"))
         self.backend = get_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         self.vocab_size = self.model.vocab_size

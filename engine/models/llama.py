@@ -211,8 +211,10 @@ class LlamaForCausalLM(nn.Module):
         return limit if window is None else min(limit, window)
 
     def tie_weights(self) -> None:
-        """Make the LM head share the embedding matrix (``tie_word_embeddings``)."""
-        self.lm_head.weight = self.embed_tokens.weight
+        """Make a dense LM head share the embedding matrix (``tie_word_embeddings``); a
+        quantized head (``engine.models.quant``) keeps its own copy of the same weights."""
+        if isinstance(self.lm_head, DenseLinear):
+            self.lm_head.weight = self.embed_tokens.weight
 
     def linear_layers(self) -> Iterator[tuple[str, nn.Module]]:
         """``(dotted name, module)`` of every projection a quantized module may replace:

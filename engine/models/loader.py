@@ -5,6 +5,12 @@ safetensors files (every shard named by ``model.safetensors.index.json`` when pr
 mapped onto our fused parameters: ``q_proj``/``k_proj``/``v_proj`` rows are stacked into
 ``qkv_proj`` and ``gate_proj``/``up_proj`` into ``gate_up_proj``. Unfused tensors are used as
 read (no copy when dtype and device already match).
+
+With ``weights="int4"`` the projections are instead built from the model's GGUF file
+(``engine.models.quant``): its Q4_0/Q4_1/Q8_0 blocks become int4 layers as they are, and only
+the rest (embeddings, norms, other block types) is read from the safetensors. The GGUF is
+named by ``gguf_file=``, else by ``stencil.json``'s ``"gguf_file"`` in the model directory
+(written by ``engine.models.default_model``), else it is the one ``*.gguf`` in the directory.
 """
 
 from __future__ import annotations
@@ -21,16 +27,23 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.spec import LlamaSpec
 
 INDEX_FILE = "model.safetensors.index.json"
+META_FILE = "stencil.json"  # our notes next to a converted model: {"gguf_file": path}
+_Q4 = frozenset({"Q4_0", "Q4_1"})
 
 
 def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu"):
+               device: torch.device | str = "cpu", weights: str = "fp32",
+               gguf_file: Path | str | None = None):
     """Build our model from ``model_dir`` and fill its weights.
 
     Args:
         model_dir: directory with ``config.json`` and ``*.safetensors`` (optionally sharded).
-        dtype: weight dtype (tensors are cast on load).
+        dtype: weight dtype (tensors are cast on load; int4 layers take and return it).
         device: target device.
+        weights: ``"fp32"`` (every weight dense in ``dtype``), ``"int4"`` (GGUF 4/8-bit blocks
+            as int4 layers, CPU only) or ``"auto"`` (int4 when ``resolve_weights`` finds a GGUF
+            with Q4 tensors and the device is a CPU).
+        gguf_file: the GGUF the model directory was converted from (default: ``find_gguf``).
 
     Returns:
         ``(model, hf_config)``: a ``LlamaForCausalLM`` in eval mode and the transformers config.
@@ -39,19 +52,87 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
         ValueError: unsupported ``model_type`` (names it and the supported list) or RoPE.
         FileNotFoundError: no safetensors file in ``model_dir``.
         KeyError: a weight the architecture needs is missing from the checkpoint.
+        ValueError: ``weights="int4"`` on a non-CPU device, or GGUF shapes that do not match.
     """
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     spec = LlamaSpec.from_hf_config(hf_config)
+    kind, gguf_path = resolve_weights(weights, model_dir, device, gguf_file)
     # Placeholders on meta cost no memory, so the peak is one copy of the weights.
     model = LlamaForCausalLM(spec, dtype=dtype, device="meta")
+    if kind == "int4":
+        _install_int4(model, gguf_path)  # before load_weights: int4 layers hold no parameters
     with ExitStack() as stack:
         get = _open_checkpoint(model_dir, stack)
         load_weights(model, get, device=device)
     model.build_rope_tables(device, dtype)
     return model.eval(), hf_config
+
+
+def find_gguf(model_dir: Path | str) -> Path | None:
+    """The GGUF file ``model_dir`` was converted from, or None: ``stencil.json``'s
+    ``"gguf_file"`` (relative to ``model_dir`` or absolute) if that file exists, else the
+    single ``*.gguf`` inside ``model_dir``."""
+    model_dir = Path(model_dir)
+    meta = model_dir / META_FILE
+    if meta.is_file():
+        named = json.loads(meta.read_text()).get("gguf_file")
+        if named and (model_dir / named).is_file():
+            return model_dir / named
+    found = sorted(model_dir.glob("*.gguf"))
+    return found[0] if len(found) == 1 else None
+
+
+def resolve_weights(weights: str, model_dir: Path | str, device: torch.device | str,
+                    gguf_file: Path | str | None = None) -> tuple[str, Path | None]:
+    """Decide ``"fp32"`` or ``"int4"`` and the GGUF to read.
+
+    ``"auto"`` is int4 on CPU when the GGUF exists and holds Q4_0/Q4_1 tensors (measured
+    faster than fp32 at 1-32 concurrent sequences: ``stencil bench weights``), else fp32.
+
+    Raises:
+        ValueError: unknown ``weights``, or ``"int4"`` on a device other than CPU (torch's int4
+            kernel used here is CPU-only).
+        FileNotFoundError: ``"int4"`` without a GGUF.
+    """
+    if weights not in ("auto", "fp32", "int4"):
+        raise ValueError(f"weights must be auto, fp32 or int4, got {weights!r}")
+    if weights == "fp32":
+        return "fp32", None
+    on_cpu = torch.device(device).type == "cpu"
+    path = Path(gguf_file) if gguf_file is not None else find_gguf(model_dir)
+    if weights == "int4":
+        if not on_cpu:
+            raise ValueError(f"int4 weights run on CPU only, not on {device}")
+        if path is None or not path.is_file():
+            raise FileNotFoundError(f"int4 weights need the model's GGUF file; none found for {model_dir} "
+                                    f"(pass gguf_file= or name it in {META_FILE})")
+        return "int4", path
+    if not on_cpu or path is None or not path.is_file():
+        return "fp32", None
+    from engine.models.quant import GgufWeights
+
+    return ("int4", path) if GgufWeights(path).count(_Q4) else ("fp32", None)
+
+
+def _install_int4(model: LlamaForCausalLM, gguf_path: Path) -> None:
+    """Replace the projections (and the LM head) whose GGUF blocks are int4-servable."""
+    from engine.models.quant import GgufWeights, cpu_has_bf16_gemm, int4_projections
+
+    spec = model.spec
+    # Measured on a 2-core AVX512-BF16 CPU: the int4 LM head wins up to 4 rows, bf16 beyond.
+    layers = int4_projections(GgufWeights(gguf_path), spec.num_layers, spec.num_heads,
+                              spec.num_kv_heads, lm_head=True,
+                              head_dense_above=4 if cpu_has_bf16_gemm() else None)
+    for name, module in layers.items():
+        old = model.get_submodule(name)
+        if (old.in_features, old.out_features) != (module.in_features, module.out_features):
+            raise ValueError(f"{name}: GGUF {gguf_path} gives [{module.out_features}, {module.in_features}], "
+                             f"the model needs [{old.out_features}, {old.in_features}]")
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
 def load_weights(model: LlamaForCausalLM, get: Callable[[str], torch.Tensor], *,

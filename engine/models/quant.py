@@ -1,0 +1,323 @@
+"""GGUF 4-bit and 8-bit blocks served as torch int4-packed weights on CPU, without re-quantizing.
+
+Formats (ggml's ``ggml-common.h``; gguf-py's ``gguf.quants`` decodes them the same way), each
+block holds 32 consecutive weights of one row, ``d`` and ``m`` are fp16:
+
+* ``Q4_0``: ``w = d * (q - 8)``, ``q`` in ``0..15`` (low nibbles: weights 0-15, high: 16-31);
+* ``Q4_1``: ``w = d * q + m``, same nibble order;
+* ``Q8_0``: ``w = d * q``, ``q`` an int8.
+
+torch's CPU kernel ``aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)``
+dequantizes each group of 32 input features as ``(c - 8) * scale + zero`` (checked empirically
+with unit and identity inputs, and pinned by ``tests/test_quant.py``), ``c`` in ``0..15``,
+``scales_and_zeros[g, n] = (scale, zero)`` ``[K / 32, N, 2]``. So, with ``c = q``:
+
+* ``Q4_0``: ``scale = d``, ``zero = 0``;
+* ``Q4_1``: ``scale = d``, ``zero = m + 8 d``;
+* ``Q8_0``: two planes of nibbles ``hi, lo`` with ``q + 128 = 16 hi + lo``:
+  ``d q = 16 d (hi - 8) + d (lo - 8) + 8 d``, i.e. ``(scale, zero) = (16 d, 8 d)`` for ``hi``
+  and ``(d, 0)`` for ``lo``; the layer runs the kernel once per plane and adds.
+
+The codes and the fp32 scale/zero planes (``Int4Planes``) are exact: decoding them in fp32
+gives gguf's own ``dequantize`` (bit-exact on SmolLM2's file; ``m + 8 d`` is one fp32
+rounding in general). The kernel itself is fast only with bf16 activations (fp32 and fp16
+inputs take a scalar path, 50-100x slower here), and then scales, zeros and outputs are bf16
+too: each is rounded to 8 significant bits (unit roundoff ``u = 2^-8``). For one layer,
+``|y_int4 - x @ W.T| <= 2.02 u A + 1.01 u |x @ W.T|`` with
+``A[n] = sum_k |x[k]| (|c[n,k] - 8| |scale[n,k]| + |zero[n,k]|)`` (one plane; accumulation is
+fp32). That bf16 rounding of activations, scales/zeros and outputs is the only difference from
+fp32 layers built on ``gguf.quants.dequantize``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP = 32  # weights per GGUF block = the kernel's group size
+_Q4_0, _Q4_1, _Q8_0 = "Q4_0", "Q4_1", "Q8_0"
+INT4_TYPES = frozenset({_Q4_0, _Q4_1, _Q8_0})  # GGUF tensor types this module serves as int4
+_N_ALIGN = 16  # the CPU packing wants out_features % 16 == 0
+
+
+@dataclass(slots=True)
+class Int4Planes:
+    """Exact int4 form of a weight ``W [N, K]``: ``W = sum_p (codes[p] - 8) * scales[p] + zeros[p]``
+    (scales and zeros repeated over each group of 32 input features).
+
+    Attributes:
+        codes: uint8 ``[P, N, K]`` in ``0..15``.
+        scales: fp32 ``[P, N, K / 32]``.
+        zeros: fp32 ``[P, N, K / 32]``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape[1:])
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 ``[N, K]`` as the formula above, computed in fp32."""
+        s = self.scales.repeat_interleave(GROUP, dim=-1)
+        z = self.zeros.repeat_interleave(GROUP, dim=-1)
+        w = (self.codes.float() - 8) * s + z
+        return w[0] if w.shape[0] == 1 else w.sum(0)
+
+
+def planes_from_blocks(raw: np.ndarray, qtype: str) -> Int4Planes:
+    """Decode GGUF blocks into exact int4 planes, without going through dequantized floats.
+
+    Args:
+        raw: uint8 ``[N, K / 32 * block_bytes]``, one weight row per array row (the layout
+            ``gguf.GGUFReader`` gives for a 2-D quantized tensor).
+        qtype: ``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``.
+
+    Returns:
+        ``Int4Planes`` with one plane (Q4_0, Q4_1) or two (Q8_0).
+
+    Raises:
+        ValueError: another type, or a row length that is not whole blocks.
+    """
+    if qtype not in INT4_TYPES:
+        raise ValueError(f"cannot serve {qtype} as int4; expected one of {sorted(INT4_TYPES)}")
+    head = 4 if qtype == _Q4_1 else 2
+    nbytes = head + (GROUP if qtype == _Q8_0 else GROUP // 2)
+    rows, width = raw.shape
+    if width % nbytes:
+        raise ValueError(f"{qtype} row of {width} bytes is not a whole number of {nbytes}-byte blocks")
+    blocks = np.ascontiguousarray(raw).reshape(rows, width // nbytes, nbytes)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+    body = blocks[..., head:]  # [N, K/32, 16 or 32] bytes
+    if qtype == _Q8_0:
+        q = body.view(np.int8).astype(np.int16) + 128  # 0..255
+        codes = np.stack([q >> 4, q & 15]).astype(np.uint8)
+        scales = np.stack([16 * d, d])
+        zeros = np.stack([8 * d, np.zeros_like(d)])
+    else:
+        codes = np.empty((1, rows, width // nbytes, GROUP), np.uint8)
+        codes[..., :GROUP // 2] = body & 15  # low nibbles are the block's first 16 weights
+        codes[..., GROUP // 2:] = body >> 4
+        scales = d[None]
+        if qtype == _Q4_1:
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            zeros = (m + 8 * d)[None]
+        else:
+            zeros = np.zeros_like(scales)
+    return Int4Planes(torch.from_numpy(codes.reshape(codes.shape[0], rows, -1)),
+                      torch.from_numpy(scales), torch.from_numpy(zeros))
+
+
+def concat_planes(parts: list[Int4Planes]) -> Int4Planes:
+    """Stack the rows of several weights (a fused projection's output is just more rows).
+
+    Parts with fewer planes get zero planes (code 8, scale 0, zero 0: contributes exactly 0).
+
+    Raises:
+        ValueError: the parts disagree on ``in_features``.
+    """
+    if len({p.shape[1] for p in parts}) != 1:
+        raise ValueError(f"cannot fuse weights of in_features {[p.shape[1] for p in parts]}")
+    depth = max(p.codes.shape[0] for p in parts)
+    return Int4Planes(*(torch.cat([_pad_planes(getattr(p, f), depth, fill) for p in parts], dim=1)
+                        for f, fill in (("codes", 8), ("scales", 0), ("zeros", 0))))
+
+
+def _pad_planes(t: torch.Tensor, depth: int, fill: int) -> torch.Tensor:
+    extra = depth - t.shape[0]
+    return t if extra == 0 else torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype)])
+
+
+def permute_rows(planes: Int4Planes, order: torch.Tensor) -> Int4Planes:
+    """Rows ``order`` (int64 ``[N]``) of every plane: reordering whole rows is exact."""
+    return Int4Planes(planes.codes[:, order], planes.scales[:, order], planes.zeros[:, order])
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T (+ bias)`` with ``W`` held as int4 planes, run by torch's CPU int4 kernel.
+
+    Activations are cast to bf16 for the kernel (its only fast input type) and the result back
+    to ``x.dtype``; see the module docstring for the error bound.
+
+    Args:
+        planes: the exact weight (``planes_from_blocks`` / ``concat_planes``).
+        bias: fp32 ``[out_features]`` or None.
+        dense_above: also keep the weight dense in bf16 and use it (``F.linear``) for inputs of
+            more than this many rows. The int4 kernel's cost grows with the rows much faster
+            than a bf16 GEMM on CPUs with AVX512-BF16: for SmolLM2's 49,152 x 576 LM head at
+            32 rows, 26 ms (two planes) vs 7.6 ms here; at 1 row 2.1 vs 3.3 ms.
+
+    Raises:
+        ValueError: ``in_features`` not a multiple of 32.
+    """
+
+    def __init__(self, planes: Int4Planes, bias: torch.Tensor | None = None, *,
+                 dense_above: int | None = None) -> None:
+        super().__init__()
+        self.dense_above = dense_above
+        self.dense = None if dense_above is None else planes.dequantize().to(torch.bfloat16)
+        n, k = planes.shape
+        if k % GROUP:
+            raise ValueError(f"in_features {k} is not a multiple of {GROUP}")
+        self.in_features, self.out_features = k, n
+        pad = -n % _N_ALIGN
+        self.bias = None if bias is None else bias.float()
+        packed, sz = [], []
+        for p in range(planes.codes.shape[0]):
+            codes = planes.codes[p].to(torch.int32)
+            scale_zero = torch.stack([planes.scales[p], planes.zeros[p]], dim=-1)  # [N, K/32, 2]
+            if pad:
+                codes = torch.cat([codes, torch.full((pad, k), 8, dtype=torch.int32)])
+                scale_zero = torch.cat([scale_zero, scale_zero.new_zeros(pad, k // GROUP, 2)])
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
+            sz.append(scale_zero.transpose(0, 1).contiguous().to(torch.bfloat16))  # [K/32, N, 2]
+        self.packed = packed  # per plane uint8 [N_pad, K / 2], kernel layout
+        self.scales_and_zeros = sz  # per plane bf16 [K / 32, N_pad, 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out] in x.dtype
+        xb = x.to(torch.bfloat16).contiguous()
+        if self.dense is not None and x.shape[0] > self.dense_above:
+            return F.linear(xb, self.dense, self.bias).to(x.dtype)
+        y = None
+        for packed, sz in zip(self.packed, self.scales_and_zeros):
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, sz).float()
+            y = part if y is None else y + part
+        if self.out_features != y.shape[1]:
+            y = y[:, :self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"planes={len(self.packed)}, bias={self.bias is not None}, dense_above={self.dense_above}")
+
+
+class GgufWeights:
+    """The tensors of one GGUF file, read lazily through ``gguf.GGUFReader`` (memory-mapped).
+
+    Args:
+        path: the ``.gguf`` file.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {self.path}")
+        reader = GGUFReader(str(self.path))
+        self.tensors = {t.name: t for t in reader.tensors}
+        arch = reader.fields.get("general.architecture")
+        self.architecture = bytes(arch.parts[arch.data[0]]).decode() if arch else ""
+
+    def qtype(self, name: str) -> str:
+        """ggml type name of tensor ``name`` (``"Q4_1"``, ``"F32"``, ...). Raises KeyError."""
+        return self.tensors[name].tensor_type.name
+
+    def planes(self, name: str) -> Int4Planes:
+        """Exact int4 planes of a Q4_0/Q4_1/Q8_0 matrix. Raises KeyError, ValueError."""
+        t = self.tensors[name]
+        return planes_from_blocks(np.asarray(t.data), t.tensor_type.name)
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        """fp32 tensor in torch's shape order (outer dimension first), by ``gguf.quants``."""
+        from gguf.quants import dequantize
+
+        t = self.tensors[name]
+        shape = tuple(int(s) for s in reversed(t.shape))
+        return torch.from_numpy(np.array(dequantize(np.asarray(t.data), t.tensor_type), np.float32)
+                                ).reshape(shape)
+
+    def count(self, types: frozenset[str] = INT4_TYPES) -> int:
+        """How many tensors are of one of ``types``."""
+        return sum(t.tensor_type.name in types for t in self.tensors.values())
+
+
+def qk_row_order(rows: int, num_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's Q/K permutation for the ``llama`` GGUF architecture.
+
+    llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) stores each
+    head's rotary halves interleaved; transformers' GGUF loader undoes it
+    (``reverse_permute_weights``). Returns int64 ``[rows]``: HF row ``i`` is GGUF row
+    ``order[i]``.
+    """
+    half = rows // num_heads // 2
+    return torch.arange(rows).reshape(num_heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+
+
+# -- our projections from GGUF tensor names --------------------------------------------------------
+
+_PARTS = {  # our projection -> GGUF tensors whose rows it stacks, in our row order
+    "attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+def int4_projections(gguf: GgufWeights, num_layers: int, num_heads: int, num_kv_heads: int,
+                     *, lm_head: bool, head_dense_above: int | None = None) -> dict[str, Int4Linear]:
+    """Int4 modules for every projection whose GGUF tensors are all Q4_0/Q4_1/Q8_0.
+
+    Keys are our dotted module names (``layers.{i}.attn.qkv_proj``, ..., ``lm_head``); a
+    projection with any other part type (F16, Q6_K, ...) is left out, to be loaded dense. Q and
+    K rows are reordered for the ``llama`` architecture (``qk_row_order``). Biases (Qwen2's
+    ``attn_{q,k,v}.bias``) are read as fp32. ``lm_head=True`` adds the LM head: ``output.weight``,
+    or ``token_embd.weight`` when the file has no separate head (tied embeddings), with
+    ``dense_above=head_dense_above`` (see ``Int4Linear``).
+
+    Raises:
+        KeyError: a layer tensor is missing from the file.
+    """
+    out: dict[str, Int4Linear] = {}
+    permute = gguf.architecture == "llama"
+    for i in range(num_layers):
+        for ours, theirs in _PARTS.items():
+            names = [f"blk.{i}.{t}.weight" for t in theirs]
+            if not all(gguf.qtype(n) in INT4_TYPES for n in names):
+                continue
+            parts, biases = [], []
+            for t, n in zip(theirs, names):
+                planes = gguf.planes(n)
+                heads = {"attn_q": num_heads, "attn_k": num_kv_heads}.get(t)
+                order = qk_row_order(planes.shape[0], heads) if permute and heads else None
+                parts.append(planes if order is None else permute_rows(planes, order))
+                bias_name = f"blk.{i}.{t}.bias"
+                if bias_name in gguf.tensors:
+                    bias = gguf.dequantized(bias_name)
+                    biases.append(bias if order is None else bias[order])
+            bias = torch.cat(biases) if biases else None
+            out[f"layers.{i}.{ours}"] = Int4Linear(concat_planes(parts), bias)
+    if lm_head:
+        head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+        if gguf.qtype(head) in INT4_TYPES:
+            out["lm_head"] = Int4Linear(gguf.planes(head), dense_above=head_dense_above)
+    return out
+
+
+def cpu_has_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo),
+    which makes a dense bf16 ``F.linear`` faster than the int4 kernel for many rows."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+
+__all__ = ["GROUP", "INT4_TYPES", "GgufWeights", "cpu_has_bf16_gemm", "Int4Linear", "Int4Planes", "concat_planes", "int4_projections",
+           "permute_rows", "planes_from_blocks", "qk_row_order"]
