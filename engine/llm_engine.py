@@ -22,6 +22,9 @@ from engine.spec_decode import SpecConfig, SpecState, propose_ngram
 log = logging.getLogger(__name__)
 
 
+MAX_TEMPERATURE = 1e6  # far beyond any useful value (logits / 1e6 is uniform), far inside float32
+
+
 class EngineError(ValueError):
     """A request the engine cannot take (too long, bad parameters); the message names the field."""
 
@@ -116,8 +119,10 @@ class LLMEngine:
                               f"({self.kv.num_blocks} blocks of {self.config.block_size} tokens)")
         if params.max_tokens < 1:
             raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        if params.temperature < 0:
-            raise EngineError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0 <= params.temperature <= MAX_TEMPERATURE:
+            # Above float32's range the sampler divides -inf (masked) logits by inf: NaN, and
+            # torch.multinomial would take the whole engine loop down with it.
+            raise EngineError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {params.temperature}")
         if not 0 < params.top_p <= 1:
             raise EngineError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.top_k < 0:
@@ -162,7 +167,7 @@ class LLMEngine:
         """Schedule, run the model, update requests; return outputs of every request that changed."""
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
-        seen: set[str] = set()
+        reported: set[str] = set()  # requests whose final output is already in ``outputs``
         if not sched.is_empty:
             self.num_steps += 1
             failed: list[tuple[Request, BaseException]] = []
@@ -172,11 +177,13 @@ class LLMEngine:
             for req, exc in failed:
                 self._fail(req, "computing its grammar mask", exc)
             for req, new in self.scheduler.update(sched, result.sampled, result.logprobs):
-                outputs.append(self._output(req, new))
-                seen.add(req.request_id)
-            self._propose_drafts()
+                out = self._output(req, new)
+                outputs.append(out)
+                if out.finished:
+                    reported.add(req.request_id)
+            self._propose_drafts()  # may fail a request that already had an (unfinished) output
         for req in self.scheduler.drain_finished():
-            if req.request_id not in seen:
+            if req.request_id not in reported:
                 outputs.append(self._output(req, []))
         return outputs
 
@@ -230,7 +237,7 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         running = self.scheduler.running
-        for req in running:
+        for req in list(running):  # a copy: a request that fails here leaves ``running``
             spec = self._spec.get(req.request_id)
             st = req.spec_state
             if spec is None or st is None or req.num_computed_tokens < req.num_tokens - 1:
@@ -249,18 +256,25 @@ class LLMEngine:
                        self.max_model_len - req.num_tokens - 1)
             if room <= 0:
                 continue
-            drafts: list[int] = []
-            if spec.grammar_drafts and req.matcher is not None:
-                forced = req.matcher.forced_text(64)
-                if forced:
-                    text = forced.decode("utf-8", errors="ignore")
-                    drafts = self.tokenizer.encode(text, add_special_tokens=False)[:room]
-            if len(drafts) < room:
-                tokens = np.asarray(req.all_token_ids + drafts, dtype=np.int64)
-                drafts += propose_ngram(tokens, room - len(drafts), spec.prompt_lookup_min, spec.prompt_lookup_max)
-            if drafts and req.matcher is not None:
-                drafts = drafts[:req.matcher.validate_tokens(drafts)]
-            req.draft_token_ids = drafts
+            try:
+                req.draft_token_ids = self._drafts(req, spec, room)
+            except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
+                self._fail(req, "proposing draft tokens", e)
+
+    def _drafts(self, req: Request, spec: SpecConfig, room: int) -> list[int]:
+        """Up to ``room`` draft tokens: grammar-forced text first, then n-gram lookup, trimmed by the grammar."""
+        drafts: list[int] = []
+        if spec.grammar_drafts and req.matcher is not None:
+            forced = req.matcher.forced_text(64)
+            if forced:
+                text = forced.decode("utf-8", errors="ignore")
+                drafts = self.tokenizer.encode(text, add_special_tokens=False)[:room]
+        if len(drafts) < room:
+            tokens = np.asarray(req.all_token_ids + drafts, dtype=np.int64)
+            drafts += propose_ngram(tokens, room - len(drafts), spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if drafts and req.matcher is not None:
+            drafts = drafts[:req.matcher.validate_tokens(drafts)]
+        return drafts
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         detok = self._detok.get(req.request_id)
@@ -269,7 +283,7 @@ class LLMEngine:
             try:
                 text = detok.push(new)
                 if detok.stopped and not req.is_finished:
-                    # step() skips requests it already reported, so this finish is not reported twice.
+                    # step() skips requests whose end it already reported: not reported twice.
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                 if req.is_finished:
                     text += detok.finish()

@@ -10,6 +10,7 @@ recompute often hits the prefix cache).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -154,7 +157,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 if not self._grammar_ready(req):
-                    skipped.append(self.waiting.popleft())
+                    if not req.is_finished:  # a failed grammar already took the request off the queue
+                        skipped.append(self.waiting.popleft())
                     continue
             cached_blocks, num_cached = self.kv.get_computed_blocks(req) if not req.block_ids else ([], 0)
             req.num_computed_tokens = num_cached
@@ -229,29 +233,41 @@ class Scheduler:
             lps = logprobs[k] if logprobs is not None else None
             k += 1
             if req.is_finished:
-                continue  # aborted while the step ran
-            num_rejected = sr.num_drafts - (len(tokens) - 1)
-            req.num_computed_tokens = sr.start + sr.num_new_tokens - num_rejected
-            if sr.num_drafts:
-                req.metrics.num_draft_tokens += sr.num_drafts
-                req.metrics.num_accepted_tokens += len(tokens) - 1
-                req.metrics.num_verify_steps += 1
-                if req.spec_state is not None:
-                    req.spec_state.record(sr.num_drafts, len(tokens) - 1)
-            req.draft_token_ids = []
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            new = self._append(req, tokens, lps)
-            if not req.is_finished and self.enable_forced_tokens and req.matcher is not None:
-                forced = req.matcher.forced_tokens(self.max_forced_tokens)
-                if forced:
-                    n_before = len(new)
-                    new += self._append(req, forced, [0.0] * len(forced) if lps is not None else None)
-                    req.metrics.num_forced_tokens += len(new) - n_before
-            if not req.is_finished:
-                self.kv.cache_full_blocks(req)
+                continue  # aborted (or failed) while the step ran
+            try:
+                new = self._apply(sr, tokens, lps, now)
+            except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
+                log.error("request %s failed while appending its tokens", req.request_id, exc_info=e)
+                req.error = f"internal error while appending tokens ({type(e).__name__}); see the server log"
+                self.finish(req, RequestStatus.FINISHED_ERROR)
+                new = []
             updates.append((req, new))
         return updates
+
+    def _apply(self, sr: ScheduledRequest, tokens: list[int], lps: list[float] | None, now: float) -> list[int]:
+        """Record one sampled request's accepted drafts and new tokens (then forced ones); return them."""
+        req = sr.request
+        num_rejected = sr.num_drafts - (len(tokens) - 1)
+        req.num_computed_tokens = sr.start + sr.num_new_tokens - num_rejected
+        if sr.num_drafts:
+            req.metrics.num_draft_tokens += sr.num_drafts
+            req.metrics.num_accepted_tokens += len(tokens) - 1
+            req.metrics.num_verify_steps += 1
+            if req.spec_state is not None:
+                req.spec_state.record(sr.num_drafts, len(tokens) - 1)
+        req.draft_token_ids = []
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        new = self._append(req, tokens, lps)
+        if not req.is_finished and self.enable_forced_tokens and req.matcher is not None:
+            forced = req.matcher.forced_tokens(self.max_forced_tokens)
+            if forced:
+                n_before = len(new)
+                new += self._append(req, forced, [0.0] * len(forced) if lps is not None else None)
+                req.metrics.num_forced_tokens += len(new) - n_before
+        if not req.is_finished:
+            self.kv.cache_full_blocks(req)
+        return new
 
     def _append(self, req: Request, tokens: list[int], lps: list[float] | None) -> list[int]:
         """Append tokens one by one, stopping at EOS, max_tokens, model length or grammar end."""
