@@ -39,6 +39,7 @@ from schemas.generate import (GenerateRequest, GenerateResponse, HealthResponse,
 from service import generation
 from service.errors import ServiceError, Unauthorized, to_problem
 from service.metrics import Metrics
+from service.openapi_docs import StreamableOperation, error_responses
 from service.state import ServiceConfig, ServiceState
 from service.validation import OutputChecker
 
@@ -46,13 +47,7 @@ log = logging.getLogger("stencil.app")
 
 PROBLEM_JSON = "application/problem+json"
 _PUBLIC = ("/health", "/metrics", "/schema")  # reachable without the API key
-_ERROR_RESPONSES = {
-    code: ResponseSpec(Problem, description=desc, media_type=PROBLEM_JSON)
-    for code, desc in ((400, "invalid schema, regex, prompt or parameter"), (401, "missing or wrong API key"),
-                       (413, "request body too large"), (422, "body does not match the request type"),
-                       (429, "waiting queue full; see Retry-After"), (503, "draining or engine dead"),
-                       (504, "request deadline passed"), (500, "internal error (request id in the body)"))
-}
+_ERROR_RESPONSES = error_responses(Problem, PROBLEM_JSON, (400, 401, 413, 422, 429, 503, 504, 500))
 
 
 class _Holder:
@@ -115,6 +110,8 @@ def _validation_problem(exc: ValidationException) -> Problem:
         if "malformed" in text.lower():
             return Problem(title="Bad Request", status=400, detail=f"the body is not valid JSON: {text}")
         return Problem(title="Unprocessable Content", status=422, detail=text)
+    if len(items) == 1 and items[0].get("message") == "'data'":  # Litestar found no body to decode
+        return Problem(title="Bad Request", status=400, detail="the body is empty: send a JSON object")
     fields = [str(e["key"]) for e in items if e.get("key") and e.get("key") != "data"]
     messages = [f"{e['key']}: {e.get('message')}" if e.get("key") and e.get("key") != "data" else str(e.get("message"))
                 for e in items]
@@ -210,7 +207,8 @@ async def _sse_events(gen: generation.GenerationStream, rid: str) -> AsyncIterat
     yield "[DONE]"
 
 
-@post("/generate", status_code=200, responses=_ERROR_RESPONSES, summary="Generate text, constrained or not",
+@post("/generate", status_code=200, responses=_ERROR_RESPONSES, operation_class=StreamableOperation,
+      summary="Generate text, constrained or not",
       description="JSON answer, or server-sent events with `\"stream\": true` (text deltas, a final event "
                   "with output/valid/finish_reason/usage, then `[DONE]`).")
 async def generate_handler(data: GenerateRequest, service: ServiceState, request: Request) -> GenerateResponse:

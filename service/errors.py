@@ -132,6 +132,13 @@ def to_problem(exc: BaseException, request_id: str | None = None,
         p = Problem(title="Service Unavailable", status=503, detail=str(exc))
     elif isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         p = Problem(title="Gateway Timeout", status=504, detail="the request timed out")
+    elif isinstance(exc, UnicodeDecodeError):
+        # Raised while the framework decodes the body: bytes the client sent, not our fault.
+        p = Problem(title="Bad Request", status=400,
+                    detail=f"the body is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+    elif isinstance(exc, RecursionError) and "deserializ" in str(exc):
+        # msgspec's decoder refuses nesting deeper than its recursion limit.
+        p = Problem(title="Bad Request", status=400, detail="the body nests JSON too deeply to decode")
     else:
         p = Problem(title="Internal Server Error", status=500,
                     detail=f"internal error; see the server log for request {request_id}")

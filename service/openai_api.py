@@ -33,6 +33,7 @@ import msgspec
 from litestar import Request, Response, Router, get, post
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 
 from grammar.base import GrammarSpec
@@ -43,6 +44,7 @@ from schemas.openai import (
 )
 from service import generation as gen
 from service.errors import ClientDisconnected, GenerationFailed, InputError, ServiceError, Unavailable, to_problem
+from service.openapi_docs import StreamableOperation, error_responses
 from service.state import ServiceState
 from service.tools import (
     CALL_OPEN, ToolError, ToolPlan, arguments_schema, parse_tool_output, plan_tools, template_messages,
@@ -57,6 +59,11 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 _FIELD_PARAM = {"response_schema": "response_format", "regex": "tools"}
+# Statuses each route can answer with, in OpenAI's error shape (``openai_exception_handler``);
+# body validation errors are 400 here, as in OpenAI's API.
+_GENERATION_ERRORS = error_responses(ErrorResponse, "application/json", (400, 401, 404, 413, 429, 500, 503, 504))
+_LIST_ERRORS = error_responses(ErrorResponse, "application/json", (401, 503))
+_LOOKUP_ERRORS = error_responses(ErrorResponse, "application/json", (400, 401, 404, 503))
 
 
 class NotFound(ServiceError):
@@ -353,6 +360,11 @@ async def _merged(streams: list[gen.GenerationStream]) -> AsyncIterator[tuple[in
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+# The content type is repeated as a header: Litestar otherwise sends the route's default
+# (application/json) even for a Stream whose media_type says text/event-stream.
+_SSE_HEADERS = {"Cache-Control": "no-cache", "Content-Type": "text/event-stream; charset=utf-8"}
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
@@ -420,7 +432,10 @@ async def _chat_events(svc: ServiceState, job: _ChatJob, streams: list[gen.Gener
     yield b"data: [DONE]\n\n"
 
 
-@post("/chat/completions", status_code=200, summary="OpenAI-compatible chat completion")
+@post("/chat/completions", status_code=200, summary="OpenAI-compatible chat completion",
+      responses={200: ResponseSpec(ChatCompletion, description="the completion, or its chunks as server-sent "
+                                   "events with `\"stream\": true`"), **_GENERATION_ERRORS},
+      operation_class=StreamableOperation)
 async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, request: Request) -> Any:
     """Create a chat completion (OpenAI ``POST /v1/chat/completions``), whole or streamed."""
     job = await _prepare_chat(svc, data)
@@ -429,7 +444,7 @@ async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, reque
         streams = [await gen.start(svc, job.prompt_ids, p, job.spec, f"{rid}-{i}") for i, p in enumerate(job.params)]
         include = bool(data.stream_options and data.stream_options.include_usage)
         return Stream(_chat_events(svc, job, streams, rid, include), media_type="text/event-stream",
-                      headers={"Cache-Control": "no-cache"})
+                      headers=_SSE_HEADERS)
     results = await _run_all(svc, [(job.prompt_ids, p) for p in job.params], job.spec, rid, request.receive)
     choices = [_chat_choice(svc, job, i, r) for i, r in enumerate(results)]
     return ChatCompletion(id=rid, created=int(time.time()), model=job.model, choices=choices,
@@ -471,7 +486,10 @@ async def _completion_events(svc: ServiceState, model: str, streams: list[gen.Ge
     yield b"data: [DONE]\n\n"
 
 
-@post("/completions", status_code=200, summary="OpenAI-compatible text completion (legacy)")
+@post("/completions", status_code=200, summary="OpenAI-compatible text completion (legacy)",
+      responses={200: ResponseSpec(Completion, description="the completion, or its chunks as server-sent "
+                                   "events with `\"stream\": true`"), **_GENERATION_ERRORS},
+      operation_class=StreamableOperation)
 async def completions(data: CompletionRequest, svc: ServiceState, request: Request) -> Any:
     """Create a text completion (OpenAI ``POST /v1/completions``), whole or streamed."""
     model = _check_model(svc, data.model)
@@ -503,7 +521,7 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
         include = bool(data.stream_options and data.stream_options.include_usage)
         return Stream(_completion_events(svc, model, streams, prompts, counts, data.n, data.echo, rid, include,
                                          want_logprobs),
-                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                      media_type="text/event-stream", headers=_SSE_HEADERS)
     results = await _run_all(svc, jobs, spec, rid, request.receive)
     choices = []
     for k, r in enumerate(results):
@@ -525,13 +543,13 @@ def _model(svc: ServiceState) -> Model:
     return Model(id=svc.model_name, created=created)
 
 
-@get("/models", summary="Models served (OpenAI-compatible)")
+@get("/models", summary="Models served (OpenAI-compatible)", responses=_LIST_ERRORS)
 async def list_models(svc: ServiceState) -> ModelList:
     """The one model this server serves."""
     return ModelList(data=[_model(svc)])
 
 
-@get("/models/{model_id:path}", summary="One model (OpenAI-compatible)")
+@get("/models/{model_id:path}", summary="One model (OpenAI-compatible)", responses=_LOOKUP_ERRORS)
 async def get_model(model_id: str, svc: ServiceState) -> Model:
     """The served model by id; 404 for any other id."""
     _check_model(svc, model_id.lstrip("/"))

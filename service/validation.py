@@ -12,12 +12,12 @@ building one costs milliseconds and running one tens of microseconds (FACTS.md).
 from __future__ import annotations
 
 import json
-import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
+import regex
 from jsonschema.validators import validator_for
 from referencing import Registry
 
@@ -102,11 +102,13 @@ class OutputChecker:
     """Validates finished outputs against their ``GrammarSpec`` with cached validators.
 
     One per app (not a global): an LRU of ``capacity`` jsonschema validators and compiled
-    Python regexes, keyed by the spec's canonical text.
+    Python regexes, keyed by the spec's canonical text. A regex check gives up after
+    ``regex_timeout_s`` seconds (the output is then reported not valid, with a warning).
     """
 
-    def __init__(self, capacity: int = 256):
+    def __init__(self, capacity: int = 256, regex_timeout_s: float = 0.05):
         self.capacity = capacity
+        self.regex_timeout_s = regex_timeout_s
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._empty_registry = Registry()  # no retrieval callback: remote $refs are never fetched
 
@@ -130,10 +132,14 @@ class OutputChecker:
         return self._cached(("json", schema_text), build)
 
     def _regex(self, pattern: str):
+        # ``regex`` (the ``re``-compatible module transformers already needs) rather than ``re``:
+        # its matches take a timeout. A backtracking match of a text that does not match, e.g. an
+        # output cut by a stop string against ``(x+x+)+y``, can take exponential time and would
+        # stall the event loop.
         def build():
             try:
-                return re.compile(pattern)
-            except re.error:
+                return regex.compile(pattern)
+            except (regex.error, ValueError, OverflowError):
                 return False  # a dialect difference; the grammar already enforced the pattern
         return self._cached(("regex", pattern), build)
 
@@ -161,8 +167,12 @@ class OutputChecker:
             return CheckedOutput(value, True)
         if spec.kind == "regex":
             rx = self._regex(spec.value)
-            if rx is False or rx.fullmatch(text):
-                return CheckedOutput(None, True)
+            try:
+                if rx is False or rx.fullmatch(text, timeout=self.regex_timeout_s):
+                    return CheckedOutput(None, True)
+            except TimeoutError:
+                return CheckedOutput(None, False, [f"output could not be checked against the regex within "
+                                                   f"{self.regex_timeout_s:g} s"])
             return CheckedOutput(None, False, ["output does not fully match the regex"])
         choices = json.loads(spec.value)
         if text in choices:

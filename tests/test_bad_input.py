@@ -1,0 +1,425 @@
+"""Hostile and broken requests get a 4xx that names the problem; one request's fault stays its own.
+
+Every case here goes through the real app (tiny model, real tokenizer, real grammar compiler).
+The isolation tests inject a fault into one request (its matcher, its detokenizer, its grammar
+compile) with ``monkeypatch`` keyed on something only that request has, and check that a request
+running beside it completes normally and that the engine is still alive with every KV block free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from concurrent.futures import Future
+
+import httpx
+import pytest
+from litestar.testing import TestClient
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+from grammar.base import GrammarError, GrammarSpec
+from grammar.matcher import Matcher
+from service.app import create_app, service_state
+from service.state import ServiceConfig
+from service.validation import OutputChecker
+
+MAX_PROMPT_CHARS = 20_000
+MAX_BODY = 64 << 10
+MAX_SCHEMA = 16 << 10
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    app = create_app(EngineConfig(model=tiny_model_dir, num_kv_blocks=256, max_num_seqs=16, grammar_timeout_s=1.5),
+                     ServiceConfig(max_tokens_cap=64, default_max_tokens=8, max_body_bytes=MAX_BODY,
+                                   max_prompt_chars=MAX_PROMPT_CHARS, max_schema_bytes=MAX_SCHEMA,
+                                   request_timeout_s=60))
+    with TestClient(app, timeout=60) as c:
+        yield c
+
+
+def _engine_idle(client) -> dict:
+    stats = client.get("/health").json()["engine"]
+    assert stats["running"] == 0 and stats["waiting"] == 0, stats
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+    return stats
+
+
+def _problem(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    p = r.json()
+    assert p["status"] == status and p["request_id"] == r.headers["x-request-id"]
+    return p
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+SELF_CYCLE = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+# -- the body ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw, needle", [
+    (b'{"prompt": "x",}', "not valid JSON"),
+    (b'{"prompt": ', "not valid JSON"),
+    (b"\x00\x01", "not valid JSON"),
+    (b"", "body is empty"),
+    (b'{"prompt": "\xff\xfe"}', "not valid UTF-8"),
+    (b'{"pr\xc3\x28mpt": "x"}', "not valid UTF-8"),
+    (b'{"prompt": "x", "response_schema": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}", "too deeply"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "too deeply"),
+])
+def test_undecodable_bodies(client, raw, needle):
+    p = _problem(client.post("/generate", content=raw, headers={"content-type": "application/json"}), 400)
+    assert needle in p["detail"], p
+
+
+@pytest.mark.parametrize("body, needle, field", [
+    ({"prompt": ["a", "b"]}, "Expected `str | null`", "prompt"),
+    ({"prompt": "x", "max_tokens": "ten"}, "Expected `int | null`", "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, ">= 0.0", "temperature"),
+    ({"prompt": "x", "top_p": 0}, "> 0.0", "top_p"),
+    ({"prompt": "x", "stream": "yes"}, "Expected `bool`", "stream"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role", "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "unknown field `name`", "messages[0].name"),
+    ({"prompt": "x", "respose_schema": {}}, "unknown field `respose_schema`", "respose_schema"),
+    ({"prompt": "x", "max_tokens": -3}, ">= 1", "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, ">= 1", "max_tokens"),
+])
+def test_wrong_types_and_unknown_fields_name_the_field(client, body, needle, field):
+    p = _problem(client.post("/generate", json=body), 422)
+    assert needle in p["detail"] and p["field"] == field, p
+
+
+def test_json_that_is_not_an_object(client):
+    for body in ([1, 2], "prompt", 3):
+        p = _problem(client.post("/generate", json=body), 422)
+        assert "Expected `object`" in p["detail"], p
+
+
+# -- prompts and lengths -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, status, needle, field", [
+    ({"prompt": ""}, 400, "prompt is empty", None),
+    ({"messages": []}, 400, "messages is empty", "messages"),
+    ({"prompt": "x" * (MAX_PROMPT_CHARS + 1)}, 400, f"the limit is {MAX_PROMPT_CHARS}", "prompt"),
+    ({"messages": [{"role": "user", "content": "y" * (MAX_PROMPT_CHARS + 1)}]}, 400,
+     f"the limit is {MAX_PROMPT_CHARS}", "messages"),
+    # 3000 words are about 3000 tokens: longer than the tiny model's 2048-token context.
+    ({"prompt": "hello " * 3000}, 400, "this model allows at most 2047", None),
+    ({"prompt": "x", "max_tokens": 65}, 400, "at most 64", "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**12}, 400, "at most 64", "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**30}, 400, "at most 64", "max_tokens"),
+])
+def test_prompt_and_length_limits(client, body, status, needle, field):
+    p = _problem(client.post("/generate", json=body), status)
+    assert needle in p["detail"] and p.get("field") == field, p
+
+
+@pytest.mark.parametrize("temperature", [1e7, 1.7e307])
+def test_absurd_temperature_is_refused_not_fatal(client, temperature):
+    """Past float32's range the sampler would divide masked -inf logits by inf (NaN) and
+    torch.multinomial would kill the engine loop for everyone."""
+    body = {"prompt": "x", "regex": "[ab]{5}", "temperature": temperature, "speculative": True}
+    p = _problem(client.post("/generate", json=body), 400)
+    assert "temperature must be between 0 and 1e+06" in p["detail"], p
+    ok = client.post("/generate", json={**body, "temperature": 1e6})
+    assert ok.status_code == 200 and re.fullmatch("[ab]{5}", ok.json()["text"]), ok.text
+
+
+def test_body_over_the_limit_is_413(client):
+    p = _problem(client.post("/generate", json={"prompt": "z" * (MAX_BODY + 10)}), 413)
+    assert p["title"] == "Payload Too Large"
+
+
+def test_whitespace_prompt_and_max_tokens_one_are_served(client):
+    r = client.post("/generate", json={"prompt": "   ", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
+# -- schemas -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schema, needle, keyword, path", [
+    (_nested(40), "nests deeper than 32 levels", None, "#" + "/items" * 33),
+    (SELF_CYCLE, "admits no value", "$ref", "#"),
+    (CYCLE, "admits no value", "$ref", "#"),
+    ({"type": "array", "minItems": 3, "maxItems": 1}, "admits no value", "minItems", "#"),
+    ({"type": "string", "minLength": 5, "maxLength": 2}, "admits no value", "minLength", "#"),
+    ({"enum": []}, "enum is empty", "enum", "#"),
+    ({"type": "integer", "minimum": 5, "maximum": 3}, "admits no value", "minimum", "#"),
+    (False, "admits no value", "false", "#"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/evil.json"}}}, "points outside the schema",
+     "$ref", "#/properties/a"),
+    ({"$ref": "file:///etc/passwd"}, "nothing is ever fetched", "$ref", "#"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}},
+     f"the limit is {MAX_SCHEMA}", None, None),
+])
+def test_bad_schemas_name_keyword_and_path(client, schema, needle, keyword, path):
+    p = _problem(client.post("/generate", json={"prompt": "x", "response_schema": schema}), 400)
+    assert needle in p["detail"], p
+    assert p.get("keyword") == keyword and p.get("path") == path, p
+
+
+def test_remote_ref_is_never_fetched(client):
+    """A listening socket sees no connection: the $ref is refused before anything resolves it."""
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.settimeout(0.5)
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}/schema.json"
+    try:
+        for schema in ({"$ref": url}, {"type": "object", "properties": {"a": {"$ref": url + "#/x"}}},
+                       {"$defs": {"x": {"$ref": url}}, "type": "integer"}):
+            p = _problem(client.post("/generate", json={"prompt": "x", "response_schema": schema}), 400)
+            assert url in p["detail"], p
+        with pytest.raises(socket.timeout):
+            srv.accept()
+    finally:
+        srv.close()
+
+
+def test_recursive_schema_is_bounded_and_served(client):
+    tree = {"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+                            "required": ["c"]}}, "$ref": "#/$defs/n"}
+    r = client.post("/generate", json={"prompt": "x", "response_schema": tree, "max_tokens": 64})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    if body["finish_reason"] == "stop":
+        assert body["valid"] and isinstance(json.loads(body["text"]), dict)
+
+
+def test_large_schema_within_limits_is_served_or_refused_by_name(client):
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(200)},
+            "required": [f"p{i}" for i in range(200)]}
+    r = client.post("/generate", json={"prompt": "x", "response_schema": wide, "max_tokens": 8})
+    if r.status_code == 200:
+        assert r.json()["finish_reason"] == "length" and r.json()["text"].startswith('{"p0":')
+    else:
+        assert "grammar" in _problem(r, 400)["detail"]
+
+
+# -- regexes -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pattern", [r"(a*)*b", r"(x+x+)+y", r"(a|a)*c", r"(\w+\s?)*!"])
+def test_catastrophic_backtracking_shapes_are_answered_quickly(client, pattern):
+    """Grammars are automata, not backtracking matchers: these compile and are served at once."""
+    t0 = time.monotonic()
+    r = client.post("/generate", json={"prompt": "x", "regex": pattern, "max_tokens": 48, "stop": ["y", "b"]})
+    assert r.status_code == 200, r.text
+    assert time.monotonic() - t0 < 20
+    body = r.json()
+    if body["finish_reason"] == "stop" and body["valid"]:
+        assert re.fullmatch(pattern, body["text"])
+
+
+@pytest.mark.parametrize("pattern", [r"a{1000}{1000}", r"(a{1,100}){1,100}[b-z]{0,5000}"])
+def test_exploding_regexes_are_refused_by_name(client, pattern):
+    t0 = time.monotonic()
+    p = _problem(client.post("/generate", json={"prompt": "x", "regex": pattern}), 400)
+    assert "grammar" in p["detail"] and time.monotonic() - t0 < 20, p
+    # The refusal is remembered: asking again does not tie up a compile worker for another timeout.
+    t0 = time.monotonic()
+    _problem(client.post("/generate", json={"prompt": "x", "regex": pattern}), 400)
+    assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize("pattern, needle", [("(?=a)b", "lookaround"), ("ab(c", "position"),
+                                              ("[z-a]", "regex"), ("a" * 5000, "4096")])
+def test_invalid_regexes_name_the_problem(client, pattern, needle):
+    p = _problem(client.post("/generate", json={"prompt": "x", "regex": pattern}), 400)
+    assert needle in p["detail"] or (needle == "position" and p.get("position") is not None), p
+
+
+def test_output_check_of_a_cut_output_cannot_stall(client):
+    """An output cut by a stop string is checked against the regex: never with exponential backtracking.
+
+    Python's ``re`` needs ~2^n steps to refuse ``x * n`` for ``(x+x+)+y``; run in a thread so a
+    regression fails here instead of hanging.
+    """
+    checker = OutputChecker()
+    spec = GrammarSpec(kind="regex", value="(x+x+)+y")
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(c=checker.check(spec, "x" * 64, "stop")), daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "the regex output check backtracked exponentially"
+    assert result["c"].valid is False and result["c"].warnings
+    assert checker.check(spec, "xxxxy", "stop").valid is True
+
+
+def test_server_is_clean_after_bad_input(client):
+    _engine_idle(client)
+    assert client.post("/generate", json={"prompt": "x", "max_tokens": 2}).json()["usage"]["completion_tokens"] == 2
+
+
+# -- the OpenAI routes report the same faults in their own shape ----------------------------------------
+
+@pytest.mark.parametrize("raw, needle", [
+    (b'{"model": "x", "messages": [{"role": "user", "content": "\xff"}]}', "not valid UTF-8"),
+    (b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "too deeply"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}],
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CYCLE}}}).encode(),
+     "admits no value"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}],
+                 "response_format": {"type": "json_schema",
+                                     "json_schema": {"name": "r", "schema": {"$ref": "https://example.com/s"}}}}
+                ).encode(), "points outside the schema"),
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(), "max_tokens"),
+])
+def test_openai_routes_name_the_problem(client, raw, needle):
+    r = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error", err
+
+
+# -- isolation -----------------------------------------------------------------------------------------
+
+HEALTHY = {"prompt": "healthy", "regex": "[ab]{200}", "max_tokens": 40}
+
+
+def _pair(client, poison: dict, healthy: dict = HEALTHY, delay_s: float = 0.3):
+    """POST ``healthy`` then, once it runs, ``poison``; return both responses."""
+    async def fire():
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://stencil", timeout=60) as ac:
+            first = asyncio.ensure_future(ac.post("/generate", json=healthy))
+            await asyncio.sleep(delay_s)
+            second = await ac.post("/generate", json=poison)
+            return await first, second
+
+    return client.blocking_portal.call(fire)
+
+
+def _check_healthy(r: httpx.Response, n: int = 40) -> None:
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["finish_reason"] == "length" and body["usage"]["completion_tokens"] == n, body
+    assert re.fullmatch("[ab]+", body["text"]), body
+
+
+def test_mask_fault_fails_one_request(client, monkeypatch):
+    original = Matcher.fill_bitmask
+
+    def fill(self, bitmask, row):
+        if self.grammar.regex == "[p]{50}":
+            raise RuntimeError("injected mask fault")
+        return original(self, bitmask, row)
+
+    monkeypatch.setattr(Matcher, "fill_bitmask", fill)
+    healthy, poisoned = _pair(client, {"prompt": "p", "regex": "[p]{50}", "max_tokens": 20})
+    p = _problem(poisoned, 500)
+    assert "grammar mask" in p["detail"] and "injected" not in p["detail"], p  # no internal text leaks
+    _check_healthy(healthy)
+    _engine_idle(client)
+
+
+def test_append_fault_fails_one_request(client, monkeypatch):
+    original = Matcher.accept_tokens
+
+    def accept(self, ids):
+        if self.grammar.regex == "[q]{50}":
+            raise RuntimeError("injected accept fault")
+        return original(self, ids)
+
+    monkeypatch.setattr(Matcher, "accept_tokens", accept)
+    healthy, poisoned = _pair(client, {"prompt": "q", "regex": "[q]{50}", "max_tokens": 20})
+    assert "appending tokens" in _problem(poisoned, 500)["detail"]
+    _check_healthy(healthy)
+    _engine_idle(client)
+
+
+def test_draft_fault_fails_one_request(client, monkeypatch):
+    original = Matcher.forced_text
+
+    def forced_text(self, max_bytes):
+        if self.grammar.regex == "[u]{50}":
+            raise RuntimeError("injected draft fault")
+        return original(self, max_bytes)
+
+    monkeypatch.setattr(Matcher, "forced_text", forced_text)
+    healthy, poisoned = _pair(client, {"prompt": "u", "regex": "[u]{50}", "max_tokens": 20, "speculative": True})
+    assert "proposing draft tokens" in _problem(poisoned, 500)["detail"]
+    _check_healthy(healthy)
+    _engine_idle(client)
+
+
+def test_detokenizer_fault_fails_one_request_streamed(client, monkeypatch):
+    original = IncrementalDetokenizer.push
+
+    def push(self, ids):
+        if "POISON" in self.stop:
+            raise UnicodeError("injected detokenizer fault")
+        return original(self, ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "push", push)
+    healthy, poisoned = _pair(client, {"prompt": "d", "max_tokens": 20, "stop": ["POISON"], "stream": True})
+    assert poisoned.status_code == 200  # headers were sent before the fault: it is reported in-band
+    events = [ln[len("data: "):] for ln in poisoned.text.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])
+    assert err["type"] == "error" and err["error"]["status"] == 500, err
+    assert "detokenizing" in err["error"]["detail"] and err["error"]["request_id"].startswith("req-")
+    _check_healthy(healthy)
+    _engine_idle(client)
+
+
+def test_compile_fault_fails_one_request(client, monkeypatch):
+    compiler = service_state(client.app).engine.engine.grammar
+    original = compiler._to_regex
+
+    def to_regex(spec):
+        if spec.value == "[r]{50}":
+            raise MemoryError("injected compile fault")
+        return original(spec)
+
+    monkeypatch.setattr(compiler, "_to_regex", to_regex)
+    healthy, poisoned = _pair(client, {"prompt": "r", "regex": "[r]{50}", "max_tokens": 20})
+    p = _problem(poisoned, 500)
+    assert p["request_id"] in p["detail"] and "injected" not in p["detail"], p
+    _check_healthy(healthy)
+    # The compiler is still usable for other grammars.
+    assert client.post("/generate", json={"prompt": "x", "regex": "[st]{9}", "max_tokens": 9}).json()["valid"]
+    _engine_idle(client)
+
+
+def test_failed_grammar_and_stop_string_in_one_step_are_both_reported(tiny_model_dir):
+    """A request finished while scheduling (its grammar failed) is reported even when another request
+    stops on a stop string in the same step (finishing that one must not swallow the other's end)."""
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64))
+    try:
+        failed: Future = Future()
+        failed.set_exception(GrammarError("injected compile failure"))
+        eng.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=8), failed)
+        eng.add_request("stops", [4, 5, 6], SamplingParams(max_tokens=8, temperature=0.0))
+        detok = eng._detok["stops"]
+        original = detok.push
+
+        def push(ids):
+            text = original(ids)
+            detok.stopped = True  # as if a stop string had just been found
+            return text
+
+        detok.push = push
+        outputs = {o.request_id: o for o in eng.step()}
+        assert outputs["bad"].finished and outputs["bad"].finish_reason == "error"
+        assert "injected" in outputs["bad"].error
+        assert outputs["stops"].finished and outputs["stops"].finish_reason == "stop"
+        assert not eng.has_unfinished() and eng.kv.num_free_blocks == eng.kv.num_blocks
+    finally:
+        eng.grammar.close()
