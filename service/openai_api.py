@@ -96,7 +96,11 @@ def openai_exception_handler(request: Request, exc: Exception) -> Response:
         return openai_error(400, f"{exc.detail}{': ' + details if details else ''}")
     if isinstance(exc, HTTPException) and not isinstance(exc, ServiceError):
         return openai_error(exc.status_code, str(exc.detail), headers=exc.headers)
-    problem, headers = to_problem(exc, request.scope.get("state", {}).get("request_id"))
+    from service.app import service_state
+
+    state = service_state(request.app)
+    problem, headers = to_problem(exc, request.scope.get("state", {}).get("request_id"),
+                                  state.config.retry_after_s if state is not None else 1)
     param = _FIELD_PARAM.get(problem.field or "", problem.field)
     code = problem.keyword if problem.keyword is not None else None
     message = problem.detail if problem.path is None or problem.path in problem.detail else \

@@ -1,0 +1,95 @@
+"""Overload: past the waiting-queue limit, requests are refused at once with 429 + Retry-After,
+while every admitted request still completes and the server stays responsive.
+
+A live server on the tiny model with 2 running slots and a waiting queue of 4. Six long requests
+fill both; while they run, a burst of ten more must each get 429 promptly (no queueing, no
+timeout), ``/health`` must answer promptly, and afterwards the six admitted ones must finish
+with all their tokens and leave no block behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+
+from engine.config import EngineConfig
+from service.app import service_state
+from service.state import ServiceConfig
+from service_live import LiveServer
+
+RUNNING, WAITING = 2, 4
+LONG = {"prompt": "load", "regex": "[ab]{2000}", "max_tokens": 600}  # seconds per request on the tiny model
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=256, max_num_seqs=RUNNING, max_waiting=WAITING),
+                     ServiceConfig(max_tokens_cap=1024, retry_after_s=2, request_timeout_s=120)).start()
+    yield srv
+    srv.stop()
+
+
+def _wait(pred, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+async def _timed_post(ac: httpx.AsyncClient, path: str, body: dict) -> tuple[httpx.Response, float]:
+    t0 = time.perf_counter()
+    r = await ac.post(path, json=body)
+    return r, time.perf_counter() - t0
+
+
+def test_burst_beyond_the_queue_gets_429_and_admitted_requests_complete(server):
+    eng = service_state(server.app).engine.engine
+
+    async def scenario():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as ac:
+            # Fill the running slots first, then the queue: requests that arrive between two engine
+            # steps all count as waiting until the next step admits some.
+            admitted = [asyncio.ensure_future(_timed_post(ac, "/generate", LONG)) for _ in range(RUNNING)]
+            assert await asyncio.to_thread(_wait, lambda: eng.stats()["running"] == RUNNING), eng.stats()
+            admitted += [asyncio.ensure_future(_timed_post(ac, "/generate", LONG)) for _ in range(WAITING)]
+            assert await asyncio.to_thread(_wait, lambda: eng.stats()["waiting"] == WAITING), eng.stats()
+            burst = await asyncio.gather(*(_timed_post(ac, "/generate", {**LONG, "prompt": f"extra {i}"})
+                                           for i in range(10)))
+            openai = await _timed_post(ac, "/v1/completions", {"prompt": "extra", "max_tokens": 4})
+            t0 = time.perf_counter()
+            h = await ac.get("/health")
+            health_s = time.perf_counter() - t0
+            assert eng.stats()["running"] == RUNNING, "the burst ran out before the admitted requests"
+            return await asyncio.gather(*admitted), burst, openai, (h, health_s)
+
+    admitted, burst, openai, (health, health_s) = asyncio.run(scenario())
+
+    for r, seconds in burst:
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "2" and seconds < 2.0, (r.headers, seconds)
+        p = r.json()
+        assert p["title"] == "Too Many Requests" and f"limit {WAITING}" in p["detail"], p
+    r, seconds = openai
+    assert r.status_code == 429 and r.headers["retry-after"] == "2" and seconds < 2.0, r.text
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    assert health.status_code == 200 and health_s < 2.0, health_s
+
+    for r, seconds in admitted:
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["finish_reason"] == "length" and body["usage"]["completion_tokens"] == LONG["max_tokens"]
+        assert re.fullmatch("[ab]+", body["text"])
+        assert seconds < 120
+
+    assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
+    stats = eng.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+    # Once the queue drains, new requests are admitted again.
+    assert httpx.post(server.url + "/generate", json={"prompt": "x", "max_tokens": 2}, timeout=30).status_code == 200
