@@ -74,8 +74,11 @@ class AsyncEngine:
         return await asyncio.wrap_future(self.engine.grammar.submit(spec))
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, admitted: bool = False) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes.
+
+        ``admitted=True``: the caller already passed ``engine.check_request`` (admission); the
+        waiting-queue limit is not checked again, here or on the engine thread.
 
         Leaving the iteration early (client gone, timeout, cancellation) aborts the request, so
         its KV blocks are freed at once.
@@ -86,7 +89,7 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        self.engine.check_request(prompt_token_ids, params)
+        self.engine.check_request(prompt_token_ids, params, admission=not admitted)
         rid = request_id or uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -138,7 +141,8 @@ class AsyncEngine:
                 if not live:
                     continue  # the caller left before the engine saw the request
                 try:
-                    eng.add_request(rid, prompt, params, grammar)
+                    # Admission was decided in generate(), on the caller's side.
+                    eng.add_request(rid, prompt, params, grammar, admitted=True)
                 except Exception as e:  # noqa: BLE001 - the caller gets the exception
                     self._deliver(rid, e)
             elif cmd[0] == "abort":

@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_decode import SpecConfig, SpecState, propose_ngram
+from engine.spec_decode import SpecConfig, SpecState, propose_ngram, propose_text
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    grammar=None) -> str:
+                    grammar=None, *, admitted: bool = False) -> str:
         """Queue a request.
 
         Args:
@@ -79,13 +79,15 @@ class LLMEngine:
             params: sampling parameters.
             grammar: a ``CompiledGrammar``, a ``Future`` of one (the request waits in
                 WAITING_FOR_GRAMMAR while it compiles), or None.
+            admitted: the caller already checked admission (``check_request``); the waiting
+                queue may then exceed ``max_waiting`` by the requests admitted meanwhile.
 
         Raises:
             EngineError: empty or too long prompt, bad parameters, duplicate id.
-            EngineOverloaded: the waiting queue is full.
+            EngineOverloaded: the waiting queue is full (unless ``admitted``).
         """
         request_id = request_id or uuid.uuid4().hex
-        spec = self.check_request(prompt_token_ids, params)
+        spec = self.check_request(prompt_token_ids, params, admission=not admitted)
         if request_id in self.scheduler.requests:
             raise EngineError(f"request id {request_id!r} is already in use")
         matcher, future = None, None
@@ -101,8 +103,13 @@ class LLMEngine:
         self.scheduler.add(req)
         return request_id
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SpecConfig | None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                      admission: bool = True) -> SpecConfig | None:
         """Validate a request without queueing it (safe from any thread); return its speculation config.
+
+        ``admission=False`` skips the waiting-queue limit: the caller admitted the request
+        earlier. A server decides admission once, before it answers; deciding again later (on the
+        engine thread, after a stream's headers are out) would turn a 429 into a broken stream.
 
         Raises:
             EngineError: naming the offending field.
@@ -127,7 +134,7 @@ class LLMEngine:
             raise EngineError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.top_k < 0:
             raise EngineError(f"top_k must be >= 0, got {params.top_k}")
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        if admission and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are waiting "
                                    f"(limit {self.config.max_waiting})")
         try:
@@ -244,13 +251,6 @@ class LLMEngine:
                 continue
             if len(running) > spec.max_batch_size:
                 continue
-            if st.backoff > 0:
-                st.backoff -= 1
-                continue
-            if st.proposed >= 4 and st.rate < spec.min_acceptance:
-                # Drafts keep failing here: stop paying for their verification for a while.
-                st.backoff, st.proposed, st.accepted = spec.backoff_steps, 0.0, 0.0
-                continue
             room = min(spec.num_speculative_tokens,
                        req.params.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
@@ -262,16 +262,43 @@ class LLMEngine:
                 self._fail(req, "proposing draft tokens", e)
 
     def _drafts(self, req: Request, spec: SpecConfig, room: int) -> list[int]:
-        """Up to ``room`` draft tokens: grammar-forced text first, then n-gram lookup, trimmed by the grammar."""
-        drafts: list[int] = []
+        """Up to ``room`` draft tokens, trimmed by the grammar.
+
+        Grammar drafts first: the text the grammar forces next (``,"age":``), tokenized, minus
+        its last token, which the model is left to pick itself (it often splits the forced text
+        from the free text after it differently, e.g. ``":`` + ``"North`` rather than ``":"``;
+        the verification step's bonus token usually supplies it anyway). Without forced text,
+        n-gram lookup (prompt lookup), unless its recent acceptance switched it off.
+        """
+        st = req.spec_state
+        st.from_grammar = False
         if spec.grammar_drafts and req.matcher is not None:
             forced = req.matcher.forced_text(64)
             if forced:
                 text = forced.decode("utf-8", errors="ignore")
-                drafts = self.tokenizer.encode(text, add_special_tokens=False)[:room]
-        if len(drafts) < room:
-            tokens = np.asarray(req.all_token_ids + drafts, dtype=np.int64)
-            drafts += propose_ngram(tokens, room - len(drafts), spec.prompt_lookup_min, spec.prompt_lookup_max)
+                drafts = self.tokenizer.encode(text, add_special_tokens=False)[:-1][:room]
+                if drafts:
+                    st.from_grammar = True
+                    return drafts[:req.matcher.validate_tokens(drafts)]
+        if st.backoff > 0:
+            st.backoff -= 1
+            return []
+        if st.proposed >= 4 and st.rate < spec.min_acceptance:
+            # n-gram drafts keep failing here: stop paying for their verification for a while.
+            st.backoff, st.proposed, st.accepted = spec.backoff_steps, 0.0, 0.0
+            return []
+        drafts: list[int] = []
+        detok = self._detok.get(req.request_id)
+        if spec.text_lookup and detok is not None and detok.text:
+            if st.prompt_text is None:
+                st.prompt_text = self.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=True)
+            text = propose_text(st.prompt_text, detok.text)
+            if text:
+                # The text was cut at an arbitrary character: its last token is likely a fragment.
+                drafts = self.tokenizer.encode(text, add_special_tokens=False)[:-1][:room]
+        if not drafts:
+            tokens = np.asarray(req.all_token_ids, dtype=np.int64)
+            drafts = propose_ngram(tokens, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
         if drafts and req.matcher is not None:
             drafts = drafts[:req.matcher.validate_tokens(drafts)]
         return drafts

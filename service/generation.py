@@ -315,7 +315,8 @@ class GenerationStream:
     async def _iterate(self) -> AsyncIterator[GenerationDelta | GenerationResult]:
         st = self.state
         deadline = self.arrival + st.config.request_timeout_s
-        agen = st.engine.generate(self.prompt_ids, self.params, self.compiled, self.request_id)
+        # start() admitted the request (429 before any header); don't decide again mid-stream.
+        agen = st.engine.generate(self.prompt_ids, self.params, self.compiled, self.request_id, admitted=True)
         parts: list[str] = []
         token_ids: list[int] = []
         logprobs: list[float] = []

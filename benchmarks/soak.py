@@ -1,0 +1,382 @@
+"""Soak: long mixed load against a server on loopback; afterwards nothing may be left behind.
+
+``stencil bench soak --duration S --concurrency C [--url URL] [--model DIR|tiny] --json PATH``
+
+Unless ``--url`` is given, the benchmark starts its own server (``stencil serve`` in a child
+process on 127.0.0.1, a free port) with the default model, a model directory, or ``tiny`` (a
+2-layer random Llama with SmolLM2's tokenizer, built in a temporary directory). ``C`` workers
+then send requests until ``S`` seconds have passed, each drawn at random: ``/generate`` or
+``/v1/chat/completions``; unconstrained, JSON schema, regex or choice; streamed or not; and a
+client that behaves, hangs up mid-stream, or gives up after a short timeout. Every request is
+counted once by outcome: answered, aborted (by the client, on purpose), 429, other 4xx, 5xx
+(a stream's in-band error with a 5xx status counts as 5xx), or a transport error.
+
+Afterwards (``/health`` and ``/metrics``, after at most 30 s for aborts to land) the
+invariants are: every KV block is free, no request is running or waiting and none is in
+flight, the outcome counts add up to the requests sent, no 5xx and no transport error, at
+least one request answered, and, for its own server, the server's resident memory grew by at
+most ``--max-rss-growth-mb`` between the end of a warm-up (the first 10 % of the run) and the
+end, and SIGTERM stops it with status 0. The exit status is 1 if any invariant fails.
+
+Only loopback addresses are contacted; every loop is bounded by the deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from benchmarks.common import pct
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+COLORS = ["red", "green", "blue"]
+PROMPTS = ["Tell me about Ada, 36, a mathematician.", "What is the date today?", "Pick a color.",
+           "Write one sentence about the sea.", "List three fruits."]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    p.add_argument("--concurrency", type=int, default=16, help="concurrent clients")
+    p.add_argument("--url", default=None, help="server to load (loopback only); default: start one")
+    p.add_argument("--model", default=None, help="model directory, or 'tiny' (default: the default model)")
+    p.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens of a request")
+    p.add_argument("--max-waiting", type=int, default=64, help="waiting-queue limit of the started server")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="running-request limit of the started server (default: the concurrency, 8..64)")
+    p.add_argument("--num-kv-blocks", type=int, default=1024, help="KV blocks of the started server")
+    p.add_argument("--disconnect-rate", type=float, default=0.08, help="share of clients that hang up")
+    p.add_argument("--timeout-rate", type=float, default=0.07, help="share of clients that give up early")
+    p.add_argument("--max-rss-growth-mb", type=float, default=256.0,
+                   help="allowed server RSS growth from the end of warm-up to the end (MiB)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the report here")
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+def _tiny_model(out: Path) -> Path:
+    """A 2-layer random Llama (hidden 64) with the default model's tokenizer, as in the tests."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from engine.models.default_model import ensure_default_model
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # far from uniform logits, so outputs look like the tests' tiny model
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3 if "embed" in name else 0.15)
+    model.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(ensure_default_model())).save_pretrained(str(out))
+    return out
+
+
+def _rss_mb(pid: int) -> float | None:
+    """Resident set size of a process in MiB (Linux ``/proc``), None where unreadable."""
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+class OwnServer:
+    """``stencil serve`` in a child process on a free loopback port."""
+
+    def __init__(self, model: Path, args: argparse.Namespace):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+               "--port", str(self.port), "--num-kv-blocks", str(args.num_kv_blocks),
+               "--max-num-seqs", str(args.max_num_seqs or max(8, min(64, args.concurrency))),
+               "--max-waiting", str(args.max_waiting),
+               "--max-tokens-cap", str(max(args.max_tokens, 16)), "--log-level", "warning",
+               "--shutdown-grace", "20"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        # The log goes to a file, not a pipe: nobody reads a pipe during the run, and a full one
+        # would block the server.
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, env=env, cwd=Path(__file__).resolve().parents[1],
+                                     stdout=subprocess.DEVNULL, stderr=self.log, text=True)
+
+    def log_tail(self, n: int = 2000) -> str:
+        self.log.seek(0)
+        return self.log.read()[-n:]
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError("server did not become healthy")
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM, then wait; the exit status (None if it had to be killed)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                return None
+        return self.proc.returncode
+
+
+# -- the load --------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Tally:
+    """Outcome counts and the latencies of answered requests (ms)."""
+
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("sent", "answered", "aborted", "rejected_429", "errors_4xx", "errors_5xx", "errors_transport"), 0))
+    latencies_ms: list[float] = field(default_factory=list)
+    kinds: dict[str, int] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)  # first few unexpected outcomes, for the report
+
+    def note(self, outcome: str, detail: str = "") -> None:
+        self.counts[outcome] += 1
+        if outcome in ("errors_4xx", "errors_5xx", "errors_transport") and len(self.examples) < 10:
+            self.examples.append(f"{outcome}: {detail[:300]}")
+
+
+def _request(rng: random.Random, max_tokens: int) -> tuple[str, dict, str]:
+    """(path, body, constraint kind) of one random request."""
+    kind = rng.choice(["none", "none", "schema", "regex", "choice"])
+    n = rng.randint(1, max_tokens)
+    prompt = rng.choice(PROMPTS)
+    stream = rng.random() < 0.5
+    if rng.random() < 0.7:
+        body = {"prompt": prompt, "max_tokens": n, "stream": stream, "temperature": rng.choice([0.0, 0.8])}
+        if kind == "schema":
+            body["response_schema"] = PERSON
+        elif kind == "regex":
+            body["regex"] = DATE
+        elif kind == "choice":
+            body["choice"] = COLORS
+        return "/generate", body, kind
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "stream": stream}
+    if kind == "schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    elif kind != "none":
+        kind = "none"
+    return "/v1/chat/completions", body, kind
+
+
+def _stream_failed(line: str) -> int | None:
+    """The status of an in-band stream error event, else None."""
+    if not line.startswith("data: ") or '"error"' not in line:
+        return None
+    event = json.loads(line[len("data: "):])
+    if event.get("type") == "error":
+        return int(event["error"]["status"])
+    if isinstance(event.get("error"), dict):
+        return 500 if event["error"].get("type") == "server_error" else 400
+    return None
+
+
+async def _one(ac: httpx.AsyncClient, rng: random.Random, args, tally: Tally) -> float:
+    """Send one request and record its outcome; return a pause to take before the next (s)."""
+    path, body, kind = _request(rng, args.max_tokens)
+    behaviour = rng.random()
+    hang_up = behaviour < args.disconnect_rate
+    give_up = not hang_up and behaviour < args.disconnect_rate + args.timeout_rate
+    key = f"{path} {kind} {'stream' if body['stream'] else 'plain'}"
+    tally.kinds[key] = tally.kinds.get(key, 0) + 1
+    tally.counts["sent"] += 1
+    t0 = time.perf_counter()
+    timeout = httpx.Timeout(rng.uniform(0.02, 0.3) if give_up else 300.0, connect=10.0)
+    try:
+        async with ac.stream("POST", path, json=body, timeout=timeout) as r:
+            if r.status_code == 429:
+                tally.note("rejected_429")
+                return min(float(r.headers.get("retry-after", "1")), 1.0) * rng.random()
+            if r.status_code >= 400:
+                text = (await r.aread()).decode(errors="replace")
+                tally.note("errors_5xx" if r.status_code >= 500 else "errors_4xx", f"{r.status_code} {text}")
+                return 0.0
+            if not body["stream"]:
+                await r.aread()
+                tally.note("answered")
+                tally.latencies_ms.append((time.perf_counter() - t0) * 1e3)
+                return 0.0
+            events, done, failed = 0, False, None
+            async for line in r.aiter_lines():
+                failed = failed or _stream_failed(line)
+                events += line.startswith("data: ")
+                done = done or line == "data: [DONE]"
+                if hang_up and events >= 2:
+                    tally.note("aborted")  # leaving the block closes the connection mid-stream
+                    return 0.0
+            if failed is not None:
+                tally.note("errors_5xx" if failed >= 500 else "errors_4xx", f"in-band {failed} for {body}")
+            elif done:
+                tally.note("answered")
+                tally.latencies_ms.append((time.perf_counter() - t0) * 1e3)
+            else:
+                tally.note("errors_transport", f"stream ended without [DONE] for {body}")
+    except httpx.TimeoutException:
+        tally.note("aborted" if give_up else "errors_transport", f"timeout for {body}")
+    except httpx.TransportError as e:
+        tally.note("errors_transport", f"{type(e).__name__}: {e}")
+    return 0.0
+
+
+async def _load(url: str, args, tally: Tally, on_tick) -> float:
+    """Run the workers until the deadline; return the wall time (s)."""
+    start = time.monotonic()
+    deadline = start + args.duration
+    limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency)
+
+    async def worker(i: int) -> None:
+        rng = random.Random(args.seed * 10_007 + i)
+        async with httpx.AsyncClient(base_url=url, limits=limits) as ac:
+            while time.monotonic() < deadline:
+                pause = await _one(ac, rng, args, tally)
+                if pause:
+                    await asyncio.sleep(pause)
+
+    async def ticker() -> None:
+        while time.monotonic() < deadline:
+            on_tick(time.monotonic() - start)
+            await asyncio.sleep(0.5)
+
+    await asyncio.gather(ticker(), *(worker(i) for i in range(args.concurrency)))
+    return time.monotonic() - start
+
+
+# -- afterwards ------------------------------------------------------------------------------------
+
+def _metrics(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+def _settle(url: str, timeout_s: float = 30.0) -> tuple[dict, dict]:
+    """Poll until the engine is idle (aborts land asynchronously) or ``timeout_s``; (health, metrics)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = httpx.get(url + "/health", timeout=10).json()
+        e = health["engine"]
+        idle = (e["running"] == 0 and e["waiting"] == 0 and e["kv_blocks_free"] == e["kv_blocks_total"]
+                and health["inflight"] == 0)
+        if idle or time.monotonic() > deadline:
+            return health, _metrics(url)
+        time.sleep(0.2)
+
+
+def main(args: argparse.Namespace) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.url is not None and httpx.URL(args.url).host not in ("127.0.0.1", "localhost", "::1"):
+        print("stencil bench soak: --url must be a loopback address", file=sys.stderr)
+        return 2
+    server, tmp = None, None
+    if args.url is None:
+        if args.model == "tiny":
+            tmp = tempfile.TemporaryDirectory(prefix="stencil-soak-")
+            model = _tiny_model(Path(tmp.name))
+        elif args.model is None:
+            from engine.models.default_model import ensure_default_model
+
+            model = ensure_default_model()
+        else:
+            model = Path(args.model)
+        server = OwnServer(model, args)
+    try:
+        if server is not None:
+            server.wait_ready()
+        url = server.url if server is not None else args.url.rstrip("/")
+        pid = server.proc.pid if server is not None else None
+        rss = {"peak": _rss_mb(pid) if pid else None, "warm": None}
+
+        def on_tick(elapsed: float) -> None:
+            if pid is None:
+                return
+            now = _rss_mb(pid)
+            if now is not None:
+                rss["peak"] = max(rss["peak"] or 0.0, now)
+                if rss["warm"] is None and elapsed >= 0.1 * args.duration:
+                    rss["warm"] = now
+
+        tally = Tally()
+        wall = asyncio.run(_load(url, args, tally, on_tick))
+        health, metrics = _settle(url)
+        rss_end = _rss_mb(pid) if pid else None
+        if rss_end is not None:
+            rss["peak"] = max(rss["peak"] or 0.0, rss_end)
+    finally:
+        exit_code = server.stop() if server is not None else None
+        if tmp is not None:
+            tmp.cleanup()
+
+    e = health["engine"]
+    c = tally.counts
+    left = e["running"] + e["waiting"]
+    growth = rss_end - rss["warm"] if rss_end is not None and rss["warm"] is not None else None
+    invariants = {
+        "all_kv_blocks_free": e["kv_blocks_free"] == e["kv_blocks_total"]
+                              and metrics.get("stencil_kv_blocks_used", 0.0) == 0.0,
+        "no_request_left": left == 0 and health["inflight"] == 0
+                           and metrics.get("stencil_requests_running", 0.0) == 0.0
+                           and metrics.get("stencil_requests_waiting", 0.0) == 0.0,
+        "counts_add_up": c["sent"] == sum(v for k, v in c.items() if k != "sent"),
+        "no_5xx": c["errors_5xx"] == 0,
+        "no_transport_errors": c["errors_transport"] == 0,
+        "some_answered": c["answered"] > 0,
+        "engine_alive": health["status"] == "ok",
+        "rss_growth_within_bound": growth is None or growth <= args.max_rss_growth_mb,
+        "clean_shutdown": server is None or exit_code == 0,
+    }
+    report = {
+        **c, "latency_ms_p50": pct(tally.latencies_ms, 50), "latency_ms_p99": pct(tally.latencies_ms, 99),
+        "kv_blocks_total": e["kv_blocks_total"], "kv_blocks_free_after": e["kv_blocks_free"],
+        "requests_left_after": left, "peak_rss_mb": rss["peak"], "rss_warm_mb": rss["warm"],
+        "rss_end_mb": rss_end, "rss_growth_mb": growth, "rss_growth_bound_mb": args.max_rss_growth_mb,
+        "duration_s": round(wall, 1), "concurrency": args.concurrency,
+        "model": "url" if args.url else (args.model or "default"), "server_exit_code": exit_code,
+        "requests_per_s": round(c["sent"] / wall, 2) if wall else None, "num_preemptions": e["num_preemptions"],
+        "by_kind": tally.kinds, "unexpected": tally.examples, "invariants": invariants,
+    }
+    text = json.dumps(report, indent=2)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text)
+    print(text)
+    failed = [k for k, ok in invariants.items() if not ok]
+    if failed:
+        print(f"stencil bench soak: invariants failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

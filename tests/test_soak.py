@@ -1,0 +1,43 @@
+"""A short soak in CI: ``stencil bench soak`` on the tiny model, and its invariants.
+
+About 20 s of mixed load (both endpoints, constrained or not, streamed or not, clients that
+hang up or give up) from 12 clients against a server with 4 running slots and a waiting queue
+of 2, so 429s happen too. The benchmark itself checks the invariants and exits 1 if one fails;
+this test also reads its JSON report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from benchmarks import soak
+
+KEYS = {"sent", "answered", "aborted", "rejected_429", "errors_5xx", "latency_ms_p50", "latency_ms_p99",
+        "kv_blocks_total", "kv_blocks_free_after", "requests_left_after", "peak_rss_mb"}
+
+
+def test_short_soak_leaves_nothing_behind(tmp_path, default_model_dir):
+    parser = argparse.ArgumentParser()
+    soak.add_arguments(parser)
+    out = tmp_path / "soak.json"
+    args = parser.parse_args(["--duration", "20", "--concurrency", "12", "--model", "tiny", "--max-num-seqs", "4",
+                              "--max-waiting", "2", "--num-kv-blocks", "256", "--max-tokens", "24",
+                              "--json", str(out)])
+    rc = soak.main(args)
+    report = json.loads(out.read_text())
+    assert rc == 0, report["invariants"]
+    assert KEYS <= set(report)
+    assert all(report["invariants"].values()), report["invariants"]
+    assert report["kv_blocks_free_after"] == report["kv_blocks_total"] == 256
+    assert report["requests_left_after"] == 0
+    outcomes = ("answered", "aborted", "rejected_429", "errors_4xx", "errors_5xx", "errors_transport")
+    assert report["sent"] == sum(report[k] for k in outcomes) > 0
+    assert report["answered"] > 0 and report["aborted"] > 0 and report["rejected_429"] > 0, report
+    assert report["errors_5xx"] == report["errors_transport"] == report["errors_4xx"] == 0, report["unexpected"]
+    assert 0 < report["latency_ms_p50"] <= report["latency_ms_p99"]
+    assert report["peak_rss_mb"] > 0 and report["server_exit_code"] == 0
+    # Every kind of request was sent.
+    kinds = " ".join(report["by_kind"])
+    for part in ("/generate", "/v1/chat/completions", "schema", "regex", "choice", "stream", "plain"):
+        assert part in kinds, report["by_kind"]
