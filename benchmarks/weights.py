@@ -136,7 +136,8 @@ def main(args: argparse.Namespace) -> int:
     same, prefix = agreement(outs["fp32"], outs["int4"])
     report["greedy_agreement"] = same
     report["greedy_prefix_agreement"] = round(prefix, 4)
-    print(f"greedy agreement int4 vs fp32: {same:.2f} identical, {prefix:.2f} mean matched prefix", flush=True)
+    print(f"greedy agreement int4 vs fp32: {same:.2f} identical, {prefix:.2f} mean matched prefix",
+          flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     return 0

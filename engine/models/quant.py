@@ -318,6 +318,6 @@ def cpu_has_bf16_gemm() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-
-__all__ = ["GROUP", "INT4_TYPES", "GgufWeights", "cpu_has_bf16_gemm", "Int4Linear", "Int4Planes", "concat_planes", "int4_projections",
-           "permute_rows", "planes_from_blocks", "qk_row_order"]
+__all__ = ["GROUP", "INT4_TYPES", "GgufWeights", "Int4Linear", "Int4Planes", "concat_planes",
+           "cpu_has_bf16_gemm", "int4_projections", "permute_rows", "planes_from_blocks",
+           "qk_row_order"]

@@ -1,0 +1,251 @@
+"""Int4 weights from GGUF blocks (engine.models.quant): the kernel's formula, exact conversion
+against gguf's own dequantization, per-layer error bound, and the real SmolLM2 file end to end.
+
+Bound tested per layer (module docstring of ``engine.models.quant``), with ``u = 2^-8`` the unit
+roundoff of bf16 and ``A[n] = sum_p sum_k |x_k| (|c_pnk - 8| |scale_pnk| + |zero_pnk|)``:
+``|y_int4 - x @ W.T| <= 2.02 u A + 1.01 u |x @ W.T|`` for one plane, ``3.1 u A`` for two
+(each plane's output is rounded to bf16 on its own).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from engine.models.default_model import gguf_path
+from engine.models.quant import (GROUP, Int4Linear, Int4Planes, concat_planes, planes_from_blocks,
+                                 qk_row_order)
+
+U = 2.0 ** -8
+TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def _weights(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Rows of very different magnitudes and signs, a few constant blocks (d = 0 for Q4_1)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    w *= np.exp2(rng.integers(-12, 4, size=(rows, 1))).astype(np.float32)
+    w[0, :GROUP] = 0.25
+    w[1] += 3.0  # all-positive blocks: m far from 0
+    return w
+
+
+def _blocks(w: np.ndarray, qtype: str) -> np.ndarray:
+    return quantize(w, GGMLQuantizationType[qtype])
+
+
+def _bound(planes: Int4Planes, x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    c = planes.codes.float() - 8
+    a = (c.abs() * planes.scales.abs().repeat_interleave(GROUP, -1)
+         + planes.zeros.abs().repeat_interleave(GROUP, -1))  # [P, N, K]
+    big_a = torch.einsum("mk,pnk->mn", x.abs().double(), a.double())
+    if planes.codes.shape[0] == 1:
+        return 2.02 * U * big_a + 1.01 * U * ref.abs().double()
+    return 3.1 * U * big_a
+
+
+def test_kernel_formula_is_code_minus_8_times_scale_plus_zero():
+    # Identity activations read the dequantized weight back; scale 2 and zero 0.5 are exact in
+    # bf16, so any other formula (c * s + z, zero at index 0) shows up exactly.
+    n, k = 32, 64
+    codes = torch.arange(n * k, dtype=torch.int32).reshape(n, k) % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    sz = torch.zeros(k // GROUP, n, 2, dtype=torch.bfloat16)
+    sz[..., 0], sz[..., 1] = 2.0, 0.5
+    w = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=torch.bfloat16), packed, GROUP, sz).T
+    assert torch.equal(w.float(), (codes.float() - 8) * 2.0 + 0.5)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_planes_equal_gguf_dequantize_bit_exact(qtype):
+    w = _weights(48, 4 * GROUP, seed=1)
+    blocks = _blocks(w, qtype)
+    planes = planes_from_blocks(blocks, qtype)
+    assert planes.codes.shape == ((2 if qtype == "Q8_0" else 1), 48, 4 * GROUP)
+    assert int(planes.codes.max()) <= 15
+    want = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[qtype]))
+    assert torch.equal(planes.dequantize(), want)
+
+
+def test_planes_refuse_other_types_and_partial_blocks():
+    with pytest.raises(ValueError, match="Q6_K"):
+        planes_from_blocks(np.zeros((2, 210), np.uint8), "Q6_K")
+    with pytest.raises(ValueError, match="whole number"):
+        planes_from_blocks(np.zeros((2, 19), np.uint8), "Q4_0")
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_int4_linear_within_bf16_bound_of_dequantized_layer(qtype, rows):
+    n, k = 40, 3 * GROUP  # 40 rows: the kernel wants multiples of 16, so padding is exercised
+    w = _weights(n, k, seed=2)
+    planes = planes_from_blocks(_blocks(w, qtype), qtype)
+    bias = torch.randn(n)
+    layer = Int4Linear(planes, bias)
+    x = torch.randn(rows, k) * 3
+    ref = (x.double() @ planes.dequantize().double().T).float() + bias
+    y = layer(x)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    err = (y.double() - ref.double()).abs()
+    bound = _bound(planes, x, ref - bias) + 1e-6
+    assert bool((err <= bound).all()), float((err / bound).max())
+    # The bound is not vacuous: bf16 rounding is visible but far below the weights' scale.
+    assert float(err.max()) > 0
+
+
+def test_dense_above_switches_to_bf16_weights_for_many_rows():
+    w = _weights(32, 2 * GROUP, seed=3)
+    planes = planes_from_blocks(_blocks(w, "Q8_0"), "Q8_0")
+    layer = Int4Linear(planes, dense_above=4)
+    x = torch.randn(8, 2 * GROUP)
+    dense = torch.nn.functional.linear(x.bfloat16(), planes.dequantize().bfloat16()).float()
+    assert torch.equal(layer(x), dense)
+    assert torch.equal(layer(x[:4]), Int4Linear(planes)(x[:4]))
+
+
+def test_concat_pads_missing_planes_with_exact_zeros():
+    a = planes_from_blocks(_blocks(_weights(16, 2 * GROUP, 4), "Q4_1"), "Q4_1")
+    b = planes_from_blocks(_blocks(_weights(8, 2 * GROUP, 5), "Q8_0"), "Q8_0")
+    fused = concat_planes([a, b])
+    assert fused.codes.shape == (2, 24, 2 * GROUP)
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    with pytest.raises(ValueError, match="in_features"):
+        concat_planes([a, planes_from_blocks(_blocks(_weights(16, GROUP, 6), "Q4_0"), "Q4_0")])
+
+
+def test_qk_row_order_inverts_llama_cpp_permutation():
+    # llama.cpp's converter: reshape(heads, 2, half, ...).swapaxes(1, 2); our order undoes it.
+    heads, half = 3, 4
+    hf = torch.arange(heads * 2 * half)
+    gguf_rows = hf.reshape(heads, 2, half).transpose(1, 2).reshape(-1)
+    assert torch.equal(gguf_rows[qk_row_order(len(hf), heads)], hf)
+
+
+# -- the real SmolLM2 GGUF -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real_gguf():
+    from engine.models.quant import GgufWeights
+
+    if not gguf_path().exists():
+        pytest.skip("the default model's GGUF is not in the cache")
+    return GgufWeights(gguf_path())
+
+
+def test_real_tensors_exact_and_in_hf_row_order(real_gguf, default_model_dir):
+    from safetensors import safe_open
+
+    st = safe_open(str(default_model_dir / "model.safetensors"), framework="pt")
+    cases = [("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 9),
+             ("blk.7.attn_k.weight", "model.layers.7.self_attn.k_proj.weight", 3),
+             ("blk.29.ffn_down.weight", "model.layers.29.mlp.down_proj.weight", None)]
+    for name, hf_name, heads in cases:
+        planes = real_gguf.planes(name)
+        assert torch.equal(planes.dequantize(), real_gguf.dequantized(name)), name
+        w = planes.dequantize()
+        if heads is not None:
+            w = w[qk_row_order(w.shape[0], heads)]
+        # transformers dequantized the same GGUF into the converted directory.
+        assert torch.equal(w, st.get_tensor(hf_name)), name
+    # The tied embedding is Q8_0 (two planes); its first rows, against gguf and the checkpoint.
+    t = real_gguf.tensors["token_embd.weight"]
+    raw = np.asarray(t.data)[:256]
+    planes = planes_from_blocks(raw, "Q8_0")
+    assert torch.equal(planes.dequantize(), torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0)))
+    assert torch.equal(planes.dequantize(), st.get_tensor("model.embed_tokens.weight")[:256])
+
+
+@pytest.fixture(scope="module")
+def models(default_model_dir):
+    from engine.models.loader import load_model
+
+    if not gguf_path().exists():
+        pytest.skip("the default model's GGUF is not in the cache")
+    int4, _ = load_model(default_model_dir, weights="int4", gguf_file=gguf_path())
+    fp32, _ = load_model(default_model_dir, weights="fp32")
+    return int4, fp32
+
+
+@pytest.mark.slow
+def test_real_layers_within_bound(models, real_gguf):
+    int4, fp32 = models
+    assert int4.lm_head is not fp32.lm_head and len(list(int4.parameters())) < len(list(fp32.parameters()))
+    torch.manual_seed(0)
+    cases = [("layers.4.attn.qkv_proj", None), ("layers.11.mlp.down_proj", ["blk.11.ffn_down.weight"])]
+    for name, gguf_names in cases:
+        x = torch.randn(3, fp32.get_submodule(name).in_features)
+        ref = fp32.get_submodule(name)(x)
+        y = int4.get_submodule(name)(x)
+        if gguf_names is None:
+            order = [qk_row_order(576, 9), qk_row_order(192, 3), torch.arange(192)]
+            parts = [real_gguf.planes(f"blk.4.attn_{p}.weight") for p in "qkv"]
+            planes = concat_planes([Int4Planes(p.codes[:, o], p.scales[:, o], p.zeros[:, o])
+                                    for p, o in zip(parts, order)])
+        else:
+            planes = real_gguf.planes(gguf_names[0])
+        assert torch.equal(planes.dequantize(), fp32.get_submodule(name).weight)
+        err = (y.double() - ref.double()).abs()
+        assert bool((err <= _bound(planes, x, ref) + 1e-5).all()), name
+
+
+@pytest.mark.slow
+def test_real_forward_logits_close_and_same_argmax(models, tokenizer):
+    from kernels.base import AttentionMetadata
+    from kernels.torch_ref import TorchAttentionBackend
+
+    int4, fp32 = models
+    ids = tokenizer.encode("The capital of France is Paris. The capital of Italy is")
+    t = len(ids)
+    block = 16
+    nb = -(-t // block)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, t], dtype=torch.int32), seq_lens=torch.tensor([t], dtype=torch.int32),
+        block_tables=torch.arange(nb, dtype=torch.int32)[None], slot_mapping=torch.arange(t),
+        max_query_len=t, max_seq_len=t, query_start_loc_cpu=[0, t], seq_lens_cpu=[t])
+    logits = {}
+    for kind, model in (("int4", int4), ("fp32", fp32)):
+        caches = [(torch.zeros(nb, block, 3, 64), torch.zeros(nb, block, 3, 64)) for _ in range(30)]
+        h = model(torch.tensor(ids), torch.arange(t), caches, meta, TorchAttentionBackend())
+        logits[kind] = model.compute_logits(h[-1:])
+    assert int(logits["int4"].argmax()) == int(logits["fp32"].argmax())
+    rel = (logits["int4"] - logits["fp32"]).norm() / logits["fp32"].norm()
+    assert float(rel) < 0.05, float(rel)
+
+
+@pytest.mark.slow
+def test_engine_int4_greedy_agreement_reported_and_constrained_valid(default_model_dir, record_property):
+    from benchmarks.common import is_valid, make_validator, run_closed_loop
+    from benchmarks.weights import _prompt_ids, agreement
+    from benchmarks.workload import extraction_items
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import SamplingParams
+    from grammar.base import GrammarSpec
+
+    if not gguf_path().exists():
+        pytest.skip("the default model's GGUF is not in the cache")
+    gguf = {"gguf_file": str(gguf_path())}
+    engines = {kind: LLMEngine(EngineConfig(model=default_model_dir, weights=kind, kv_cache_gib=0.25,
+                                            num_threads=1, extra=gguf))
+               for kind in ("fp32", "int4")}
+    assert type(engines["int4"].runner.model.layers[0].mlp.down_proj).__name__ == "Int4Linear"
+    items = extraction_items(20, seed=5)
+    prompts = _prompt_ids(engines["fp32"].tokenizer, items)
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    outs = {kind: [t.token_ids for t in run_closed_loop(eng, prompts, greedy, None, 10)[0]]
+            for kind, eng in engines.items()}
+    same, prefix = agreement(outs["fp32"], outs["int4"])
+    record_property("greedy_agreement", same)
+    record_property("greedy_prefix_agreement", prefix)
+    print(f"int4 vs fp32 greedy: {same:.2f} of 20 outputs identical, {prefix:.2f} mean matched prefix")
+    assert all(len(o) == 24 or o[-1] == engines["int4"].eos_token_id for o in outs["int4"])
+    eng = engines["int4"]
+    few = items[:4]
+    grammars = [eng.grammar.compile(GrammarSpec.json_schema(it.schema)) for it in few]
+    params = SamplingParams(max_tokens=200, temperature=0)
+    traces, _ = run_closed_loop(eng, prompts[:4], params, grammars, 4)
+    for t, it in zip(traces, few):
+        assert t.finish_reason == "stop" and is_valid(t.text, make_validator(it.schema)), t.text
