@@ -283,7 +283,7 @@ class LLMEngine:
         if st.backoff > 0:
             st.backoff -= 1
             return []
-        if st.proposed >= 4 and st.rate < spec.min_acceptance:
+        if st.proposed >= spec.min_evidence and st.rate < spec.min_acceptance:
             # n-gram drafts keep failing here: stop paying for their verification for a while.
             st.backoff, st.proposed, st.accepted = spec.backoff_steps, 0.0, 0.0
             return []

@@ -27,9 +27,12 @@ class SpecConfig:
         max_batch_size: speculation is skipped when more requests than this are running
             (verification then costs real compute instead of riding on weight reads).
         min_acceptance: a request whose recent acceptance rate falls below this stops proposing
-            for ``backoff_steps`` steps.
+            for ``backoff_steps`` steps, once ``min_evidence`` (decayed) drafts were judged.
         grammar_drafts: for constrained requests, draft the text the grammar forces next (e.g.
-            ``,"age":`` after a string field), tokenized, before the n-gram continuation.
+            ``,"age":`` after a string field), tokenized.
+        text_lookup: look the output's last characters up in the prompt *text* (not token ids:
+            a name copied into a JSON string is tokenized differently from the same name in
+            running prose) and draft the text that follows, tokenized.
     """
 
     method: str = "ngram"
@@ -37,9 +40,11 @@ class SpecConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     max_batch_size: int = 8
-    min_acceptance: float = 0.3
+    min_acceptance: float = 0.15
+    min_evidence: float = 12.0
     backoff_steps: int = 16
     grammar_drafts: bool = True
+    text_lookup: bool = True
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "SpecConfig | None":
@@ -70,11 +75,15 @@ class SpecConfig:
 class SpecState:
     """Per-request acceptance tracking for the adaptive off-switch."""
 
-    proposed: float = 0.0  # exponentially decayed counts
+    proposed: float = 0.0  # exponentially decayed counts (n-gram drafts only)
     accepted: float = 0.0
     backoff: int = 0
+    from_grammar: bool = False  # the drafts in flight came from the grammar, not from n-grams
+    prompt_text: str | None = None  # decoded prompt, for text lookup (filled on first use)
 
     def record(self, proposed: int, accepted: int, decay: float = 0.7) -> None:
+        if self.from_grammar:
+            return  # grammar drafts are cheap and usually right: they never trigger the off-switch
         self.proposed = self.proposed * decay + proposed
         self.accepted = self.accepted * decay + accepted
 
@@ -105,3 +114,20 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
             start = int(hits[-1]) + n
             return tokens[start:start + k].tolist()
     return []
+
+
+def propose_text(source: str, generated: str, min_chars: int = 3, max_chars: int = 24,
+                 max_out_chars: int = 48) -> str:
+    """Draft text by looking the end of ``generated`` up in ``source`` (prompt lookup on characters).
+
+    Tries suffixes of ``generated`` from ``max_chars`` down to ``min_chars`` characters and
+    returns up to ``max_out_chars`` characters that follow the last occurrence of the longest
+    one found in ``source``, or "".
+    """
+    n = len(generated)
+    for length in range(min(max_chars, n), min_chars - 1, -1):
+        pos = source.rfind(generated[n - length:])
+        if pos >= 0:
+            start = pos + length
+            return source[start:start + max_out_chars]
+    return ""
