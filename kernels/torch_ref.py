@@ -38,6 +38,9 @@ class TorchAttentionBackend:
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         self.device = torch.device(device) if device is not None else None
+        self._mask_key: tuple | None = None
+        self._mask: torch.Tensor | None = None
+        self._mask_ref: torch.Tensor | None = None
 
     def reshape_and_cache(
         self,
@@ -110,15 +113,36 @@ class TorchAttentionBackend:
         # All query heads of one kv group share the single position, so the group can stand in
         # for the query length: [B, Hkv, G, D] against [B, Hkv, S, D] needs no K/V repeat.
         q = (query if all_seqs else query[rows]).reshape(b, kv_heads, group, dim).float()
-        pos = torch.arange(k.shape[2], device=query.device)
-        mask = (pos[None, :] < seq_lens[:, None].to(pos.dtype))[:, None, None, :]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        if b == 1:
+            # One sequence: cut K/V to its length and skip the mask (SDPA's masked path costs
+            # more than the attention itself at this size).
+            n = lens[0]
+            o = F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._length_mask(seq_lens, k.shape[2]),
+                                               scale=scale)
         o = o.reshape(b, heads, dim).to(out.dtype)
         if all_seqs:
             # Every sequence has one query row, so rows are 0..B-1 in order.
             out.copy_(o)
         else:
             out[rows] = o
+
+    def _length_mask(self, seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+        """Additive mask ``[B, 1, 1, width]``: 0 inside each sequence, -inf past its end.
+
+        Every layer of a step asks for the same mask, so the last one is kept (keyed by the
+        lengths tensor, which the runner builds once per step).
+        """
+        key = (id(seq_lens), width)
+        if self._mask_key != key:
+            pos = torch.arange(width, device=seq_lens.device)
+            inside = pos[None, :] < seq_lens[:, None].to(pos.dtype)
+            mask = torch.zeros(inside.shape, dtype=torch.float32, device=seq_lens.device)
+            self._mask = mask.masked_fill_(~inside, float("-inf"))[:, None, None, :]
+            self._mask_key = key
+            self._mask_ref = seq_lens  # keeps the id from being reused while cached
+        return self._mask
 
     def _prefill(self, query, k_cache, v_cache, meta, scale, i: int, out: torch.Tensor) -> None:
         """Sequence ``i`` with several query tokens: the last ``q_len`` of ``seq_len`` positions."""
