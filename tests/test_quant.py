@@ -192,6 +192,22 @@ def test_real_layers_within_bound(models, real_gguf):
 
 
 @pytest.mark.slow
+def test_int4_logits_do_not_depend_on_rows_in_the_step(models):
+    """Batch invariance: a row's logits are bit-identical alone or among 1..33 rows (greedy
+    outputs must not change with batching or speculation)."""
+    int4, _ = models
+    torch.manual_seed(1)
+    h = torch.randn(33, 576)
+    full = int4.compute_logits(h)
+    for rows in (1, 2, 4, 5, 9, 16):
+        assert torch.equal(int4.compute_logits(h[:rows]), full[:rows]), rows
+    mlp = int4.layers[3].mlp
+    full = mlp(h)
+    for rows in (1, 3, 8):
+        assert torch.equal(mlp(h[:rows]), full[:rows]), rows
+
+
+@pytest.mark.slow
 def test_real_forward_logits_close_and_same_argmax(models, tokenizer):
     from kernels.base import AttentionMetadata
     from kernels.torch_ref import TorchAttentionBackend

@@ -119,13 +119,14 @@ def resolve_weights(weights: str, model_dir: Path | str, device: torch.device | 
 
 def _install_int4(model: LlamaForCausalLM, gguf_path: Path) -> None:
     """Replace the projections (and the LM head) whose GGUF blocks are int4-servable."""
-    from engine.models.quant import GgufWeights, cpu_has_bf16_gemm, int4_projections
+    from engine.models.quant import GgufWeights, int4_projections
 
     spec = model.spec
-    # Measured on a 2-core AVX512-BF16 CPU: the int4 LM head wins up to 4 rows, bf16 beyond.
+    # One LM-head kernel for every row count: a dense bf16 copy is faster past ~4 rows, but
+    # switching kernels by row count changes a request's logits with the batch around it (up
+    # to 0.08 here), and greedy outputs must not depend on batching or speculation.
     layers = int4_projections(GgufWeights(gguf_path), spec.num_layers, spec.num_heads,
-                              spec.num_kv_heads, lm_head=True,
-                              head_dense_above=4 if cpu_has_bf16_gemm() else None)
+                              spec.num_kv_heads, lm_head=True, head_dense_above=None)
     for name, module in layers.items():
         old = model.get_submodule(name)
         if (old.in_features, old.out_features) != (module.in_features, module.out_features):
