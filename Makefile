@@ -21,7 +21,7 @@ $(VENV)/.torch-$(TORCH_VERSION):
 	touch $@
 
 $(VENV)/.project: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,bench]"
 	touch $@
 
 setup: $(VENV)/.project
