@@ -17,7 +17,10 @@ class EngineConfig:
     Attributes:
         model: directory of an HF-format model (config.json, safetensors, tokenizer).
         device: torch device string ("cpu", "cuda", "cuda:0").
-        dtype: weight and KV-cache dtype ("float32", "bfloat16", "float16").
+        dtype: weight and KV-cache dtype ("float32", "bfloat16", "float16") or "auto":
+            bfloat16 on CUDA, float32 on CPU (this CPU's bf16 matmuls lose to fp32 for prefill).
+        gpu_memory_utilization: share of the device memory free after loading the weights that
+            the KV cache takes on CUDA (when neither ``num_kv_blocks`` nor ``kv_cache_gib`` is set).
         weights: "fp32" (dense weights in ``dtype``), "int4" (GGUF 4-bit blocks served as
             torch int4-packed weights, CPU) or "auto" (the faster one for the model).
         attention_backend: name in ``kernels.registry`` ("torch", "flash", "triton") or
@@ -41,7 +44,8 @@ class EngineConfig:
 
     model: Path
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.85
     weights: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
@@ -76,8 +80,12 @@ class EngineConfig:
             raise ConfigError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.weights not in ("auto", "fp32", "int4"):
             raise ConfigError(f"weights must be auto, fp32 or int4, got {self.weights!r}")
         if self.grammar_timeout_s <= 0:

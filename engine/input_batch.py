@@ -55,18 +55,25 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
         ids = sr.request.block_ids
         table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=table.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=_to(torch.tensor(qsl, dtype=torch.int32), device),
+        seq_lens=_to(torch.tensor(seq_lens, dtype=torch.int32), device),
+        block_tables=_to(table, device),
+        slot_mapping=_to(torch.tensor(slots, dtype=torch.int64), device),
         max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))),
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_lens,
     )
     return StepInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=_to(torch.tensor(input_ids, dtype=torch.long), device),
+        positions=_to(torch.tensor(positions, dtype=torch.long), device),
         meta=meta,
-        logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=device),
+        logits_indices=_to(torch.tensor(logits_idx, dtype=torch.long), device),
     )
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor → ``device``: through pinned memory without a sync on CUDA, as is on CPU."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -78,7 +78,7 @@ class ModelRunner:
             total = int(cfg.kv_cache_gib * (1 << 30))
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            total = int(free * float(cfg.extra.get("gpu_memory_utilization", 0.85)))
+            total = int(free * cfg.gpu_memory_utilization)
         else:
             total = default_kv_cache_bytes(self.device)
         return max(total // self.bytes_per_block, 1)

@@ -32,7 +32,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", type=Path, default=None,
                    help="HF-format model directory (default: SmolLM2-135M-Instruct, fetched once into the cache)")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:0)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--weights", default="auto", choices=["auto", "fp32", "int4"],
                    help="weight format: dense fp32, int4 (GGUF 4-bit blocks, CPU) or auto")
     g.add_argument("--attention-backend", default="auto", help="torch, triton, flash or auto")
