@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--num-speculative-tokens", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for Stencil and the baseline alike (default: torch's own)")
     p.add_argument("--weights", default=None, help="fp32 or int4 (default: engine default)")
 
 
@@ -50,6 +52,10 @@ def run_mode(engine, prompts, grammars, concurrency: int, max_tokens: int, on: b
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from benchmarks.workload import extraction_items, invention_items
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine

@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenarios", default="throughput,prefix_cache,chunked_prefill")
     p.add_argument("--no-baseline", action="store_true", help="skip outlines (Stencil only)")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens) in the chunked scenario")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for Stencil and the baseline alike (default: torch's own)")
     p.add_argument("--weights", default=None, help="Stencil weights: fp32 or int4 (default: engine default)")
 
 
@@ -281,6 +283,10 @@ def plot(report: dict, path: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from engine.models.default_model import ensure_default_model
 
     model = args.model or ensure_default_model()
