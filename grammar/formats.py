@@ -5,12 +5,12 @@ accepts (jsonschema 4.x with its format extras installed), usually a canonical s
 
 - date: ``date.fromisoformat`` on ``YYYY-MM-DD`` (year ≥ 1, real day of month, leap years).
 - time / date-time: RFC 3339 §5.6 as ``rfc3339_validator`` checks it (upper-case ``T``/``Z``).
-- email / idn-email: the checker wants an ``@``; we admit ``local@domain.tld`` (ASCII).
+- email / idn-email: the checker wants an ``@``; we admit ``dot-atom@host.name`` (ASCII).
 - uuid: ``uuid.UUID`` with hyphens at 8, 13, 18, 23 (RFC 4122 textual form).
 - ipv4: ``ipaddress.IPv4Address`` (dotted quad, no leading zeros).
 - ipv6: ``ipaddress.IPv6Address`` without zone or embedded IPv4 (RFC 4291 §2.2 forms 1-2).
 - hostname: ``fqdn.FQDN(min_labels=1)`` (RFC 1123 labels ≤ 63, at most 4 labels so the total
-  stays under 253 characters).
+  stays under 253 characters, never ``--`` at a label's third and fourth characters: no fake A-labels).
 - uri / uri-reference / iri / iri-reference: RFC 3986 §3 ``scheme ":" hier-part`` with
   registered-name hosts (and relative references for the ``-reference`` kinds).
 - json-pointer: RFC 6901.
@@ -52,9 +52,17 @@ def _ipv6() -> str:
 
 
 IPV6 = _ipv6()
-_LABEL = "[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
+_A = "[a-zA-Z0-9]"
+_AH = "[a-zA-Z0-9-]"
+# RFC 1123 label, 1-63 characters, never "--" at the third and fourth characters: such a label
+# would claim to be an IDNA A-label ("xn--"), which the JSON-Schema-Test-Suite requires to be
+# valid punycode (RFC 5891 §4.2.3.1).
+_LABEL = (f"(?:{_A}(?:{_AH}?{_A})?|{_A}{_AH}(?:{_A}|-){_A}"
+          f"|{_A}{_AH}(?:{_A}{_AH}|-{_A}){_AH}{{0,58}}{_A})")
 HOSTNAME = f"{_LABEL}(?:\\.{_LABEL}){{0,3}}"
-EMAIL = "[a-zA-Z0-9._%+-]{1,64}@[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?(?:\\.[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?){1,3}"
+# RFC 5321 dot-atom local part (no leading, trailing or doubled dots) @ hostname with a dot.
+_ATOM = "[a-zA-Z0-9_%+-]+"
+EMAIL = f"{_ATOM}(?:\\.{_ATOM})*@{_LABEL}(?:\\.{_LABEL}){{1,3}}"
 _UNRESERVED = "a-zA-Z0-9._~\\-"
 _SUB_DELIMS = "!$&'()*+,;="
 _PCT = f"%{_HEX}{{2}}"

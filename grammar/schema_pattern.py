@@ -69,6 +69,7 @@ def _unicode_sets() -> dict[str, cs.CharSet]:
 
 
 _ASCII_WORD = cs.charset((48, 57), (65, 90), (95, 95), (97, 122))
+_PY_ONLY_SPACE = cs.charset((0x1C, 0x1F), (0x85, 0x85))
 
 
 def _shorthand(letter: str) -> tuple[cs.CharSet, cs.CharSet]:
@@ -77,8 +78,10 @@ def _shorthand(letter: str) -> tuple[cs.CharSet, cs.CharSet]:
     if low == "d":
         pair = (cs.charset((48, 57)), _unicode_sets()["d"])
     elif low == "s":
-        exact = _unicode_sets()["s"]
-        pair = (exact, exact)
+        # Python and ECMA-262 disagree (U+FEFF, U+001C-U+001F, U+0085): admit only what both
+        # call whitespace, and exclude from \S everything either calls whitespace.
+        python = _unicode_sets()["s"]
+        pair = (cs.subtract(python, _PY_ONLY_SPACE), cs.union(python, cs.chars("\ufeff")))
     else:
         pair = (_ASCII_WORD, cs.union(_ASCII_WORD, ((0x80, cs.MAX_CP),)))
     if letter.isupper():

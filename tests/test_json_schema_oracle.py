@@ -139,3 +139,17 @@ def test_outlines_core_reads_the_regexes_like_python():
                 guide.advance(ids[bytes([b])], return_tokens=False)
             ok = ok and guide.is_finished()
             assert ok == bool(re.fullmatch(regex, text)), (schema_text, text)
+
+
+def test_hostname_labels_match_fqdn_without_fake_a_labels():
+    """Every label over {a, -} up to 6 characters: ours iff fqdn accepts it and it has no "--"
+    at the third and fourth characters."""
+    import itertools
+
+    from fqdn import FQDN
+    regex, _ = schema_to_regex({"type": "string", "format": "hostname"})
+    for n in range(1, 7):
+        for chars in itertools.product("a-", repeat=n):
+            label = "".join(chars)
+            expected = FQDN(label, min_labels=1).is_valid and label[2:4] != "--"
+            assert bool(re.fullmatch(regex, json.dumps(label))) == expected, label
