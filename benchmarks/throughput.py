@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--scenarios", default="throughput,prefix_cache,chunked_prefill")
     p.add_argument("--no-baseline", action="store_true", help="skip outlines (Stencil only)")
-    p.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens) in the chunked scenario")
+    p.add_argument("--chunk", type=int, default=32, help="prefill chunk (tokens) in the chunked scenario")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for Stencil and the baseline alike (default: torch's own)")
     p.add_argument("--weights", default=None, help="Stencil weights: fp32 or int4 (default: engine default)")
