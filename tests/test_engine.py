@@ -172,3 +172,45 @@ def test_constrained_speculation_and_forcing_keep_greedy_outputs(tiny_model_dir,
         if r["finish_reason"] == "stop":
             import re
             assert re.fullmatch(g.regex, r["text"], flags=re.DOTALL), r["text"]
+
+
+def test_decoding_continues_while_a_grammar_compiles(tiny_model_dir, prompts):
+    """A request whose grammar is still compiling waits (WAITING_FOR_GRAMMAR) while others decode."""
+    from concurrent.futures import Future
+
+    from engine.request import RequestStatus
+    from grammar.base import GrammarSpec
+
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64))
+    compiled = eng.grammar.compile(GrammarSpec("regex", "(yes|no)"))
+    pending: Future = Future()
+    for i in range(3):
+        eng.add_request(f"d{i}", prompts[i], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    eng.add_request("slow", prompts[3], SamplingParams(max_tokens=5, temperature=0), pending)
+    produced = {f"d{i}": 0 for i in range(3)}
+    for _ in range(10):
+        for out in eng.step():
+            assert out.request_id != "slow"
+            produced[out.request_id] += len(out.new_token_ids)
+        assert eng.scheduler.waiting[0].status == RequestStatus.WAITING_FOR_GRAMMAR
+    assert all(n == 10 for n in produced.values()), produced
+    pending.set_result(compiled)  # the compile finishes: the request joins the batch
+    slow_text = ""
+    finished = None
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.request_id == "slow":
+                slow_text += out.new_text
+                finished = out.finish_reason if out.finished else finished
+    assert finished == "stop" and slow_text in ("yes", "no")
+    # A compile that fails ends that request alone, with the compiler's message.
+    failing: Future = Future()
+    eng.add_request("bad", prompts[4], SamplingParams(max_tokens=5), failing)
+    eng.add_request("ok", prompts[5], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    failing.set_exception(ValueError("schema keyword 'foo' is not supported"))
+    outs = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            outs.setdefault(out.request_id, []).append(out)
+    assert outs["bad"][-1].finish_reason == "error" and "foo" in outs["bad"][-1].error
+    assert outs["ok"][-1].finish_reason == "length"
