@@ -253,10 +253,12 @@ def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 1
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+def main(args: argparse.Namespace | list[str] | None = None) -> int:
+    """Run as ``stencil bench conformance`` (parsed ``args``) or as a module (``argv`` list)."""
+    if not isinstance(args, argparse.Namespace):
+        parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        add_arguments(parser)
+        args = parser.parse_args(args)
     report = run_conformance(args.corpus, args.limit, args.timeout, args.mode, args.model,
                              args.failures)
     text = json.dumps(report, indent=2)
