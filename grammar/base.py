@@ -9,7 +9,7 @@ allowed (the layout of xgrammar / outlines-core kernels).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
@@ -82,7 +82,12 @@ class CompileStats:
     disk_hits: int = 0
     errors: int = 0
     timeouts: int = 0
-    compile_ms: list[float] = field(default_factory=list)
+    compile_ms_count: int = 0  # compiles timed (a count and a sum: bounded memory for a server)
+    compile_ms_sum: float = 0.0
+
+    def record_compile_ms(self, ms: float) -> None:
+        self.compile_ms_count += 1
+        self.compile_ms_sum += ms
 
 
 class GrammarMatcher(Protocol):

@@ -192,7 +192,7 @@ class GrammarCompiler:
                 self.stats.disk_hits += 1
             else:
                 self.stats.compiles += 1
-            self.stats.compile_ms.append((time.perf_counter() - start) * 1e3)
+            self.stats.record_compile_ms((time.perf_counter() - start) * 1e3)
         return grammar
 
     def _to_regex(self, spec: GrammarSpec) -> tuple[str, list[str]]:

@@ -74,9 +74,9 @@ class _EngineCollector:
                 "stencil_grammar_errors": ("grammar compiles that failed", gstats.errors),
                 "stencil_grammar_timeouts": ("grammar compiles that timed out", gstats.timeouts),
             })
-            ms = list(gstats.compile_ms)
             summ = SummaryMetricFamily("stencil_grammar_compile_seconds", "time to compile one grammar",
-                                       count_value=len(ms), sum_value=sum(ms) / 1e3)
+                                       count_value=gstats.compile_ms_count,
+                                       sum_value=gstats.compile_ms_sum / 1e3)
             counters_summary = summ
         else:
             counters_summary = None
