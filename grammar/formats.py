@@ -61,8 +61,10 @@ _LABEL = (f"(?:{_A}(?:{_AH}?{_A})?|{_A}{_AH}(?:{_A}|-){_A}"
           f"|{_A}{_AH}(?:{_A}{_AH}|-{_A}){_AH}{{0,58}}{_A})")
 HOSTNAME = f"{_LABEL}(?:\\.{_LABEL}){{0,3}}"
 # RFC 5321 dot-atom local part (no leading, trailing or doubled dots) @ hostname with a dot.
-_ATOM = "[a-zA-Z0-9_%+-]+"
-EMAIL = f"{_ATOM}(?:\\.{_ATOM})*@{_LABEL}(?:\\.{_LABEL}){{1,3}}"
+# Atoms are at most 64 characters (RFC 5321 §4.5.3.1.1 caps the whole local part there): a subset
+# of valid addresses that also stops a model looping inside the local part until max_tokens.
+_ATOM = "[a-zA-Z0-9_%+-]{1,64}"
+EMAIL = f"{_ATOM}(?:\\.{_ATOM}){{0,3}}@{_LABEL}(?:\\.{_LABEL}){{1,3}}"
 _UNRESERVED = "a-zA-Z0-9._~\\-"
 _SUB_DELIMS = "!$&'()*+,;="
 _PCT = f"%{_HEX}{{2}}"
