@@ -209,6 +209,32 @@ def _sse_events():
     return feed
 
 
+class _TextStream:
+    """Turns SSE lines of a ``/generate`` stream into text deltas; keeps the final event.
+
+    Shared by the sync and async clients, which differ only in how they read lines.
+    """
+
+    def __init__(self) -> None:
+        self._feed = _sse_events()
+        self._parts: list[str] = []
+        self.last: dict | None = None
+
+    def line(self, line: str) -> str | None:
+        """Feed one line; return a text delta when one completes, else None."""
+        ev = self._feed(line)
+        if ev is None:
+            return None
+        text, final = _delta_of(ev[1])
+        if final is not None:
+            self.last = {**final, "text": "".join(self._parts)}
+            return None
+        if text:
+            self._parts.append(text)
+            return text
+        return None
+
+
 def _delta_of(data: str) -> tuple[str | None, dict | None]:
     """(text delta, final event) carried by one ``/generate`` SSE ``data:`` payload.
 
@@ -337,17 +363,12 @@ class Client(_Base):
         """
         self.last = None
         resp = self._send(_body(text_or_messages, stream=True, **gen_kwargs), stream=True)
-        feed, parts = _sse_events(), []
+        events = _TextStream()
         try:
             for line in resp.iter_lines():
-                ev = feed(line)
-                if ev is None:
-                    continue
-                text, final = _delta_of(ev[1])
-                if final is not None:
-                    self.last = {**final, "text": "".join(parts)}
-                elif text:
-                    parts.append(text)
+                text = events.line(line)
+                self.last = events.last
+                if text:
                     yield text
         except httpx.TimeoutException as e:
             raise self._timeout_error(e) from e
@@ -414,17 +435,12 @@ class AsyncClient(_Base):
         """See ``Client.stream``."""
         self.last = None
         resp = await self._send(_body(text_or_messages, stream=True, **gen_kwargs), stream=True)
-        feed, parts = _sse_events(), []
+        events = _TextStream()
         try:
             async for line in resp.aiter_lines():
-                ev = feed(line)
-                if ev is None:
-                    continue
-                text, final = _delta_of(ev[1])
-                if final is not None:
-                    self.last = {**final, "text": "".join(parts)}
-                elif text:
-                    parts.append(text)
+                text = events.line(line)
+                self.last = events.last
+                if text:
                     yield text
         except httpx.TimeoutException as e:
             raise self._timeout_error(e) from e
