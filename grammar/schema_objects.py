@@ -4,8 +4,7 @@
 Canonical layout: declared properties in schema order (then required names that are not
 declared, in ``required`` order), then any additional properties. Optional properties are
 written as "any subset, in order": with a required property the regex is linear, without one
-it lists which property comes first (quadratic in the number of properties, capped by
-``MAX_OBJECT_REGEX``).
+it is a chain of "the members so far, then maybe this one" (linear, see ``_ordered_subsets``).
 """
 
 from __future__ import annotations
@@ -42,18 +41,31 @@ def _declared_part(items: list[tuple[str, bool]], comma: str, min_one: bool) -> 
         return head + items[first_required][0] + tail
     if not items:
         return None if min_one else ""
-    firsts: list[Rx] = []
-    tails = [""] * (len(items) + 1)
-    for i in range(len(items) - 1, -1, -1):
-        tails[i] = opt(seq(comma, items[i][0])) + tails[i + 1]
-    size = 0
-    for i, (m, _) in enumerate(items):
-        firsts.append(m + tails[i + 1])
-        size += len(firsts[-1])
-        if size > MAX_OBJECT_REGEX:
-            raise OverflowError
-    body = alt(firsts)
+    body = _ordered_subsets([m for m, _ in items], comma)
     return body if min_one else opt(body)
+
+
+_CHAIN = 12
+
+
+def _ordered_subsets(members: list[str], comma: str) -> str:
+    """Regex of every non-empty in-order subsequence of ``members``, comma-separated.
+
+    A left chain ``L_i = (?:L_{i-1}(?:,m_i)?|m_i)`` writes each member twice (linear size) but
+    nests one group per member, and the Rust regex parser behind outlines-core refuses nesting
+    beyond ~250. So members are cut into at most ``_CHAIN`` blocks, each block's subsequences
+    built the same way, and the blocks chained: size O(n · 2^levels), nesting O(_CHAIN · levels).
+    """
+    if len(members) > _CHAIN:
+        size = -(-len(members) // _CHAIN)
+        members = [_ordered_subsets(members[i:i + size], comma)
+                   for i in range(0, len(members), size)]
+    body = members[0]
+    for m in members[1:]:
+        body = f"(?:{body}(?:{comma}{m})?|{m})"
+    if len(body) > MAX_OBJECT_REGEX:
+        raise OverflowError
+    return body
 
 
 def compile_object(c: "SchemaCompiler", s: dict, path: str) -> Rx:

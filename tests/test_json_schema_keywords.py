@@ -67,6 +67,32 @@ def test_properties_required_and_optional_subsets():
            ['{,}', '{"a":null,}', '{,"b":null}', '{"c":null,"a":null}'])
 
 
+
+@pytest.mark.parametrize("n", [13, 40, 200])
+def test_many_optional_properties_any_ordered_subset(n):
+    """Blocks of the subset chain (13 and 40 members: two levels, 200: three) stay exact."""
+    import random
+
+    rng = random.Random(n)
+    names = [f"p{i}" for i in range(n)]
+    schema = {"type": "object", "properties": {k: {"type": "integer"} for k in names}}
+    regex, _ = schema_to_regex(schema)
+    assert len(regex) < 60 * n * 8  # linear in n, not quadratic
+    for _ in range(40):
+        keep = sorted(rng.sample(range(n), rng.randint(0, min(n, 9))))
+        members = [f'"p{i}":{i}' for i in keep]
+        assert re.fullmatch(regex, "{" + ",".join(members) + "}")
+        if len(members) >= 2:
+            swapped = members[:]
+            swapped[0], swapped[-1] = swapped[-1], swapped[0]
+            assert not re.fullmatch(regex, "{" + ",".join(swapped) + "}")
+            assert not re.fullmatch(regex, "{" + ",".join(members + members[-1:]) + "}")
+            assert not re.fullmatch(regex, "{" + ",".join(members) + ",}")
+    # The Rust regex parser behind outlines-core must accept the nesting.
+    from outlines_core import Index, Vocabulary
+
+    Index(regex, Vocabulary(3, {"{": [0], "}": [1], '"p0":0': [2]}))
+
 def test_additional_properties():
     closed = {"type": "object", "properties": {"a": {"type": "null"}}, "additionalProperties": False}
     _check(closed, ["{}", '{"a":null}'], ['{"b":1}'])
@@ -213,6 +239,18 @@ def test_not_and_unsupported_keywords_fail_closed():
     assert any("uniqueItems" in w and "#" in w for w in warnings)
     assert re.fullmatch(regex, "[null,null]")
 
+
+
+def test_finite_value_sets_decide_every_other_keyword():
+    """With enum/const (directly or in an allOf member) jsonschema filters the values."""
+    _check({"allOf": [{"enum": [1, "ab", True, [1, 2]]}, {"not": {"type": "integer"}}]},
+           ['"ab"', "true", "[1,2]"], ["1"])
+    _check({"allOf": [{"enum": ["fo", "foo", 3]}, {"not": {"not": {"maxLength": 2}}}]},
+           ['"fo"', "3"], ['"foo"'])
+    _check({"enum": [{"a": 1}, {"a": 1, "b": 2}], "not": {"required": ["b"]},
+            "oneOf": [{"type": "object"}, {"minProperties": 5}]}, ['{"a":1}'], ['{"a":1,"b":2}'])
+    with pytest.raises(GrammarError):
+        schema_to_regex({"allOf": [{"const": 2}, {"not": {"minimum": 1}}]})
 
 def test_annotations_are_ignored_silently():
     regex, warnings = schema_to_regex({"type": "string", "title": "t", "description": "d",
