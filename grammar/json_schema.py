@@ -158,6 +158,11 @@ class SchemaCompiler:
         if "$ref" in schema and isinstance(schema["$ref"], str):
             return self._ref(schema, path, only_types)
         schema = _normalize(schema)
+        finite = self._finite_values(schema, path)
+        if finite is not None:
+            # A finite value set makes every other keyword (not, oneOf, if, ...) decidable:
+            # keep the values that jsonschema accepts against the whole schema.
+            return self._enum(schema, path, only_types, finite)
         if "allOf" in schema:
             return self._all_of(schema, path, only_types)
         if "anyOf" in schema:
@@ -175,8 +180,6 @@ class SchemaCompiler:
                 return None
         if "if" in schema:
             self.unsupported("if", path)
-        if "enum" in schema or "const" in schema:
-            return self._enum(schema, path, only_types)
         return self._typed(schema, path, only_types)
 
     def _restrict_any(self, only_types) -> Rx:
@@ -288,8 +291,21 @@ class SchemaCompiler:
         self.unsupported("not", f"{path}/not")
         return rest
 
-    def _enum(self, schema: dict, path: str, only_types) -> Rx:
-        values = _enum_values(schema)
+    def _finite_values(self, schema: dict, path: str) -> list | None:
+        """The values of an ``enum``/``const`` on ``schema`` or one of its ``allOf`` members."""
+        if "enum" in schema or "const" in schema:
+            return _enum_values(schema)
+        if "allOf" not in schema:
+            return None
+        members: list = []
+        self._flatten_all_of(schema, path, members)
+        for m in members:
+            if isinstance(m, dict) and ("enum" in m or "const" in m):
+                return _enum_values(m)
+        return None
+
+    def _enum(self, schema: dict, path: str, only_types, values: list | None = None) -> Rx:
+        values = _enum_values(schema) if values is None else values
         if not values and "enum" in schema:
             raise GrammarError("enum is empty: no value can match", keyword="enum", path=path)
         out = []
