@@ -7,8 +7,8 @@ plus the new tokens). Two paths:
   ``[B, max_len, num_kv_heads, head_dim]`` tensor and masked by length, so a decode step costs
   one SDPA call per layer rather than one per sequence;
 * sequences with several query tokens (prefill, a prefill chunk after a cached prefix,
-  speculative drafts) run one ``scaled_dot_product_attention`` each, with ``is_causal`` when
-  nothing is cached and an explicit offset-causal mask otherwise.
+  forced tokens, speculative drafts) run one ``scaled_dot_product_attention`` each, with
+  ``is_causal`` when nothing is cached and an additive offset-causal mask otherwise.
 
 Attention is computed in fp32 whatever the cache dtype, so this backend is the accuracy
 oracle for the faster ones.
@@ -155,17 +155,31 @@ class TorchAttentionBackend:
         k = _gather_blocks(k_cache, blocks).view(-1, kv_heads, dim)[:seq_len]
         v = _gather_blocks(v_cache, blocks).view(-1, kv_heads, dim)[:seq_len]
         k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()
-        q = query[start:end].transpose(0, 1).float()  # [H, q_len, D]
+        # Every call below is 4-D: torch's fused CPU kernel (flash attention) takes only 4-D
+        # inputs with GQA or an additive mask; 3-D ones, GQA expansion by repeat or a boolean
+        # mask go through the unfused path (300 of 300 causal: 2.6 vs 6.7 ms; 5 of 300 behind
+        # a cached prefix: 0.07 vs 0.86 ms).
+        k, v = k[None], v[None]
         if q_len == seq_len:
+            q = query[start:end].transpose(0, 1)[None].float()  # [1, H, q_len, D]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=True)
-        else:
-            # Row j sits at position seq_len - q_len + j and sees keys 0..that position.
-            rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
-        out[start:end] = o.transpose(0, 1).to(out.dtype)
+            out[start:end] = o[0].transpose(0, 1).to(out.dtype)
+            return
+        # Behind a cached prefix (a later prefill chunk, forced tokens, drafts): the query
+        # heads of one kv group go side by side as extra rows, [1, Hkv, G * q_len, D], under
+        # an additive mask (the layout the decode path uses for its single row).
+        group = query.shape[1] // kv_heads
+        q = query[start:end].reshape(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)
+        q = q.reshape(1, kv_heads, group * q_len, dim).float()
+        # Row j sits at position seq_len - q_len + j and sees keys 0..that position.
+        rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
+        hidden = torch.arange(seq_len, device=q.device)[None, :] > rows
+        mask = torch.zeros(hidden.shape, device=q.device).masked_fill_(hidden, float("-inf"))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1)[None, None],
+                                           scale=scale)
+        o = o.view(kv_heads, group, q_len, dim).permute(2, 0, 1, 3).reshape(q_len, -1, dim)
+        out[start:end] = o.to(out.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
