@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for Stencil and the baseline alike (default: torch's own)")
     p.add_argument("--weights", default=None, help="Stencil weights: fp32 or int4 (default: engine default)")
+    p.add_argument("--prompt-weights", default=None,
+                   help="with int4: bf16 or int4 for prompt tokens (default: engine default)")
 
 
 def _engine(model: Path, **kw):
@@ -291,6 +293,8 @@ def main(args: argparse.Namespace) -> int:
 
     model = args.model or ensure_default_model()
     weights = {"weights": args.weights} if args.weights else {}
+    if args.prompt_weights:
+        weights["prompt_weights"] = args.prompt_weights
     scenarios = set(args.scenarios.split(","))
     report: dict = {"model": str(model), "max_tokens": args.max_tokens}
     engine = _engine(model, max_num_seqs=64, kv_cache_gib=2.0, **weights)

@@ -20,12 +20,15 @@ class StepInputs:
         meta: where each token's K/V go and which K/V each query reads.
         logits_indices: int64 ``[R]``; rows of the hidden states whose logits are sampled (the
             last ``num_drafts + 1`` tokens of each sampled request).
+        prompt_mask: bool ``[T]``; tokens at a position inside their request's prompt (a
+            token the model produced stays an output token when re-read after preemption).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor
+    prompt_mask: torch.Tensor
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
@@ -36,6 +39,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
     qsl = [0]
     seq_lens: list[int] = []
     logits_idx: list[int] = []
+    prompt_lens: list[int] = []
     bs = block_size
     max_blocks = 1
     for sr in out.scheduled:
@@ -43,6 +47,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
         end = sr.start + sr.num_new_tokens
         input_ids.extend(req.tokens_range(sr.start, end))
         positions.extend(range(sr.start, end))
+        prompt_lens.extend([req.num_prompt_tokens] * sr.num_new_tokens)
         blocks = req.block_ids
         slots.extend(blocks[p // bs] * bs + p % bs for p in range(sr.start, end))
         qsl.append(qsl[-1] + sr.num_new_tokens)
@@ -64,11 +69,13 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_lens,
     )
+    pos = torch.tensor(positions, dtype=torch.long)
     return StepInputs(
         input_ids=_to(torch.tensor(input_ids, dtype=torch.long), device),
-        positions=_to(torch.tensor(positions, dtype=torch.long), device),
+        positions=_to(pos, device),
         meta=meta,
         logits_indices=_to(torch.tensor(logits_idx, dtype=torch.long), device),
+        prompt_mask=_to(pos < torch.tensor(prompt_lens, dtype=torch.long), device),
     )
 
 

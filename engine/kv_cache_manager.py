@@ -9,8 +9,9 @@ from engine.request import Request
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: object = None) -> int:
     """Chained hash of a full block: its parent's hash, its token ids, and ``extra``.
 
-    ``extra`` stands for anything else that changes the block's K/V (none yet: no adapters or
-    multimodal inputs), so equal hashes imply equal K/V.
+    ``extra`` stands for anything else that changes the block's K/V (here: how many of its
+    tokens were prompt tokens, when prompt and output tokens run through different weights),
+    so equal hashes imply equal K/V.
     """
     return hash((parent_hash, token_ids, extra))
 
@@ -22,8 +23,13 @@ class KVCacheManager:
     by preempting a request; this class never preempts on its own.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_prompt_boundary: bool = False):
+        """``hash_prompt_boundary``: the model computes prompt and output tokens differently
+        (``ModelRunner.prompt_rows_routed``), so a block that holds output tokens may only be
+        reused by a request whose prompt ends at the same place in it."""
         self.block_size = block_size
+        self.hash_prompt_boundary = hash_prompt_boundary
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks
@@ -58,7 +64,10 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             tokens = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens))
+            extra = None
+            if self.hash_prompt_boundary and request.num_prompt_tokens < (i + 1) * bs:
+                extra = ("prompt_tokens", max(request.num_prompt_tokens - i * bs, 0))
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens, extra))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:

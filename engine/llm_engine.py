@@ -51,7 +51,8 @@ class LLMEngine:
         hf = self.runner.hf_config
         model_limit = int(getattr(hf, "max_position_embeddings", 2048))
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 hash_prompt_boundary=self.runner.prompt_rows_routed)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:

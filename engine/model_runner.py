@@ -53,7 +53,8 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.model, self.hf_config = load_model(config.model, dtype=self.dtype, device=self.device,
                                                 weights=config.weights,
-                                                gguf_file=config.extra.get("gguf_file"))
+                                                gguf_file=config.extra.get("gguf_file"),
+                                                prompt_weights=config.prompt_weights)
         self.backend = get_backend(config.attention_backend, self.device)
         self.block_size = config.block_size
         self.vocab_size = self.model.vocab_size
@@ -69,6 +70,12 @@ class ModelRunner:
         m = self.model
         elem = torch.finfo(self.dtype).bits // 8
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+
+    @property
+    def prompt_rows_routed(self) -> bool:
+        """Whether prompt tokens take other weights than output tokens (``quant.RowRoute``):
+        then a cached block's K/V also depend on where the prompt ended."""
+        return getattr(self.model, "row_route", None) is not None
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -92,7 +99,8 @@ class ModelRunner:
             bitmask: int32 ``[num_logits_rows, ceil(V / 32)]`` or None when no request is constrained.
         """
         inp = build_step_inputs(out, self.block_size, self.device)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend,
+                            prompt_mask=inp.prompt_mask)
         if inp.logits_indices.numel() == 0:
             return ModelRunnerOutput([], None)
         logits = self.model.compute_logits(hidden[inp.logits_indices]).float()

@@ -36,6 +36,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--weights", default="auto", choices=["auto", "fp32", "int4"],
                    help="weight format: dense fp32, int4 (GGUF 4-bit blocks, CPU) or auto")
+    g.add_argument("--prompt-weights", default="auto", choices=["auto", "bf16", "int4"],
+                   help="with int4: read prompt tokens through a dense bf16 copy (bf16), through int4, "
+                        "or auto (bf16 when the CPU has native bf16 GEMMs)")
     g.add_argument("--attention-backend", default="auto", help="torch, triton, flash or auto")
     g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB (default: from free memory)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gib)")
@@ -75,7 +78,7 @@ def engine_config_from_args(args: argparse.Namespace):
         model = ensure_default_model()
     return EngineConfig(
         model=Path(model), device=args.device, dtype=args.dtype, weights=args.weights,
-        attention_backend=args.attention_backend, kv_cache_gib=args.kv_cache_gib,
+        prompt_weights=args.prompt_weights, attention_backend=args.attention_backend, kv_cache_gib=args.kv_cache_gib,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting,

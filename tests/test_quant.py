@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from engine.models.default_model import gguf_path
-from engine.models.quant import (GROUP, Int4Linear, Int4Planes, concat_planes, planes_from_blocks,
-                                 qk_row_order)
+from engine.models.quant import (GROUP, Int4Linear, Int4Planes, RowRoute, concat_planes,
+                                 planes_from_blocks, qk_row_order)
 
 U = 2.0 ** -8
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
@@ -96,14 +96,43 @@ def test_int4_linear_within_bf16_bound_of_dequantized_layer(qtype, rows):
     assert float(err.max()) > 0
 
 
-def test_dense_above_switches_to_bf16_weights_for_many_rows():
-    w = _weights(32, 2 * GROUP, seed=3)
+def test_row_route_sends_prompt_rows_to_the_dense_copy_and_output_rows_to_int4():
+    w = _weights(48, 2 * GROUP, seed=3)
     planes = planes_from_blocks(_blocks(w, "Q8_0"), "Q8_0")
-    layer = Int4Linear(planes, dense_above=4)
-    x = torch.randn(8, 2 * GROUP)
-    dense = torch.nn.functional.linear(x.bfloat16(), planes.dequantize().bfloat16()).float()
+    bias = torch.randn(48)
+    route = RowRoute()
+    layer, plain = Int4Linear(planes, bias, route=route), Int4Linear(planes, bias)
+    x = torch.randn(9, 2 * GROUP)
+    dense = torch.nn.functional.linear(x.bfloat16(), planes.dequantize().bfloat16()).float() + bias
+    int4 = plain(x)
+    assert not torch.equal(dense, int4)  # the two kernels round differently
+    prompt = torch.tensor([True, True, False, True, False, False, True, True, False])
+    route.set(prompt)
+    mixed = layer(x)
+    assert torch.equal(mixed[prompt], dense[prompt]) and torch.equal(mixed[~prompt], int4[~prompt])
+    route.set(torch.ones(9, dtype=torch.bool))
     assert torch.equal(layer(x), dense)
-    assert torch.equal(layer(x[:4]), Int4Linear(planes)(x[:4]))
+    route.set(torch.zeros(9, dtype=torch.bool))
+    assert torch.equal(layer(x), int4)
+    route.clear()
+    assert torch.equal(layer(x), int4)
+
+
+@pytest.mark.parametrize("kernel", ["int4", "dense"])
+def test_each_row_gets_the_same_result_at_any_row_count(kernel):
+    """Batch invariance of both kernels: what a row gets never depends on the rows beside it."""
+    planes = planes_from_blocks(_blocks(_weights(96, 4 * GROUP, seed=7), "Q4_0"), "Q4_0")
+    route = RowRoute()
+    layer = Int4Linear(planes, route=route)
+    x = torch.randn(40, 4 * GROUP)
+
+    def run(rows):
+        route.set(torch.full((rows.shape[0],), kernel == "dense"))
+        return layer(rows)
+
+    alone = torch.cat([run(x[i:i + 1]) for i in range(40)])
+    for n in (2, 7, 16, 33, 40):
+        assert torch.equal(run(x[:n]), alone[:n])
 
 
 def test_concat_pads_missing_planes_with_exact_zeros():
@@ -164,7 +193,7 @@ def models(default_model_dir):
 
     if not gguf_path().exists():
         pytest.skip("the default model's GGUF is not in the cache")
-    int4, _ = load_model(default_model_dir, weights="int4", gguf_file=gguf_path())
+    int4, _ = load_model(default_model_dir, weights="int4", gguf_file=gguf_path(), prompt_weights="bf16")
     fp32, _ = load_model(default_model_dir, weights="fp32")
     return int4, fp32
 
@@ -222,13 +251,17 @@ def test_real_forward_logits_close_and_same_argmax(models, tokenizer):
         block_tables=torch.arange(nb, dtype=torch.int32)[None], slot_mapping=torch.arange(t),
         max_query_len=t, max_seq_len=t, query_start_loc_cpu=[0, t], seq_lens_cpu=[t])
     logits = {}
-    for kind, model in (("int4", int4), ("fp32", fp32)):
+    prompt = torch.ones(t, dtype=torch.bool)
+    for kind, model, mask in (("int4", int4, None), ("int4_bf16_prompt", int4, prompt), ("fp32", fp32, None)):
         caches = [(torch.zeros(nb, block, 3, 64), torch.zeros(nb, block, 3, 64)) for _ in range(30)]
-        h = model(torch.tensor(ids), torch.arange(t), caches, meta, TorchAttentionBackend())
+        h = model(torch.tensor(ids), torch.arange(t), caches, meta, TorchAttentionBackend(), prompt_mask=mask)
         logits[kind] = model.compute_logits(h[-1:])
-    assert int(logits["int4"].argmax()) == int(logits["fp32"].argmax())
-    rel = (logits["int4"] - logits["fp32"]).norm() / logits["fp32"].norm()
-    assert float(rel) < 0.05, float(rel)
+    # The dense bf16 copy for prompt rows really ran (the route is cleared after the forward).
+    assert not torch.equal(logits["int4"], logits["int4_bf16_prompt"]) and int4.row_route.dense is None
+    for kind in ("int4", "int4_bf16_prompt"):
+        assert int(logits[kind].argmax()) == int(logits["fp32"].argmax()), kind
+        rel = (logits[kind] - logits["fp32"]).norm() / logits["fp32"].norm()
+        assert float(rel) < 0.05, (kind, float(rel))
 
 
 @pytest.mark.slow

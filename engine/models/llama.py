@@ -172,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
         self.build_rope_tables(device, dtype)
         if spec.tie_word_embeddings:
             self.tie_weights()
+        # Set by the int4 loader when prompt rows take another kernel (``quant.RowRoute``).
+        self.row_route = None
 
     def build_rope_tables(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """(Re)compute the cos/sin tables ``[max_position_embeddings, head_dim // 2]`` on
@@ -234,6 +236,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer K, V
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        prompt_mask: torch.Tensor | None = None,  # bool [T]
     ) -> torch.Tensor:  # [T, hidden_size], final norm applied
         """Run the decoder over a flat batch, writing each new token's K/V into its cache slot.
 
@@ -245,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
                 ``[num_blocks, block_size, num_kv_heads, head_dim]`` in ``self.dtype``.
             meta: where each token's sequence and cache slots are.
             backend: the attention implementation.
+            prompt_mask: which tokens are prompt tokens; only read when ``row_route`` is set
+                (int4 layers with a dense copy for prompt rows), else ignored.
 
         Returns:
             Final-normed hidden states ``[T, hidden_size]`` in ``self.dtype``.
@@ -257,8 +262,14 @@ class LlamaForCausalLM(nn.Module):
         # One table lookup per step, shared by every layer.
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = F.embedding(input_ids, self.embed_tokens.weight)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, k_cache, v_cache, meta, backend)
+        if self.row_route is not None:
+            self.row_route.set(prompt_mask)
+        try:
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+                h = layer(h, cos, sin, k_cache, v_cache, meta, backend)
+        finally:
+            if self.row_route is not None:
+                self.row_route.clear()
         return self.norm(h)
 
     @torch.no_grad()

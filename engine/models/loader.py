@@ -33,7 +33,7 @@ _Q4 = frozenset({"Q4_0", "Q4_1"})
 
 def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", weights: str = "fp32",
-               gguf_file: Path | str | None = None):
+               gguf_file: Path | str | None = None, prompt_weights: str = "auto"):
     """Build our model from ``model_dir`` and fill its weights.
 
     Args:
@@ -44,6 +44,9 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
             as int4 layers, CPU only) or ``"auto"`` (int4 when ``resolve_weights`` finds a GGUF
             with Q4 tensors and the device is a CPU).
         gguf_file: the GGUF the model directory was converted from (default: ``find_gguf``).
+        prompt_weights: with int4 layers, how prompt tokens are read: ``"bf16"`` (through a
+            dense bf16 copy of the same weights, ``quant.RowRoute``; +2 bytes per weight),
+            ``"int4"``, or ``"auto"`` (bf16 when the CPU multiplies bf16 natively).
 
     Returns:
         ``(model, hf_config)``: a ``LlamaForCausalLM`` in eval mode and the transformers config.
@@ -63,7 +66,8 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
     # Placeholders on meta cost no memory, so the peak is one copy of the weights.
     model = LlamaForCausalLM(spec, dtype=dtype, device="meta")
     if kind == "int4":
-        _install_int4(model, gguf_path)  # before load_weights: int4 layers hold no parameters
+        # Before load_weights: int4 layers hold no parameters.
+        _install_int4(model, gguf_path, _prompt_route(prompt_weights))
     with ExitStack() as stack:
         get = _open_checkpoint(model_dir, stack)
         load_weights(model, get, device=device)
@@ -117,8 +121,18 @@ def resolve_weights(weights: str, model_dir: Path | str, device: torch.device | 
     return ("int4", path) if GgufWeights(path).count(_Q4) else ("fp32", None)
 
 
-def _install_int4(model: LlamaForCausalLM, gguf_path: Path) -> None:
-    """Replace the projections (and the LM head) whose GGUF blocks are int4-servable."""
+def _prompt_route(prompt_weights: str):
+    from engine.models.quant import RowRoute, cpu_has_bf16_gemm
+
+    if prompt_weights not in ("auto", "bf16", "int4"):
+        raise ValueError(f"prompt_weights must be auto, bf16 or int4, got {prompt_weights!r}")
+    dense = prompt_weights == "bf16" or (prompt_weights == "auto" and cpu_has_bf16_gemm())
+    return RowRoute() if dense else None
+
+
+def _install_int4(model: LlamaForCausalLM, gguf_path: Path, route=None) -> None:
+    """Replace the projections (and the LM head) whose GGUF blocks are int4-servable; with a
+    ``RowRoute``, layer projections read prompt rows through a dense bf16 copy."""
     from engine.models.quant import GgufWeights, int4_projections
 
     spec = model.spec
@@ -126,7 +140,7 @@ def _install_int4(model: LlamaForCausalLM, gguf_path: Path) -> None:
     # switching kernels by row count changes a request's logits with the batch around it (up
     # to 0.08 here), and greedy outputs must not depend on batching or speculation.
     layers = int4_projections(GgufWeights(gguf_path), spec.num_layers, spec.num_heads,
-                              spec.num_kv_heads, lm_head=True, head_dense_above=None)
+                              spec.num_kv_heads, lm_head=True, route=route)
     for name, module in layers.items():
         old = model.get_submodule(name)
         if (old.in_features, old.out_features) != (module.in_features, module.out_features):
@@ -134,6 +148,7 @@ def _install_int4(model: LlamaForCausalLM, gguf_path: Path) -> None:
                              f"the model needs [{old.out_features}, {old.in_features}]")
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, module)
+    model.row_route = route
 
 
 def load_weights(model: LlamaForCausalLM, get: Callable[[str], torch.Tensor], *,
