@@ -13,8 +13,10 @@ and reported in the warnings.
 Documented restrictions (subsets, never supersets): recursion through ``$ref`` is unrolled
 ``max_recursion_depth`` times; ``{}``/``true`` values nest at most ``any_max_depth`` deep;
 a schema without ``type`` admits only the types its keywords talk about (``properties`` →
-object, ``items`` → array, ...), or any type when it names none. When ``additionalProperties``
-is absent and the object declares properties, the grammar writes no extra properties (as
+object, ``items`` → array, ...), or any type when it names none; ``oneOf`` object branches
+told apart by a property they declare but do not require are written with that property.
+When ``additionalProperties`` is absent and the object declares properties, the grammar
+writes no extra properties (as
 OpenAI structured outputs, XGrammar and Outlines do): extra keys are rarely wanted from a model,
 and every "any value" slot multiplies the automaton (MaskBench-dev, 100 schemas: 68 pass
 instead of 49, compile p50 93 ms instead of 1.4 s). An object that declares no properties is
@@ -36,7 +38,7 @@ from grammar.schema_arrays import compile_array
 from grammar.schema_canonical import canonical_json
 from grammar.schema_merge import MergeError, json_key, merge
 from grammar.schema_objects import compile_object
-from grammar.schema_oneof import disjoint
+from grammar.schema_oneof import disjoint, exclusive_required, promote_discriminators
 from grammar.schema_refs import RefResolver
 from grammar.schema_rx import Rx, alt, repeat, seq
 from grammar.schema_strings import StringError, StringSpec, string_regex
@@ -244,6 +246,11 @@ class SchemaCompiler:
 
     def _one_of(self, schema: dict, path: str, only_types) -> Rx:
         rest = {k: v for k, v in schema.items() if k != "oneOf"}
+        rewritten = exclusive_required(schema["oneOf"], _ANNOTATIONS)
+        if rewritten is not None:
+            if not rewritten:
+                return None
+            return self.sub({**rest, "anyOf": rewritten}, path, only_types)
         branches = []
         for b in schema["oneOf"]:
             flat: list = []
@@ -256,6 +263,7 @@ class SchemaCompiler:
                 self.unsupported(exc.keyword, f"{path}/oneOf", exc.message)
                 merged = b
             branches.append(merged)
+        branches = promote_discriminators(self, branches)
         for i in range(len(branches)):
             for j in range(i + 1, len(branches)):
                 if not disjoint(self, branches[i], branches[j]):

@@ -96,9 +96,12 @@ def compile_object(c: "SchemaCompiler", s: dict, path: str) -> Rx:
         if name in props:
             schema, where = props[name], f"{path}/properties/{_escape(name)}"
         else:
-            if not patterns and addl is False:
+            # A required name the schema does not declare takes additionalProperties' schema
+            # (any value when absent: our "no extra keys" default is for optional keys only).
+            declared_addl = s.get("additionalProperties", True)
+            if not patterns and declared_addl is False:
                 return None
-            schema = next((patterns[p] for p in patterns if re.search(p, name)), addl)
+            schema = next((patterns[p] for p in patterns if re.search(p, name)), declared_addl)
             if any(re.search(p, name) for p in patterns):
                 schema = True
             where = f"{path}/required"

@@ -4,11 +4,17 @@
 We prove disjointness by: disjoint type sets; finite value sets (``enum``/``const``) of one
 branch that the other rejects (checked with ``jsonschema``); or a property required by both
 whose subschemas are disjoint (a discriminator), or required by one and forbidden by the other.
-When no proof is found the caller fails closed.
+An ``allOf`` is merged first, so a discriminator written as ``{"allOf": [{"type": "string"},
+{"enum": [...]}]}`` (what merging a branch into its parent gives) still counts. When no proof is
+found the caller fails closed.
+
+``exclusive_required`` handles the other common shape, ``oneOf`` of bare ``required`` lists
+("exactly one of these keys"), by rewriting it into branches that exclude each other.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -63,7 +69,8 @@ def _one_way(c: "SchemaCompiler", a: dict, b: dict, depth: int) -> bool:
     ta = generated_types(a)
     if not ta & possible_types(b):
         return True
-    if ("enum" in a or "const" in a) and not any(c.value_valid(v, b) for v in _values(a)):
+    values = c._finite_values(a, "#")
+    if values is not None and not any(c.value_valid(v, b) for v in values):
         return True
     if ta <= {"object"}:
         pa, pb = a.get("properties", {}), b.get("properties", {})
@@ -71,9 +78,48 @@ def _one_way(c: "SchemaCompiler", a: dict, b: dict, depth: int) -> bool:
         for name in ra & rb:
             if name in pa and name in pb and disjoint(c, pa[name], pb[name], depth + 1):
                 return True
-        if any(_forbids(b, n) for n in ra) or any(_forbids(a, n) for n in rb):
+        if any(_forbids(b, n) for n in ra) or any(_never_writes(c, a, n) for n in rb):
             return True
     return False
+
+
+def _never_writes(c: "SchemaCompiler", s: dict, name: str) -> bool:
+    """Whether the grammar never writes key ``name`` in an object of ``s``: forbidden, or an
+    undeclared key where the grammar writes no additional properties (``additionalProperties``
+    false, or absent on an object that declares properties: see ``grammar.json_schema``)."""
+    if _forbids(s, name):
+        return True
+    if name in s.get("properties", {}) or s.get("patternProperties"):
+        return False
+    addl = s.get("additionalProperties")
+    return addl is False or (addl is None and bool(s.get("properties")) and not c.opts.extra_properties)
+
+
+def promote_discriminators(c: "SchemaCompiler", branches: list) -> list:
+    """Branches in which a property that tells them apart is made required.
+
+    When two object branches declare the same property with disjoint subschemas (a
+    discriminator such as ``"kind": {"const": "text"}``) but do not require it, an object
+    without it matches both and ``oneOf`` could not be written exactly. Writing the
+    discriminator always makes the branches' written instances disjoint; the grammar then admits
+    a subset of the schema (instances without the discriminator are not written), like the
+    other documented restrictions of ``grammar.json_schema``.
+    """
+    out = [dict(b) if isinstance(b, dict) else b for b in branches]
+    for i in range(len(out)):
+        for j in range(i + 1, len(out)):
+            a, b = out[i], out[j]
+            if not isinstance(a, dict) or not isinstance(b, dict) or disjoint(c, a, b):
+                continue
+            pa, pb = a.get("properties", {}), b.get("properties", {})
+            for name in pa:
+                if name in pb and disjoint(c, pa[name], pb[name]):
+                    for branch in (a, b):
+                        req = list(branch.get("required", []))
+                        if name not in req:
+                            branch["required"] = req + [name]
+                    break
+    return out
 
 
 def disjoint(c: "SchemaCompiler", a: object, b: object, depth: int = 0) -> bool:
@@ -88,9 +134,56 @@ def disjoint(c: "SchemaCompiler", a: object, b: object, depth: int = 0) -> bool:
         return False
     if not isinstance(a, dict) or not isinstance(b, dict):
         return False
+    a, b = _merged(c, a), _merged(c, b)
     return _one_way(c, a, b, depth) and _one_way(c, b, a, depth)
 
 
-def _values(s: dict) -> list:
-    from grammar.json_schema import _enum_values
-    return _enum_values(s)
+def _merged(c: "SchemaCompiler", s: dict) -> dict:
+    """``s`` with its ``allOf`` members merged in (``s`` itself when they cannot be)."""
+    if "allOf" not in s:
+        return s
+    from grammar.schema_merge import MergeError, merge
+
+    members: list = []
+    try:
+        c._flatten_all_of(s, "#", members)
+        out: object = True
+        for m in members:
+            out = merge(out, m)
+    except MergeError:
+        return s
+    return out if isinstance(out, dict) else s
+
+
+_MAX_EXCLUSIVE_BRANCHES = 64
+
+
+def exclusive_required(branches: list, annotations: set[str]) -> list[dict] | None:
+    """Rewrite ``oneOf`` branches that only list ``required`` names into disjoint branches.
+
+    Branch ``i`` holds exactly when its names ``R_i`` are all present; "exactly one branch"
+    means ``R_i`` present and, for every other ``j``, some name of ``R_j - R_i`` absent (never
+    when ``R_j`` is inside ``R_i``). Each choice of absent names is one branch: ``required``
+    plus ``properties: {name: false}``, so the result is a list of pairwise disjoint schemas
+    whose union is the ``oneOf``. Returns None when the branches have other keywords or the
+    rewrite would exceed 64 branches.
+    """
+    names: list[list[str]] = []
+    for b in branches:
+        if not isinstance(b, dict) or not isinstance(b.get("required"), list) \
+                or set(b) - annotations - {"required"}:
+            return None
+        names.append([n for n in b["required"] if isinstance(n, str)])
+    out: list[dict] = []
+    for i, ri in enumerate(names):
+        choices = []
+        for j, rj in enumerate(names):
+            if j != i:
+                choices.append([n for n in rj if n not in ri])
+        if any(not ch for ch in choices):
+            continue  # every instance of branch i also satisfies some branch j
+        for absent in itertools.product(*choices):
+            out.append({"required": list(ri), "properties": {n: False for n in dict.fromkeys(absent)}})
+            if len(out) > _MAX_EXCLUSIVE_BRANCHES:
+                return None
+    return out

@@ -104,6 +104,13 @@ def test_additional_properties():
     _check(open_, ['{"a":null}'], ['{"z":1}'])  # default: no extra keys written
     _check(open_, ['{"a":null,"z":[1,{"q":"r"}]}', '{"ab":1}'], ['{"a":1}', '{"a":null,"a":3}'],
            extra_properties=True)
+    # A required key the schema does not declare takes any value (after the declared ones),
+    # unless additionalProperties forbids it.
+    _check({"type": "object", "properties": {"a": {"type": "null"}}, "required": ["id"]},
+           ['{"id":1}', '{"a":null,"id":"x"}', '{"id":[true]}'], ['{}', '{"a":null}', '{"id":1,"a":null}'])
+    with pytest.raises(GrammarError):
+        schema_to_regex({"type": "object", "properties": {"a": {}}, "required": ["id"],
+                         "additionalProperties": False})
 
 
 def test_pattern_properties_and_property_names():
@@ -206,6 +213,37 @@ def test_any_of_one_of_and_all_of():
                       {"properties": {"a": {"minimum": 5}, "b": {"type": "null"}}}]},
            ['{"a":5}', '{"a":7,"b":null}'], ['{"a":4}', '{}', '{"b":null}'])
 
+
+
+def test_one_of_exactly_one_required_set_and_merged_discriminators():
+    props = {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}}
+    _check({"type": "object", "properties": props, "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+           ['{"a":1}', '{"b":2}', '{"a":1,"c":3}'], ['{}', '{"a":1,"b":2}', '{"c":3}'])
+    # Overlapping sets: {a, b} or {a, c}, never both b and c.
+    _check({"type": "object", "properties": props,
+            "oneOf": [{"required": ["a", "b"]}, {"required": ["a", "c"]}]},
+           ['{"a":1,"b":2}', '{"a":1,"c":3}'], ['{"a":1}', '{"a":1,"b":2,"c":3}', '{"b":2,"c":3}'])
+    # One set inside another: the larger branch always satisfies both, so only {a} without b.
+    _check({"type": "object", "properties": props, "oneOf": [{"required": ["a"]}, {"required": ["a", "b"]}]},
+           ['{"a":1}', '{"a":1,"c":3}'], ['{"a":1,"b":2}', '{"b":2}'])
+    # A discriminator that only becomes an enum after merging with the parent's property.
+    _check({"type": "object", "properties": {"kind": {"type": "string"}, "n": {"type": "integer"}},
+            "oneOf": [{"properties": {"kind": {"enum": ["x"]}}, "required": ["kind"]},
+                      {"properties": {"kind": {"enum": ["y"]}}, "required": ["kind", "n"]}]},
+           ['{"kind":"x"}', '{"kind":"x","n":1}', '{"kind":"y","n":2}'], ['{"kind":"y"}', '{"kind":"z"}'])
+    # Branches whose written objects cannot meet: b requires a key a never writes (a declares
+    # properties, so the grammar writes no others), and the other way round.
+    _check({"oneOf": [{"type": "object", "properties": {"t": {"type": "string"}}, "required": ["t"]},
+                      {"type": "object", "properties": {"e": {"type": "string"}, "g": {"type": "string"}},
+                       "required": ["e", "g"]}]},
+           ['{"t":"x"}', '{"e":"a","g":"b"}'], ['{"t":"x","e":"a","g":"b"}', '{"e":"a"}'])
+    # A discriminator declared but not required is written always, so the branches stay apart.
+    _check({"oneOf": [{"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "null"}}},
+                      {"type": "object", "properties": {"kind": {"const": "b"}}}]},
+           ['{"kind":"a"}', '{"kind":"a","x":null}', '{"kind":"b"}'], ['{}', '{"x":null}'])
+    with pytest.raises(GrammarError):  # nothing tells {} apart
+        schema_to_regex({"oneOf": [{"type": "object", "properties": {"r": {"type": "string"}}},
+                                   {"type": "object", "properties": {"b": {"type": "string"}}}]})
 
 def test_refs_local_pointer_defs_and_recursion():
     schema = {"$defs": {"node": {"type": "object", "properties": {
