@@ -26,6 +26,7 @@ free-form and takes any keys. ``extra_properties=True`` follows the specificatio
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from decimal import Decimal
 
@@ -182,7 +183,27 @@ class SchemaCompiler:
                 return None
         if "if" in schema:
             self.unsupported("if", path)
+        if any(isinstance(schema.get(k), dict) and schema[k] for k in _DEPENDENCY_KEYWORDS):
+            return self._dependencies(schema, path, only_types)
         return self._typed(schema, path, only_types)
+
+    def _dependencies(self, schema: dict, path: str, only_types) -> Rx:
+        """``dependentRequired``/``dependentSchemas``/draft-04 ``dependencies`` as a union:
+        for each trigger name, either it is absent, or it is present and its dependency holds
+        (2020-12 §10.2.2.4, §6.5.4). Exact; 2^k branches, so at most 4 triggers."""
+        rest = {k: v for k, v in schema.items() if k not in _DEPENDENCY_KEYWORDS}
+        deps: dict[str, object] = {}
+        for key in _DEPENDENCY_KEYWORDS:
+            for name, dep in (schema.get(key) or {}).items():
+                dep = {"required": dep} if isinstance(dep, list) else dep
+                deps[name] = {"allOf": [deps[name], dep]} if name in deps else dep
+        if len(deps) > 4:
+            self.unsupported("dependencies", path, "more than 4 dependency triggers")
+            return self._typed(rest, path, only_types)
+        options = [[{"properties": {name: False}}, {"allOf": [{"required": [name]}, dep]}]
+                   for name, dep in deps.items()]
+        branches = [{"allOf": [rest, *choice]} for choice in itertools.product(*options)]
+        return alt([self.sub(b, f"{path}/dependencies", only_types) for b in branches])
 
     def _restrict_any(self, only_types) -> Rx:
         if only_types is None:
@@ -426,6 +447,7 @@ def _multiple_tail(k: int) -> str:
     return "|".join(parts)
 
 
+_DEPENDENCY_KEYWORDS = ("dependentRequired", "dependentSchemas", "dependencies")
 _ANNOTATIONS = {"title", "description", "examples", "default", "$comment", "$schema", "$id", "id",
                 "deprecated", "readOnly", "writeOnly", "$anchor", "definitions", "$defs",
                 "contentMediaType", "contentEncoding", "contentSchema", "$vocabulary"}

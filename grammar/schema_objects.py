@@ -78,7 +78,7 @@ def compile_object(c: "SchemaCompiler", s: dict, path: str) -> Rx:
     # object), unless the caller asks for the specification's default everywhere.
     free_form = not props and not patterns
     addl = s.get("additionalProperties", True if c.opts.extra_properties or free_form else False)
-    for key in ("dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties"):
+    for key in ("unevaluatedProperties",):
         if s.get(key) not in (None, {}, True):
             c.unsupported(key, path)
 

@@ -245,6 +245,17 @@ def test_one_of_exactly_one_required_set_and_merged_discriminators():
         schema_to_regex({"oneOf": [{"type": "object", "properties": {"r": {"type": "string"}}},
                                    {"type": "object", "properties": {"b": {"type": "string"}}}]})
 
+
+def test_dependencies_as_absent_or_satisfied():
+    props = {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "string"}}
+    _check({"type": "object", "properties": props, "dependencies": {"a": ["b"]}},
+           ["{}", '{"a":1,"b":2}', '{"b":2}', '{"c":"x"}'], ['{"a":1}', '{"a":1,"c":"x"}'])
+    _check({"type": "object", "properties": props, "dependentRequired": {"a": ["b"], "c": ["a"]}},
+           ["{}", '{"a":1,"b":2}', '{"a":1,"b":2,"c":"x"}'], ['{"b":2,"c":"x"}', '{"a":1,"c":"x"}'])
+    _check({"type": "object", "properties": props,
+            "dependentSchemas": {"c": {"properties": {"a": {"minimum": 5}}, "required": ["a"]}}},
+           ['{"a":1}', '{"a":5,"c":"x"}'], ['{"a":4,"c":"x"}', '{"c":"x"}'])
+
 def test_refs_local_pointer_defs_and_recursion():
     schema = {"$defs": {"node": {"type": "object", "properties": {
         "v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}}, "required": ["v"]}},
