@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_decode import SpecConfig, SpecState, propose_ngram, propose_text
+from engine.spec_decode import SpecConfig, SpecState, propose_ngram, propose_text, span_end
 
 log = logging.getLogger(__name__)
 
@@ -295,14 +295,32 @@ class LLMEngine:
                 st.prompt_text = self.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=True)
             text = propose_text(st.prompt_text, detok.text)
             if text:
-                # The text was cut at an arbitrary character: its last token is likely a fragment.
-                drafts = self.tokenizer.encode(text, add_special_tokens=False)[:-1][:room]
+                drafts = self._span_drafts(req, text)[:room]
         if not drafts:
             tokens = np.asarray(req.all_token_ids, dtype=np.int64)
             drafts = propose_ngram(tokens, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
         if drafts and req.matcher is not None:
             drafts = drafts[:req.matcher.validate_tokens(drafts)]
         return drafts
+
+    def _span_drafts(self, req: Request, text: str) -> list[int]:
+        """Draft tokens for ``text``, the document text that follows what the output just copied.
+
+        A copied value usually ends where the prose pauses (``Wirth, who joined...``). When the
+        grammar lets a JSON string close there, the draft is the span, the closing quote and
+        the text the grammar then forces (``Wirth","age":``), so one verification can take a
+        value's end and the next key together. Otherwise the looked-up text itself. Either
+        way the last token is dropped: the text ends at an arbitrary character, so it is
+        likely a fragment of the token the model would pick.
+        """
+        encode = self.tokenizer.encode
+        cut = span_end(text)
+        if req.matcher is not None and 0 < cut < len(text):
+            closed = text[:cut] + '"'
+            forced = req.matcher.forced_text_after(encode(closed, add_special_tokens=False))
+            if forced is not None:
+                return encode(closed + forced.decode("utf-8", errors="ignore"), add_special_tokens=False)[:-1]
+        return encode(text, add_special_tokens=False)[:-1]
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         detok = self._detok.get(req.request_id)

@@ -131,3 +131,18 @@ def propose_text(source: str, generated: str, min_chars: int = 3, max_chars: int
             start = pos + length
             return source[start:start + max_out_chars]
     return ""
+
+
+_PAUSES = frozenset(',;()[]{}\n"!?')
+
+
+def span_end(text: str) -> int:
+    """Where a value copied from prose most likely ends in ``text``: the first pause
+    (``,;()[]{}!?``, a newline, a quote, or ``.``/``:`` followed by a space or the end), or
+    ``len(text)`` when there is none. Dots inside ``mail.test`` or ``3.5`` do not count."""
+    for i, ch in enumerate(text):
+        if ch in _PAUSES:
+            return i
+        if ch in ".:" and (i + 1 == len(text) or text[i + 1].isspace()):
+            return i
+    return len(text)

@@ -253,8 +253,25 @@ class Matcher:
         """
         if self._terminated:
             return b""
+        return self._forced_from(self._guide.get_state(), max_bytes)
+
+    def forced_text_after(self, token_ids: list[int], max_bytes: int = 64) -> bytes | None:
+        """The bytes the grammar would force after ``token_ids``; no state change.
+
+        Returns None when the grammar refuses ``token_ids`` (EOS included). Lets a drafter ask
+        "if the model closed the string here, what would follow?" without advancing.
+        """
+        if self._terminated or self.validate_tokens(token_ids) != len(token_ids):
+            return None
+        if any(t in self._eos for t in token_ids):
+            return None
+        index, state = self._index, self._guide.get_state()
+        for tid in token_ids:
+            state = index.get_next_state(state, tid)
+        return self._forced_from(state, max_bytes)
+
+    def _forced_from(self, state: int, max_bytes: int) -> bytes:
         out = bytearray()
-        state = self._guide.get_state()
         while len(out) < max_bytes:
             step = self._grammar.forced_byte(state)
             if step is None:
