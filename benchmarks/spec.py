@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=16, help="requests per workload and concurrency")
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--max-tokens", type=int, default=160)
-    p.add_argument("--num-speculative-tokens", type=int, default=8)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for Stencil and the baseline alike (default: torch's own)")
     p.add_argument("--weights", default=None, help="fp32 or int4 (default: engine default)")

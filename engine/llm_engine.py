@@ -245,6 +245,7 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         running = self.scheduler.running
+        used = 0  # draft tokens handed out this step (SpecConfig.max_draft_tokens_per_step)
         for req in list(running):  # a copy: a request that fails here leaves ``running``
             spec = self._spec.get(req.request_id)
             st = req.spec_state
@@ -253,12 +254,14 @@ class LLMEngine:
             if len(running) > spec.max_batch_size:
                 continue
             room = min(spec.num_speculative_tokens,
+                       spec.max_draft_tokens_per_step - used,
                        req.params.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
             if room <= 0:
                 continue
             try:
                 req.draft_token_ids = self._drafts(req, spec, room)
+                used += len(req.draft_token_ids)
             except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
                 self._fail(req, "proposing draft tokens", e)
 

@@ -248,3 +248,23 @@ def test_forced_text_sees_through_tokenization():
         assert m.forced_text() == b"}"
         assert m.accept_tokens([ids[b"}"]])
         assert m.forced_text() == b""  # may end here: EOS is not a byte
+
+
+def test_forced_text_after_asks_what_would_follow_without_moving():
+    from grammar.base import GrammarSpec
+    from grammar.compiler import GrammarCompiler
+    from grammar.vocab import TokenVocabulary
+
+    pieces = [b"{", b'"', b"a", b"b", b":", b",", b"}", b"x", b"y", b'{"a":"', b'"']
+    vocab = TokenVocabulary.from_token_bytes({i + 3: t for i, t in enumerate(pieces)}, eos_token_ids=(1,),
+                                             model_vocab_size=32)
+    ids = {t: i + 3 for i, t in enumerate(pieces)}
+    with GrammarCompiler(vocab, 32) as comp:
+        m = comp.compile(GrammarSpec("regex", r'\{"a":"[xy]*","b":[xy]\}')).matcher()
+        assert m.accept_tokens([ids[b'{"a":"'], ids[b"x"]])
+        # If the string closed after "y", the grammar would force ',"b":'.
+        assert m.forced_text_after([ids[b"y"], ids[b'"']]) == b',"b":'
+        assert m.forced_text_after([ids[b"y"]]) == b""  # still inside the string: nothing forced
+        assert m.forced_text_after([ids[b"}"]]) is None  # refused
+        assert m.forced_text_after([1]) is None  # EOS is never "followed"
+        assert m.num_tokens == 2 and m.forced_text() == b""  # nothing moved
