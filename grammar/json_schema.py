@@ -42,7 +42,7 @@ from grammar.schema_objects import compile_object
 from grammar.schema_oneof import disjoint, exclusive_required, promote_discriminators
 from grammar.schema_refs import RefResolver
 from grammar.schema_rx import Rx, alt, repeat, seq
-from grammar.schema_strings import StringError, StringSpec, string_regex
+from grammar.schema_strings import StringError, StringSpec, excluded_keys_regex, string_regex
 
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _TYPE_KEYWORDS = {
@@ -182,10 +182,40 @@ class SchemaCompiler:
             if schema is None:
                 return None
         if "if" in schema:
+            split = self._if_then_else(schema, path)
+            if split is not None:
+                return alt([self.sub(b, path, only_types) for b in split])
             self.unsupported("if", path)
         if any(isinstance(schema.get(k), dict) and schema[k] for k in _DEPENDENCY_KEYWORDS):
             return self._dependencies(schema, path, only_types)
         return self._typed(schema, path, only_types)
+
+    def _if_then_else(self, schema: dict, path: str) -> list | None:
+        """``if``/``then``/``else`` whose condition tests one property against values (the usual
+        ``{"properties": {"type": {"const": "x"}}}``) as a union of the two cases:
+        ``if`` holds (the property has one of the values, or is absent unless ``if`` requires
+        it) with ``then``; or it fails (another value, or absent when required) with ``else``
+        (2020-12 §10.2.2.1). None for any other condition."""
+        cond = self._deref(schema["if"], f"{path}/if")
+        if not isinstance(cond, dict) or set(cond) - _ANNOTATIONS - {"properties", "required"}:
+            return None
+        props = cond.get("properties")
+        required = cond.get("required", [])
+        if not isinstance(props, dict) or len(props) != 1 or not isinstance(required, list):
+            return None
+        (name, test), = props.items()
+        test = self._deref(test, f"{path}/if/properties")
+        if not isinstance(test, dict) or set(test) - _ANNOTATIONS - {"enum", "const"} or set(required) - {name}:
+            return None
+        values = _enum_values(test)
+        rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
+        then, other = schema.get("then", True), schema.get("else", True)
+        present = {"required": [name], "properties": {name: {"enum": values}}}
+        other_value = {"required": [name], "properties": {name: {"not": {"enum": values}}}}
+        absent = {"properties": {name: False}}
+        branches = [{"allOf": [rest, present, then]}, {"allOf": [rest, other_value, other]}]
+        branches.append({"allOf": [rest, absent, other if name in required else then]})
+        return branches
 
     def _dependencies(self, schema: dict, path: str, only_types) -> Rx:
         """``dependentRequired``/``dependentSchemas``/draft-04 ``dependencies`` as a union:
@@ -312,6 +342,9 @@ class SchemaCompiler:
             if "enum" in rest or "const" in rest:
                 return {**rest, "enum": [v for v in _enum_values(rest)
                                          if json_key(v) not in {json_key(x) for x in values}]}
+            if _types(rest) == ["string"] and not set(rest) & set(_TYPE_KEYWORDS["string"]):
+                # Any string but these: the trie complement the object keys use.
+                return {**rest, _NOT_STRINGS: [v for v in values if isinstance(v, str)]}
         if isinstance(neg, dict) and set(neg) <= {"required"} | _ANNOTATIONS and len(neg["required"]) == 1:
             name = neg["required"][0]
             props = dict(rest.get("properties", {}))
@@ -382,6 +415,8 @@ class SchemaCompiler:
         return alt(parts)
 
     def _string(self, schema: dict, path: str) -> Rx:
+        if _NOT_STRINGS in schema:
+            return excluded_keys_regex(schema[_NOT_STRINGS])
         fmt = schema.get("format") if isinstance(schema.get("format"), str) else None
         hi = schema.get("maxLength")
         spec = StringSpec(schema.get("minLength", 0), hi, schema.get("pattern"), fmt,
@@ -448,6 +483,7 @@ def _multiple_tail(k: int) -> str:
 
 
 _DEPENDENCY_KEYWORDS = ("dependentRequired", "dependentSchemas", "dependencies")
+_NOT_STRINGS = "x-stencil-not-strings"  # internal: a string type minus these values (from `not`)
 _ANNOTATIONS = {"title", "description", "examples", "default", "$comment", "$schema", "$id", "id",
                 "deprecated", "readOnly", "writeOnly", "$anchor", "definitions", "$defs",
                 "contentMediaType", "contentEncoding", "contentSchema", "$vocabulary"}

@@ -256,6 +256,22 @@ def test_dependencies_as_absent_or_satisfied():
             "dependentSchemas": {"c": {"properties": {"a": {"minimum": 5}}, "required": ["a"]}}},
            ['{"a":1}', '{"a":5,"c":"x"}'], ['{"a":4,"c":"x"}', '{"c":"x"}'])
 
+
+def test_if_then_else_on_one_property_value():
+    props = {"kind": {"type": "string"}, "a": {"type": "integer"}, "b": {"type": "integer"}}
+    schema = {"type": "object", "properties": props, "if": {"properties": {"kind": {"const": "x"}}},
+              "then": {"required": ["a"]}, "else": {"required": ["b"]}}
+    # "kind" absent: the condition holds vacuously, so "then" applies.
+    _check(schema, ['{"kind":"x","a":1}', '{"kind":"y","b":2}', '{"kind":"xx","b":2}', '{"a":1}'],
+           ['{"kind":"x"}', '{"kind":"y","a":1}', '{"b":2}', "{}"])
+    required = dict(schema, **{"if": {"properties": {"kind": {"enum": ["x", "z"]}}, "required": ["kind"]}})
+    _check(required, ['{"kind":"z","a":1}', '{"kind":"q","b":2}', '{"b":2}'], ['{"a":1}', '{"kind":"z","b":2}'])
+
+
+def test_not_enum_of_strings_is_a_string_complement():
+    _check({"type": "string", "not": {"enum": ["ab", "c"]}}, ['""', '"a"', '"abc"', '"cc"', '"b"'],
+           ['"ab"', '"c"'])
+
 def test_refs_local_pointer_defs_and_recursion():
     schema = {"$defs": {"node": {"type": "object", "properties": {
         "v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}}, "required": ["v"]}},
