@@ -245,7 +245,7 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         running = self.scheduler.running
-        used = 0  # draft tokens handed out this step (SpecConfig.max_draft_tokens_per_step)
+        used = len(running) - 1  # decode rows beyond the first count against the draft budget
         for req in list(running):  # a copy: a request that fails here leaves ``running``
             spec = self._spec.get(req.request_id)
             st = req.spec_state

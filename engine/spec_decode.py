@@ -26,10 +26,11 @@ class SpecConfig:
         prompt_lookup_min / prompt_lookup_max: suffix lengths searched (tokens).
         max_batch_size: speculation is skipped when more requests than this are running
             (verification then costs real compute instead of riding on weight reads).
-        max_draft_tokens_per_step: draft tokens one step verifies in all, shared by the running
-            requests in batch order. On a CPU each verified row costs compute (SmolLM2 int4,
-            one sequence: 12.7 ms for 1 row, 16.5 ms for 3, 24 ms for 5, 33 ms for 9), so a
-            large batch gets few drafts each.
+        max_draft_tokens_per_step: rows one step may spend on drafts, less one per running
+            request beyond the first (a decode row each), shared in batch order. On a CPU each
+            verified row costs compute (SmolLM2 int4, one sequence: 12.7 ms for 1 row, 16.5 ms
+            for 3, 24 ms for 5, 33 ms for 9; 8 sequences decoding already pay for 8 rows), so a
+            lone request gets up to ``num_speculative_tokens`` drafts and a batch of 8 almost none.
         min_acceptance: a request whose recent acceptance rate falls below this stops proposing
             for ``backoff_steps`` steps, once ``min_evidence`` (decayed) drafts were judged.
         grammar_drafts: for constrained requests, draft the text the grammar forces next (e.g.
