@@ -6,9 +6,11 @@ plus the new tokens). Two paths:
 * sequences with one query token (decode) are batched: their K/V are gathered into a padded
   ``[B, max_len, num_kv_heads, head_dim]`` tensor and masked by length, so a decode step costs
   one SDPA call per layer rather than one per sequence;
-* sequences with several query tokens (prefill, a prefill chunk after a cached prefix,
-  forced tokens, speculative drafts) run one ``scaled_dot_product_attention`` each, with
-  ``is_causal`` when nothing is cached and an additive offset-causal mask otherwise.
+* sequences with a few query tokens behind a cached prefix (forced tokens, speculative
+  drafts: up to ``SHORT_QUERY``) are batched the same way, padded to the longest;
+* other sequences with several query tokens (prefill, a prefill chunk after a cached prefix)
+  run one ``scaled_dot_product_attention`` each, with ``is_causal`` when nothing is cached and
+  an additive offset-causal mask otherwise.
 
 Attention is computed in fp32 whatever the cache dtype, so this backend is the accuracy
 oracle for the faster ones.
@@ -24,6 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.base import AttentionMetadata
+
+
+SHORT_QUERY = 16  # up to this many query tokens behind a cached prefix: batched (``_short``)
 
 
 class TorchAttentionBackend:
@@ -80,10 +85,48 @@ class TorchAttentionBackend:
         decode = [i for i, n in enumerate(q_lens) if n == 1]
         if decode:
             self._decode(query, k_cache, v_cache, meta, scale, decode, out)
+        short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_QUERY
+                 and n < meta.seq_lens_cpu[i]]
+        if len(short) > 1:
+            self._short(query, k_cache, v_cache, meta, scale, short, out)
+        else:
+            short = []
         for i, n in enumerate(q_lens):
-            if n > 1:
+            if n > 1 and i not in short:
                 self._prefill(query, k_cache, v_cache, meta, scale, i, out)
         return out
+
+    def _short(self, query, k_cache, v_cache, meta, scale, seqs: list[int], out: torch.Tensor) -> None:
+        """A few query tokens behind a cached prefix for each of ``seqs`` (forced tokens, drafts):
+        one padded SDPA for all, ``[B, Hkv, G * Q, D]`` queries under an additive mask, instead
+        of one call per sequence (the per-call overhead dominated steps where many requests
+        take forced tokens)."""
+        block_size, kv_heads, dim = k_cache.shape[1:]
+        group = query.shape[1] // kv_heads
+        starts = meta.query_start_loc_cpu
+        q_lens = [starts[i + 1] - starts[i] for i in seqs]
+        lens = [meta.seq_lens_cpu[i] for i in seqs]
+        b, q_max, s_max = len(seqs), max(q_lens), max(lens)
+        idx = torch.tensor(seqs, device=query.device)
+        tables = meta.block_tables[idx, :-(-s_max // block_size)].long()
+        k = _gather_blocks(k_cache, tables.flatten()).view(b, -1, kv_heads, dim)[:, :s_max]
+        v = _gather_blocks(v_cache, tables.flatten()).view(b, -1, kv_heads, dim)[:, :s_max]
+        k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()
+        # Padded query slots repeat the sequence's last row; their outputs are dropped.
+        j = torch.arange(q_max)
+        ql = torch.tensor(q_lens)
+        rows = torch.tensor([starts[i] for i in seqs])[:, None] + torch.minimum(j[None, :], ql[:, None] - 1)
+        q = query[rows.flatten().to(query.device)].view(b, q_max, kv_heads, group, dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_max, dim).float()
+        # Row j of sequence i sits at position len_i - q_len_i + j and sees keys up to it.
+        pos = (torch.tensor(lens) - ql)[:, None] + torch.minimum(j[None, :], ql[:, None] - 1)
+        hidden = torch.arange(s_max)[None, None, :] > pos[:, :, None]  # [B, Q, S]
+        mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+        mask = mask[:, None].expand(b, group, q_max, s_max).reshape(b, 1, group * q_max, s_max)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), scale=scale)
+        o = o.view(b, kv_heads, group, q_max, dim).permute(0, 3, 1, 2, 4).reshape(b, q_max, -1, dim)
+        valid = (j[None, :] < ql[:, None]).to(query.device)
+        out[rows.to(query.device)[valid]] = o[valid].to(out.dtype)
 
     def _decode(self, query, k_cache, v_cache, meta, scale, seqs: list[int],
                 out: torch.Tensor) -> None:

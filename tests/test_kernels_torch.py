@@ -114,6 +114,20 @@ def test_decode_only_batch_matches_dense_sdpa(seed):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_short_chunks_behind_prefixes_batched_match_dense_sdpa(seed, monkeypatch):
+    """Forced tokens / drafts of several requests (2-16 tokens behind cached prefixes of
+    different lengths) go through one padded call and still match the dense reference."""
+    calls = []
+    original = TorchAttentionBackend._short
+    monkeypatch.setattr(TorchAttentionBackend, "_short",
+                        lambda self, *a: calls.append(len(a[5])) or original(self, *a))
+    seqs = [(40, 2), (3, 16), (17, 5), (64, 1), (0, 9), (31, 3), (16, 17)]
+    out, ref = run_backend(seqs, 9, 3, 32, seed)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert calls == [4]  # (0, 9) is a fresh prefill and (16, 17) too long: not batched
+
+
 def test_multi_token_query_after_prefix_sees_whole_prefix():
     """A 4-token draft after 33 cached tokens: its first row must attend to all 34 keys."""
     seqs = [(33, 4)]
