@@ -64,7 +64,7 @@ class SchemaOptions:
     whitespace: str = "compact"
     strict: bool = True
     max_recursion_depth: int = 3
-    any_max_depth: int = 2
+    any_max_depth: int = 1
     any_max_length: int | None = None
     extra_properties: bool = False
     max_string_length: int = 128
@@ -560,7 +560,7 @@ def _normalize(schema: dict) -> dict:
 
 
 def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
-                    max_recursion_depth: int = 3, any_max_depth: int = 2,
+                    max_recursion_depth: int = 3, any_max_depth: int = 1,
                     any_max_length: int | None = None,
                     extra_properties: bool = False,
                     max_string_length: int = 128) -> tuple[str, list[str]]:
@@ -573,7 +573,10 @@ def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict:
         strict: raise on keywords that cannot be enforced exactly (True), or ignore them and
             list them in the returned warnings (False).
         max_recursion_depth: how many times one ``$ref`` target may be entered on one path.
-        any_max_depth: container nesting allowed inside ``{}``/``true`` values.
+        any_max_depth: container nesting allowed inside ``{}``/``true`` values (default 1:
+            scalars, or arrays/objects of scalars). Every free-form slot copies this automaton,
+            and outlines-core's index grows with it: on MaskBench-dev, depth 1 instead of 2
+            passes 20 more of the 272 largest schemas and 3 fewer of the 252 others that differ.
         any_max_length: most members per array/object inside ``{}`` values (None: unbounded).
         extra_properties: allow additional properties where ``additionalProperties`` is absent
             (default False: none).

@@ -103,6 +103,9 @@ def test_additional_properties():
     open_ = {"type": "object", "properties": {"a": {"type": "null"}}}
     _check(open_, ['{"a":null}'], ['{"z":1}'])  # default: no extra keys written
     _check(open_, ['{"a":null,"z":[1,{"q":"r"}]}', '{"ab":1}'], ['{"a":1}', '{"a":null,"a":3}'],
+           extra_properties=True, any_max_depth=2)
+    # Default depth 1: an extra value may be a container of scalars, not deeper.
+    _check(open_, ['{"a":null,"z":[1,"q"]}', '{"z":{"q":"r"}}'], ['{"z":[1,{"q":"r"}]}'],
            extra_properties=True)
     # A required key the schema does not declare takes any value (after the declared ones),
     # unless additionalProperties forbids it.
