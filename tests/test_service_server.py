@@ -45,6 +45,8 @@ def _finished_total(srv) -> float:
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
     eng = service_state(server.app).engine.engine
+    # An earlier test's request may still be ending on a loaded machine: start from an idle engine.
+    assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
     finished_before = _finished_total(server)
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server.url + "/generate", json={**LONG, "stream": True}) as r:
