@@ -46,6 +46,9 @@ class TorchAttentionBackend:
         self._mask_key: tuple | None = None
         self._mask: torch.Tensor | None = None
         self._mask_ref: torch.Tensor | None = None
+        self._short_key: tuple | None = None
+        self._short_cached: tuple | None = None
+        self._short_ref: torch.Tensor | None = None
 
     def reshape_and_cache(
         self,
@@ -103,30 +106,45 @@ class TorchAttentionBackend:
         take forced tokens)."""
         block_size, kv_heads, dim = k_cache.shape[1:]
         group = query.shape[1] // kv_heads
-        starts = meta.query_start_loc_cpu
-        q_lens = [starts[i + 1] - starts[i] for i in seqs]
-        lens = [meta.seq_lens_cpu[i] for i in seqs]
-        b, q_max, s_max = len(seqs), max(q_lens), max(lens)
-        idx = torch.tensor(seqs, device=query.device)
-        tables = meta.block_tables[idx, :-(-s_max // block_size)].long()
-        k = _gather_blocks(k_cache, tables.flatten()).view(b, -1, kv_heads, dim)[:, :s_max]
-        v = _gather_blocks(v_cache, tables.flatten()).view(b, -1, kv_heads, dim)[:, :s_max]
+        rows, valid, mask, tables = self._short_layout(meta, seqs, group, block_size, query.device)
+        b, q_max = rows.shape
+        s_max = mask.shape[-1]
+        k = _gather_blocks(k_cache, tables).view(b, -1, kv_heads, dim)[:, :s_max]
+        v = _gather_blocks(v_cache, tables).view(b, -1, kv_heads, dim)[:, :s_max]
         k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()
+        q = query[rows.flatten()].view(b, q_max, kv_heads, group, dim)
+        q = q.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_max, dim).float()
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        o = o.view(b, kv_heads, group, q_max, dim).permute(0, 3, 1, 2, 4).reshape(b, q_max, -1, dim)
+        out[rows[valid]] = o[valid].to(out.dtype)
+
+    def _short_layout(self, meta, seqs: list[int], group: int, block_size: int, device):
+        """Query rows ``[B, Q]``, which are real ``[B, Q]``, the additive mask
+        ``[B, 1, G * Q, S]`` and the flat block ids of ``_short``; the same for every layer of a
+        step, so the last one is kept (keyed like ``_length_mask``)."""
+        key = (id(meta.seq_lens), tuple(seqs), group)
+        if self._short_key == key:
+            return self._short_cached
+        starts = meta.query_start_loc_cpu
+        q_lens = torch.tensor([starts[i + 1] - starts[i] for i in seqs])
+        lens = torch.tensor([meta.seq_lens_cpu[i] for i in seqs])
+        b, q_max, s_max = len(seqs), int(q_lens.max()), int(lens.max())
         # Padded query slots repeat the sequence's last row; their outputs are dropped.
         j = torch.arange(q_max)
-        ql = torch.tensor(q_lens)
-        rows = torch.tensor([starts[i] for i in seqs])[:, None] + torch.minimum(j[None, :], ql[:, None] - 1)
-        q = query[rows.flatten().to(query.device)].view(b, q_max, kv_heads, group, dim)
-        q = q.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * q_max, dim).float()
+        last = torch.minimum(j[None, :], q_lens[:, None] - 1)
+        rows = torch.tensor([starts[i] for i in seqs])[:, None] + last
         # Row j of sequence i sits at position len_i - q_len_i + j and sees keys up to it.
-        pos = (torch.tensor(lens) - ql)[:, None] + torch.minimum(j[None, :], ql[:, None] - 1)
+        pos = (lens - q_lens)[:, None] + last
         hidden = torch.arange(s_max)[None, None, :] > pos[:, :, None]  # [B, Q, S]
         mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
         mask = mask[:, None].expand(b, group, q_max, s_max).reshape(b, 1, group * q_max, s_max)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.device), scale=scale)
-        o = o.view(b, kv_heads, group, q_max, dim).permute(0, 3, 1, 2, 4).reshape(b, q_max, -1, dim)
-        valid = (j[None, :] < ql[:, None]).to(query.device)
-        out[rows.to(query.device)[valid]] = o[valid].to(out.dtype)
+        idx = torch.tensor(seqs, device=meta.block_tables.device)
+        tables = meta.block_tables[idx, :-(-s_max // block_size)].long().flatten()
+        self._short_cached = (rows.to(device), (j[None, :] < q_lens[:, None]).to(device),
+                              mask.to(device), tables)
+        self._short_key = key
+        self._short_ref = meta.seq_lens  # keeps the id from being reused while cached
+        return self._short_cached
 
     def _decode(self, query, k_cache, v_cache, meta, scale, seqs: list[int],
                 out: torch.Tensor) -> None:
