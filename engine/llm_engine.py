@@ -17,7 +17,8 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_decode import SpecConfig, SpecState, propose_ngram, propose_text, span_end
+from engine.spec_decode import (SpecConfig, SpecState, TokenSplits, propose_ngram, propose_text, propose_value,
+                                 span_end)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,12 @@ class LLMEngine:
         self.grammar = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
                                        max_workers=config.grammar_workers, timeout_s=config.grammar_timeout_s)
         self.default_spec = SpecConfig.from_dict(config.speculative)
+        # Rows torch's CPU int4 kernel multiplies together (4): speculation sizes drafts to it.
+        from engine.models.quant import Int4Linear
+
+        self.splits = TokenSplits(self.tokenizer.decode,
+                                  lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        self.row_tile = 4 if any(isinstance(m, Int4Linear) for m in self.runner.model.modules()) else 1
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._spec: dict[str, SpecConfig | None] = {}
         self.num_steps = 0
@@ -184,6 +191,7 @@ class LLMEngine:
             # Finished only now: the forward above still reads their block tables.
             for req, exc in failed:
                 self._fail(req, "computing its grammar mask", exc)
+            self._learn_splits(sched, result.sampled)
             for req, new in self.scheduler.update(sched, result.sampled, result.logprobs):
                 out = self._output(req, new)
                 outputs.append(out)
@@ -194,6 +202,24 @@ class LLMEngine:
             if req.request_id not in reported:
                 outputs.append(self._output(req, []))
         return outputs
+
+    def _learn_splits(self, sched: SchedulerOutput, sampled: list[list[int]]) -> None:
+        """Teach each request's ``TokenSplits`` what the model chose over its drafts."""
+        k = 0
+        for sr in sched.scheduled:
+            if not sr.sample:
+                continue
+            tokens = sampled[k]
+            k += 1
+            st = sr.request.spec_state
+            if st is None or st.splits is None:
+                continue
+            if len(tokens) <= sr.num_drafts:  # the last token replaced draft len(tokens) - 1
+                st.splits.learn(sr.request.draft_token_ids[len(tokens) - 1], tokens[-1])
+            elif st.dropped is not None and st.dropped_at == sr.num_drafts:
+                # Every draft taken: the bonus token stands where the dropped one would have.
+                st.splits.learn(st.dropped, tokens[-1], dropped=True)
+            st.dropped = None
 
     def _fail(self, req: Request, stage: str, exc: BaseException) -> None:
         """Finish one request with an error (its blocks freed); the batch goes on without it."""
@@ -244,12 +270,23 @@ class LLMEngine:
             m.rollback(accepted)
 
     def _propose_drafts(self) -> None:
+        """Give each running request that may speculate its draft tokens for the next step.
+
+        Rows are shared: the step's rows without drafts (a decode row, plus any grammar-forced
+        tokens, per request) count against ``max_draft_tokens_per_step`` beyond the first, and
+        n-gram and prompt-lookup drafts are then trimmed so the step does not open a kernel row
+        tile for a row or two (``_trim_to_tile``); drafts of grammar-forced text are not.
+        """
         running = self.scheduler.running
-        used = len(running) - 1  # decode rows beyond the first count against the draft budget
+        base = sum(max(r.num_tokens - r.num_computed_tokens, 1) for r in running)
+        used = base - 1  # rows beyond the first count against the draft budget
+        fixed = base  # rows that stay whatever the tile
+        drafted: list[Request] = []
+        tile = 1
         for req in list(running):  # a copy: a request that fails here leaves ``running``
             spec = self._spec.get(req.request_id)
             st = req.spec_state
-            if spec is None or st is None or req.num_computed_tokens < req.num_tokens - 1:
+            if spec is None or st is None or not self.scheduler.may_draft(req):
                 continue
             if len(running) > spec.max_batch_size:
                 continue
@@ -261,9 +298,17 @@ class LLMEngine:
                 continue
             try:
                 req.draft_token_ids = self._drafts(req, spec, room)
-                used += len(req.draft_token_ids)
             except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
                 self._fail(req, "proposing draft tokens", e)
+                continue
+            used += len(req.draft_token_ids)
+            if st.from_grammar:
+                fixed += len(req.draft_token_ids)  # grammar drafts are nearly always right: kept whole
+            elif req.draft_token_ids:
+                drafted.append(req)
+                tile = max(tile, spec.row_tile or self.row_tile)
+        if drafted and tile > 1:
+            _trim_to_tile(drafted, fixed, tile)
 
     def _drafts(self, req: Request, spec: SpecConfig, room: int) -> list[int]:
         """Up to ``room`` draft tokens, trimmed by the grammar.
@@ -279,8 +324,7 @@ class LLMEngine:
         if spec.grammar_drafts and req.matcher is not None:
             forced = req.matcher.forced_text(64)
             if forced:
-                text = forced.decode("utf-8", errors="ignore")
-                drafts = self.tokenizer.encode(text, add_special_tokens=False)[:-1][:room]
+                drafts = self._forced_drafts(forced.decode("utf-8", errors="ignore"), st)[:room]
                 if drafts:
                     st.from_grammar = True
                     return drafts[:req.matcher.validate_tokens(drafts)]
@@ -296,34 +340,56 @@ class LLMEngine:
         if spec.text_lookup and detok is not None and detok.text:
             if st.prompt_text is None:
                 st.prompt_text = self.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=True)
-            text = propose_text(st.prompt_text, detok.text)
+            text = propose_text(st.prompt_text, detok.text) or propose_value(st.prompt_text, detok.text)
             if text:
                 drafts = self._span_drafts(req, text)[:room]
-        if not drafts:
+        if not drafts and not (req.matcher is not None and _JSON_PUNCT.issuperset(detok.text[-3:] if detok else "")):
+            # (A JSON value has just opened: tokens before it only match the previous key's
+            # punctuation, and their continuation is the previous value.)
             tokens = np.asarray(req.all_token_ids, dtype=np.int64)
             drafts = propose_ngram(tokens, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
         if drafts and req.matcher is not None:
             drafts = drafts[:req.matcher.validate_tokens(drafts)]
         return drafts
 
+    def _forced_drafts(self, text: str, st: SpecState) -> list[int]:
+        """Tokens for ``text``, which ends where the grammar stops forcing: spelled as the model
+        spells it (``self.splits``), minus the last token unless a learned split made it (a
+        piece the model writes on its own, like the lone quote that opens a string)."""
+        if st.splits is None:
+            st.splits = self.splits.child()
+        tokens, last_split = st.splits.tokenize(text)
+        if last_split or not tokens:
+            return tokens
+        st.dropped, st.dropped_at = tokens[-1], len(tokens) - 1
+        return tokens[:-1]
+
     def _span_drafts(self, req: Request, text: str) -> list[int]:
         """Draft tokens for ``text``, the document text that follows what the output just copied.
 
-        A copied value usually ends where the prose pauses (``Wirth, who joined...``). When the
-        grammar lets a JSON string close there, the draft is the span, the closing quote and
-        the text the grammar then forces (``Wirth","age":``), so one verification can take a
-        value's end and the next key together. Otherwise the looked-up text itself. Either
-        way the last token is dropped: the text ends at an arbitrary character, so it is
-        likely a fragment of the token the model would pick.
+        A copied value usually ends where the prose pauses (``Wirth, who joined...``) or where
+        the grammar stops admitting it (``INV-22773 was issued`` for an ``INV-[0-9]{5}``
+        pattern). Where the grammar lets the value close there (a quote for a string, a comma
+        or brace after a number), the draft is the span, the closer and the text the grammar
+        then forces (``Wirth","age":``), so one verification can take a value's end and the
+        next key together. Otherwise the looked-up text itself, minus its last token: it ends at
+        an arbitrary character, so that token is likely a fragment of the one the model picks.
         """
         encode = self.tokenizer.encode
-        cut = span_end(text)
-        if req.matcher is not None and 0 < cut < len(text):
-            closed = text[:cut] + '"'
-            forced = req.matcher.forced_text_after(encode(closed, add_special_tokens=False))
-            if forced is not None:
-                return encode(closed + forced.decode("utf-8", errors="ignore"), add_special_tokens=False)[:-1]
-        return encode(text, add_special_tokens=False)[:-1]
+        tokens = encode(text, add_special_tokens=False)
+        m = req.matcher
+        if m is not None:
+            cuts = [span_end(text)]  # the prose's pause first, then where the grammar stops
+            valid = m.validate_tokens(tokens)
+            if valid < len(tokens):
+                cuts.append(len(self.tokenizer.decode(tokens[:valid])))
+            for cut in [c for i, c in enumerate(cuts) if c < len(text) and c not in cuts[:i]]:
+                for closer in _CLOSERS:
+                    closed = text[:cut] + closer
+                    forced = m.forced_text_after(encode(closed, add_special_tokens=False))
+                    if forced is not None:
+                        return self._forced_drafts(closed + forced.decode("utf-8", errors="ignore"), req.spec_state)
+        return tokens[:-1]
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         detok = self._detok.get(req.request_id)
@@ -389,3 +455,27 @@ class LLMEngine:
                     r["finish_reason"] = out.finish_reason
                     r["error"] = out.error
         return [results[rid] for rid in ids]
+
+
+_JSON_PUNCT = frozenset('"{}[]:, ')
+_CLOSERS = ('"', ",", "}")  # what may end a value copied into JSON: a string, a number
+
+
+def _trim_to_tile(drafted: list[Request], base_rows: int, tile: int) -> None:
+    """Drop draft tokens so a step of ``base_rows`` rows plus the drafts does not spill one or
+    two rows into a new tile of ``tile`` rows.
+
+    torch's CPU int4 kernel multiplies activations in tiles of 4 rows: one sequence's step costs
+    13.9 ms with 1 row, 19.7 ms with 4 and 25.9 ms with 5 (SmolLM2-135M, one thread), so a fifth
+    row costs three times a fourth. A spill of at most ``tile // 2`` rows is removed, longest
+    draft lists first (their last drafts are the least likely to be accepted).
+    """
+    rows = base_rows + sum(len(r.draft_token_ids) for r in drafted)
+    spill = rows % tile
+    if rows <= tile or spill == 0 or spill > tile // 2:
+        return
+    for _ in range(spill):
+        longest = max(drafted, key=lambda r: len(r.draft_token_ids))
+        if not longest.draft_token_ids:
+            break
+        longest.draft_token_ids = longest.draft_token_ids[:-1]

@@ -192,9 +192,16 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         return True
 
+    def may_draft(self, req: Request) -> bool:
+        """Whether draft tokens may follow ``req``'s uncomputed tokens this step: its prompt is
+        in the cache and what is left are at most a sampled token and the grammar-forced tokens
+        after it (not a recompute after preemption, which is a prefill again)."""
+        pending = req.num_tokens - req.num_computed_tokens
+        return req.num_computed_tokens >= req.num_prompt_tokens and 1 <= pending <= 1 + self.max_forced_tokens
+
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         remaining = req.num_tokens - req.num_computed_tokens
-        if remaining > 1 and req.draft_token_ids:
+        if req.draft_token_ids and not self.may_draft(req):
             req.draft_token_ids = []  # drafts only ride on a request whose prefill is done
         limit = min(budget, self.config.max_prefill_chunk if remaining > 1 else budget)
         num_new = remaining + len(req.draft_token_ids)

@@ -10,6 +10,7 @@ grows with k.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,11 +27,15 @@ class SpecConfig:
         prompt_lookup_min / prompt_lookup_max: suffix lengths searched (tokens).
         max_batch_size: speculation is skipped when more requests than this are running
             (verification then costs real compute instead of riding on weight reads).
-        max_draft_tokens_per_step: rows one step may spend on drafts, less one per running
-            request beyond the first (a decode row each), shared in batch order. On a CPU each
-            verified row costs compute (SmolLM2 int4, one sequence: 12.7 ms for 1 row, 16.5 ms
-            for 3, 24 ms for 5, 33 ms for 9; 8 sequences decoding already pay for 8 rows), so a
-            lone request gets up to ``num_speculative_tokens`` drafts and a batch of 8 almost none.
+        max_draft_tokens_per_step: rows one step may spend on drafts, less the step's other
+            rows beyond the first (a decode row per running request, plus its grammar-forced
+            tokens), shared in batch order. On a CPU each verified row costs compute (SmolLM2
+            int4, one sequence: 13.9 ms for 1 row, 19.7 ms for 4, 25.9 ms for 5, 33 ms for 8),
+            so a lone request gets up to ``num_speculative_tokens`` drafts and a batch of 8 one
+            row tile of them.
+        row_tile: rows the model's matmul kernel processes together (0: the engine's choice, 4
+            with int4 weights, 1 otherwise); drafts that would spill a row or two into a new
+            tile are dropped (``llm_engine._trim_to_tile``).
         min_acceptance: a request whose recent acceptance rate falls below this stops proposing
             for ``backoff_steps`` steps, once ``min_evidence`` (decayed) drafts were judged.
         grammar_drafts: for constrained requests, draft the text the grammar forces next (e.g.
@@ -45,7 +50,8 @@ class SpecConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     max_batch_size: int = 8
-    max_draft_tokens_per_step: int = 8
+    max_draft_tokens_per_step: int = 12
+    row_tile: int = 0
     min_acceptance: float = 0.15
     min_evidence: float = 12.0
     backoff_steps: int = 16
@@ -76,6 +82,8 @@ class SpecConfig:
             raise ValueError("speculative.num_speculative_tokens must be in 1..64")
         if cfg.max_draft_tokens_per_step < 0:
             raise ValueError("speculative.max_draft_tokens_per_step must be >= 0")
+        if not (0 <= cfg.row_tile <= 64):
+            raise ValueError("speculative.row_tile must be in 0..64")
         return cfg
 
 
@@ -88,6 +96,9 @@ class SpecState:
     backoff: int = 0
     from_grammar: bool = False  # the drafts in flight came from the grammar, not from n-grams
     prompt_text: str | None = None  # decoded prompt, for text lookup (filled on first use)
+    dropped: int | None = None  # the last token of forced text left out of the drafts in flight
+    dropped_at: int = 0  # ... after this many drafts
+    splits: "TokenSplits | None" = None  # this request's lessons on the model's tokenization
 
     def record(self, proposed: int, accepted: int, decay: float = 0.7) -> None:
         if self.from_grammar:
@@ -98,6 +109,87 @@ class SpecState:
     @property
     def rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 1.0
+
+
+class TokenSplits:
+    """How the model spells grammar-forced text, learned from what it chose over the drafts.
+
+    The canonical tokenization of forced text is not always the model's: in one output SmolLM2
+    writes ``":"`` as ``":`` then ``"`` (its strings open with a lone quote), in another as one
+    token. Three lessons are kept, per request (its output keeps one style) with the engine's
+    table behind it for requests that have not shown theirs yet:
+
+    - a draft ``d`` rejected for ``t`` whose text is a proper prefix of ``d``'s: spell ``d`` as
+      ``t`` plus the tokenization of the rest;
+    - a draft rejected for a token whose text extends it: the model writes that token whole;
+    - the last token of forced text, left out of the drafts because it may merge with the free
+      text after it, that the model then wrote exactly: draft it next time.
+
+    Never a correctness matter (every draft is verified); bounded (oldest entries dropped).
+
+    Args:
+        decode: token ids -> text (the tokenizer's ``decode``).
+        encode: text -> token ids, no special tokens.
+        parent: the engine-wide table consulted for tokens this one has no lesson on.
+        max_entries: most lessons kept per table.
+    """
+
+    def __init__(self, decode, encode, parent: "TokenSplits | None" = None, max_entries: int = 1024) -> None:
+        self._decode = decode
+        self._encode = encode
+        self._parent = parent
+        self._max = max_entries
+        self.spelling: dict[int, tuple[int, ...]] = {}  # token -> the model's pieces (itself: whole)
+        self.ends: dict[int, bool] = {}  # token -> whether the model writes it alone before free text
+
+    def child(self) -> "TokenSplits":
+        """A per-request table backed by this one."""
+        return TokenSplits(self._decode, self._encode, self, self._max)
+
+    def learn(self, draft: int, chosen: int, dropped: bool = False) -> None:
+        """Record that the model chose ``chosen`` where ``draft`` was proposed (or, with
+        ``dropped``, where ``draft`` was the forced text's last token, left out)."""
+        for table in (self, self._parent):
+            if table is not None:
+                table._learn(draft, chosen, dropped)
+
+    def _learn(self, draft: int, chosen: int, dropped: bool) -> None:
+        if draft == chosen:
+            if dropped:
+                self._put(self.ends, draft, True)
+            return
+        d, c = self._decode([draft]), self._decode([chosen])
+        if c and len(c) < len(d) and d.startswith(c):
+            self._put(self.spelling, draft, (chosen, *self._encode(d[len(c):])))
+        elif d and len(d) < len(c) and c.startswith(d):
+            self._put(self.spelling, chosen, (chosen,))
+            self._put(self.ends, draft, False)
+
+    def _put(self, table: dict, key: int, value) -> None:
+        table.pop(key, None)
+        if len(table) >= self._max:
+            table.pop(next(iter(table)))
+        table[key] = value
+
+    def _lookup(self, name: str, key: int):
+        table = self
+        while table is not None:
+            found = getattr(table, name).get(key)
+            if found is not None:
+                return found
+            table = table._parent
+        return None
+
+    def tokenize(self, text: str) -> tuple[list[int], bool]:
+        """``text`` as the model would likely write it; also whether its last token is one the
+        model writes on its own (a learned split's last piece, or a learned end)."""
+        out: list[int] = []
+        split = False
+        for t in self._encode(text):
+            pieces = self._lookup("spelling", t) or (t,)
+            split = len(pieces) > 1
+            out.extend(pieces)
+        return out, bool(out) and (split or bool(self._lookup("ends", out[-1])))
 
 
 def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
@@ -139,6 +231,29 @@ def propose_text(source: str, generated: str, min_chars: int = 3, max_chars: int
             start = pos + length
             return source[start:start + max_out_chars]
     return ""
+
+
+_VALUE_START = re.compile(r'[^"{}\[\]:,]*$')
+
+
+def propose_value(source: str, generated: str, max_out_chars: int = 48) -> str:
+    """Draft text for a value just begun: look up only its characters since the JSON
+    punctuation that opened it (``"20`` → ``20``), which ``propose_text`` misses because the
+    quote before them is not in the document. One or two characters must occur once in ``source``
+    (or be followed by the same 8 characters at their first and last occurrence); three or
+    more may occur anywhere (the last occurrence is taken). Returns up to
+    ``max_out_chars`` characters that follow, or ""."""
+    value = _VALUE_START.search(generated).group().lstrip()
+    if not value:
+        return ""
+    pos = source.rfind(value)
+    if pos < 0:
+        return ""
+    start = pos + len(value)
+    first = source.find(value) + len(value)
+    if len(value) < 3 and first != start and source[first:first + 8] != source[start:start + 8]:
+        return ""  # a short prefix seen before different continuations: no guess
+    return source[start:start + max_out_chars]
 
 
 _PAUSES = frozenset(',;()[]{}\n"!?')

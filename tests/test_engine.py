@@ -163,7 +163,17 @@ def test_constrained_speculation_and_forcing_keep_greedy_outputs(tiny_model_dir,
         params = SamplingParams(max_tokens=60, temperature=0, speculative=spec if on else {"method": "off"})
         return eng.generate(prompts, params, grammars)
 
+    behind_forced = []  # steps where drafts ride behind a request's pending grammar-forced tokens
+    schedule = eng.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        behind_forced.extend(sr for sr in out.scheduled if sr.num_drafts and sr.num_new_tokens > sr.num_drafts + 1)
+        return out
+
+    eng.scheduler.schedule = recorded
     off, on = run(False), run(True)
+    assert behind_forced
     assert [r["token_ids"] for r in on] == [r["token_ids"] for r in off]
     assert [r["text"] for r in on] == [r["text"] for r in off]
     assert sum(r["output"].num_accepted_tokens for r in on) > 0

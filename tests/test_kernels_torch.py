@@ -128,6 +128,22 @@ def test_short_chunks_behind_prefixes_batched_match_dense_sdpa(seed, monkeypatch
     assert calls == [4]  # (0, 9) is a fresh prefill and (16, 17) too long: not batched
 
 
+@pytest.mark.parametrize("cached", [5, 33, 400])
+def test_lone_sequence_rows_equal_decoding_them_one_by_one_bit_for_bit(cached):
+    """A lone request's forced tokens / drafts (4 rows behind its prefix) give exactly the bits
+    that decoding those tokens one at a time gives, so speculation cannot change its output."""
+    q, k, v, k_cache, v_cache, meta, dense = paged_case([(cached, 4)], 9, 3, 64, seed=cached)
+    backend = TorchAttentionBackend()
+    backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    rows = backend.forward(q, k_cache, v_cache, meta, 0.125)
+    for j in range(4):
+        n = cached + j + 1
+        one = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                                meta.block_tables, meta.slot_mapping[j:j + 1], 1, n, [0, 1], [n])
+        assert torch.equal(backend.forward(q[j:j + 1], k_cache, v_cache, one, 0.125)[0], rows[j])
+    torch.testing.assert_close(rows, dense_reference(dense, [(cached, 4)], 0.125), atol=1e-5, rtol=1e-5)
+
+
 def test_multi_token_query_after_prefix_sees_whole_prefix():
     """A 4-token draft after 33 cached tokens: its first row must attend to all 34 keys."""
     seqs = [(33, 4)]

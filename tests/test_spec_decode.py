@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.spec_decode import SpecConfig, propose_ngram, propose_text, span_end
+from engine.spec_decode import SpecConfig, TokenSplits, propose_ngram, propose_text, propose_value, span_end
 
 
 def test_propose_ngram_takes_the_longest_most_recent_suffix_match():
@@ -22,6 +22,57 @@ def test_propose_text_continues_the_source_after_the_copied_suffix():
     assert propose_text(source, '{"customer":"Northwind') == " Traders on 2017-08-07."
     assert propose_text(source, '{"x":"zz') == ""
     assert propose_text(source, "abc Northw", max_out_chars=6) == "ind Tr"
+
+
+def test_propose_value_looks_up_a_just_begun_value_without_its_quote():
+    source = "Invoice INV-22773 was issued on 2017-08-07. Quote INV-22773 when paying. Total 51."
+    # '"20' is not in the document, '20' is, once.
+    assert propose_value(source, '{"date":"20', max_out_chars=8) == "17-08-07"
+    # Two characters seen before different continuations: no guess; the same one: a guess.
+    assert propose_value(source, '{"total":7') == ""
+    assert propose_value(source, '{"total":5') == "1."  # once
+    assert propose_value(source, '{"id":"IN', max_out_chars=6) == "V-2277"
+    assert propose_value(source, '{"id":"') == ""  # nothing begun yet
+
+
+class _ToyTokenizer:
+    """Splits text into the longest pieces of a fixed vocabulary (ids are list positions)."""
+
+    VOCAB = ['":"', '":', '"', ',"', '","', "age", "city", "a", "c", "e", "g", "i", "t", "y", ":", ","]
+
+    def encode(self, text: str) -> list[int]:
+        out, i = [], 0
+        while i < len(text):
+            best = max((p for p in self.VOCAB if text.startswith(p, i)), key=len)
+            out.append(self.VOCAB.index(best))
+            i += len(best)
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.VOCAB[i] for i in ids)
+
+
+def test_token_splits_learn_the_models_spelling_per_request_over_the_engine_table():
+    tok = _ToyTokenizer()
+    ids = tok.VOCAB.index
+    engine = TokenSplits(tok.decode, tok.encode)
+    req = engine.child()
+    # Canonical: '":"' whole; its last token may be a fragment, so nothing is known about it.
+    assert req.tokenize('age":"') == ([ids("age"), ids('":"')], False)
+    # The model wrote '":' where '":"' was drafted: from now on '":"' is '":' then '"', and the
+    # lone quote is a piece the model writes on its own.
+    req.learn(ids('":"'), ids('":'))
+    assert req.tokenize('city":"') == ([ids("city"), ids('":'), ids('"')], True)
+    # The engine table learned it too, so a new request starts with the lesson ...
+    other = engine.child()
+    assert other.tokenize('":"')[0] == [ids('":'), ids('"')]
+    # ... until its own output shows the other style (a split piece rejected for the whole).
+    other.learn(ids('":'), ids('":"'))
+    assert other.tokenize('":"') == ([ids('":"')], False)
+    assert req.tokenize('":"')[0] == [ids('":'), ids('"')]  # the first request keeps its own
+    # A dropped last token the model then wrote exactly is drafted next time.
+    req.learn(ids('","'), ids('","'), dropped=True)
+    assert req.tokenize('age","') == ([ids("age"), ids('","')], True)
 
 
 @pytest.mark.parametrize("text, end", [
@@ -76,3 +127,24 @@ def test_drafts_per_step_stay_within_the_shared_budget(tiny_model_dir):
     # could take 16). Alone, the long request gets num_speculative_tokens, never more.
     assert per_step[:3] == [2, 2, 2]
     assert max(per_step) == 4 and max(per_request) == 4
+
+
+def test_drafts_do_not_spill_a_row_or_two_into_a_new_kernel_tile():
+    from engine.llm_engine import _trim_to_tile
+
+    class R:
+        def __init__(self, n):
+            self.draft_token_ids = list(range(n))
+
+    a, b = R(4), R(1)
+    _trim_to_tile([a, b], 1, 4)  # 1 + 5 rows = 6: two spill into the second tile
+    assert (len(a.draft_token_ids), len(b.draft_token_ids)) == (2, 1)
+    a, b = R(4), R(2)
+    _trim_to_tile([a, b], 1, 4)  # 7 rows: three of four in the new tile are worth keeping
+    assert (len(a.draft_token_ids), len(b.draft_token_ids)) == (4, 2)
+    a = R(3)
+    _trim_to_tile([a], 8, 4)  # 11 rows: kept; 9 would not be
+    assert len(a.draft_token_ids) == 3
+    a = R(1)
+    _trim_to_tile([a], 8, 4)
+    assert a.draft_token_ids == []
