@@ -115,17 +115,24 @@ def test_decode_only_batch_matches_dense_sdpa(seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_short_chunks_behind_prefixes_batched_match_dense_sdpa(seed, monkeypatch):
-    """Forced tokens / drafts of several requests (2-16 tokens behind cached prefixes of
-    different lengths) go through one padded call and still match the dense reference."""
-    calls = []
-    original = TorchAttentionBackend._short
-    monkeypatch.setattr(TorchAttentionBackend, "_short",
-                        lambda self, *a: calls.append(len(a[5])) or original(self, *a))
-    seqs = [(40, 2), (3, 16), (17, 5), (64, 1), (0, 9), (31, 3), (16, 17)]
-    out, ref = run_backend(seqs, 9, 3, 32, seed)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert calls == [4]  # (0, 9) is a fresh prefill and (16, 17) too long: not batched
+def test_decode_and_short_rows_are_batch_invariant_bit_for_bit(seed):
+    """Decode rows and forced-token / draft rows (2-16 behind cached prefixes) give the same bits
+    in a mixed batch as their sequence alone, and match the dense reference."""
+    seqs = [(40, 2), (3, 16), (17, 5), (64, 1), (0, 9), (31, 3), (16, 17), (200, 1)]
+    q, k, v, k_cache, v_cache, meta, dense = paged_case(seqs, 9, 3, 32, seed)
+    backend = TorchAttentionBackend()
+    backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = backend.forward(q, k_cache, v_cache, meta, 32 ** -0.5)
+    torch.testing.assert_close(out, dense_reference(dense, seqs, 32 ** -0.5), atol=1e-5, rtol=1e-5)
+    starts = meta.query_start_loc_cpu
+    for i, (cached, n) in enumerate(seqs):
+        if n > 16 or cached == 0:
+            continue  # prefill paths: one call per sequence anyway
+        lone = AttentionMetadata(torch.tensor([0, n], dtype=torch.int32), meta.seq_lens[i:i + 1],
+                                 meta.block_tables[i:i + 1], meta.slot_mapping[starts[i]:starts[i + 1]],
+                                 n, cached + n, [0, n], [cached + n])
+        alone = backend.forward(q[starts[i]:starts[i + 1]], k_cache, v_cache, lone, 32 ** -0.5)
+        assert torch.equal(alone, out[starts[i]:starts[i + 1]]), (cached, n)
 
 
 @pytest.mark.parametrize("cached", [5, 33, 400])
