@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from benchmarks.common import run_closed_loop, summarize
@@ -36,7 +37,19 @@ def run_mode(engine, prompts, grammars, concurrency: int, max_tokens: int, on: b
     engine.kv.set_prefix_caching(True)  # same (empty) cache state for both modes
     params = SamplingParams(max_tokens=max_tokens, temperature=0, speculative=spec if on else {"method": "off"})
     steps0 = engine.num_steps
-    traces, wall = run_closed_loop(engine, prompts, params, grammars, concurrency)
+    # Time spent proposing drafts (n-gram and text lookup, grammar trimming), against the step.
+    propose, spent = engine._propose_drafts, [0.0]
+
+    def timed() -> None:
+        t = time.perf_counter()
+        propose()
+        spent[0] += time.perf_counter() - t
+
+    engine._propose_drafts = timed
+    try:
+        traces, wall = run_closed_loop(engine, prompts, params, grammars, concurrency)
+    finally:
+        del engine._propose_drafts  # back to the class's method
     steps = engine.num_steps - steps0
     s = summarize(traces, wall, [])
     # Decode rate: tokens after the first over the time from first to last token, summed over
@@ -48,6 +61,8 @@ def run_mode(engine, prompts, grammars, concurrency: int, max_tokens: int, on: b
     accepted = sum(t.accepted_tokens for t in traces)
     s.update({
         "steps": steps,
+        "propose_ms_per_step": spent[0] * 1e3 / max(steps, 1),
+        "step_ms": wall * 1e3 / max(steps, 1),
         "steps_per_token": steps / max(s["output_tokens"], 1),
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
@@ -101,6 +116,9 @@ def main(args: argparse.Namespace) -> int:
                 "accepted_tokens": on["accepted_tokens"],
                 "forced_tokens": on["forced_tokens"],
                 "steps_per_token_on": on["steps_per_token"],
+                "propose_ms_per_step": on["propose_ms_per_step"],
+                "step_ms_on": on["step_ms"],
+                "step_ms_off": off["step_ms"],
                 "steps_per_token_off": off["steps_per_token"],
                 "output_tokens": on["output_tokens"],
                 "identical": identical,

@@ -148,3 +148,23 @@ def test_drafts_do_not_spill_a_row_or_two_into_a_new_kernel_tile():
     a = R(1)
     _trim_to_tile([a], 8, 4)
     assert a.draft_token_ids == []
+
+
+def test_spec_benchmark_mode_reports_steps_drafts_and_proposer_cost(tiny_model_dir):
+    from benchmarks.spec import run_mode
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128))
+    prompts = [[7, 8, 9, 10, 11] * 4, [12, 13, 14, 15] * 5]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "max_batch_size": 64, "min_acceptance": 0.0}
+    # A random model repeats itself, so "the last token again" is a draft that is often right.
+    eng._drafts = lambda req, cfg, room: [req.all_token_ids[-1]] * room
+    off = run_mode(eng, prompts, None, 2, 12, False, spec)
+    on = run_mode(eng, prompts, None, 2, 12, True, spec)
+    assert on["token_ids"] == off["token_ids"] and all(on["token_ids"])
+    assert off["draft_tokens"] == 0 and on["draft_tokens"] > 0
+    assert on["accepted_tokens"] > 0 and on["steps"] < off["steps"]
+    assert off["steps_per_token"] >= 1.0 / 2 - 1e-9  # two requests per step at most, one token each
+    assert 0.0 < on["propose_ms_per_step"] < on["step_ms"]
+    assert "_propose_drafts" not in vars(eng)  # the timing wrapper is removed afterwards
