@@ -45,11 +45,28 @@ def run_mode(engine, prompts, grammars, concurrency: int, max_tokens: int, on: b
         propose()
         spent[0] += time.perf_counter() - t
 
+    # Steps that read no prompt tokens ("decode-only"): where speculation can act at all.
+    schedule, step, decode_only, prefill = engine.scheduler.schedule, engine.step, [0.0, 0], [False]
+
+    def marked_schedule():
+        out = schedule()
+        prefill[0] = any(sr.request.num_computed_tokens < sr.request.num_prompt_tokens for sr in out.scheduled)
+        return out
+
+    def timed_step():
+        t = time.perf_counter()
+        outs = step()
+        if not prefill[0]:
+            decode_only[0] += time.perf_counter() - t
+            decode_only[1] += sum(len(o.new_token_ids) for o in outs)
+        return outs
+
     engine._propose_drafts = timed
+    engine.scheduler.schedule, engine.step = marked_schedule, timed_step
     try:
         traces, wall = run_closed_loop(engine, prompts, params, grammars, concurrency)
     finally:
-        del engine._propose_drafts  # back to the class's method
+        del engine._propose_drafts, engine.step, engine.scheduler.schedule  # back to the class's methods
     steps = engine.num_steps - steps0
     s = summarize(traces, wall, [])
     # Decode rate: tokens after the first over the time from first to last token, summed over
@@ -61,6 +78,9 @@ def run_mode(engine, prompts, grammars, concurrency: int, max_tokens: int, on: b
     accepted = sum(t.accepted_tokens for t in traces)
     s.update({
         "steps": steps,
+        # Output tokens (sampled, accepted and forced) per second of decode-only steps.
+        "decode_only_tokens_per_s": decode_only[1] / decode_only[0] if decode_only[0] else None,
+        "decode_only_time_share": decode_only[0] / wall,
         "propose_ms_per_step": spent[0] * 1e3 / max(steps, 1),
         "step_ms": wall * 1e3 / max(steps, 1),
         "steps_per_token": steps / max(s["output_tokens"], 1),
@@ -117,6 +137,9 @@ def main(args: argparse.Namespace) -> int:
                 "forced_tokens": on["forced_tokens"],
                 "steps_per_token_on": on["steps_per_token"],
                 "propose_ms_per_step": on["propose_ms_per_step"],
+                "decode_only_speedup": (on["decode_only_tokens_per_s"] / off["decode_only_tokens_per_s"]
+                                        if on["decode_only_tokens_per_s"] and off["decode_only_tokens_per_s"] else None),
+                "decode_only_time_share_off": off["decode_only_time_share"],
                 "step_ms_on": on["step_ms"],
                 "step_ms_off": off["step_ms"],
                 "steps_per_token_off": off["steps_per_token"],

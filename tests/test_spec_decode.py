@@ -167,4 +167,5 @@ def test_spec_benchmark_mode_reports_steps_drafts_and_proposer_cost(tiny_model_d
     assert on["accepted_tokens"] > 0 and on["steps"] < off["steps"]
     assert off["steps_per_token"] >= 1.0 / 2 - 1e-9  # two requests per step at most, one token each
     assert 0.0 < on["propose_ms_per_step"] < on["step_ms"]
-    assert "_propose_drafts" not in vars(eng)  # the timing wrapper is removed afterwards
+    assert on["decode_only_tokens_per_s"] > 0 and 0 < off["decode_only_time_share"] < 1
+    assert not {"_propose_drafts", "step"} & set(vars(eng)) and "schedule" not in vars(eng.scheduler)
