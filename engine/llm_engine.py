@@ -313,11 +313,12 @@ class LLMEngine:
     def _drafts(self, req: Request, spec: SpecConfig, room: int) -> list[int]:
         """Up to ``room`` draft tokens, trimmed by the grammar.
 
-        Grammar drafts first: the text the grammar forces next (``,"age":``), tokenized, minus
-        its last token, which the model is left to pick itself (it often splits the forced text
-        from the free text after it differently, e.g. ``":`` + ``"North`` rather than ``":"``;
-        the verification step's bonus token usually supplies it anyway). Without forced text,
-        n-gram lookup (prompt lookup), unless its recent acceptance switched it off.
+        Grammar drafts first: the text the grammar forces next (``","age":``), spelled as the
+        model spells it (``_forced_drafts``). Without forced text, and unless the recent
+        acceptance switched lookup off: prompt lookup on characters (the output's end, or a
+        value just begun, found in the document: ``_span_drafts``), else on token n-grams, except
+        right after JSON punctuation, where a token n-gram only matches the previous key's
+        punctuation and proposes the previous value.
         """
         st = req.spec_state
         st.from_grammar = False
@@ -343,9 +344,9 @@ class LLMEngine:
             text = propose_text(st.prompt_text, detok.text) or propose_value(st.prompt_text, detok.text)
             if text:
                 drafts = self._span_drafts(req, text)[:room]
-        if not drafts and not (req.matcher is not None and _JSON_PUNCT.issuperset(detok.text[-3:] if detok else "")):
-            # (A JSON value has just opened: tokens before it only match the previous key's
-            # punctuation, and their continuation is the previous value.)
+        just_opened = (req.matcher is not None and detok is not None and bool(detok.text)
+                       and _JSON_PUNCT.issuperset(detok.text[-3:]))
+        if not drafts and not just_opened:
             tokens = np.asarray(req.all_token_ids, dtype=np.int64)
             drafts = propose_ngram(tokens, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
         if drafts and req.matcher is not None:
