@@ -103,7 +103,11 @@ class ModelRunner:
                             prompt_mask=inp.prompt_mask)
         if inp.logits_indices.numel() == 0:
             return ModelRunnerOutput([], None)
-        logits = self.model.compute_logits(hidden[inp.logits_indices]).float()
+        rows = hidden[inp.logits_indices]
+        if bitmask is not None and hasattr(self.model.lm_head, "forward_columns"):
+            logits = masked_logits(self.model.lm_head, rows, bitmask, self.vocab_size)
+        else:
+            logits = self.model.compute_logits(rows).float()
         if bitmask is not None:
             from grammar.bitmask import apply_bitmask_
 
@@ -113,3 +117,50 @@ class ModelRunner:
         want_lp = any(r.params.logprobs for r in sampled_reqs)
         tokens, lps = self.sampler(logits.cpu(), sampled_reqs, drafts, want_logprobs=want_lp)
         return ModelRunnerOutput(tokens, lps)
+
+
+SPARSE_BLOCKS = 96  # rows allowing tokens in at most this many 64-token blocks: sparse LM head
+
+
+def masked_logits(head, rows: torch.Tensor, bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """LM head logits ``[R, vocab_size]`` (fp32) that are exact wherever ``bitmask`` allows a
+    token and ``-inf`` in 64-token blocks it allows none.
+
+    A row whose grammar allows tokens in at most ``SPARSE_BLOCKS`` blocks of ``COLUMN_BLOCK``
+    tokens (a key being written, a digit, a closing quote) gets only those blocks
+    (``Int4Linear.forward_columns``: one block 30 us, 16 blocks 0.15 ms, against 2.3 ms for the
+    whole 49,152-token head of SmolLM2); the other rows go through the head together. The
+    allowed tokens' logits are the same bits either way, so the choice (made from the row's own
+    mask) never changes a sampled token.
+
+    Args:
+        head: an ``Int4Linear`` LM head.
+        rows: hidden states ``[R, hidden_size]``.
+        bitmask: int32 ``[R, ceil(vocab_size / 32)]``, bit ``t`` of a row set when token ``t``
+            is allowed.
+    """
+    from engine.models.quant import COLUMN_BLOCK
+
+    n_rows = rows.shape[0]
+    words_per_block = COLUMN_BLOCK // 32
+    words = bitmask.cpu()
+    pad = -words.shape[1] % words_per_block
+    if pad:
+        words = torch.cat([words, words.new_zeros(n_rows, pad)], dim=1)
+    if head.packed[0].shape[0] % COLUMN_BLOCK or words.shape[1] * 32 > head.packed[0].shape[0]:
+        return head(rows).float()[:, :vocab_size]
+    live = (words.view(n_rows, -1, words_per_block) != 0).any(-1)  # [R, blocks]
+    counts = live.sum(1)
+    sparse = (counts > 0) & (counts <= SPARSE_BLOCKS)
+    if not bool(sparse.any()):
+        return head(rows).float()
+    logits = torch.full((n_rows, vocab_size), float("-inf"), dtype=torch.float32, device=rows.device)
+    dense = (~sparse).nonzero().flatten()
+    if dense.numel():
+        logits[dense] = head(rows[dense]).float()[:, :vocab_size]
+    for r in sparse.nonzero().flatten().tolist():
+        blocks = live[r].nonzero().flatten()
+        cols = (blocks[:, None] * COLUMN_BLOCK + torch.arange(COLUMN_BLOCK)).flatten()
+        keep = cols < vocab_size
+        logits[r, cols[keep]] = head.forward_columns(rows[r:r + 1], blocks)[0, keep]
+    return logits

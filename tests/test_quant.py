@@ -236,6 +236,46 @@ def test_int4_logits_do_not_depend_on_rows_in_the_step(models):
         assert torch.equal(mlp(h[:rows]), full[:rows]), rows
 
 
+def test_column_blocks_give_the_same_bits_as_the_whole_layer():
+    """Q8_0 (two planes), 256 output rows: any set of 64-column blocks, for one row or many."""
+    planes = planes_from_blocks(_blocks(_weights(256, 4 * GROUP, seed=11), "Q8_0"), "Q8_0")
+    layer = Int4Linear(planes)
+    x = torch.randn(5, 4 * GROUP)
+    full = layer(x)
+    for blocks in ([0], [3], [1, 2], [0, 3], [0, 1, 2, 3]):
+        b = torch.tensor(blocks)
+        cols = (b[:, None] * 64 + torch.arange(64)).flatten()
+        assert torch.equal(layer.forward_columns(x, b), full[:, cols])
+        assert torch.equal(layer.forward_columns(x[2:3], b), full[2:3, cols])
+    odd = Int4Linear(planes_from_blocks(_blocks(_weights(80, 4 * GROUP, seed=2), "Q4_0"), "Q4_0"))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        odd.forward_columns(x, torch.tensor([0]))
+
+
+def test_masked_logits_exact_where_allowed_and_minus_inf_in_empty_blocks():
+    from engine.model_runner import SPARSE_BLOCKS, masked_logits
+    from grammar.bitmask import allocate_bitmask, bitmask_to_bool
+
+    vocab = 64 * (SPARSE_BLOCKS + 8)
+    planes = planes_from_blocks(_blocks(_weights(vocab, 2 * GROUP, seed=5), "Q4_0"), "Q4_0")
+    head = Int4Linear(planes)
+    x = torch.randn(4, 2 * GROUP)
+    full = head(x)
+    mask = allocate_bitmask(4, vocab)  # row 0: everything (dense)
+    mask[1] = 0
+    mask[1, 5] = 1 << 7  # one token: 5 * 32 + 7
+    mask[2] = 0
+    mask[2, ::2] = 1  # token 0 of every 64-token block: too many blocks, dense
+    mask[3] = 0
+    mask[3, 2 * 40 + 1] = -1  # 32 tokens of block 40
+    got = masked_logits(head, x, mask, vocab)
+    allowed = bitmask_to_bool(mask, vocab)
+    assert torch.equal(got[allowed], full[allowed])
+    assert got[1, 5 * 32 + 7] == full[1, 5 * 32 + 7] and torch.isinf(got[1, :64]).all()
+    assert torch.equal(got[0], full[0]) and torch.equal(got[2], full[2])
+    assert torch.equal(got[3, 40 * 64:41 * 64], full[3, 40 * 64:41 * 64]) and torch.isinf(got[3, :40 * 64]).all()
+
+
 @pytest.mark.slow
 def test_real_forward_logits_close_and_same_argmax(models, tokenizer):
     from kernels.base import AttentionMetadata

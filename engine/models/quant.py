@@ -43,6 +43,7 @@ GROUP = 32  # weights per GGUF block = the kernel's group size
 _Q4_0, _Q4_1, _Q8_0 = "Q4_0", "Q4_1", "Q8_0"
 INT4_TYPES = frozenset({_Q4_0, _Q4_1, _Q8_0})  # GGUF tensor types this module serves as int4
 _N_ALIGN = 16  # the CPU packing wants out_features % 16 == 0
+COLUMN_BLOCK = 64  # output columns the CPU int4 kernel computes as one independent block
 
 
 @dataclass(slots=True)
@@ -243,6 +244,31 @@ class Int4Linear(nn.Module):
             y = y[:, :self.out_features]
         if self.bias is not None:
             y = y + self.bias
+        return y
+
+    def forward_columns(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Only the output columns of ``COLUMN_BLOCK``-wide blocks: ``x [N, in]``, ``blocks``
+        int64 ``[b]`` -> fp32 ``[N, b * COLUMN_BLOCK]``, columns ``blocks[i] * 64 + j`` in order.
+
+        The same bits as those columns of ``forward`` (the kernel computes 64-column blocks
+        independently: a test pins it), at a cost that grows with ``b``: a grammar that allows a
+        few tokens needs a few blocks of the LM head, not all 768.
+
+        Raises:
+            ValueError: the padded ``out_features`` is not a multiple of ``COLUMN_BLOCK``.
+        """
+        n_pad = self.packed[0].shape[0]
+        if n_pad % COLUMN_BLOCK:
+            raise ValueError(f"{n_pad} output rows are not a multiple of {COLUMN_BLOCK}")
+        rows = (blocks[:, None] * COLUMN_BLOCK + torch.arange(COLUMN_BLOCK)).flatten()
+        xb = x.to(torch.bfloat16).contiguous()
+        y = None
+        for packed, sz in zip(self.packed, self.scales_and_zeros):
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xb, packed.index_select(0, rows), GROUP, sz.index_select(1, rows)).float()
+            y = part if y is None else y + part
+        if self.bias is not None:
+            y = y + self.bias[rows.clamp(max=self.out_features - 1)]
         return y
 
     def extra_repr(self) -> str:
