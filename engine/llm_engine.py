@@ -61,11 +61,12 @@ class LLMEngine:
         self.grammar = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
                                        max_workers=config.grammar_workers, timeout_s=config.grammar_timeout_s)
         self.default_spec = SpecConfig.from_dict(config.speculative)
-        # Rows torch's CPU int4 kernel multiplies together (4): speculation sizes drafts to it.
         from engine.models.quant import Int4Linear
 
+        # How the model spells grammar-forced text, learned from its choices over drafts.
         self.splits = TokenSplits(self.tokenizer.decode,
                                   lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        # Rows torch's CPU int4 kernel multiplies together (4): speculation sizes drafts to it.
         self.row_tile = 4 if any(isinstance(m, Int4Linear) for m in self.runner.model.modules()) else 1
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._spec: dict[str, SpecConfig | None] = {}
@@ -212,7 +213,7 @@ class LLMEngine:
             tokens = sampled[k]
             k += 1
             st = sr.request.spec_state
-            if st is None or st.splits is None:
+            if st is None or st.splits is None or not tokens:
                 continue
             if len(tokens) <= sr.num_drafts:  # the last token replaced draft len(tokens) - 1
                 st.splits.learn(sr.request.draft_token_ids[len(tokens) - 1], tokens[-1])
