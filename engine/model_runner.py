@@ -139,7 +139,7 @@ def masked_logits(head, rows: torch.Tensor, bitmask: torch.Tensor, vocab_size: i
         bitmask: int32 ``[R, ceil(vocab_size / 32)]``, bit ``t`` of a row set when token ``t``
             is allowed.
     """
-    from engine.models.quant import COLUMN_BLOCK
+    from engine.models.quant import COLUMN_BLOCK, block_columns
 
     n_rows = rows.shape[0]
     words_per_block = COLUMN_BLOCK // 32
@@ -160,7 +160,7 @@ def masked_logits(head, rows: torch.Tensor, bitmask: torch.Tensor, vocab_size: i
         logits[dense] = head(rows[dense]).float()[:, :vocab_size]
     for r in sparse.nonzero().flatten().tolist():
         blocks = live[r].nonzero().flatten()
-        cols = (blocks[:, None] * COLUMN_BLOCK + torch.arange(COLUMN_BLOCK)).flatten()
+        cols = block_columns(blocks)
         keep = cols < vocab_size
         logits[r, cols[keep]] = head.forward_columns(rows[r:r + 1], blocks)[0, keep]
     return logits

@@ -244,7 +244,7 @@ def propose_value(source: str, generated: str, max_out_chars: int = 48) -> str:
     (or be followed by the same 8 characters at their first and last occurrence); three or
     more may occur anywhere (the last occurrence is taken). Returns up to
     ``max_out_chars`` characters that follow, or ""."""
-    value = _VALUE_START.search(generated).group().lstrip()
+    value = _VALUE_START.search(generated[-64:]).group().lstrip()  # a value just begun is short
     if not value:
         return ""
     pos = source.rfind(value)

@@ -73,6 +73,11 @@ class Int4Planes:
         return w[0] if w.shape[0] == 1 else w.sum(0)
 
 
+def block_columns(blocks: torch.Tensor) -> torch.Tensor:
+    """Column indices int64 ``[b * COLUMN_BLOCK]`` of the ``COLUMN_BLOCK``-wide blocks ``blocks``."""
+    return (blocks[:, None] * COLUMN_BLOCK + torch.arange(COLUMN_BLOCK, device=blocks.device)).flatten()
+
+
 def planes_from_blocks(raw: np.ndarray, qtype: str) -> Int4Planes:
     """Decode GGUF blocks into exact int4 planes, without going through dequantized floats.
 
@@ -260,7 +265,7 @@ class Int4Linear(nn.Module):
         n_pad = self.packed[0].shape[0]
         if n_pad % COLUMN_BLOCK:
             raise ValueError(f"{n_pad} output rows are not a multiple of {COLUMN_BLOCK}")
-        rows = (blocks[:, None] * COLUMN_BLOCK + torch.arange(COLUMN_BLOCK)).flatten()
+        rows = block_columns(blocks)
         xb = x.to(torch.bfloat16).contiguous()
         y = None
         for packed, sz in zip(self.packed, self.scales_and_zeros):
