@@ -19,6 +19,9 @@ from service_live import LiveServer
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = {"prompt": "go", "regex": "[ab]{4000}", "max_tokens": 1000}  # can only end by length or abort
+# 2,000 tokens (the a/b tokens average 2.1 characters): seconds of decoding even on the tiny model,
+# so a loaded machine's client still finds it running when it reads its first delta.
+LONGER = {"prompt": "go", "regex": "[ab]{6000}", "max_tokens": 2000}
 
 
 def _wait(pred, timeout_s: float = 10.0, step: float = 0.02) -> bool:
@@ -33,7 +36,7 @@ def _wait(pred, timeout_s: float = 10.0, step: float = 0.02) -> bool:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     srv = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=256),
-                     ServiceConfig(max_tokens_cap=1024)).start()
+                     ServiceConfig(max_tokens_cap=2048)).start()
     yield srv
     srv.stop()
 
@@ -49,7 +52,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
     finished_before = _finished_total(server)
     with httpx.Client(timeout=30) as c:
-        with c.stream("POST", server.url + "/generate", json={**LONG, "stream": True}) as r:
+        with c.stream("POST", server.url + "/generate", json={**LONGER, "stream": True}) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: ") and '"delta"' in line:
@@ -57,7 +60,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
             assert eng.stats()["running"] == 1 and eng.stats()["kv_blocks_free"] < 256
     assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
     assert _wait(lambda: eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"])
-    # Aborted, not run to its 1000 tokens: a finished request would have been counted.
+    # Aborted, not run to its 2000 tokens: a finished request would have been counted.
     assert _finished_total(server) == finished_before
     # And the server goes on serving.
     ok = httpx.post(server.url + "/generate", json={"prompt": "x", "max_tokens": 2}, timeout=30)
