@@ -67,7 +67,9 @@ class LLMEngine:
         self.splits = TokenSplits(self.tokenizer.decode,
                                   lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         # Rows torch's CPU int4 kernel multiplies together (4): speculation sizes drafts to it.
-        self.row_tile = 4 if any(isinstance(m, Int4Linear) for m in self.runner.model.modules()) else 1
+        # The native kernel (kernels/native.py) has no such tile.
+        self.row_tile = 4 if any(isinstance(m, Int4Linear) and m.native is None
+                                 for m in self.runner.model.modules()) else 1
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._spec: dict[str, SpecConfig | None] = {}
         self.num_steps = 0

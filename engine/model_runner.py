@@ -147,7 +147,8 @@ def masked_logits(head, rows: torch.Tensor, bitmask: torch.Tensor, vocab_size: i
     pad = -words.shape[1] % words_per_block
     if pad:
         words = torch.cat([words, words.new_zeros(n_rows, pad)], dim=1)
-    if head.packed[0].shape[0] % COLUMN_BLOCK or words.shape[1] * 32 > head.packed[0].shape[0]:
+    n_pad = head.padded_out_features
+    if n_pad % COLUMN_BLOCK or words.shape[1] * 32 > n_pad:
         return head(rows).float()[:, :vocab_size]
     live = (words.view(n_rows, -1, words_per_block) != 0).any(-1)  # [R, blocks]
     counts = live.sum(1)

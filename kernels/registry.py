@@ -35,6 +35,7 @@ class BackendSpec:
 
 BACKENDS: dict[str, BackendSpec] = {
     "torch": BackendSpec("kernels.torch_ref", "TorchAttentionBackend", cuda_only=False),
+    "cpu": BackendSpec("kernels.cpu", "CpuAttentionBackend", cuda_only=False),
     "flash": BackendSpec("kernels.flash", "FlashAttentionBackend", cuda_only=True),
     "triton": BackendSpec("kernels.triton", "TritonAttentionBackend", cuda_only=True),
 }
@@ -53,7 +54,7 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
 
     ``"auto"`` picks, on CUDA, the first of flash, triton whose construction succeeds (a
     backend whose library is missing raises ImportError or RuntimeError there), else torch;
-    on any other device, torch.
+    on CPU, the native kernel ("cpu") when it builds here, else torch; elsewhere, torch.
 
     Raises:
         ValueError: unknown name (the message lists the choices), or a CUDA-only backend
@@ -73,6 +74,12 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
 
 
 def _auto(device: torch.device) -> AttentionBackend:
+    if device.type == "cpu":
+        try:
+            return get_backend("cpu", device)
+        except (ImportError, RuntimeError) as exc:
+            log.info("attention backend 'cpu' unavailable: %s", exc)
+        return get_backend("torch", device)
     if device.type != "cuda":
         return get_backend("torch", device)
     for name in AUTO_ORDER_CUDA:

@@ -186,12 +186,15 @@ def test_bf16_cache_output_close_to_fp32_reference():
 
 def test_registry_names_and_errors():
     assert isinstance(get_backend("torch", "cpu"), TorchAttentionBackend)
-    assert get_backend("auto", torch.device("cpu")).name == "torch"
-    with pytest.raises(ValueError, match="choices.*torch.*flash.*triton"):
+    from kernels import native
+
+    # auto on CPU: the native kernel where it builds, else the torch reference
+    assert get_backend("auto", torch.device("cpu")).name == ("cpu" if native.available() else "torch")
+    with pytest.raises(ValueError, match="choices.*torch.*cpu.*flash.*triton"):
         get_backend("flashinfer", "cpu")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_backend("flash", "cpu")
-    assert set(backend_names()) == {"torch", "flash", "triton", "auto"}
+    assert set(backend_names()) == {"torch", "cpu", "flash", "triton", "auto"}
 
 
 def test_registry_import_does_not_import_cuda_libraries():

@@ -18,9 +18,13 @@ from gguf.quants import dequantize, quantize
 from engine.models.default_model import gguf_path
 from engine.models.quant import (GROUP, Int4Linear, Int4Planes, RowRoute, concat_planes,
                                  planes_from_blocks, qk_row_order)
+from kernels import native
 
 U = 2.0 ** -8
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+# Both int4 kernels: torch's (bf16 scales, fp32 FMAs) and the native one (kernels/native.py).
+KERNELS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
+    not native.available(), reason="native int4 kernel needs a C compiler and AVX512-BF16"))]
 
 
 def _weights(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -77,31 +81,43 @@ def test_planes_refuse_other_types_and_partial_blocks():
         planes_from_blocks(np.zeros((2, 19), np.uint8), "Q4_0")
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_int4_linear_within_bf16_bound_of_dequantized_layer(qtype, rows):
+def test_int4_linear_within_bf16_bound_of_dequantized_layer(qtype, rows, kernel):
     n, k = 40, 3 * GROUP  # 40 rows: the kernel wants multiples of 16, so padding is exercised
     w = _weights(n, k, seed=2)
     planes = planes_from_blocks(_blocks(w, qtype), qtype)
     bias = torch.randn(n)
-    layer = Int4Linear(planes, bias)
+    layer = Int4Linear(planes, bias, native=kernel == "native")
+    assert (layer.native is not None) == (kernel == "native")
     x = torch.randn(rows, k) * 3
-    ref = (x.double() @ planes.dequantize().double().T).float() + bias
+    xb = x.bfloat16().double()  # both kernels read bf16 activations
+    ref = (xb @ planes.dequantize().double().T) + bias.double()
     y = layer(x)
     assert y.shape == (rows, n) and y.dtype == torch.float32
-    err = (y.double() - ref.double()).abs()
-    bound = _bound(planes, x, ref - bias) + 1e-6
+    err = (y.double() - ref).abs()
+    if kernel == "torch":  # bf16 scales, zeros and outputs: the module docstring's bound
+        bound = _bound(planes, x, (x.double() @ planes.dequantize().double().T)) + 1e-6
+        err = (y.double() - (x.double() @ planes.dequantize().double().T + bias.double())).abs()
+    else:  # exact products, fp32 sums over at most K + 4 terms: gamma_(K+4) * A
+        c = planes.codes.double() - 8
+        a = c.abs() * planes.scales.abs().double().repeat_interleave(GROUP, -1) \
+            + planes.zeros.abs().double().repeat_interleave(GROUP, -1)
+        bound = (k + 4) * 2.0 ** -24 * torch.einsum("mk,pnk->mn", xb.abs(), a) + 2.0 ** -24 * bias.abs().double()
     assert bool((err <= bound).all()), float((err / bound).max())
-    # The bound is not vacuous: bf16 rounding is visible but far below the weights' scale.
+    # The bound is not vacuous: rounding is visible but far below the weights' scale.
     assert float(err.max()) > 0
 
 
-def test_row_route_sends_prompt_rows_to_the_dense_copy_and_output_rows_to_int4():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_row_route_sends_prompt_rows_to_the_dense_copy_and_output_rows_to_int4(kernel):
     w = _weights(48, 2 * GROUP, seed=3)
     planes = planes_from_blocks(_blocks(w, "Q8_0"), "Q8_0")
     bias = torch.randn(48)
     route = RowRoute()
-    layer, plain = Int4Linear(planes, bias, route=route), Int4Linear(planes, bias)
+    native_ = kernel == "native"
+    layer, plain = Int4Linear(planes, bias, route=route, native=native_), Int4Linear(planes, bias, native=native_)
     x = torch.randn(9, 2 * GROUP)
     dense = torch.nn.functional.linear(x.bfloat16(), planes.dequantize().bfloat16()).float() + bias
     int4 = plain(x)
@@ -118,12 +134,13 @@ def test_row_route_sends_prompt_rows_to_the_dense_copy_and_output_rows_to_int4()
     assert torch.equal(layer(x), int4)
 
 
-@pytest.mark.parametrize("kernel", ["int4", "dense"])
-def test_each_row_gets_the_same_result_at_any_row_count(kernel):
-    """Batch invariance of both kernels: what a row gets never depends on the rows beside it."""
-    planes = planes_from_blocks(_blocks(_weights(96, 4 * GROUP, seed=7), "Q4_0"), "Q4_0")
+@pytest.mark.parametrize("kernel", ["dense", *KERNELS])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_each_row_gets_the_same_result_at_any_row_count(kernel, qtype):
+    """Batch invariance of every kernel: what a row gets never depends on the rows beside it."""
+    planes = planes_from_blocks(_blocks(_weights(96, 4 * GROUP, seed=7), qtype), qtype)
     route = RowRoute()
-    layer = Int4Linear(planes, route=route)
+    layer = Int4Linear(planes, route=route, native=kernel == "native")
     x = torch.randn(40, 4 * GROUP)
 
     def run(rows):
@@ -236,10 +253,11 @@ def test_int4_logits_do_not_depend_on_rows_in_the_step(models):
         assert torch.equal(mlp(h[:rows]), full[:rows]), rows
 
 
-def test_column_blocks_give_the_same_bits_as_the_whole_layer():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_column_blocks_give_the_same_bits_as_the_whole_layer(kernel):
     """Q8_0 (two planes), 256 output rows: any set of 64-column blocks, for one row or many."""
     planes = planes_from_blocks(_blocks(_weights(256, 4 * GROUP, seed=11), "Q8_0"), "Q8_0")
-    layer = Int4Linear(planes)
+    layer = Int4Linear(planes, native=kernel == "native")
     x = torch.randn(5, 4 * GROUP)
     full = layer(x)
     for blocks in ([0], [3], [1, 2], [0, 3], [0, 1, 2, 3]):
@@ -247,7 +265,8 @@ def test_column_blocks_give_the_same_bits_as_the_whole_layer():
         cols = (b[:, None] * 64 + torch.arange(64)).flatten()
         assert torch.equal(layer.forward_columns(x, b), full[:, cols])
         assert torch.equal(layer.forward_columns(x[2:3], b), full[2:3, cols])
-    odd = Int4Linear(planes_from_blocks(_blocks(_weights(80, 4 * GROUP, seed=2), "Q4_0"), "Q4_0"))
+    odd = Int4Linear(planes_from_blocks(_blocks(_weights(80, 4 * GROUP, seed=2), "Q4_0"), "Q4_0"),
+                     native=kernel == "native")
     with pytest.raises(ValueError, match="multiple of 64"):
         odd.forward_columns(x, torch.tensor([0]))
 

@@ -1,0 +1,250 @@
+"""Native CPU kernels (C with AVX512 intrinsics), compiled with the system C compiler at first use.
+
+Two kernels, each giving every row the same bits whatever the batch (a greedy output cannot
+change with batching, chunking or speculation):
+
+* ``PackedInt4.matmul`` (``csrc/int4_gemm.c``): int4 weights times bf16 activations, used
+  by ``engine.models.quant.Int4Linear`` for output rows;
+* ``paged_attention`` (``csrc/attention.c``): causal attention over the paged fp32 K/V
+  cache, the ``"cpu"`` attention backend (``kernels.cpu``).
+
+They need an x86 CPU with AVX512-BF16 and a C compiler (``$CC``, else ``cc``); without either,
+``available()`` is False and callers keep torch's int4 kernel and the torch attention
+reference. ``STENCIL_NATIVE=0`` turns them off. Threads: ``torch.get_num_threads()`` (OpenMP).
+
+The shared object is built once per source text, compiler and CPU (``-march=native``) into
+``$STENCIL_CACHE/kernels`` (default ``~/.cache/stencil/kernels``), written to a temporary name
+and renamed, so concurrent first uses do not see half a file. It is loaded with ``ctypes``:
+no Python headers or torch extension toolchain are needed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int4_gemm.c", "attention.c")]
+BLOCK = 16  # output columns per column block of the kernel
+GROUP = 32  # input features sharing one scale and zero
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("STENCIL_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "stencil") / "kernels"
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build(cc: str) -> Path:
+    source = b"\0".join(p.read_bytes() for p in SOURCES)
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_id().encode(),
+                                     " ".join(_FLAGS).encode()])).hexdigest()[:16]
+    out = _cache_dir() / f"stencil_native_{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        for extra in (["-fopenmp"], []):  # OpenMP threads if the compiler has them
+            r = subprocess.run([cc, *_FLAGS, *extra, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+                               text=True, timeout=300)
+            if r.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (disabled, no compiler, build failed, CPU lacks AVX512-BF16).
+
+    Builds on the first call (about a second) and logs why when it cannot.
+    """
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("STENCIL_NATIVE", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+            return None
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            log.info("native kernels off: no C compiler")
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("native kernels off: %s", e)
+            return None
+        lib.stencil_int4_supported.restype = ctypes.c_int
+        if not lib.stencil_int4_supported():
+            log.info("native kernels off: this CPU has no AVX512-BF16")
+            return None
+        p = ctypes.c_void_p
+        i = ctypes.c_int
+        lib.stencil_int4_gemm.argtypes = [p, i, i, p, p, p, i, i, p, i, p, i, i]
+        lib.stencil_int4_gemm.restype = ctypes.c_int
+        f = ctypes.c_float
+        lib.stencil_paged_attention.argtypes = [p, i, i, i, p, p, i, p, i, p, p, i, f, p, i]
+        lib.stencil_paged_attention.restype = ctypes.c_int
+        _lib = lib
+        return _lib
+
+
+def available() -> bool:
+    """Whether ``int4_gemm`` can run here."""
+    return library() is not None
+
+
+class PackedInt4:
+    """Int4 weights in the native kernel's layout (see ``kernels/csrc/int4_gemm.c``).
+
+    Args:
+        codes: uint8 ``[P, N, K]`` in ``0..15`` (P = 1 or 2 planes).
+        scales: fp32 ``[P, N, K / 32]``.
+        zeros: fp32 ``[P, N, K / 32]``; ``W = sum_p (codes[p] - 8) * scales[p] + zeros[p]``.
+
+    Columns are padded to a multiple of 16 with exact zeros (code 8, scale 0, zero 0).
+
+    Raises:
+        ValueError: ``K`` not a multiple of 32, or more than 2 planes.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+        p, n, k = codes.shape
+        if k % GROUP or p > 2:
+            raise ValueError(f"need K % {GROUP} == 0 and at most 2 planes, got K={k}, P={p}")
+        pad = -n % BLOCK
+        if pad:
+            codes = torch.cat([codes, codes.new_full((p, pad, k), 8)], dim=1)
+            scales = torch.cat([scales, scales.new_zeros(p, pad, k // GROUP)], dim=1)
+            zeros = torch.cat([zeros, zeros.new_zeros(p, pad, k // GROUP)], dim=1)
+        nb = (n + pad) // BLOCK
+        # [p, block, column j, quad q, half, t] -> byte e = 2 j + t of (block, quad): the low
+        # nibble holds k = 4 q + t, the high nibble k = 4 q + 2 + t
+        c = codes.to(torch.uint8).reshape(p, nb, BLOCK, k // 4, 2, 2).permute(0, 1, 3, 4, 2, 5)
+        c = c.reshape(p, nb, k // 4, 2, 2 * BLOCK)
+        self.codes = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).contiguous()  # [P, NB, K/4, 32]
+        self.scales = scales.float().reshape(p, nb, BLOCK, k // GROUP).transpose(2, 3).contiguous()
+        # The planes' zeros, added: [NB, K/32, 16]
+        self.zeros = zeros.float().sum(0).reshape(nb, BLOCK, k // GROUP).transpose(1, 2).contiguous()
+        self.planes, self.num_blocks, self.in_features, self.out_features = p, nb, k, n
+
+    def matmul(self, x: torch.Tensor, blocks: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T``: bf16 ``[M, K]`` -> fp32 ``[M, 16 * nb]`` (padded columns included).
+
+        Args:
+            x: activations, cast to contiguous bf16.
+            blocks: int ``[nb]`` column blocks (of 16) to compute, in output order; None = all.
+
+        Raises:
+            RuntimeError: the kernels are not available, or the kernel rejected the shapes.
+        """
+        lib = library()
+        if lib is None:
+            raise RuntimeError("native int4 kernel not available")
+        xb = x.to(torch.bfloat16).contiguous()
+        m = xb.shape[0]
+        if blocks is not None:
+            blocks = blocks.to(torch.int32).contiguous()
+        nb = self.num_blocks if blocks is None else blocks.numel()
+        y = torch.empty(m, nb * BLOCK, dtype=torch.float32)
+        if m == 0 or nb == 0:
+            return y
+        rc = lib.stencil_int4_gemm(
+            xb.data_ptr(), m, self.in_features, self.codes.data_ptr(), self.scales.data_ptr(),
+            self.zeros.data_ptr(), self.planes, self.num_blocks,
+            None if blocks is None else blocks.data_ptr(), nb, y.data_ptr(), nb * BLOCK,
+            torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"int4 kernel rejected M={m} K={self.in_features}")
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        """The exact weight the kernel multiplies by, fp64 ``[N_padded, K]`` (for tests)."""
+        p, nb, quads, _ = self.codes.shape
+        lo, hi = (self.codes & 15).long(), (self.codes >> 4).long()
+        c = torch.stack([lo, hi], dim=3).reshape(p, nb, quads, 2, BLOCK, 2)  # [.., half, j, t]
+        c = c.permute(0, 1, 4, 2, 3, 5).reshape(p, nb * BLOCK, 4 * quads)
+        s = self.scales.transpose(2, 3).reshape(p, nb * BLOCK, -1).double().repeat_interleave(GROUP, -1)
+        z = self.zeros.transpose(1, 2).reshape(nb * BLOCK, -1).double().repeat_interleave(GROUP, -1)
+        return ((c - 8).double() * s).sum(0) + z
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of every query row over its sequence's paged K/V (``attention.c``).
+
+    Args:
+        query: fp32 ``[T, num_heads, head_dim]``.
+        k_cache, v_cache: fp32 ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
+        block_tables: int32 ``[num_seqs, max_blocks]``.
+        query_start_loc: int32 ``[num_seqs + 1]``; seq_lens: int32 ``[num_seqs]``.
+        scale: softmax scale.
+
+    Returns:
+        fp32 ``[T, num_heads, head_dim]``; each row the same bits in any batch.
+
+    Raises:
+        RuntimeError: the kernels are not available, or the kernel rejected the shapes.
+    """
+    lib = library()
+    if lib is None:
+        raise RuntimeError("native attention kernel not available")
+    q = query.float().contiguous()
+    t, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    rc = lib.stencil_paged_attention(
+        q.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), block_size,
+        tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.numel(),
+        float(scale), out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"attention kernel rejected heads={heads}/{kv_heads} head_dim={dim}")
+    return out
+
+
+def attention_supported(k_cache: torch.Tensor, query: torch.Tensor) -> bool:
+    """Whether ``paged_attention`` takes these: fp32 CPU caches, head_dim a multiple of 16 (<= 256)."""
+    dim = query.shape[-1]
+    return (k_cache.dtype == torch.float32 and k_cache.device.type == "cpu" and k_cache.is_contiguous()
+            and dim % 16 == 0 and dim <= 256 and available())
+
+
+__all__ = ["BLOCK", "PackedInt4", "attention_supported", "available", "library", "paged_attention"]
