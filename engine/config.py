@@ -27,7 +27,7 @@ class EngineConfig:
             copy of the same weights (2-3x faster prefill on CPUs with AVX512-BF16/AMX; output
             tokens stay int4, so results do not depend on batching), "int4", or "auto" (bf16
             when the CPU multiplies bf16 natively).
-        attention_backend: name in ``kernels.registry`` ("torch", "flash", "triton") or
+        attention_backend: name in ``kernels.registry`` ("cpu", "torch", "flash", "triton") or
             "auto" (the fastest one available on ``device``).
         block_size: tokens per KV-cache block.
         num_kv_blocks: KV-cache blocks per layer; ``None`` = derive from ``kv_cache_gib``.

@@ -39,7 +39,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-weights", default="auto", choices=["auto", "bf16", "int4"],
                    help="with int4: read prompt tokens through a dense bf16 copy (bf16), through int4, "
                         "or auto (bf16 when the CPU has native bf16 GEMMs)")
-    g.add_argument("--attention-backend", default="auto", help="torch, triton, flash or auto")
+    g.add_argument("--attention-backend", default="auto", help="cpu, torch, triton, flash or auto")
     g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB (default: from free memory)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gib)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one engine step")

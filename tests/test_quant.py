@@ -362,3 +362,37 @@ def test_engine_int4_greedy_agreement_reported_and_constrained_valid(default_mod
     for t, it in stopped:
         assert is_valid(t.text, make_validator(it.schema)), t.text
     assert all(t.finish_reason in ("stop", "length") for t in traces)
+
+
+@pytest.mark.slow
+def test_real_prefill_in_chunks_gives_the_same_bits_with_the_native_kernels(models, tokenizer):
+    """With the native attention (each row alone over exactly its keys) and the row-invariant
+    GEMMs, a prompt read in one chunk or in three gives bit-identical hidden states: prefill
+    chunking and prefix caching cannot change a greedy output on the int4 path."""
+    from kernels import native
+    from kernels.base import AttentionMetadata
+    from kernels.cpu import CpuAttentionBackend
+
+    if not native.available():
+        pytest.skip("native kernels need a C compiler and AVX512-BF16")
+    int4, _ = models
+    ids = torch.tensor(tokenizer.encode("Invoice INV-20417 was issued to Aurora Robotics on 2024-03-08 "
+                                        "for 1,250.00 EUR; payment is due within thirty days of receipt."))
+    t, block = ids.numel(), 16
+    nb = -(-t // block)
+    backend = CpuAttentionBackend()
+
+    def run(cuts):
+        caches = [(torch.zeros(nb, block, 3, 64), torch.zeros(nb, block, 3, 64)) for _ in range(30)]
+        outs = []
+        for a, b in zip([0, *cuts], [*cuts, t]):
+            meta = AttentionMetadata(torch.tensor([0, b - a], dtype=torch.int32), torch.tensor([b], dtype=torch.int32),
+                                     torch.arange(nb, dtype=torch.int32)[None], torch.arange(a, b), b - a, b,
+                                     [0, b - a], [b])
+            outs.append(int4(ids[a:b], torch.arange(a, b), caches, meta, backend,
+                             prompt_mask=torch.ones(b - a, dtype=torch.bool)))
+        return torch.cat(outs)
+
+    whole = run([])
+    assert torch.equal(run([7, 20]), whole)
+    assert torch.equal(run([16]), whole)
