@@ -17,7 +17,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec_decode import (SpecConfig, SpecState, TokenSplits, propose_ngram, propose_text, propose_value,
+from engine.spec_decode import (SpecConfig, SpecState, StepCost, TokenSplits, propose_ngram, propose_text, propose_value,
                                  span_end)
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class LLMEngine:
         # The native kernel (kernels/native.py) has no such tile.
         self.row_tile = 4 if any(isinstance(m, Int4Linear) and m.native is None
                                  for m in self.runner.model.modules()) else 1
+        # Decode-step time against rows, for sizing drafts to what they save (``StepCost``).
+        self.step_cost = StepCost()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._spec: dict[str, SpecConfig | None] = {}
         self.num_steps = 0
@@ -189,6 +191,8 @@ class LLMEngine:
         if not sched.is_empty:
             self.num_steps += 1
             failed: list[tuple[Request, BaseException]] = []
+            t0 = time.perf_counter()
+            prefill = any(sr.request.num_computed_tokens < sr.request.num_prompt_tokens for sr in sched.scheduled)
             bitmask = self._grammar_bitmask(sched, failed)
             result = self.runner.execute(sched, bitmask)
             # Finished only now: the forward above still reads their block tables.
@@ -200,6 +204,9 @@ class LLMEngine:
                 outputs.append(out)
                 if out.finished:
                     reported.add(req.request_id)
+            if not prefill:  # mask, forward, sampling and bookkeeping of a decode step
+                rows = sum(sr.num_new_tokens for sr in sched.scheduled)
+                self.step_cost.observe(rows, (time.perf_counter() - t0) * 1e3)
             self._propose_drafts()  # may fail a request that already had an (unfinished) output
         for req in self.scheduler.drain_finished():
             if req.request_id not in reported:
@@ -276,16 +283,23 @@ class LLMEngine:
         """Give each running request that may speculate its draft tokens for the next step.
 
         Rows are shared: the step's rows without drafts (a decode row, plus any grammar-forced
-        tokens, per request) count against ``max_draft_tokens_per_step`` beyond the first, and
-        n-gram and prompt-lookup drafts are then trimmed so the step does not open a kernel row
-        tile for a row or two (``_trim_to_tile``); drafts of grammar-forced text are not.
+        tokens, per request) count against ``max_draft_tokens_per_step`` beyond the first.
+        Drafts of grammar-forced text come first (nearly always right), whole. The n-gram and
+        prompt-lookup drafts then get the rest of the budget by expected value, best first: under
+        the geometric model the j-th draft of a request is accepted with chance ``p ** j``
+        (``p``: the request's per-token acceptance), so a request that keeps being right gets
+        long drafts and one that keeps being wrong gets few, wherever it stands in the batch.
+        With ``cost_aware``, a draft whose chance is below ``StepCost.threshold`` of the step's
+        other rows is not worth its row and is dropped. Last, with torch's int4 kernel, drafts
+        are trimmed so the step does not open a row tile for a row or two (``_trim_to_tile``).
         """
         running = self.scheduler.running
         base = sum(max(r.num_tokens - r.num_computed_tokens, 1) for r in running)
         used = base - 1  # rows beyond the first count against the draft budget
         fixed = base  # rows that stay whatever the tile
-        drafted: list[Request] = []
-        tile = 1
+        threshold = self.step_cost.threshold(base)
+        # (-chance of acceptance, order, request, its config, its proposed drafts) per n-gram draft
+        candidates: list[tuple[float, int, Request, SpecConfig, list[int]]] = []
         for req in list(running):  # a copy: a request that fails here leaves ``running``
             spec = self._spec.get(req.request_id)
             st = req.spec_state
@@ -294,24 +308,39 @@ class LLMEngine:
             if len(running) > spec.max_batch_size:
                 continue
             room = min(spec.num_speculative_tokens,
-                       spec.max_draft_tokens_per_step - used,
                        req.params.max_tokens - req.num_output_tokens - 1,
                        self.max_model_len - req.num_tokens - 1)
             if room <= 0:
                 continue
             try:
-                req.draft_token_ids = self._drafts(req, spec, room)
+                drafts = self._drafts(req, spec, room)
             except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
                 self._fail(req, "proposing draft tokens", e)
                 continue
-            used += len(req.draft_token_ids)
+            req.draft_token_ids = []
             if st.from_grammar:
-                fixed += len(req.draft_token_ids)  # grammar drafts are nearly always right: kept whole
-            elif req.draft_token_ids:
-                drafted.append(req)
-                tile = max(tile, spec.row_tile or self.row_tile)
+                take = max(0, min(len(drafts), spec.max_draft_tokens_per_step - used))
+                req.draft_token_ids = drafts[:take]
+                used += take
+                fixed += take
+                continue
+            p, chance = st.token_acceptance(), 1.0
+            for _ in drafts:
+                chance *= p
+                if spec.cost_aware and chance < threshold:
+                    break
+                candidates.append((-chance, len(candidates), req, spec, drafts))
+        drafted: dict[str, Request] = {}
+        tile = 1
+        for _, _, req, spec, drafts in sorted(candidates, key=lambda c: (c[0], c[1])):
+            if used >= spec.max_draft_tokens_per_step:
+                continue
+            req.draft_token_ids = drafts[:len(req.draft_token_ids) + 1]
+            used += 1
+            drafted[req.request_id] = req
+            tile = max(tile, spec.row_tile or self.row_tile)
         if drafted and tile > 1:
-            _trim_to_tile(drafted, fixed, tile)
+            _trim_to_tile(list(drafted.values()), fixed, tile)
 
     def _drafts(self, req: Request, spec: SpecConfig, room: int) -> list[int]:
         """Up to ``room`` draft tokens, trimmed by the grammar.

@@ -35,8 +35,10 @@ class SpecConfig:
             two row tiles of them (12 rather than 20 cost the extraction benchmark at
             concurrency 8 a fifth of its decode-step gain: 1.19x vs 1.28x less decode time).
         row_tile: rows the model's matmul kernel processes together (0: the engine's choice, 4
-            with int4 weights, 1 otherwise); drafts that would spill a row or two into a new
-            tile are dropped (``llm_engine._trim_to_tile``).
+            with torch's int4 kernel, 1 otherwise); drafts that would spill a row or two into a
+            new tile are dropped (``llm_engine._trim_to_tile``).
+        cost_aware: keep an n-gram draft only while its estimated chance of acceptance pays for
+            the row it costs (``StepCost.threshold``); grammar drafts are kept.
         min_acceptance: a request whose recent acceptance rate falls below this stops proposing
             for ``backoff_steps`` steps, once ``min_evidence`` (decayed) drafts were judged.
         grammar_drafts: for constrained requests, draft the text the grammar forces next (e.g.
@@ -53,6 +55,7 @@ class SpecConfig:
     max_batch_size: int = 8
     max_draft_tokens_per_step: int = 20
     row_tile: int = 0
+    cost_aware: bool = True
     min_acceptance: float = 0.15
     min_evidence: float = 12.0
     backoff_steps: int = 16
@@ -94,6 +97,7 @@ class SpecState:
 
     proposed: float = 0.0  # exponentially decayed counts (n-gram drafts only)
     accepted: float = 0.0
+    rejected: float = 0.0  # verifications that stopped at a rejected draft (decayed)
     backoff: int = 0
     from_grammar: bool = False  # the drafts in flight came from the grammar, not from n-grams
     prompt_text: str | None = None  # decoded prompt, for text lookup (filled on first use)
@@ -106,10 +110,69 @@ class SpecState:
             return  # grammar drafts are cheap and usually right: they never trigger the off-switch
         self.proposed = self.proposed * decay + proposed
         self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (1.0 if accepted < proposed else 0.0)
 
     @property
     def rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 1.0
+
+    def token_acceptance(self, prior: float = 0.8, weight: float = 2.0) -> float:
+        """Chance that the next draft is accepted given the previous one was: the geometric
+        model's estimate ``accepted / (accepted + rejections)``, shrunk towards ``prior`` by
+        ``weight`` pseudo-drafts while there is little evidence."""
+        return (self.accepted + prior * weight) / (self.accepted + self.rejected + weight)
+
+
+class StepCost:
+    """Online fit of a decode step's time as ``fixed + per_row * rows`` (ms), from steps that
+    read no prompt tokens: exponentially weighted least squares over (rows, ms) pairs.
+
+    Speculation uses it to decide how long a draft may be: a step of ``n`` rows yields ``n``
+    tokens at ``fixed / n + per_row`` ms each, and a draft row costs ``per_row``, so a draft
+    pays off only if its chance of being accepted is above
+    ``threshold(n) = per_row / (fixed / n + per_row)``. On a weight-bound device (a GPU, a
+    small batch) ``per_row`` is near 0 and every draft pays; on a compute-bound CPU batch of 8
+    (SmolLM2 int4: about 12.6 ms + 1.3 ms per row) only drafts above ~45% do.
+
+    Args:
+        decay: weight kept by the past at each new observation.
+        min_steps: observations needed before ``threshold`` answers.
+    """
+
+    def __init__(self, decay: float = 0.98, min_steps: int = 16) -> None:
+        self.decay, self.min_steps = decay, min_steps
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.steps = 0
+
+    def observe(self, rows: int, ms: float) -> None:
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + rows
+        self._y = self._y * d + ms
+        self._xx = self._xx * d + rows * rows
+        self._xy = self._xy * d + rows * ms
+        self.steps += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(fixed_ms, per_row_ms)``, or None before ``min_steps`` steps of at least two sizes."""
+        if self.steps < self.min_steps:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var < 0.25:  # every step had about the same number of rows: no slope to read
+            return None
+        per_row = max((self._xy / self._w - mx * my) / var, 0.0)
+        return max(my - per_row * mx, 0.0), per_row
+
+    def threshold(self, rows: int) -> float:
+        """Least acceptance chance at which one more draft row pays, in a step of ``rows``
+        other rows (0 when unknown: every draft is kept)."""
+        fit = self.fit()
+        if fit is None or rows <= 0:
+            return 0.0
+        fixed, per_row = fit
+        per_token = fixed / rows + per_row
+        return per_row / per_token if per_token > 0 else 0.0
 
 
 class TokenSplits:

@@ -91,6 +91,8 @@ def library() -> ctypes.CDLL | None:
     Builds on the first call (about a second) and logs why when it cannot.
     """
     global _lib, _tried
+    if _tried:  # the hot path: no lock once decided
+        return _lib
     with _lock:
         if _tried:
             return _lib
@@ -159,6 +161,8 @@ class PackedInt4:
         # The planes' zeros, added: [NB, K/32, 16]
         self.zeros = zeros.float().sum(0).reshape(nb, BLOCK, k // GROUP).transpose(1, 2).contiguous()
         self.planes, self.num_blocks, self.in_features, self.out_features = p, nb, k, n
+        # The weight's pointers, passed on every call
+        self._weights = (self.codes.data_ptr(), self.scales.data_ptr(), self.zeros.data_ptr(), p, nb)
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T``: bf16 ``[M, K]`` -> fp32 ``[M, 16 * nb]`` (padded columns included).
@@ -182,8 +186,7 @@ class PackedInt4:
         if m == 0 or nb == 0:
             return y
         rc = lib.stencil_int4_gemm(
-            xb.data_ptr(), m, self.in_features, self.codes.data_ptr(), self.scales.data_ptr(),
-            self.zeros.data_ptr(), self.planes, self.num_blocks,
+            xb.data_ptr(), m, self.in_features, *self._weights,
             None if blocks is None else blocks.data_ptr(), nb, y.data_ptr(), nb * BLOCK,
             torch.get_num_threads())
         if rc != 0:

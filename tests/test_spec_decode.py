@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.spec_decode import SpecConfig, TokenSplits, propose_ngram, propose_text, propose_value, span_end
+from engine.spec_decode import (SpecConfig, SpecState, StepCost, TokenSplits, propose_ngram, propose_text,
+                                propose_value, span_end)
 
 
 def test_propose_ngram_takes_the_longest_most_recent_suffix_match():
@@ -105,7 +106,7 @@ def test_drafts_per_step_stay_within_the_shared_budget(tiny_model_dir):
 
     eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128))
     spec = {"method": "ngram", "num_speculative_tokens": 4, "max_batch_size": 64,
-            "min_acceptance": 0.0, "max_draft_tokens_per_step": 5}
+            "min_acceptance": 0.0, "max_draft_tokens_per_step": 5, "cost_aware": False}
     for i in range(4):
         eng.add_request(f"r{i}", [7 + i, 8, 9, 10, 11] * 3,
                         SamplingParams(max_tokens=40 if i == 0 else 8, temperature=0, ignore_eos=True,
@@ -169,3 +170,75 @@ def test_spec_benchmark_mode_reports_steps_drafts_and_proposer_cost(tiny_model_d
     assert 0.0 < on["propose_ms_per_step"] < on["step_ms"]
     assert on["decode_only_tokens_per_s"] > 0 and 0 < off["decode_only_time_share"] < 1
     assert not {"_propose_drafts", "step"} & set(vars(eng)) and "schedule" not in vars(eng.scheduler)
+
+
+def test_step_cost_fits_fixed_and_per_row_time_and_prices_a_draft_row():
+    rng = np.random.default_rng(0)
+    cost = StepCost(min_steps=16)
+    assert cost.threshold(8) == 0.0  # nothing known yet: every draft is kept
+    for i in range(15):
+        cost.observe(8, 12.0 + 1.3 * 8)
+    assert cost.fit() is None  # too few steps, and all of one size
+    for i in range(200):
+        rows = int(rng.integers(1, 22))
+        cost.observe(rows, 12.0 + 1.3 * rows + float(rng.normal(0, 0.3)))
+    fixed, per_row = cost.fit()
+    assert abs(fixed - 12.0) < 0.5 and abs(per_row - 1.3) < 0.05
+    # 8 rows: a token costs 12 / 8 + 1.3 ms, a draft row 1.3 ms
+    assert abs(cost.threshold(8) - 1.3 / (12.0 / 8 + 1.3)) < 0.02
+    assert cost.threshold(1) < 0.12 < cost.threshold(8)  # a lone request drafts far more freely
+    flat = StepCost(min_steps=4)
+    for _ in range(10):
+        flat.observe(5, 9.0)
+    assert flat.fit() is None and flat.threshold(5) == 0.0
+
+
+def test_token_acceptance_is_accepted_over_accepted_plus_rejections():
+    st = SpecState()
+    assert st.token_acceptance() == pytest.approx(0.8)  # the prior alone
+    for _ in range(30):
+        st.record(4, 1)  # one accepted, then a rejection: p = 1 / (1 + 1), as evidence
+    # decayed by 0.7 per verification (about 3.3 of each), shrunk towards 0.8 by 2 pseudo-drafts
+    a = 1 / (1 - 0.7)
+    assert st.token_acceptance() == pytest.approx((a + 0.8 * 2) / (2 * a + 2), abs=1e-3)
+    assert st.token_acceptance() < 0.6
+    st = SpecState()
+    for _ in range(30):
+        st.record(4, 4)  # never rejected
+    assert st.token_acceptance() > 0.95
+
+
+def test_expensive_rows_cut_drafts_and_outputs_stay_the_same(tiny_model_dir):
+    """With a step cost that makes rows dear (threshold 0.7) and the prior acceptance 0.8, a
+    request keeps one draft of four (0.8 >= 0.7 > 0.64); greedy outputs do not change."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import SamplingParams
+
+    def run(spec, threshold):
+        eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128))
+        eng.step_cost.threshold = lambda rows: threshold
+        eng._drafts = lambda req, cfg, room: [req.all_token_ids[-1]] * room
+        seen = []
+        propose = eng._propose_drafts
+
+        def counted():
+            propose()
+            seen.extend(len(r.draft_token_ids) for r in eng.scheduler.running)
+
+        eng._propose_drafts = counted
+        for i in range(2):
+            eng.add_request(f"r{i}", [7 + i, 8, 9, 10] * 3,
+                            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, speculative=spec))
+        outs = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return outs, seen
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "max_batch_size": 64, "min_acceptance": 0.0}
+    base, _ = run({"method": "off"}, 0.0)
+    cut, seen_cut = run(spec, 0.7)
+    full, seen_full = run(spec, 0.0)
+    assert cut == base == full
+    assert max(seen_cut) == 1 and max(seen_full) == 4
