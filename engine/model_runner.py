@@ -56,19 +56,20 @@ class ModelRunner:
                                                 gguf_file=config.extra.get("gguf_file"),
                                                 prompt_weights=config.prompt_weights)
         self.backend = get_backend(config.attention_backend, self.device)
+        self.kv_dtype = _DTYPES[config.kv_cache_dtype]
         self.block_size = config.block_size
         self.vocab_size = self.model.vocab_size
         self.num_blocks = self._num_blocks()
         shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.model.num_layers)]
         self.sampler = Sampler(config.seed)
 
     @property
     def bytes_per_block(self) -> int:
         m = self.model
-        elem = torch.finfo(self.dtype).bits // 8
+        elem = torch.finfo(self.kv_dtype).bits // 8
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
 
     @property

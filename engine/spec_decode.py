@@ -29,11 +29,10 @@ class SpecConfig:
             (verification then costs real compute instead of riding on weight reads).
         max_draft_tokens_per_step: rows one step may spend on drafts, less the step's other
             rows beyond the first (a decode row per running request, plus its grammar-forced
-            tokens), shared in batch order. On a CPU each verified row costs compute (SmolLM2
-            int4, one sequence: 13.9 ms for 1 row, 19.7 ms for 4, 25.9 ms for 5, 33 ms for 8),
-            so a lone request gets up to ``num_speculative_tokens`` drafts and a batch of 8 up to
-            two row tiles of them (12 rather than 20 cost the extraction benchmark at
-            concurrency 8 a fifth of its decode-step gain: 1.19x vs 1.28x less decode time).
+            tokens). Grammar drafts take their share first; n-gram drafts then get the rest by
+            expected value (``LLMEngine._propose_drafts``). On a CPU every verified row costs
+            compute (SmolLM2 int4 at concurrency 8: about 10 ms a step plus 1.4 ms a row), so
+            this bounds the step's time as well as its rows.
         row_tile: rows the model's matmul kernel processes together (0: the engine's choice, 4
             with torch's int4 kernel, 1 otherwise); drafts that would spill a row or two into a
             new tile are dropped (``llm_engine._trim_to_tile``).
@@ -49,7 +48,7 @@ class SpecConfig:
     """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 4  # int4's 4-row tile then trims a lone request's n-gram drafts to 3
+    num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     max_batch_size: int = 8

@@ -8,8 +8,9 @@ no per-row Python. Each row's result is the same bits in any batch and any prefi
 Measured here (SmolLM2 shapes: 9 query heads, 3 kv heads, head_dim 64; one thread): one
 decode row over 500 keys 24 us of kernel time; a 400-token prefill 3.2 ms against 4.3 ms for
 torch's fused CPU SDPA. Needs what ``kernels.native`` needs (a C compiler, AVX512-BF16) and
-fp32 caches; any other input (a bf16 cache, a head_dim that is not a multiple of 16) goes to
-the torch reference.
+fp32 or bf16 caches (bf16 K/V are widened exactly to fp32 as they are read: half the memory
+traffic); any other input (an fp16 cache, a head_dim that is not a multiple of 16) goes to the
+torch reference.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kernels.torch_ref import TorchAttentionBackend
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """``TorchAttentionBackend`` with the native kernel for fp32 CPU caches.
+    """``TorchAttentionBackend`` with the native kernel for fp32 and bf16 CPU caches.
 
     Args:
         device: must be a CPU device (or None).

@@ -117,7 +117,7 @@ def library() -> ctypes.CDLL | None:
         lib.stencil_int4_gemm.argtypes = [p, i, i, p, p, p, i, i, p, i, p, i, i]
         lib.stencil_int4_gemm.restype = ctypes.c_int
         f = ctypes.c_float
-        lib.stencil_paged_attention.argtypes = [p, i, i, i, p, p, i, p, i, p, p, i, f, p, i]
+        lib.stencil_paged_attention.argtypes = [p, i, i, i, p, p, i, i, p, i, p, p, i, f, p, i]
         lib.stencil_paged_attention.restype = ctypes.c_int
         _lib = lib
         return _lib
@@ -211,7 +211,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     Args:
         query: fp32 ``[T, num_heads, head_dim]``.
-        k_cache, v_cache: fp32 ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
+        k_cache, v_cache: fp32 or bf16 ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+            contiguous, of one dtype.
         block_tables: int32 ``[num_seqs, max_blocks]``.
         query_start_loc: int32 ``[num_seqs + 1]``; seq_lens: int32 ``[num_seqs]``.
         scale: softmax scale.
@@ -225,6 +226,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     lib = library()
     if lib is None:
         raise RuntimeError("native attention kernel not available")
+    if v_cache.dtype != k_cache.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise RuntimeError("attention kernel needs contiguous K and V caches of one dtype")
     q = query.float().contiguous()
     t, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -235,7 +238,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if t == 0:
         return out
     rc = lib.stencil_paged_attention(
-        q.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(), block_size,
+        q.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        int(k_cache.dtype == torch.bfloat16), block_size,
         tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.numel(),
         float(scale), out.data_ptr(), torch.get_num_threads())
     if rc != 0:
@@ -244,10 +248,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def attention_supported(k_cache: torch.Tensor, query: torch.Tensor) -> bool:
-    """Whether ``paged_attention`` takes these: fp32 CPU caches, head_dim a multiple of 16 (<= 256)."""
+    """Whether ``paged_attention`` takes these: fp32 or bf16 contiguous CPU caches, head_dim a
+    multiple of 16 (<= 256)."""
     dim = query.shape[-1]
-    return (k_cache.dtype == torch.float32 and k_cache.device.type == "cpu" and k_cache.is_contiguous()
-            and dim % 16 == 0 and dim <= 256 and available())
+    return (k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu"
+            and k_cache.is_contiguous() and dim % 16 == 0 and dim <= 256 and available())
 
 
 __all__ = ["BLOCK", "PackedInt4", "attention_supported", "available", "library", "paged_attention"]

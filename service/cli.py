@@ -40,6 +40,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with int4: read prompt tokens through a dense bf16 copy (bf16), through int4, "
                         "or auto (bf16 when the CPU has native bf16 GEMMs)")
     g.add_argument("--attention-backend", default="auto", help="cpu, torch, triton, flash or auto")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="K/V cache dtype (auto: --dtype); bfloat16 halves the cache and its memory traffic")
     g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB (default: from free memory)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gib)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one engine step")
@@ -77,7 +79,8 @@ def engine_config_from_args(args: argparse.Namespace):
 
         model = ensure_default_model()
     return EngineConfig(
-        model=Path(model), device=args.device, dtype=args.dtype, weights=args.weights,
+        model=Path(model), device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        weights=args.weights,
         prompt_weights=args.prompt_weights, attention_backend=args.attention_backend, kv_cache_gib=args.kv_cache_gib,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -224,3 +224,23 @@ def test_decoding_continues_while_a_grammar_compiles(tiny_model_dir, prompts):
             outs.setdefault(out.request_id, []).append(out)
     assert outs["bad"][-1].finish_reason == "error" and "foo" in outs["bad"][-1].error
     assert outs["ok"][-1].finish_reason == "length"
+
+
+def test_bf16_kv_cache_keeps_the_invariant_at_half_the_bytes(tiny_model_dir, prompts):
+    """kv_cache_dtype bfloat16: K/V rounded once as they are stored, so batching, chunking,
+    prefix caching, preemption and speculation still leave greedy outputs unchanged."""
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in prompts]
+    alone_eng = LLMEngine(EngineConfig(model=tiny_model_dir, kv_cache_dtype="bfloat16", enable_prefix_caching=False,
+                                       num_kv_blocks=64, max_prefill_chunk=4096, max_num_batched_tokens=4096))
+    alone_eng.scheduler.enable_forced_tokens = False
+    alone = [alone_eng.generate([p], params[i])[0]["token_ids"] for i, p in enumerate(prompts)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "max_batch_size": 64, "min_acceptance": 0.0}
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, kv_cache_dtype="bfloat16", num_kv_blocks=24, max_num_seqs=8,
+                                 max_prefill_chunk=16, max_num_batched_tokens=48, speculative=spec))
+    assert eng.runner.kv_caches[0][0].dtype.is_floating_point and str(eng.runner.kv_caches[0][0].dtype) == "torch.bfloat16"
+    fp32 = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=24))
+    assert eng.runner.bytes_per_block * 2 == fp32.runner.bytes_per_block
+    results = eng.generate(prompts, params)
+    assert [r["token_ids"] for r in results] == alone
+    assert eng.stats()["num_preemptions"] > 0 and eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]

@@ -76,3 +76,23 @@ def test_unsupported_inputs_fall_back_to_the_reference():
     kc, vc = k_cache.bfloat16(), v_cache.bfloat16()  # bf16 cache
     out = backend.forward(q.bfloat16(), kc, vc, meta, 8 ** -0.5)
     assert out.dtype == torch.bfloat16
+
+
+def test_bf16_cache_matches_the_reference_reading_the_same_values():
+    """bf16 K/V are widened exactly, so the kernel agrees with the torch reference over the same
+    bf16 cache to fp32 rounding, and each row is still the same bits in any batch."""
+    from kernels.torch_ref import TorchAttentionBackend
+
+    seqs = [(40, 2), (0, 30), (100, 1), (7, 9)]
+    q, k, v, k_cache, v_cache, meta, _ = paged_case(seqs, 9, 3, 64, seed=8)
+    kc, vc = k_cache.bfloat16(), v_cache.bfloat16()
+    backend = _backend()
+    backend.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+    out = backend.forward(q, kc, vc, meta, 0.125)
+    ref = TorchAttentionBackend().forward(q, kc, vc, meta, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    starts = meta.query_start_loc_cpu
+    t = starts[1] + 12  # row 12 of the fresh 30-token prefill, alone
+    one = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([13], dtype=torch.int32),
+                            meta.block_tables[1:2], meta.slot_mapping[t:t + 1], 1, 13, [0, 1], [13])
+    assert torch.equal(backend.forward(q[t:t + 1], kc, vc, one, 0.125)[0], out[t])

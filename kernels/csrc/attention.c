@@ -13,7 +13,8 @@
  * for e^r (Taylor coefficients; relative error below 2e-7 on that interval), times 2^n by
  * VSCALEFPS. Arguments are <= 0 here (s_j - m), and below -87 the result is flushed to 0.
  *
- * Layouts: q, out fp32 [T, H, D]; k_cache, v_cache fp32 [num_blocks, block_size, Hkv, D];
+ * Layouts: q, out fp32 [T, H, D]; k_cache, v_cache fp32 or bf16 (cache_bf16; widened exactly on
+ * load) [num_blocks, block_size, Hkv, D];
  * block_tables int32 [num_seqs, max_blocks]; query_start_loc int32 [num_seqs + 1]; seq_lens
  * int32 [num_seqs]. Row t = query_start_loc[i] + j of sequence i sits at position
  * seq_lens[i] - q_len + j and sees keys 0 .. that position. Head h reads kv head h / (H / Hkv).
@@ -61,11 +62,19 @@ static inline __m512 sum16(const __m512 *t) {
                          _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* 16 cache elements from index i: fp32, or bf16 widened exactly to fp32. */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, size_t i, const int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))), 16));
+    return _mm512_loadu_ps((const float *)base + i);
+}
+
 /* One query row's `group` heads (they share kv head h_off / d) over keys 0 .. n-1.
  * q, out: [group][d]; scores: scratch of >= group * (n + 16) floats. */
-static inline __attribute__((always_inline)) void attend_row(const float *q, int group, const int d, int n, const float *k_cache, const float *v_cache,
-                       int block_size, int kv_stride, int h_off, const int *table, float scale,
-                       float *scores, float *out) {
+static inline __attribute__((always_inline)) void attend_row(
+    const float *q, int group, const int d, int n, const void *k_cache, const void *v_cache, int block_size,
+    int kv_stride, int h_off, const int *table, float scale, float *scores, float *out, const int bf16) {
     const int dv = d / 16, stride = n + 16;
     for (int g = 0; g < group; ++g) {
         __m512 qv[MAX_DV];
@@ -77,21 +86,21 @@ static inline __attribute__((always_inline)) void attend_row(const float *q, int
             const int len = n - j0 < 16 ? n - j0 : 16;
             __m512 t[16];
             if (len == 16 && block_size % 16 == 0) { /* 16 keys of one block, kv_stride apart */
-                const float *k = k_cache + ((size_t)table[j0 / block_size] * block_size + j0 % block_size) * kv_stride + h_off;
+                const size_t k = ((size_t)table[j0 / block_size] * block_size + j0 % block_size) * kv_stride + h_off;
 #pragma GCC unroll 16
                 for (int o = 0; o < 16; ++o) {
-                    const float *ko = k + (size_t)o * kv_stride;
-                    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(ko));
-                    for (int c = 1; c < dv; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(ko + 16 * c), acc);
+                    const size_t ko = k + (size_t)o * kv_stride;
+                    __m512 acc = _mm512_mul_ps(qv[0], load16(k_cache, ko, bf16));
+                    for (int c = 1; c < dv; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k_cache, ko + 16 * c, bf16), acc);
                     t[o] = acc;
                 }
             } else {
                 for (int o = 0; o < 16; ++o) {
                     if (o >= len) { t[o] = _mm512_setzero_ps(); continue; }
                     const int j = j0 + o;
-                    const float *ko = k_cache + ((size_t)table[j / block_size] * block_size + j % block_size) * kv_stride + h_off;
-                    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(ko));
-                    for (int c = 1; c < dv; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(ko + 16 * c), acc);
+                    const size_t ko = ((size_t)table[j / block_size] * block_size + j % block_size) * kv_stride + h_off;
+                    __m512 acc = _mm512_mul_ps(qv[0], load16(k_cache, ko, bf16));
+                    for (int c = 1; c < dv; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k_cache, ko + 16 * c, bf16), acc);
                     t[o] = acc;
                 }
             }
@@ -116,11 +125,11 @@ static inline __attribute__((always_inline)) void attend_row(const float *q, int
         __m512 acc[MAX_ACC];
         for (int a = 0; a < group * dv; ++a) acc[a] = _mm512_setzero_ps();
         for (int j0 = 0, b = 0; j0 < n; j0 += block_size, ++b) {
-            const float *v = v_cache + (size_t)table[b] * block_size * kv_stride + h_off;
+            size_t v = (size_t)table[b] * block_size * kv_stride + h_off;
             const int len = n - j0 < block_size ? n - j0 : block_size;
             for (int o = 0; o < len; ++o, v += kv_stride) {
                 __m512 vv[MAX_DV];
-                for (int c = 0; c < dv; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+                for (int c = 0; c < dv; ++c) vv[c] = load16(v_cache, v + 16 * c, bf16);
                 for (int g = 0; g < group; ++g) {
                     const __m512 p = _mm512_set1_ps(scores[(size_t)g * stride + j0 + o]);
                     for (int c = 0; c < dv; ++c) acc[g * dv + c] = _mm512_fmadd_ps(p, vv[c], acc[g * dv + c]);
@@ -137,11 +146,11 @@ static inline __attribute__((always_inline)) void attend_row(const float *q, int
         __m512 acc[MAX_DV];
         for (int c = 0; c < dv; ++c) acc[c] = _mm512_setzero_ps();
         for (int j0 = 0, b = 0; j0 < n; j0 += block_size, ++b) {
-            const float *v = v_cache + (size_t)table[b] * block_size * kv_stride + h_off;
+            size_t v = (size_t)table[b] * block_size * kv_stride + h_off;
             const int len = n - j0 < block_size ? n - j0 : block_size;
             for (int o = 0; o < len; ++o, v += kv_stride) {
                 const __m512 p = _mm512_set1_ps(scores[(size_t)g * stride + j0 + o]);
-                for (int c = 0; c < dv; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
+                for (int c = 0; c < dv; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v_cache, v + 16 * c, bf16), acc[c]);
             }
         }
         const __m512 iv = _mm512_set1_ps(scores[(size_t)g * stride + n]);
@@ -149,28 +158,33 @@ static inline __attribute__((always_inline)) void attend_row(const float *q, int
     }
 }
 
-/* head_dim 64 and 128 get their own copies, so the loops over head_dim unroll. */
-#define ATTEND(NAME, D)                                                                               \
-    static void NAME(const float *q, int group, int d, int n, const float *kc, const float *vc, int bs, \
+/* head_dim 64 and 128 and each cache dtype get their own copies, so the loops unroll. */
+typedef void (*attend_fn)(const float *, int, int, int, const void *, const void *, int, int, int, const int *,
+                          float, float *, float *);
+#define ATTEND(NAME, D, BF16)                                                                          \
+    static void NAME(const float *q, int group, int d, int n, const void *kc, const void *vc, int bs,    \
                      int kv_stride, int h_off, const int *table, float scale, float *scores, float *out) { \
-        attend_row(q, group, D ? D : d, n, kc, vc, bs, kv_stride, h_off, table, scale, scores, out);    \
+        attend_row(q, group, D ? D : d, n, kc, vc, bs, kv_stride, h_off, table, scale, scores, out, BF16); \
     }
-ATTEND(attend_64, 64)
-ATTEND(attend_128, 128)
-ATTEND(attend_any, 0)
+ATTEND(attend_64, 64, 0)
+ATTEND(attend_128, 128, 0)
+ATTEND(attend_any, 0, 0)
+ATTEND(attend_64_bf16, 64, 1)
+ATTEND(attend_128_bf16, 128, 1)
+ATTEND(attend_any_bf16, 0, 1)
 
 /* Returns 0, or -1 on bad arguments / no memory. */
-int stencil_paged_attention(const float *q, int heads, int kv_heads, int d, const float *k_cache,
-                            const float *v_cache, int block_size, const int *block_tables, int max_blocks,
-                            const int *query_start_loc, const int *seq_lens, int num_seqs, float scale,
-                            float *out, int threads) {
+int stencil_paged_attention(const float *q, int heads, int kv_heads, int d, const void *k_cache,
+                            const void *v_cache, int cache_bf16, int block_size, const int *block_tables,
+                            int max_blocks, const int *query_start_loc, const int *seq_lens, int num_seqs,
+                            float scale, float *out, int threads) {
     if (d % 16 || d / 16 > MAX_DV || kv_heads <= 0 || heads % kv_heads || block_size <= 0) return -1;
     const int group = heads / kv_heads, kv_stride = kv_heads * d;
     int longest = 0;
     for (int i = 0; i < num_seqs; ++i) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
     const int items = num_seqs * kv_heads;
-    void (*attend)(const float *, int, int, int, const float *, const float *, int, int, int, const int *, float,
-                   float *, float *) = d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any;
+    const attend_fn attend = cache_bf16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
+                                        : (d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any);
     int failed = 0;
     (void)threads;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (threads > 1 && items > 1)
