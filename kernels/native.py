@@ -152,15 +152,26 @@ class PackedInt4:
             scales = torch.cat([scales, scales.new_zeros(p, pad, k // GROUP)], dim=1)
             zeros = torch.cat([zeros, zeros.new_zeros(p, pad, k // GROUP)], dim=1)
         nb = (n + pad) // BLOCK
-        # [p, block, column j, quad q, half, t] -> byte e = 2 j + t of (block, quad): the low
-        # nibble holds k = 4 q + t, the high nibble k = 4 q + 2 + t
-        c = codes.to(torch.uint8).reshape(p, nb, BLOCK, k // 4, 2, 2).permute(0, 1, 3, 4, 2, 5)
-        c = c.reshape(p, nb, k // 4, 2, 2 * BLOCK)
-        self.codes = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).contiguous()  # [P, NB, K/4, 32]
-        self.scales = scales.float().reshape(p, nb, BLOCK, k // GROUP).transpose(2, 3).contiguous()
+        self.num_blocks, self.in_features, self.out_features = nb, k, n
+        if _is_q8(scales, zeros):
+            # GGUF Q8_0 held as two nibble planes (engine.models.quant): one int8 plane
+            # q = 16 hi + lo - 128 with scale d, half the multiplications of two planes.
+            q = codes[0].to(torch.int16) * 16 + codes[1].to(torch.int16) - 128  # [N, K] in -128..127
+            # [block, column j, k-pair, t] -> byte e = 2 j + t of (block, k-pair)
+            c = q.to(torch.int8).reshape(nb, BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+            self.codes = c.reshape(nb, k // 2, 2 * BLOCK).contiguous()  # [NB, K/2, 32]
+            scales, zeros, p = scales[1:], torch.zeros_like(zeros[:1]), 0
+        else:
+            # [p, block, column j, quad q, half, t] -> byte e = 2 j + t of (block, quad): the low
+            # nibble holds k = 4 q + t, the high nibble k = 4 q + 2 + t
+            c = codes.to(torch.uint8).reshape(p, nb, BLOCK, k // 4, 2, 2).permute(0, 1, 3, 4, 2, 5)
+            c = c.reshape(p, nb, k // 4, 2, 2 * BLOCK)
+            self.codes = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).contiguous()  # [P, NB, K/4, 32]
+        planes = max(p, 1)
+        self.scales = scales.float().reshape(planes, nb, BLOCK, k // GROUP).transpose(2, 3).contiguous()
         # The planes' zeros, added: [NB, K/32, 16]
         self.zeros = zeros.float().sum(0).reshape(nb, BLOCK, k // GROUP).transpose(1, 2).contiguous()
-        self.planes, self.num_blocks, self.in_features, self.out_features = p, nb, k, n
+        self.planes = p  # 0: one int8 plane; 1 or 2: int4 planes
         # The weight's pointers, passed on every call
         self._weights = (self.codes.data_ptr(), self.scales.data_ptr(), self.zeros.data_ptr(), p, nb)
 
@@ -195,13 +206,23 @@ class PackedInt4:
 
     def dequantize(self) -> torch.Tensor:
         """The exact weight the kernel multiplies by, fp64 ``[N_padded, K]`` (for tests)."""
-        p, nb, quads, _ = self.codes.shape
+        nb, k = self.num_blocks, self.in_features
+        s = self.scales.transpose(2, 3).reshape(-1, nb * BLOCK, k // GROUP).double().repeat_interleave(GROUP, -1)
+        z = self.zeros.transpose(1, 2).reshape(nb * BLOCK, -1).double().repeat_interleave(GROUP, -1)
+        if self.planes == 0:
+            q = self.codes.reshape(nb, k // 2, BLOCK, 2).permute(0, 2, 1, 3).reshape(nb * BLOCK, k)
+            return q.double() * s[0] + z
+        p, _, quads, _ = self.codes.shape
         lo, hi = (self.codes & 15).long(), (self.codes >> 4).long()
         c = torch.stack([lo, hi], dim=3).reshape(p, nb, quads, 2, BLOCK, 2)  # [.., half, j, t]
         c = c.permute(0, 1, 4, 2, 3, 5).reshape(p, nb * BLOCK, 4 * quads)
-        s = self.scales.transpose(2, 3).reshape(p, nb * BLOCK, -1).double().repeat_interleave(GROUP, -1)
-        z = self.zeros.transpose(1, 2).reshape(nb * BLOCK, -1).double().repeat_interleave(GROUP, -1)
         return ((c - 8).double() * s).sum(0) + z
+
+
+def _is_q8(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Whether two planes are GGUF Q8_0's split ``(16 d, 8 d)`` high and ``(d, 0)`` low nibbles."""
+    return (scales.shape[0] == 2 and torch.equal(scales[0], 16 * scales[1])
+            and torch.equal(zeros[0], 8 * scales[1]) and not bool(zeros[1].any()))
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
