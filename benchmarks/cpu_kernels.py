@@ -84,9 +84,9 @@ def attention_rows(repeats: int) -> list[dict]:
         tables = torch.randperm(batch * per_seq, generator=g).to(torch.int32).view(batch, per_seq)
         q = torch.randn(batch * q_len, heads, dim, generator=g)
         starts = [i * q_len for i in range(batch + 1)]
-        meta = AttentionMetadata(torch.tensor(starts, dtype=torch.int32), torch.full((batch,), total, dtype=torch.int32),
-                                 tables, torch.zeros(batch * q_len, dtype=torch.long), q_len, total, starts,
-                                 [total] * batch)
+        meta = AttentionMetadata(torch.tensor(starts, dtype=torch.int32),
+                                 torch.full((batch,), total, dtype=torch.int32), tables,
+                                 torch.zeros(batch * q_len, dtype=torch.long), q_len, total, starts, [total] * batch)
         # Dense, unpaged K/V per sequence for SDPA: [B, Hkv, S, D]
         k_dense = k_cache[tables.long()].reshape(batch, -1, kv_heads, dim)[:, :total].transpose(1, 2).contiguous()
         v_dense = v_cache[tables.long()].reshape(batch, -1, kv_heads, dim)[:, :total].transpose(1, 2).contiguous()
@@ -123,7 +123,8 @@ def main(args: argparse.Namespace) -> int:
               f"{r['speedup']:.2f}x  max_err {r['max_err']:.1e}")
     for r in report["attention"]:
         print(f"[attn] {r['case']:<28} native {r['native_ms']:.3f} ms  torch_ref {r['torch_ref_ms']:.3f} ms  "
-              f"sdpa {r['dense_sdpa_ms']:.3f} ms  {r['speedup_vs_torch_ref']:.2f}x / {r['speedup_vs_dense_sdpa']:.2f}x  "
+              f"sdpa {r['dense_sdpa_ms']:.3f} ms  "
+              f"{r['speedup_vs_torch_ref']:.2f}x / {r['speedup_vs_dense_sdpa']:.2f}x  "
               f"max_err {r['max_err']:.1e}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import EngineError, LLMEngine
@@ -238,7 +239,7 @@ def test_bf16_kv_cache_keeps_the_invariant_at_half_the_bytes(tiny_model_dir, pro
             "max_batch_size": 64, "min_acceptance": 0.0}
     eng = LLMEngine(EngineConfig(model=tiny_model_dir, kv_cache_dtype="bfloat16", num_kv_blocks=24, max_num_seqs=8,
                                  max_prefill_chunk=16, max_num_batched_tokens=48, speculative=spec))
-    assert eng.runner.kv_caches[0][0].dtype.is_floating_point and str(eng.runner.kv_caches[0][0].dtype) == "torch.bfloat16"
+    assert all(c.dtype == torch.bfloat16 for pair in eng.runner.kv_caches for c in pair)
     fp32 = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=24))
     assert eng.runner.bytes_per_block * 2 == fp32.runner.bytes_per_block
     results = eng.generate(prompts, params)
