@@ -76,10 +76,10 @@ class LLMEngine:
         self._spec: dict[str, SpecConfig | None] = {}
         self.num_steps = 0
         self.load_time_s = time.perf_counter() - t0
-        log.info("engine ready: %s, %d KV blocks (%.2f GiB), max_model_len %d, backend %s, %.1f s",
+        log.info("engine ready: %s, %d KV blocks (%.2f GiB), max_model_len %d, kernels %s, %.1f s",
                  config.model, self.runner.num_blocks,
                  self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30),
-                 self.max_model_len, self.runner.backend.name, self.load_time_s)
+                 self.max_model_len, self.kernels, self.load_time_s)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -154,6 +154,23 @@ class LLMEngine:
             return SpecConfig.from_dict(params.speculative) if params.speculative is not None else self.default_spec
         except (ValueError, TypeError) as e:
             raise EngineError(str(e)) from None
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        """What computes the model: ``attention`` (backend name, plus "(torch fallback)" when the
+        native backend cannot take this KV-cache dtype), ``int4_gemm`` ("native", "torch", or
+        "none" without int4 weights) and ``kv_cache_dtype``."""
+        from engine.models.quant import Int4Linear
+
+        backend = self.runner.backend
+        attention = backend.name
+        supports = getattr(backend, "supports_cache", None)
+        if supports is not None and not supports(self.runner.kv_caches[0][0]):
+            attention += " (torch fallback)"
+        int4 = [m for m in self.runner.model.modules() if isinstance(m, Int4Linear)]
+        gemm = "none" if not int4 else "native" if all(m.native is not None for m in int4) else "torch"
+        return {"attention": attention, "int4_gemm": gemm,
+                "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch.")}
 
     def stats(self) -> dict:
         """Gauges and counters for /metrics and /health (read without locks: approximate)."""

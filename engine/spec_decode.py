@@ -66,14 +66,25 @@ class SpecConfig:
         """Parse ``{"method": "ngram", ...}``; ``None`` or method "off" → None.
 
         Raises:
-            ValueError: an unknown key or method, or out-of-range numbers.
+            ValueError: an unknown key or method, a value of the wrong JSON type, or an
+                out-of-range number; the message names the field.
         """
         if not d:
             return None
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative must be an object, got {type(d).__name__}")
         allowed = set(cls.__dataclass_fields__)
         unknown = set(d) - allowed
         if unknown:
             raise ValueError(f"speculative: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+        for name, value in d.items():  # JSON types: a bool is not a number, a number not a bool
+            want = type(cls.__dataclass_fields__[name].default)
+            ok = (isinstance(value, str) if want is str else isinstance(value, bool) if want is bool
+                  else isinstance(value, int) and not isinstance(value, bool) if want is int
+                  else isinstance(value, (int, float)) and not isinstance(value, bool))
+            if not ok:
+                kind = {str: "a string", bool: "a boolean", int: "an integer"}.get(want, "a number")
+                raise ValueError(f"speculative.{name} must be {kind}, got {value!r}")
         cfg = cls(**d)
         if cfg.method == "off":
             return None
@@ -87,6 +98,12 @@ class SpecConfig:
             raise ValueError("speculative.max_draft_tokens_per_step must be >= 0")
         if not (0 <= cfg.row_tile <= 64):
             raise ValueError("speculative.row_tile must be in 0..64")
+        if cfg.max_batch_size < 1:
+            raise ValueError("speculative.max_batch_size must be >= 1")
+        if not (0.0 <= cfg.min_acceptance <= 1.0):
+            raise ValueError("speculative.min_acceptance must be in 0..1")
+        if cfg.min_evidence < 0 or cfg.backoff_steps < 0:
+            raise ValueError("speculative: min_evidence and backoff_steps must be >= 0")
         return cfg
 
 

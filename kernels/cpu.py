@@ -40,12 +40,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if self.device is not None and self.device.type != "cpu":
             raise ValueError(f"the cpu attention backend runs on CPU, got {self.device}")
         if not native.available():
-            raise RuntimeError("native CPU kernels unavailable (no C compiler or no AVX512-BF16)")
+            raise RuntimeError(f"native CPU kernels unavailable: {native.unavailable_reason()}")
+
+    @staticmethod
+    def supports_cache(k_cache: torch.Tensor) -> bool:
+        """Whether the native kernel reads this cache (else the torch reference does)."""
+        return native.attention_supported(k_cache)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:  # [T, H, D]
         """Same contract as ``TorchAttentionBackend.forward``; ``[T, num_heads, head_dim]``."""
-        if not native.attention_supported(k_cache, query):
+        if not native.attention_supported(k_cache):
             return super().forward(query, k_cache, v_cache, meta, scale)
         out = native.paged_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale)

@@ -13,7 +13,7 @@ They need an x86 CPU with AVX512-BF16 and a C compiler (``$CC``, else ``cc``); w
 reference. ``STENCIL_NATIVE=0`` turns them off. Threads: ``torch.get_num_threads()`` (OpenMP).
 
 The shared object is built once per source text, compiler and CPU (``-march=native``) into
-``$STENCIL_CACHE/kernels`` (default ``~/.cache/stencil/kernels``), written to a temporary name
+``$STENCIL_CACHE_DIR/kernels`` (default ``~/.cache/stencil/kernels``, beside the models), written to a temporary name
 and renamed, so concurrent first uses do not see half a file. It is loaded with ``ctypes``:
 no Python headers or torch extension toolchain are needed.
 """
@@ -46,7 +46,7 @@ _tried = False
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("STENCIL_CACHE")
+    root = os.environ.get("STENCIL_CACHE_DIR")
     return (Path(root) if root else Path.home() / ".cache" / "stencil") / "kernels"
 
 
@@ -97,20 +97,24 @@ def library() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        if os.environ.get("STENCIL_NATIVE", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+        if os.environ.get("STENCIL_NATIVE", "1") == "0":
+            _why("STENCIL_NATIVE=0")
+            return None
+        if platform.machine() not in ("x86_64", "AMD64"):
+            _why(f"not an x86-64 CPU ({platform.machine()})")
             return None
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if cc is None:
-            log.info("native kernels off: no C compiler")
+            _why("no C compiler ($CC, cc or gcc)")
             return None
         try:
             lib = ctypes.CDLL(str(_build(cc)))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("native kernels off: %s", e)
+            _why(f"the build failed: {e}", warn=True)
             return None
         lib.stencil_int4_supported.restype = ctypes.c_int
         if not lib.stencil_int4_supported():
-            log.info("native kernels off: this CPU has no AVX512-BF16")
+            _why("this CPU has no AVX512-BF16")
             return None
         p = ctypes.c_void_p
         i = ctypes.c_int
@@ -122,6 +126,20 @@ def library() -> ctypes.CDLL | None:
         log.info("native CPU kernels (int4 GEMM, paged attention) loaded from %s", lib._name)
         _lib = lib
         return _lib
+
+
+_reason = ""
+
+
+def _why(reason: str, warn: bool = False) -> None:
+    global _reason
+    _reason = reason
+    (log.warning if warn else log.info)("native CPU kernels off: %s", reason)
+
+
+def unavailable_reason() -> str:
+    """Why ``library()`` returned None ("" when it did not, or before the first call)."""
+    return _reason
 
 
 def available() -> bool:
@@ -273,12 +291,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-def attention_supported(k_cache: torch.Tensor, query: torch.Tensor) -> bool:
-    """Whether ``paged_attention`` takes these: fp32 or bf16 contiguous CPU caches, head_dim a
-    multiple of 16 (<= 256)."""
-    dim = query.shape[-1]
+def attention_supported(k_cache: torch.Tensor) -> bool:
+    """Whether ``paged_attention`` takes this cache: fp32 or bf16, contiguous, on CPU, head_dim
+    (its last dimension) a multiple of 16 up to 256."""
+    dim = k_cache.shape[-1]
     return (k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu"
             and k_cache.is_contiguous() and dim % 16 == 0 and dim <= 256 and available())
 
 
-__all__ = ["BLOCK", "PackedInt4", "attention_supported", "available", "library", "paged_attention"]
+__all__ = ["BLOCK", "PackedInt4", "attention_supported", "available", "library", "paged_attention",
+           "unavailable_reason"]

@@ -129,6 +129,8 @@ class HealthResponse(msgspec.Struct, kw_only=True):
         model: the served model's id.
         inflight: generation requests now being served.
         engine: ``LLMEngine.stats()`` (running, waiting, KV blocks, prefix cache, steps).
+        kernels: what computes the model (``LLMEngine.kernels``): attention backend, int4 GEMM
+            ("native", "torch" or "none" without int4 weights), KV-cache dtype.
         error: why the engine died, when it did.
     """
 
@@ -136,4 +138,5 @@ class HealthResponse(msgspec.Struct, kw_only=True):
     model: str
     inflight: int
     engine: dict[str, Any]
+    kernels: dict[str, str] = {}
     error: str | None = None

@@ -243,6 +243,7 @@ async def health_handler(service: ServiceState) -> Response[HealthResponse]:
     else:
         status, code = "ok", 200
     body = HealthResponse(status=status, model=service.model_name, inflight=service.inflight, engine=stats,
+                          kernels=eng.engine.kernels,
                           error=repr(eng.error) if eng.error is not None else None)
     return Response(body, status_code=code)
 

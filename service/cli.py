@@ -20,6 +20,7 @@ BENCHMARKS = {
     "conformance": "JSON Schema conformance of constrained outputs over a corpus",
     "throughput": "decode tokens/s and latency at several concurrencies",
     "spec": "speculative decoding on a copy-heavy extraction workload",
+    "cpu_kernels": "native CPU int4 GEMM and paged attention against torch's, same run",
     "weights": "fp32 vs int4 weights: speed and quality",
     "soak": "long mixed load against a server; checks nothing leaks",
 }

@@ -129,6 +129,24 @@ def test_prompt_and_length_limits(client, body, status, needle, field):
     assert needle in p["detail"] and p.get("field") == field, p
 
 
+@pytest.mark.parametrize("spec, needle", [
+    ({"method": "ngram", "max_batch_size": None}, "speculative.max_batch_size must be an integer"),
+    ({"method": "ngram", "num_speculative_tokens": 4.5}, "speculative.num_speculative_tokens must be an integer"),
+    ({"method": "ngram", "max_draft_tokens_per_step": "5"}, "speculative.max_draft_tokens_per_step must be an integer"),
+    ({"method": "ngram", "cost_aware": "no"}, "speculative.cost_aware must be a boolean"),
+    ({"method": "ngram", "min_acceptance": 2}, "speculative.min_acceptance must be in 0..1"),
+    ({"method": "ngram", "backoff_steps": -5}, "backoff_steps must be >= 0"),
+])
+def test_bad_speculative_settings_are_named_and_never_fatal(client, spec, needle):
+    """A wrongly typed speculative setting once passed parsing and killed the engine loop in the
+    next step (``None > int``); it is refused up front, naming the field."""
+    p = _problem(client.post("/generate", json={"prompt": "x", "max_tokens": 4, "speculative": spec}), 400)
+    assert needle in p["detail"], p
+    ok = client.post("/generate", json={"prompt": "x", "max_tokens": 3, "speculative": {"method": "ngram"}})
+    assert ok.status_code == 200, ok.text
+    _engine_idle(client)
+
+
 @pytest.mark.parametrize("temperature", [1e7, 1.7e307])
 def test_absurd_temperature_is_refused_not_fatal(client, temperature):
     """Past float32's range the sampler would divide masked -inf logits by inf (NaN) and

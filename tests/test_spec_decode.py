@@ -94,7 +94,9 @@ def test_spec_config_validates_fields():
     cfg = SpecConfig.from_dict({"method": "ngram", "max_draft_tokens_per_step": 3})
     assert cfg.max_draft_tokens_per_step == 3 and cfg.num_speculative_tokens == 4
     for bad in ({"method": "eagle"}, {"num_speculative_tokens": 0}, {"max_draft_tokens_per_step": -1},
-                {"prompt_lookup_min": 3, "prompt_lookup_max": 2}, {"nope": 1}):
+                {"prompt_lookup_min": 3, "prompt_lookup_max": 2}, {"nope": 1}, {"max_batch_size": None},
+                {"num_speculative_tokens": 4.5}, {"num_speculative_tokens": True}, {"cost_aware": "no"},
+                {"min_acceptance": 1.5}, {"min_evidence": None}, {"method": 1}):
         with pytest.raises(ValueError):
             SpecConfig.from_dict({"method": "ngram", **bad} if "method" not in bad else bad)
 
