@@ -44,6 +44,8 @@ from grammar.schema_refs import RefResolver
 from grammar.schema_rx import Rx, alt, repeat, seq
 from grammar.schema_strings import StringError, StringSpec, excluded_keys_regex, string_regex
 
+MAX_MIN_LENGTH = 10_000  # most characters minLength may require (each is an automaton state)
+
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _TYPE_KEYWORDS = {
     "object": ("properties", "required", "additionalProperties", "patternProperties",
@@ -419,6 +421,12 @@ class SchemaCompiler:
             return excluded_keys_regex(schema[_NOT_STRINGS])
         fmt = schema.get("format") if isinstance(schema.get("format"), str) else None
         hi = schema.get("maxLength")
+        lo = schema.get("minLength", 0)
+        if isinstance(lo, int) and lo > MAX_MIN_LENGTH:
+            # Each required character is an automaton state: 10^8 of them exhaust the compile
+            # worker's memory (it died with SIGABRT) instead of giving an answer.
+            raise GrammarError(f"minLength {lo} is more than the {MAX_MIN_LENGTH} characters a grammar "
+                               "can require of one string", keyword="minLength", path=f"{path}/minLength")
         spec = StringSpec(schema.get("minLength", 0), hi, schema.get("pattern"), fmt,
                           self.opts.max_string_length)
         if hi is not None and hi > self.opts.max_string_length and not schema.get("pattern") and not fmt:

@@ -8,7 +8,7 @@ change with batching, chunking or speculation):
 * ``paged_attention`` (``csrc/attention.c``): causal attention over the paged fp32 or bf16
   K/V cache, the ``"cpu"`` attention backend (``kernels.cpu``).
 
-They need an x86 CPU with AVX512-BF16 and a C compiler (``$CC``, else ``cc``); without either,
+They need an x86 CPU with AVX512-BF16 and a C compiler (``$CC``, flags allowed, else ``cc``); without either,
 ``available()`` is False and callers keep torch's int4 kernel and the torch attention
 reference. ``STENCIL_NATIVE=0`` turns them off. Threads: ``torch.get_num_threads()`` (OpenMP).
 
@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -59,9 +60,9 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build(cc: str) -> Path:
+def _build(cc: list[str]) -> Path:
     source = b"\0".join(p.read_bytes() for p in SOURCES)
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_id().encode(),
                                      " ".join(_FLAGS).encode()])).hexdigest()[:16]
     out = _cache_dir() / f"stencil_native_{key}.so"
@@ -72,12 +73,12 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         for extra in (["-fopenmp"], []):  # OpenMP threads if the compiler has them
-            r = subprocess.run([cc, *_FLAGS, *extra, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+            r = subprocess.run([*cc, *_FLAGS, *extra, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
                                text=True, timeout=300)
             if r.returncode == 0:
                 break
         else:
-            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{' '.join(cc)} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -103,12 +104,12 @@ def library() -> ctypes.CDLL | None:
         if platform.machine() not in ("x86_64", "AMD64"):
             _why(f"not an x86-64 CPU ({platform.machine()})")
             return None
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if cc is None:
+        cc = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+        if not cc:
             _why("no C compiler ($CC, cc or gcc)")
             return None
         try:
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = ctypes.CDLL(str(_build(cc)))  # $CC may carry flags: "gcc -O0"
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _why(f"the build failed: {e}", warn=True)
             return None

@@ -40,7 +40,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-weights", default="auto", choices=["auto", "bf16", "int4"],
                    help="with int4: read prompt tokens through a dense bf16 copy (bf16), through int4, "
                         "or auto (bf16 when the CPU has native bf16 GEMMs)")
-    g.add_argument("--attention-backend", default="auto", help="cpu, torch, triton, flash or auto")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton", "flash"],
+                   help="attention kernels (auto: cpu on CPU when it builds, flash or triton on CUDA)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="K/V cache dtype (auto: --dtype); bfloat16 halves the cache and its memory traffic")
     g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB (default: from free memory)")

@@ -176,6 +176,7 @@ def test_whitespace_prompt_and_max_tokens_one_are_served(client):
     (CYCLE, "admits no value", "$ref", "#"),
     ({"type": "array", "minItems": 3, "maxItems": 1}, "admits no value", "minItems", "#"),
     ({"type": "string", "minLength": 5, "maxLength": 2}, "admits no value", "minLength", "#"),
+    ({"type": "string", "minLength": 100_000_000}, "more than the 10000 characters", "minLength", "#/minLength"),
     ({"enum": []}, "enum is empty", "enum", "#"),
     ({"type": "integer", "minimum": 5, "maximum": 3}, "admits no value", "minimum", "#"),
     (False, "admits no value", "false", "#"),
