@@ -66,10 +66,11 @@ class LLMEngine:
         # How the model spells grammar-forced text, learned from its choices over drafts.
         self.splits = TokenSplits(self.tokenizer.decode,
                                   lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        int4 = [m for m in self.runner.model.modules() if isinstance(m, Int4Linear)]
+        self._int4_gemm = "none" if not int4 else "native" if all(m.native is not None for m in int4) else "torch"
         # Rows torch's CPU int4 kernel multiplies together (4): speculation sizes drafts to it.
         # The native kernel (kernels/native.py) has no such tile.
-        self.row_tile = 4 if any(isinstance(m, Int4Linear) and m.native is None
-                                 for m in self.runner.model.modules()) else 1
+        self.row_tile = 4 if self._int4_gemm == "torch" else 1
         # Decode-step time against rows, for sizing drafts to what they save (``StepCost``).
         self.step_cost = StepCost()
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -160,16 +161,12 @@ class LLMEngine:
         """What computes the model: ``attention`` (backend name, plus "(torch fallback)" when the
         native backend cannot take this KV-cache dtype), ``int4_gemm`` ("native", "torch", or
         "none" without int4 weights) and ``kv_cache_dtype``."""
-        from engine.models.quant import Int4Linear
-
         backend = self.runner.backend
         attention = backend.name
         supports = getattr(backend, "supports_cache", None)
         if supports is not None and not supports(self.runner.kv_caches[0][0]):
             attention += " (torch fallback)"
-        int4 = [m for m in self.runner.model.modules() if isinstance(m, Int4Linear)]
-        gemm = "none" if not int4 else "native" if all(m.native is not None for m in int4) else "torch"
-        return {"attention": attention, "int4_gemm": gemm,
+        return {"attention": attention, "int4_gemm": self._int4_gemm,
                 "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch.")}
 
     def stats(self) -> dict:

@@ -83,9 +83,11 @@ class Int4Planes:
         return w[0] if w.shape[0] == 1 else w.sum(0)
 
 
-def block_columns(blocks: torch.Tensor) -> torch.Tensor:
-    """Column indices int64 ``[b * COLUMN_BLOCK]`` of the ``COLUMN_BLOCK``-wide blocks ``blocks``."""
-    return (blocks[:, None] * COLUMN_BLOCK + torch.arange(COLUMN_BLOCK, device=blocks.device)).flatten()
+def block_columns(blocks: torch.Tensor, width: int = COLUMN_BLOCK) -> torch.Tensor:
+    """Indices int64 ``[b * width]`` of the members of the ``width``-wide blocks ``blocks``
+    (columns of 64-column blocks; or, with ``width=4``, the native kernel's 16-column blocks
+    inside them)."""
+    return (blocks[:, None] * width + torch.arange(width, device=blocks.device)).flatten()
 
 
 def planes_from_blocks(raw: np.ndarray, qtype: str) -> Int4Planes:
@@ -297,8 +299,7 @@ class Int4Linear(nn.Module):
         rows = block_columns(blocks)
         xb = x.to(torch.bfloat16).contiguous()
         if self.native is not None:
-            per = COLUMN_BLOCK // 16
-            y = self.native.matmul(xb, (blocks[:, None] * per + torch.arange(per)).flatten())
+            y = self.native.matmul(xb, block_columns(blocks, COLUMN_BLOCK // 16))
         else:
             y = None
             for packed, sz in zip(self.packed, self.scales_and_zeros):

@@ -70,6 +70,14 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, siz
     return _mm512_loadu_ps((const float *)base + i);
 }
 
+/* q . k for the key at cache index ko: D / 16 vector products in order, one per lane. */
+static inline __attribute__((always_inline)) __m512 dot_key(const __m512 *qv, int dv, const void *k_cache, size_t ko,
+                                                          const int bf16) {
+    __m512 acc = _mm512_mul_ps(qv[0], load16(k_cache, ko, bf16));
+    for (int c = 1; c < dv; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k_cache, ko + 16 * c, bf16), acc);
+    return acc;
+}
+
 /* One query row's `group` heads (they share kv head h_off / d) over keys 0 .. n-1.
  * q, out: [group][d]; scores: scratch of >= group * (n + 16) floats. */
 static inline __attribute__((always_inline)) void attend_row(
@@ -88,20 +96,13 @@ static inline __attribute__((always_inline)) void attend_row(
             if (len == 16 && block_size % 16 == 0) { /* 16 keys of one block, kv_stride apart */
                 const size_t k = ((size_t)table[j0 / block_size] * block_size + j0 % block_size) * kv_stride + h_off;
 #pragma GCC unroll 16
-                for (int o = 0; o < 16; ++o) {
-                    const size_t ko = k + (size_t)o * kv_stride;
-                    __m512 acc = _mm512_mul_ps(qv[0], load16(k_cache, ko, bf16));
-                    for (int c = 1; c < dv; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k_cache, ko + 16 * c, bf16), acc);
-                    t[o] = acc;
-                }
+                for (int o = 0; o < 16; ++o) t[o] = dot_key(qv, dv, k_cache, k + (size_t)o * kv_stride, bf16);
             } else {
                 for (int o = 0; o < 16; ++o) {
                     if (o >= len) { t[o] = _mm512_setzero_ps(); continue; }
                     const int j = j0 + o;
-                    const size_t ko = ((size_t)table[j / block_size] * block_size + j % block_size) * kv_stride + h_off;
-                    __m512 acc = _mm512_mul_ps(qv[0], load16(k_cache, ko, bf16));
-                    for (int c = 1; c < dv; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k_cache, ko + 16 * c, bf16), acc);
-                    t[o] = acc;
+                    t[o] = dot_key(qv, dv, k_cache,
+                                   ((size_t)table[j / block_size] * block_size + j % block_size) * kv_stride + h_off, bf16);
                 }
             }
             const __mmask16 live = len == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << len) - 1);
@@ -121,40 +122,30 @@ static inline __attribute__((always_inline)) void attend_row(
         /* 1 / l folded into the probabilities' final scaling below */
         sg[n] = 1.0f / _mm512_reduce_add_ps(lsum);
     }
-    if (group * dv <= MAX_ACC) {
+    /* P @ V for up to MAX_ACC / dv heads at a time (they share each V load); every head's sum
+     * runs over j in order, so how heads are chunked never changes a bit. */
+    const int chunk = MAX_ACC / dv > 0 ? MAX_ACC / dv : 1;
+    for (int g0 = 0; g0 < group; g0 += chunk) {
+        const int gn = group - g0 < chunk ? group - g0 : chunk;
         __m512 acc[MAX_ACC];
-        for (int a = 0; a < group * dv; ++a) acc[a] = _mm512_setzero_ps();
+        for (int a = 0; a < gn * dv; ++a) acc[a] = _mm512_setzero_ps();
         for (int j0 = 0, b = 0; j0 < n; j0 += block_size, ++b) {
             size_t v = (size_t)table[b] * block_size * kv_stride + h_off;
             const int len = n - j0 < block_size ? n - j0 : block_size;
             for (int o = 0; o < len; ++o, v += kv_stride) {
                 __m512 vv[MAX_DV];
                 for (int c = 0; c < dv; ++c) vv[c] = load16(v_cache, v + 16 * c, bf16);
-                for (int g = 0; g < group; ++g) {
-                    const __m512 p = _mm512_set1_ps(scores[(size_t)g * stride + j0 + o]);
+                for (int g = 0; g < gn; ++g) {
+                    const __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * stride + j0 + o]);
                     for (int c = 0; c < dv; ++c) acc[g * dv + c] = _mm512_fmadd_ps(p, vv[c], acc[g * dv + c]);
                 }
             }
         }
-        for (int g = 0; g < group; ++g) {
-            const __m512 iv = _mm512_set1_ps(scores[(size_t)g * stride + n]);
-            for (int c = 0; c < dv; ++c) _mm512_storeu_ps(out + g * d + 16 * c, _mm512_mul_ps(acc[g * dv + c], iv));
+        for (int g = 0; g < gn; ++g) {
+            const __m512 iv = _mm512_set1_ps(scores[(size_t)(g0 + g) * stride + n]);
+            for (int c = 0; c < dv; ++c)
+                _mm512_storeu_ps(out + (g0 + g) * d + 16 * c, _mm512_mul_ps(acc[g * dv + c], iv));
         }
-        return;
-    }
-    for (int g = 0; g < group; ++g) { /* wide groups: one head at a time, same per-element order */
-        __m512 acc[MAX_DV];
-        for (int c = 0; c < dv; ++c) acc[c] = _mm512_setzero_ps();
-        for (int j0 = 0, b = 0; j0 < n; j0 += block_size, ++b) {
-            size_t v = (size_t)table[b] * block_size * kv_stride + h_off;
-            const int len = n - j0 < block_size ? n - j0 : block_size;
-            for (int o = 0; o < len; ++o, v += kv_stride) {
-                const __m512 p = _mm512_set1_ps(scores[(size_t)g * stride + j0 + o]);
-                for (int c = 0; c < dv; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v_cache, v + 16 * c, bf16), acc[c]);
-            }
-        }
-        const __m512 iv = _mm512_set1_ps(scores[(size_t)g * stride + n]);
-        for (int c = 0; c < dv; ++c) _mm512_storeu_ps(out + g * d + 16 * c, _mm512_mul_ps(acc[c], iv));
     }
 }
 
