@@ -95,7 +95,7 @@ def _has_remote_ref(node) -> bool:
 
 def _make_view(compiler):
     """``view(schema, value)`` for ``order_keys``: the effective schema the grammar used."""
-    from grammar.schema_merge import MergeError, merge
+    from grammar.json_schema.merge import MergeError, merge
 
     def view(schema, value, depth=0):
         if depth > 16 or not isinstance(schema, dict):
@@ -140,7 +140,7 @@ def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 1
     from grammar.base import GrammarError, GrammarSpec, GrammarTimeout
     from grammar.compiler import GrammarCompiler
     from grammar.json_schema import SchemaCompiler, SchemaOptions, schema_to_regex
-    from grammar.schema_canonical import canonical_json, order_keys
+    from grammar.json_schema.canonical import canonical_json, order_keys
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     cases = _suite_cases(corpus, limit) if mode == "test-suite" else _maskbench_cases(corpus, limit)

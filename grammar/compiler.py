@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import queue
@@ -31,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from grammar.base import CompileStats, GrammarError, GrammarSpec, GrammarTimeout
-from grammar.index_worker import (BuildFailed, IndexWorker, WorkerDied, WorkerTimeout,
+from grammar.backends.index_worker import (BuildFailed, IndexWorker, WorkerDied, WorkerTimeout,
                                   index_from_binary)
-from grammar.matcher import CompiledGrammar
+from grammar.backends.eager import CompiledGrammar
 from grammar.regex_tools import check_supported, choice_regex, locate_syntax_error
 from grammar.vocab import END_SENTINEL, TokenVocabulary, build_vocabulary
 
@@ -215,24 +214,11 @@ class GrammarCompiler:
             schema = json.loads(spec.value)
         except json.JSONDecodeError as e:
             raise GrammarError(f"schema is not valid JSON: {e.msg}") from None
-        if importlib.util.find_spec("grammar.json_schema") is not None:
-            from grammar.json_schema import schema_to_regex
+        from grammar.json_schema import schema_to_regex
 
-            regex, notes = schema_to_regex(schema, whitespace=spec.whitespace, strict=spec.strict,
-                                           max_recursion_depth=self._depth)
-            return regex, list(notes)
-        # Stop-gap until grammar/json_schema.py exists: outlines-core's translation, which
-        # silently ignores several keywords (FACTS.md), hence the warning.
-        from outlines_core.json_schema import build_regex_from_schema
-
-        ws = "" if spec.whitespace == "compact" else "[ ]?"
-        try:
-            regex = build_regex_from_schema(spec.value, whitespace_pattern=ws,
-                                            max_recursion_depth=self._depth)
-        except (ValueError, TypeError) as e:
-            raise GrammarError(f"unsupported schema: {e}") from None
-        return regex, ["schema translated by outlines-core's build_regex_from_schema (fallback); "
-                       "numeric bounds, uniqueItems and similar keywords are not enforced"]
+        regex, notes = schema_to_regex(schema, whitespace=spec.whitespace, strict=spec.strict,
+                                       max_recursion_depth=self._depth)
+        return regex, list(notes)
 
     def _build(self, full_regex: str, spec: GrammarSpec) -> bytes:
         worker = self._idle_worker()

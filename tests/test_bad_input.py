@@ -24,7 +24,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from grammar.base import GrammarError, GrammarSpec
-from grammar.matcher import Matcher
+from grammar.backends.eager import Matcher
 from service.app import create_app, service_state
 from service.state import ServiceConfig
 from service.validation import OutputChecker

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grammar import schema_charset as cs
-from grammar import schema_pattern as sp
-from grammar.formats import format_pattern
-from grammar.schema_rx import Rx, alt, repeat, seq
+from grammar.json_schema import charset as cs
+from grammar.json_schema import pattern as sp
+from grammar.json_schema.formats import format_pattern
+from grammar.json_schema.rx import Rx, alt, repeat, seq
 
 ANY_CHAR = cs.json_char(cs.ANY_CHAR)
 NEWLINE = cs.json_char(cs.chars("\n"))

@@ -33,16 +33,16 @@ from decimal import Decimal
 import jsonschema
 from jsonschema import validators
 
-from grammar import number_range as nr
+from grammar.json_schema import numbers as nr
 from grammar.base import GrammarError
-from grammar.schema_arrays import compile_array
-from grammar.schema_canonical import canonical_json
-from grammar.schema_merge import MergeError, json_key, merge
-from grammar.schema_objects import compile_object
-from grammar.schema_oneof import disjoint, exclusive_required, promote_discriminators
-from grammar.schema_refs import RefResolver
-from grammar.schema_rx import Rx, alt, repeat, seq
-from grammar.schema_strings import StringError, StringSpec, excluded_keys_regex, string_regex
+from grammar.json_schema.arrays import compile_array
+from grammar.json_schema.canonical import canonical_json
+from grammar.json_schema.merge import MergeError, json_key, merge
+from grammar.json_schema.objects import compile_object
+from grammar.json_schema.oneof import disjoint, exclusive_required, promote_discriminators
+from grammar.json_schema.refs import RefResolver
+from grammar.json_schema.rx import Rx, alt, repeat, seq
+from grammar.json_schema.strings import StringError, StringSpec, excluded_keys_regex, string_regex
 
 MAX_MIN_LENGTH = 10_000  # most characters minLength may require (each is an automaton state)
 
@@ -136,7 +136,7 @@ class SchemaCompiler:
 
     @staticmethod
     def _any_char() -> str:
-        from grammar.schema_strings import ANY_CHAR
+        from grammar.json_schema.strings import ANY_CHAR
         return ANY_CHAR
 
     # -- the recursive walk --------------------------------------------------------------------
@@ -383,7 +383,7 @@ class SchemaCompiler:
         return alt(out)
 
     def _literal(self, value: object) -> str:
-        from grammar import schema_charset as cs
+        from grammar.json_schema import charset as cs
         text = canonical_json(value)
         if self.ws == "":
             return cs.literal(text)
