@@ -7,6 +7,6 @@ JSON type each; ``merge``, ``oneof`` and ``refs`` rewrite schemas before that; `
 grammar writes them.
 """
 
-from grammar.json_schema.compiler import SchemaCompiler, SchemaOptions, schema_to_regex
+from grammar.json_schema.compiler import SchemaCompiler, SchemaOptions, schema_to_program, schema_to_regex
 
-__all__ = ["SchemaCompiler", "SchemaOptions", "schema_to_regex"]
+__all__ = ["SchemaCompiler", "SchemaOptions", "schema_to_program", "schema_to_regex"]

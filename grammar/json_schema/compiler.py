@@ -27,6 +27,7 @@ free-form and takes any keys. ``extra_properties=True`` follows the specificatio
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from decimal import Decimal
 
@@ -34,7 +35,7 @@ import jsonschema
 from jsonschema import validators
 
 from grammar.json_schema import numbers as nr
-from grammar.base import GrammarError
+from grammar.base import GrammarError, GrammarTimeout, Program
 from grammar.json_schema.arrays import compile_array
 from grammar.json_schema.canonical import canonical_json
 from grammar.json_schema.merge import MergeError, json_key, merge
@@ -71,6 +72,7 @@ class SchemaOptions:
     extra_properties: bool = False
     max_string_length: int = 128
     max_regex_chars: int = 8_000_000
+    deadline: float | None = None  # time.monotonic() past which compilation stops (GrammarTimeout)
 
 
 @dataclass(slots=True)
@@ -142,6 +144,8 @@ class SchemaCompiler:
     # -- the recursive walk --------------------------------------------------------------------
     def sub(self, schema: object, path: str, only_types: tuple[str, ...] | None = None) -> Rx:
         """Regex of ``schema`` at JSON pointer ``path``; None when it admits nothing."""
+        if self.opts.deadline is not None and time.monotonic() > self.opts.deadline:
+            raise GrammarTimeout("schema compilation exceeded its time limit")
         out = self._sub(schema, path, only_types)
         if out is not None:
             # Unrolled recursion and shared definitions are copied into the text; stop before
@@ -567,11 +571,24 @@ def _normalize(schema: dict) -> dict:
     return out
 
 
+def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
+                      max_recursion_depth: int = 3, deadline: float | None = None) -> Program:
+    """Compile a JSON Schema to the program a backend runs (see :func:`schema_to_regex`).
+
+    Raises:
+        GrammarError: as :func:`schema_to_regex`; GrammarTimeout past ``deadline``.
+    """
+    regex, notes = schema_to_regex(schema, whitespace=whitespace, strict=strict,
+                                   max_recursion_depth=max_recursion_depth, deadline=deadline)
+    return Program("regex", regex, tuple(notes))
+
+
 def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
                     max_recursion_depth: int = 3, any_max_depth: int = 1,
                     any_max_length: int | None = None,
                     extra_properties: bool = False,
-                    max_string_length: int = 128) -> tuple[str, list[str]]:
+                    max_string_length: int = 128,
+                    deadline: float | None = None) -> tuple[str, list[str]]:
     """Compile a JSON Schema to a regex over serialized JSON documents.
 
     Args:
@@ -591,6 +608,7 @@ def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict:
         max_string_length: a ``maxLength`` above this is written as this many characters at
             most (a warning says so): each counted character is a few automaton states, and
             outlines-core's index build time grows with them (≈ 0.9 s for 256).
+        deadline: ``time.monotonic()`` past which compilation stops (``None``: no limit).
 
     Returns:
         (regex, warnings): the regex is implicitly anchored at both ends.
@@ -602,7 +620,7 @@ def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict:
     if whitespace not in ("compact", "flexible"):
         raise GrammarError(f"unknown whitespace mode {whitespace!r}", keyword="whitespace")
     opts = SchemaOptions(whitespace, strict, max_recursion_depth, any_max_depth, any_max_length,
-                         extra_properties, max_string_length)
+                         extra_properties, max_string_length, deadline=deadline)
     if schema is False:
         raise GrammarError("the schema `false` admits no value", keyword="false", path="#")
     try:
