@@ -65,13 +65,42 @@ class Program:
 
     Attributes:
         kind: "regex" or "lark".
-        text: the regex or the grammar.
+        text: the regex or the grammar. A schema's regex may use *terminal references* to
+            ``terminals`` (pieces written once, used many times; ``json_schema.rules``).
         warnings: notes from the translation (keywords relaxed, bounds applied).
+        terminals: the regex pieces ``text`` refers to (regex programs only).
     """
 
     kind: Literal["regex", "lark"]
     text: str
     warnings: tuple[str, ...] = ()
+    terminals: tuple[str, ...] = ()
+
+    def regex_size(self) -> int:
+        """Characters of the plain regex (terminals written out), without writing it."""
+        if not self.terminals:
+            return len(self.text)
+        from grammar.json_schema.rules import expanded_size
+
+        return expanded_size(self.text, self.terminals)
+
+    def regex(self) -> str:
+        """The plain regex (terminals written out); for regex programs only."""
+        if self.kind != "regex":
+            raise ValueError("a Lark program has no regex")
+        if not self.terminals:
+            return self.text
+        from grammar.json_schema.rules import expand
+
+        return expand(self.text, self.terminals)
+
+    def lark(self) -> str:
+        """The program as a Lark grammar (a regex program: one terminal, the same language)."""
+        if self.kind == "lark":
+            return self.text
+        from grammar.json_schema.rules import to_lark
+
+        return to_lark(self.text, {}, self.terminals)
 
 
 @dataclass(frozen=True, slots=True)

@@ -267,10 +267,14 @@ class GrammarCompiler:
 
     def _build(self, name: str, program: Program, spec: GrammarSpec):
         backend = self.backend(name)
-        if program.kind not in backend.kinds:
+        if program.kind not in backend.kinds and not (name == "eager" and spec.kind == "json_schema"):
             raise GrammarError(f"the {name} backend cannot serve a {program.kind} grammar; "
                                "use grammar_backend 'lazy' or 'auto'", keyword="grammar_backend")
         if name == "eager":
+            if program.kind == "lark" and spec.kind == "json_schema":
+                # An eager-only request for a recursive schema: its recursion unrolled (a subset).
+                program = to_program(spec, max_recursion_depth=self._depth, grammar=False,
+                                     deadline=time.monotonic() + self._timeout_s)
             return backend.build(program, spec)
         return backend.build(program)
 

@@ -17,8 +17,8 @@ from grammar.regex_tools import check_supported, choice_regex, locate_syntax_err
 MAX_GRAMMAR_CHARS = 1_000_000  # a user Lark grammar longer than this is refused
 
 
-def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: float | None = None
-               ) -> Program:
+def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: float | None = None,
+               grammar: bool = True) -> Program:
     """Translate ``spec``.
 
     Args:
@@ -26,6 +26,9 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         max_recursion_depth: how often a ``$ref`` may be unrolled where a regex is written.
         deadline: ``time.monotonic()`` past which the translation stops with
             :class:`GrammarTimeout` (``None``: no limit).
+        grammar: schemas that refer to themselves become Lark grammars (exact); ``False``
+            unrolls their recursion ``max_recursion_depth`` times into a regex (a subset, for a
+            backend that takes regexes only).
 
     Raises:
         GrammarError: the spec is invalid or cannot be enforced exactly (named keyword, JSON
@@ -53,7 +56,8 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         from grammar.json_schema import schema_to_program
 
         return schema_to_program(schema, whitespace=spec.whitespace, strict=spec.strict,
-                                 max_recursion_depth=max_recursion_depth, deadline=deadline)
+                                 max_recursion_depth=max_recursion_depth, deadline=deadline,
+                                 grammar=grammar)
     if spec.kind == "lark":
         if not spec.value.strip():
             raise GrammarError("the grammar is empty: it needs a start rule", keyword="grammar",

@@ -55,6 +55,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="server-default speculation (requests may override)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--grammar-timeout", type=float, default=10.0, help="longest grammar compile (s)")
+    g.add_argument("--grammar-backend", choices=("auto", "eager", "lazy"), default="auto",
+                   help="auto: a lazy llguidance matcher at once, an eager outlines-core index built "
+                        "in the background for grammars used again; eager: wait for the index; "
+                        "lazy: never build one")
 
 
 def _add_service_args(p: argparse.ArgumentParser) -> None:
@@ -88,6 +92,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting,
         num_threads=args.threads, grammar_timeout_s=args.grammar_timeout,
+        grammar_backend=args.grammar_backend,
         speculative={"method": "ngram"} if args.speculative == "ngram" else None,
     ).validate()
 

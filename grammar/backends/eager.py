@@ -354,10 +354,11 @@ class EagerBackend:
         if program.kind != "regex":
             raise GrammarError(f"the eager backend takes regexes, not {program.kind!r} programs "
                                "(use the lazy or auto backend)", keyword="grammar_backend")
-        regex = program.text
-        if len(regex) > self._max_regex_chars:
-            raise GrammarError(f"regex is {len(regex)} characters, above the limit of "
+        size = program.regex_size()
+        if size > self._max_regex_chars:
+            raise GrammarError(f"regex is {size} characters, above the limit of "
                                f"{self._max_regex_chars}")
+        regex = program.regex()
         full = "(?:" + regex + ")" + END_SENTINEL.decode()
         raw = self._disk_load(full)
         if raw is None:

@@ -95,10 +95,10 @@ class LazyBackend:
                 and column of the fault in ``position``-free text and ``line``/``column``).
         """
         llg = self._llg
-        if program.kind == "regex":
+        if program.kind == "regex" and not program.terminals:
             top = json.loads(llg.LLMatcher.grammar_from_regex(program.text))
-        elif program.kind == "lark":
-            top = {"grammars": [{"lark_grammar": program.text}]}
+        elif program.kind in ("regex", "lark"):
+            top = {"grammars": [{"lark_grammar": program.lark()}]}
         else:
             raise GrammarError(f"the lazy backend cannot take a {program.kind!r} program")
         # llguidance normally narrows a mask to the canonical tokenization of bytes the grammar
@@ -112,7 +112,7 @@ class LazyBackend:
         root = llg.LLMatcher(self.tokenizer, grammar, log_level=0, **kw)
         if root.is_error():
             raise _explain(program, root.get_error())
-        return LazyGrammar(self, root)
+        return LazyGrammar(self, root, program)
 
     def executor(self):
         """A shared ``llguidance.LLExecutor`` for filling many rows at once (created on first use)."""
@@ -151,8 +151,10 @@ class LazyGrammar:
 
     kind = "lazy"
 
-    def __init__(self, backend: LazyBackend, root):
+    def __init__(self, backend: LazyBackend, root, program: Program):
         self.backend = backend
+        self.program = program
+        self.regex = program.text if program.kind == "regex" else None
         self.vocab = backend.vocab
         self._root = root
         self._root_lock = threading.Lock()

@@ -27,6 +27,7 @@ free-form and takes any keys. ``extra_properties=True`` follows the specificatio
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -42,6 +43,7 @@ from grammar.json_schema.merge import MergeError, json_key, merge
 from grammar.json_schema.objects import compile_object
 from grammar.json_schema.oneof import disjoint, exclusive_required, promote_discriminators
 from grammar.json_schema.refs import RefResolver
+from grammar.json_schema.rules import REF_OPEN, expand, has_refs, is_empty, ref, term_ref, to_lark
 from grammar.json_schema.rx import Rx, alt, repeat, seq
 from grammar.json_schema.strings import StringError, StringSpec, excluded_keys_regex, string_regex
 
@@ -73,6 +75,10 @@ class SchemaOptions:
     max_string_length: int = 128
     max_regex_chars: int = 8_000_000
     deadline: float | None = None  # time.monotonic() past which compilation stops (GrammarTimeout)
+    grammar: bool = False  # recursion as grammar rules (rules.ref) instead of unrolling
+    # Grammar mode: a subschema's regex of at least this many characters is written once, as a
+    # terminal (rules.term_ref), however often it is used.
+    term_min_chars: int = 48
 
 
 @dataclass(slots=True)
@@ -84,6 +90,13 @@ class SchemaCompiler:
     warnings: list[str] = field(default_factory=list)
     ref_depth: dict[str, int] = field(default_factory=dict)
     emitted: int = 0  # characters of regex text produced so far (all subschemas)
+    rules: dict[int, Rx] = field(default_factory=dict)  # rule number → body (grammar mode)
+    rule_ids: dict[str, int] = field(default_factory=dict)  # (target, siblings, types) → number
+    in_progress: set[str] = field(default_factory=set)  # rule keys being compiled on this path
+    recursive: set[str] = field(default_factory=set)  # rule keys found to refer to themselves
+    bodies: dict[str, Rx] = field(default_factory=dict)  # rule key → compiled body (grammar mode)
+    terminals: list[str] = field(default_factory=list)  # terminal number → regex (grammar mode)
+    term_ids: dict[str, int] = field(default_factory=dict)  # regex → terminal number
     resolver: RefResolver = field(init=False)
     validator: object = field(init=False)
     old_draft: bool = field(init=False)
@@ -115,9 +128,20 @@ class SchemaCompiler:
             return False
 
     def string_for(self, schema: object, path: str) -> Rx:
-        """Regex of the string literals ``schema`` admits (used for keys)."""
+        """Regex of the string literals ``schema`` admits (used for keys), written out."""
         r = self.sub(schema, path, only_types=("string",))
-        return r
+        return expand(r, self.terminals) if r is not None and self.terminals else r
+
+    def term(self, rx: str) -> str:
+        """``rx`` as a terminal reference when it is long enough to be worth sharing (grammar
+        mode); identical regexes share one terminal. Text referring to a rule stays as it is."""
+        if len(rx) < self.opts.term_min_chars or REF_OPEN in rx or _is_term(rx):
+            return rx
+        n = self.term_ids.get(rx)
+        if n is None:
+            n = self.term_ids[rx] = len(self.terminals)
+            self.terminals.append(rx)
+        return term_ref(n)
 
     def any_value(self, depth: int | None = None) -> str:
         """Any JSON value nested at most ``depth`` containers deep."""
@@ -147,6 +171,8 @@ class SchemaCompiler:
         if self.opts.deadline is not None and time.monotonic() > self.opts.deadline:
             raise GrammarTimeout("schema compilation exceeded its time limit")
         out = self._sub(schema, path, only_types)
+        if out is not None and self.opts.grammar:
+            out = self.term(out)
         if out is not None:
             # Unrolled recursion and shared definitions are copied into the text; stop before
             # an exponential schema exhausts memory.
@@ -250,6 +276,8 @@ class SchemaCompiler:
         base = self.resolver.base_of(schema, self.resolver.root_base)
         target = self.resolver.resolve(schema["$ref"], base, path)
         key = target.pointer if target.base == self.resolver.root_base else target.base + target.pointer
+        if self.opts.grammar:
+            return self._ref_rule(schema, target, key, only_types)
         count = self.ref_depth.get(key, 0)
         if count > self.opts.max_recursion_depth:
             return None  # recursion unrolled far enough: this branch admits nothing more
@@ -262,6 +290,42 @@ class SchemaCompiler:
             return self.sub(resolved, target.pointer, only_types)
         finally:
             self.ref_depth[key] = count
+
+    def _ref_rule(self, schema: dict, target, key: str, only_types) -> Rx:
+        """Grammar mode: a ``$ref`` met again while its target is being compiled on the same path
+        becomes a reference to a rule (``rules.ref``), whose body is the target's regex; other
+        references are inlined as in regex mode. Exact: nothing is unrolled or cut."""
+        siblings = {k: v for k, v in schema.items() if k != "$ref"}
+        resolved = target.schema
+        if siblings and not self.old_draft and any(k in _ASSERTIONS for k in siblings):
+            resolved = {"allOf": [resolved, siblings]}
+        rule_key = json.dumps([key, siblings if resolved is not target.schema else None,
+                               list(only_types) if only_types else None], sort_keys=True, default=str)
+        number = self.rule_ids.get(rule_key)
+        if number is not None and (number in self.rules or rule_key in self.in_progress):
+            if rule_key in self.in_progress:
+                self.recursive.add(rule_key)
+            return ref(number)
+        if rule_key in self.bodies:  # compiled before (its text is a terminal when long)
+            return self.bodies[rule_key]
+        if rule_key in self.in_progress:
+            number = self.rule_ids[rule_key] = len(self.rule_ids)
+            self.recursive.add(rule_key)
+            return ref(number)
+        self.in_progress.add(rule_key)
+        try:
+            out = self.sub(resolved, target.pointer, only_types)
+        finally:
+            self.in_progress.discard(rule_key)
+        if rule_key not in self.recursive:
+            self.bodies[rule_key] = out
+            return out
+        number = self.rule_ids[rule_key]
+        if out is None:
+            raise GrammarError("the schema refers to itself with no way to end (every value would be "
+                               "infinite)", keyword="$ref", path=target.pointer)
+        self.rules[number] = out
+        return ref(number)
 
     def _deref(self, schema: object, path: str) -> object:
         """Inline top-level ``$ref``s of an ``allOf`` member (one level, cycle-safe)."""
@@ -508,6 +572,10 @@ _ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaxim
                "not", "if", "then", "else", "dependentSchemas", "dependencies", "format", "$ref"}
 
 
+def _is_term(rx: str) -> bool:
+    return rx.startswith("\ue002") and rx.endswith("\ue003") and rx.count("\ue002") == 1
+
+
 def _types(schema: dict) -> list[str] | None:
     t = schema.get("type")
     if t is None:
@@ -572,15 +640,26 @@ def _normalize(schema: dict) -> dict:
 
 
 def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
-                      max_recursion_depth: int = 3, deadline: float | None = None) -> Program:
+                      max_recursion_depth: int = 3, deadline: float | None = None,
+                      grammar: bool = True) -> Program:
     """Compile a JSON Schema to the program a backend runs (see :func:`schema_to_regex`).
+
+    With ``grammar`` (the default) a schema that refers to itself becomes a Lark grammar whose
+    rules are the recursive definitions (``json_schema.rules``), exact at any depth; otherwise,
+    and for every schema without recursion, a regex.
 
     Raises:
         GrammarError: as :func:`schema_to_regex`; GrammarTimeout past ``deadline``.
     """
-    regex, notes = schema_to_regex(schema, whitespace=whitespace, strict=strict,
-                                   max_recursion_depth=max_recursion_depth, deadline=deadline)
-    return Program("regex", regex, tuple(notes))
+    compiler, regex = _compile(schema, SchemaOptions(whitespace, strict, max_recursion_depth,
+                                                     deadline=deadline, grammar=grammar))
+    notes = tuple(compiler.warnings)
+    if compiler.rules or has_refs(regex):
+        if is_empty(regex, compiler.rules):
+            raise GrammarError("the schema admits no value (unsatisfiable): it refers to itself with "
+                               "no way to end", keyword="$ref", path="#")
+        return Program("lark", to_lark(regex, compiler.rules, compiler.terminals), notes)
+    return Program("regex", regex, notes, tuple(compiler.terminals))
 
 
 def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
@@ -617,10 +696,15 @@ def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict:
         GrammarError: unsatisfiable schema, remote ``$ref``, or (strict) a keyword that cannot
             be enforced exactly; ``keyword`` and ``path`` (JSON pointer) name the culprit.
     """
-    if whitespace not in ("compact", "flexible"):
-        raise GrammarError(f"unknown whitespace mode {whitespace!r}", keyword="whitespace")
     opts = SchemaOptions(whitespace, strict, max_recursion_depth, any_max_depth, any_max_length,
                          extra_properties, max_string_length, deadline=deadline)
+    compiler, regex = _compile(schema, opts)
+    return regex, compiler.warnings
+
+
+def _compile(schema: dict | bool, opts: SchemaOptions) -> tuple["SchemaCompiler", str]:
+    if opts.whitespace not in ("compact", "flexible"):
+        raise GrammarError(f"unknown whitespace mode {opts.whitespace!r}", keyword="whitespace")
     if schema is False:
         raise GrammarError("the schema `false` admits no value", keyword="false", path="#")
     try:
@@ -637,7 +721,7 @@ def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict:
     if regex is None:
         raise GrammarError("the schema admits no value (unsatisfiable)", keyword=_culprit(schema),
                            path="#")
-    return regex, compiler.warnings
+    return compiler, regex
 
 
 def _culprit(schema: object) -> str:
