@@ -307,7 +307,7 @@ def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 1
                 kind = "fail:invalid_accepted" if any(not x["valid"] for x in bad) else "fail:valid_rejected"
                 tally.reasons[kind] += 1
                 fail_lines.append({"name": name, "backend": b, "reason": kind, "cases": bad[:3]})
-            if program.kind == "regex" and b == "lazy" and program.regex_size() < 1_000_000:
+            if program.regular and b == "lazy" and program.regex_size() < 1_000_000:
                 pyre = re.compile(program.regex())
                 for (text, _, _), accepted in zip(texts, out):
                     signal.setitimer(signal.ITIMER_REAL, 0.5)  # Python's re can backtrack exponentially

@@ -76,6 +76,15 @@ class Program:
     warnings: tuple[str, ...] = ()
     terminals: tuple[str, ...] = ()
 
+    @property
+    def regular(self) -> bool:
+        """Whether a plain regex says this program (what the eager backend needs)."""
+        if self.kind != "regex":
+            return False
+        from grammar.json_schema.rules import is_regular_text
+
+        return is_regular_text(self.text, self.terminals)
+
     def regex_size(self) -> int:
         """Characters of the plain regex (terminals written out), without writing it."""
         if not self.terminals:

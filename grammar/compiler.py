@@ -205,8 +205,7 @@ class GrammarCompiler:
                 return _done(grammar.using(policy) if pin else grammar)
             return self._ensure(grammar, policy, wait=True, pin=pin)
         # auto: whatever is ready now; the eager index later, in the background, when hot.
-        if hot and grammar.program.kind in self.backend_kinds("eager") and not grammar.has("eager") \
-                and grammar.error("eager") is None:
+        if hot and grammar.program.regular and not grammar.has("eager") and grammar.error("eager") is None:
             self._ensure(grammar, "eager", wait=False)
         if grammar.has("eager") or grammar.has("lazy"):
             return _done(grammar)
@@ -271,8 +270,9 @@ class GrammarCompiler:
             raise GrammarError(f"the {name} backend cannot serve a {program.kind} grammar; "
                                "use grammar_backend 'lazy' or 'auto'", keyword="grammar_backend")
         if name == "eager":
-            if program.kind == "lark" and spec.kind == "json_schema":
-                # An eager-only request for a recursive schema: its recursion unrolled (a subset).
+            if not program.regular and spec.kind == "json_schema":
+                # An eager-only request for a schema that needs rules or intersections: the regex
+                # compilation (recursion unrolled, a subset; intersections refused by keyword).
                 program = to_program(spec, max_recursion_depth=self._depth, grammar=False,
                                      deadline=time.monotonic() + self._timeout_s)
             return backend.build(program, spec)

@@ -354,6 +354,10 @@ class EagerBackend:
         if program.kind != "regex":
             raise GrammarError(f"the eager backend takes regexes, not {program.kind!r} programs "
                                "(use the lazy or auto backend)", keyword="grammar_backend")
+        if not program.regular:
+            raise GrammarError("the program uses an intersection (a pattern with length bounds or a "
+                               "format), which the eager backend cannot index; the lazy backend "
+                               "serves it", keyword="grammar_backend")
         size = program.regex_size()
         if size > self._max_regex_chars:
             raise GrammarError(f"regex is {size} characters, above the limit of "

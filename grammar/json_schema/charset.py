@@ -28,7 +28,7 @@ _NAMED_ESCAPES = {0x22: '\\\\"', 0x5C: "\\\\\\\\", 0x08: "\\\\b", 0x0C: "\\\\f",
 # in Rust; '&', '~', '-' form set operators there).
 _CLASS_META = set("\\]^-[&~")
 _LITERAL_META = set("\\.+*?()|[]{}^$")
-_RULE_MARKS = (0xE000, 0xE001, 0xE002, 0xE003)  # written escaped: bare, they mark references (rules.py)
+_RULE_MARKS = tuple(range(0xE000, 0xE007))  # written escaped: bare, they mark references (rules.py)
 
 
 def charset(*ranges: tuple[int, int]) -> CharSet:

@@ -48,6 +48,7 @@ from grammar.json_schema.rx import Rx, alt, repeat, seq
 from grammar.json_schema.strings import StringError, StringSpec, excluded_keys_regex, string_regex
 
 MAX_MIN_LENGTH = 10_000  # most characters minLength may require (each is an automaton state)
+GRAMMAR_ANY_DEPTH = 3  # container nesting of free-form values in served programs
 
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _TYPE_KEYWORDS = {
@@ -451,11 +452,18 @@ class SchemaCompiler:
         return alt(out)
 
     def _literal(self, value: object) -> str:
+        """An enum/const value as the grammar writes it: canonical JSON, with the whitespace mode's
+        free runs between the tokens of objects and arrays (none in compact mode)."""
         from grammar.json_schema import charset as cs
-        text = canonical_json(value)
-        if self.ws == "":
-            return cs.literal(text)
-        return cs.literal(text)  # enum literals keep the compact layout
+        if self.ws == "" or not isinstance(value, (dict, list)) or not value:
+            return cs.literal(canonical_json(value))
+        ws = self.ws
+        if isinstance(value, list):
+            inner = (ws + "," + ws).join(self._literal(v) for v in value)
+            return "\\[" + ws + inner + ws + "\\]"
+        members = (ws + "," + ws).join(cs.literal(canonical_json(k)) + ws + ":" + ws + self._literal(v)
+                                       for k, v in value.items())
+        return "\\{" + ws + members + ws + "\\}"
 
     def _typed(self, schema: dict, path: str, only_types) -> Rx:
         types = _types(schema)
@@ -496,7 +504,8 @@ class SchemaCompiler:
             raise GrammarError(f"minLength {lo} is more than the {MAX_MIN_LENGTH} characters a grammar "
                                "can require of one string", keyword="minLength", path=f"{path}/minLength")
         spec = StringSpec(schema.get("minLength", 0), hi, schema.get("pattern"), fmt,
-                          self.opts.max_string_length)
+                          self.opts.max_string_length, exact_chars=self.opts.grammar,
+                          intersect=self.opts.grammar)
         if hi is not None and hi > self.opts.max_string_length and not schema.get("pattern") and not fmt:
             self.warnings.append(f"maxLength at {path}: strings are written with at most "
                                  f"{self.opts.max_string_length} characters (not {hi})")
@@ -651,8 +660,14 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
     Raises:
         GrammarError: as :func:`schema_to_regex`; GrammarTimeout past ``deadline``.
     """
-    compiler, regex = _compile(schema, SchemaOptions(whitespace, strict, max_recursion_depth,
-                                                     deadline=deadline, grammar=grammar))
+    # Served programs (grammar mode) drop the subsets that only kept outlines-core's index small:
+    # free-form values nest GRAMMAR_ANY_DEPTH deep, bounded strings take every character up to
+    # their real maxLength (the lazy backend builds states on demand; an eager index that grows
+    # too large times out in the background and the grammar stays lazy).
+    opts = (SchemaOptions(whitespace, strict, max_recursion_depth, any_max_depth=GRAMMAR_ANY_DEPTH,
+                          max_string_length=MAX_MIN_LENGTH, deadline=deadline, grammar=True)
+            if grammar else SchemaOptions(whitespace, strict, max_recursion_depth, deadline=deadline))
+    compiler, regex = _compile(schema, opts)
     notes = tuple(compiler.warnings)
     if compiler.rules or has_refs(regex):
         if is_empty(regex, compiler.rules):

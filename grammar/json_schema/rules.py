@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 REF_OPEN, REF_CLOSE = "\ue000", "\ue001"
 TERM_OPEN, TERM_CLOSE = "\ue002", "\ue003"
-MARKS = frozenset(map(ord, REF_OPEN + REF_CLOSE + TERM_OPEN + TERM_CLOSE))
+AND_OPEN, AND_MID, AND_CLOSE = "\ue004", "\ue005", "\ue006"
+MARKS = frozenset(map(ord, REF_OPEN + REF_CLOSE + TERM_OPEN + TERM_CLOSE + AND_OPEN + AND_MID + AND_CLOSE))
 _TERM = re.compile(TERM_OPEN + r"(\d+)" + TERM_CLOSE)
 
 
@@ -42,6 +43,21 @@ def ref(n: int) -> str:
 def term_ref(n: int) -> str:
     """The regex-text stand-in for terminal ``n``."""
     return f"{TERM_OPEN}{n}{TERM_CLOSE}"
+
+
+def both(a: str | None, b: str | None) -> str | None:
+    """The intersection of two regexes (``None``: empty); llguidance's ``&``, which a plain
+    regex cannot say: a program using it is served by the lazy backend only."""
+    if a is None or b is None:
+        return None
+    return f"{AND_OPEN}{a}{AND_MID}{b}{AND_CLOSE}"
+
+
+def is_regular_text(text: str, terminals=()) -> bool:
+    """Whether ``text`` (with its terminals) can be written as a plain regex (no rule
+    references, no intersections)."""
+    return (REF_OPEN not in text and AND_OPEN not in text
+            and not any(AND_OPEN in t or REF_OPEN in t for t in terminals))
 
 
 def has_refs(text: str) -> bool:
@@ -76,7 +92,10 @@ def expand(text: str, terminals: list[str] | tuple[str, ...]) -> str:
             done[n] = "(?:" + _TERM.sub(sub, terminals[n]) + ")"
         return done[n]
 
-    return _TERM.sub(sub, text)
+    out = _TERM.sub(sub, text)
+    if AND_OPEN in out:
+        raise ValueError("an intersection (&) has no plain-regex form")
+    return out
 
 
 @dataclass(slots=True)
@@ -93,6 +112,7 @@ class _Node:
 
 
 _REPEAT = re.compile(r"\{(\d+)(,(\d*))?\}")
+_SEQ_END = frozenset("|)" + AND_MID + AND_CLOSE)
 _ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", re.S)
 
 
@@ -124,7 +144,7 @@ class _Parser:
     def _seq(self) -> _Node:
         start = self.i
         items: list[_Node] = []
-        while self.i < len(self.s) and self.s[self.i] not in "|)":
+        while self.i < len(self.s) and self.s[self.i] not in _SEQ_END:
             items.append(self._quantified())
         return _Node("seq", start, self.i, items, has_ref=any(n.has_ref for n in items),
                      has_term=any(n.has_term for n in items))
@@ -157,6 +177,18 @@ class _Parser:
             rule = c == REF_OPEN
             return _Node("ref" if rule else "term", start, self.i, number=int(s[start + 1:end]),
                          has_ref=rule, has_term=not rule)
+        if c == AND_OPEN:
+            self.i = start + 1
+            left = self._alt()
+            if self.i >= len(s) or s[self.i] != AND_MID:
+                raise ValueError(f"unclosed intersection at {start}")
+            self.i += 1
+            right = self._alt()
+            if self.i >= len(s) or s[self.i] != AND_CLOSE:
+                raise ValueError(f"unclosed intersection at {start}")
+            self.i += 1
+            return _Node("and", start, self.i, [left, right], has_ref=left.has_ref or right.has_ref,
+                         has_term=True)
         if c == "(":
             if not s.startswith("(?:", start):
                 raise ValueError(f"only non-capturing groups are written, at {start}")
@@ -275,7 +307,7 @@ class _Writer:
         """One lexeme for the rule-free ``text``: a regex, or a named terminal when it uses terminals."""
         if not text:
             return ""
-        if TERM_OPEN not in text:
+        if TERM_OPEN not in text and AND_OPEN not in text:
             return _lexeme(text)
         name = self.pieces.get(text)
         if name is None:
@@ -316,7 +348,9 @@ class _Writer:
             body = "(" + " | ".join(nonempty) + ")"
             return body + "?" if len(nonempty) < len(branches) else body
         if node.kind == "rep":
-            return f"({self._rule(node.children[0], text, depth)}){_op(node.lo, node.hi)}"
+            inner = node.children[0]
+            inner = inner.children[0] if inner.kind == "group" else inner  # one pair of parentheses
+            return f"({self._rule(inner, text, depth)}){_op(node.lo, node.hi)}"
         raise ValueError(f"unexpected node {node.kind}")
 
     def terminal(self, node: _Node, text: str, depth: int = 0) -> str:
@@ -331,6 +365,9 @@ class _Writer:
             return _lexeme(span) if span else ""
         if node.kind == "group":
             return "(" + self.terminal(node.children[0], text, depth) + ")"
+        if node.kind == "and":
+            a, b = (self.terminal(c, text, depth) or '""' for c in node.children)
+            return f"(({a}) & ({b}))"
         if node.kind == "seq":
             parts, run = [], []
             for child in node.children:
@@ -350,5 +387,7 @@ class _Writer:
             body = "(" + " | ".join(nonempty) + ")"
             return body + "?" if len(nonempty) < len(branches) else body
         if node.kind == "rep":
-            return f"({self.terminal(node.children[0], text, depth)}){_op(node.lo, node.hi)}"
+            inner = node.children[0]
+            inner = inner.children[0] if inner.kind == "group" else inner
+            return f"({self.terminal(inner, text, depth)}){_op(node.lo, node.hi)}"
         raise ValueError(f"unexpected node {node.kind}")
