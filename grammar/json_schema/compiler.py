@@ -45,10 +45,11 @@ from grammar.json_schema.oneof import disjoint, exclusive_required, promote_disc
 from grammar.json_schema.refs import RefResolver
 from grammar.json_schema.rules import REF_OPEN, expand, has_refs, is_empty, ref, term_ref, to_lark
 from grammar.json_schema.rx import Rx, alt, repeat, seq
-from grammar.json_schema.strings import StringError, StringSpec, excluded_keys_regex, string_regex
+from grammar.json_schema.strings import ANY_CHAR, StringError, StringSpec, excluded_keys_regex, string_regex
 
 MAX_MIN_LENGTH = 10_000  # most characters minLength may require (each is an automaton state)
 GRAMMAR_ANY_DEPTH = 3  # container nesting of free-form values in served programs
+ANY_CHAR_GROUP = ANY_CHAR if ANY_CHAR.startswith("(?:") else "(?:" + ANY_CHAR + ")"
 
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _TYPE_KEYWORDS = {
@@ -136,12 +137,26 @@ class SchemaCompiler:
     def term(self, rx: str) -> str:
         """``rx`` as a terminal reference when it is long enough to be worth sharing (grammar
         mode); identical regexes share one terminal. Text referring to a rule stays as it is."""
-        if len(rx) < self.opts.term_min_chars or REF_OPEN in rx or _is_term(rx):
+        if len(rx) < self.opts.term_min_chars or _is_term(rx):
             return rx
+        if REF_OPEN in rx:  # not regular: a long piece becomes a helper rule (shared the same way)
+            if len(rx) < 4 * self.opts.term_min_chars or _is_ref(rx):
+                return rx
+            key = "text:" + rx
+            n = self.rule_ids.get(key)
+            if n is None:
+                n = self.rule_ids[key] = len(self.rule_ids)
+                self.rules[n] = rx
+            return ref(n)
         n = self.term_ids.get(rx)
         if n is None:
-            n = self.term_ids[rx] = len(self.terminals)
-            self.terminals.append(rx)
+            if rx != ANY_CHAR_GROUP and ANY_CHAR_GROUP in rx:
+                # The JSON character class is in every free string: one shared terminal.
+                rx = rx.replace(ANY_CHAR_GROUP, self.term(ANY_CHAR_GROUP))
+                n = self.term_ids.get(rx)
+            if n is None:
+                n = self.term_ids[rx] = len(self.terminals)
+                self.terminals.append(rx)
         return term_ref(n)
 
     def any_value(self, depth: int | None = None) -> str:
@@ -149,8 +164,8 @@ class SchemaCompiler:
         depth = self.opts.any_max_depth if depth is None else depth
         scalar = alt(['"' + self._any_char() + '*"', nr.NUMBER, "true", "false", "null"])
         if depth <= 0:
-            return scalar
-        inner = self.any_value(depth - 1)
+            return self._share(scalar)
+        inner = self._share(self.any_value(depth - 1))
         comma, colon = self.ws + "," + self.ws, self.ws + ":" + self.ws
         n = self.opts.any_max_length
         more = None if n is None else max(n - 1, 0)
@@ -159,7 +174,11 @@ class SchemaCompiler:
         member = seq('"' + self._any_char() + '*"', colon, inner)
         obj = seq("\\{", self.ws, alt(["", seq(member, repeat(seq(comma, member), 0, more))]),
                   self.ws, "\\}")
-        return alt([scalar, array, obj])  # type: ignore[list-item]
+        return self._share(alt([self._share(scalar), array, obj]))  # type: ignore[list-item]
+
+    def _share(self, rx: Rx) -> Rx:
+        """``rx`` as a shared terminal in grammar mode (itself otherwise)."""
+        return self.term(rx) if self.opts.grammar and rx is not None else rx
 
     @staticmethod
     def _any_char() -> str:
@@ -581,6 +600,10 @@ _ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaxim
                "not", "if", "then", "else", "dependentSchemas", "dependencies", "format", "$ref"}
 
 
+def _is_ref(rx: str) -> bool:
+    return rx.startswith("\ue000") and rx.endswith("\ue001") and rx.count("\ue000") == 1
+
+
 def _is_term(rx: str) -> bool:
     return rx.startswith("\ue002") and rx.endswith("\ue003") and rx.count("\ue002") == 1
 
@@ -670,10 +693,11 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
     compiler, regex = _compile(schema, opts)
     notes = tuple(compiler.warnings)
     if compiler.rules or has_refs(regex):
-        if is_empty(regex, compiler.rules):
+        trees: dict = {}
+        if is_empty(regex, compiler.rules, trees):
             raise GrammarError("the schema admits no value (unsatisfiable): it refers to itself with "
                                "no way to end", keyword="$ref", path="#")
-        return Program("lark", to_lark(regex, compiler.rules, compiler.terminals), notes)
+        return Program("lark", to_lark(regex, compiler.rules, compiler.terminals, trees), notes)
     return Program("regex", regex, notes, tuple(compiler.terminals))
 
 

@@ -111,114 +111,142 @@ class _Node:
     has_term: bool = False  # refers to a terminal somewhere inside
 
 
-_REPEAT = re.compile(r"\{(\d+)(,(\d*))?\}")
-_SEQ_END = frozenset("|)" + AND_MID + AND_CLOSE)
-_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)", re.S)
+# A run of characters that are atoms on their own (no metacharacter, class, escape or mark).
+
+
+def _parse(text: str, cache: dict | None = None) -> "_Node":
+    """The parse tree of ``text``, from ``cache`` (text → tree) when it is there."""
+    if cache is None:
+        return _Parser(text).parse()
+    tree = cache.get(text)
+    if tree is None:
+        tree = cache[text] = _Parser(text).parse()
+    return tree
+
+
+_MARK_CHARS = "".join(chr(c) for c in range(0xE000, 0xE007))
+# One token of the dialect; a run of plain characters is one token (scanned in C, not per char).
+_TOKEN = re.compile(
+    r"(?P<plain>[^\\()|?*+{\[" + _MARK_CHARS + r"]+)"
+    r"|(?P<esc>\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.))"
+    r"|(?P<cls>\[\^?\]?(?:\\.|[^\]\\])*\])"
+    r"|(?P<open>\(\?:)|(?P<close>\))|(?P<bar>\|)"
+    r"|(?P<quant>[?*+]|\{\d+(?:,\d*)?\})"
+    r"|(?P<ref>\ue000\d+\ue001)|(?P<term>\ue002\d+\ue003)"
+    r"|(?P<and>\ue004)|(?P<mid>\ue005)|(?P<end>\ue006)", re.S)
 
 
 class _Parser:
     """A parser for the compiler's regex dialect: ``(?:...)``, ``|``, quantifiers ``? * + {m}
-    {m,} {m,n}``, classes ``[...]``, escapes ``\\c``/``\\xHH``/``\\uHHHH``, references."""
+    {m,} {m,n}``, classes ``[...]``, escapes ``\\c``/``\\xHH``/``\\uHHHH``, references.
+
+    The text is cut into tokens first (one C-level scan; a run of literal characters is one
+    token, split before a quantifier so that it binds to the last character only)."""
 
     def __init__(self, text: str):
         self.s = text
-        self.i = 0
+        toks: list[tuple[str, int, int]] = []
+        pos = 0
+        for m in _TOKEN.finditer(text):
+            if m.start() != pos:
+                raise ValueError(f"unexpected {text[pos]!r} at {pos}")
+            kind = m.lastgroup
+            if kind == "quant" and toks and toks[-1][0] == "plain" and toks[-1][2] - toks[-1][1] > 1:
+                _, a, b = toks.pop()
+                toks.append(("plain", a, b - 1))
+                toks.append(("plain", b - 1, b))
+            toks.append((kind, m.start(), m.end()))
+            pos = m.end()
+        if pos != len(text):
+            raise ValueError(f"unexpected {text[pos]!r} at {pos}")
+        self.toks = toks
+        self.k = 0
+
+    def _peek(self) -> str | None:
+        return self.toks[self.k][0] if self.k < len(self.toks) else None
+
+    def _pos(self) -> int:
+        return self.toks[self.k][1] if self.k < len(self.toks) else len(self.s)
 
     def parse(self) -> _Node:
         node = self._alt()
-        if self.i != len(self.s):
-            raise ValueError(f"unexpected {self.s[self.i]!r} at {self.i}")
+        if self.k != len(self.toks):
+            raise ValueError(f"unexpected {self.s[self._pos()]!r} at {self._pos()}")
         return node
 
     def _alt(self) -> _Node:
-        start = self.i
+        start = self._pos()
         branches = [self._seq()]
-        while self.i < len(self.s) and self.s[self.i] == "|":
-            self.i += 1
+        while self._peek() == "bar":
+            self.k += 1
             branches.append(self._seq())
         if len(branches) == 1:
             return branches[0]
-        return _Node("alt", start, self.i, branches, has_ref=any(b.has_ref for b in branches),
+        return _Node("alt", start, self._pos(), branches, has_ref=any(b.has_ref for b in branches),
                      has_term=any(b.has_term for b in branches))
 
     def _seq(self) -> _Node:
-        start = self.i
+        start = self._pos()
         items: list[_Node] = []
-        while self.i < len(self.s) and self.s[self.i] not in _SEQ_END:
+        while self._peek() not in _SEQ_STOP:
             items.append(self._quantified())
-        return _Node("seq", start, self.i, items, has_ref=any(n.has_ref for n in items),
+        return _Node("seq", start, self._pos(), items, has_ref=any(n.has_ref for n in items),
                      has_term=any(n.has_term for n in items))
 
     def _quantified(self) -> _Node:
         atom = self._atom()
-        s = self.s
-        while self.i < len(s) and s[self.i] in "?*+{":
-            c = s[self.i]
-            if c == "{":
-                m = _REPEAT.match(s, self.i)
-                if m is None:
-                    raise ValueError(f"bad repetition at {self.i}")
-                lo = int(m.group(1))
-                hi = lo if m.group(2) is None else (int(m.group(3)) if m.group(3) else None)
-                self.i = m.end()
+        while self._peek() == "quant":
+            _, a, b = self.toks[self.k]
+            q = self.s[a:b]
+            if q[0] == "{":
+                lo_s, _, hi_s = q[1:-1].partition(",")
+                lo = int(lo_s)
+                hi = lo if "," not in q else (int(hi_s) if hi_s else None)
             else:
-                lo, hi = {"?": (0, 1), "*": (0, None), "+": (1, None)}[c]
-                self.i += 1
-            atom = _Node("rep", atom.start, self.i, [atom], lo, hi, has_ref=atom.has_ref,
-                         has_term=atom.has_term)
+                lo, hi = {"?": (0, 1), "*": (0, None), "+": (1, None)}[q]
+            self.k += 1
+            atom = _Node("rep", atom.start, b, [atom], lo, hi, has_ref=atom.has_ref, has_term=atom.has_term)
         return atom
 
     def _atom(self) -> _Node:
-        s, start = self.s, self.i
-        c = s[start]
-        if c == REF_OPEN or c == TERM_OPEN:
-            end = s.index(REF_CLOSE if c == REF_OPEN else TERM_CLOSE, start)
-            self.i = end + 1
-            rule = c == REF_OPEN
-            return _Node("ref" if rule else "term", start, self.i, number=int(s[start + 1:end]),
-                         has_ref=rule, has_term=not rule)
-        if c == AND_OPEN:
-            self.i = start + 1
-            left = self._alt()
-            if self.i >= len(s) or s[self.i] != AND_MID:
-                raise ValueError(f"unclosed intersection at {start}")
-            self.i += 1
-            right = self._alt()
-            if self.i >= len(s) or s[self.i] != AND_CLOSE:
-                raise ValueError(f"unclosed intersection at {start}")
-            self.i += 1
-            return _Node("and", start, self.i, [left, right], has_ref=left.has_ref or right.has_ref,
-                         has_term=True)
-        if c == "(":
-            if not s.startswith("(?:", start):
-                raise ValueError(f"only non-capturing groups are written, at {start}")
-            self.i = start + 3
+        if self.k >= len(self.toks):
+            raise ValueError("unexpected end of regex")
+        kind, a, b = self.toks[self.k]
+        self.k += 1
+        if kind in ("plain", "esc", "cls"):
+            return _Node("atom", a, b)
+        if kind in ("ref", "term"):
+            rule = kind == "ref"
+            return _Node(kind, a, b, number=int(self.s[a + 1:b - 1]), has_ref=rule, has_term=not rule)
+        if kind == "open":
             inner = self._alt()
-            if self.i >= len(s) or s[self.i] != ")":
-                raise ValueError(f"unclosed group at {start}")
-            self.i += 1
-            return _Node("group", start, self.i, [inner], has_ref=inner.has_ref, has_term=inner.has_term)
-        if c == "[":
-            j = start + 1
-            if j < len(s) and s[j] == "^":
-                j += 1
-            if j < len(s) and s[j] == "]":
-                j += 1
-            while j < len(s) and s[j] != "]":
-                j += 2 if s[j] == "\\" else 1
-            self.i = j + 1
-            return _Node("atom", start, self.i)
-        if c == "\\":
-            self.i = _ESCAPE.match(s, start).end()
-            return _Node("atom", start, self.i)
-        self.i = start + 1
-        return _Node("atom", start, self.i)
+            if self._peek() != "close":
+                raise ValueError(f"unclosed group at {a}")
+            end = self.toks[self.k][2]
+            self.k += 1
+            return _Node("group", a, end, [inner], has_ref=inner.has_ref, has_term=inner.has_term)
+        if kind == "and":
+            left = self._alt()
+            if self._peek() != "mid":
+                raise ValueError(f"unclosed intersection at {a}")
+            self.k += 1
+            right = self._alt()
+            if self._peek() != "end":
+                raise ValueError(f"unclosed intersection at {a}")
+            end = self.toks[self.k][2]
+            self.k += 1
+            return _Node("and", a, end, [left, right], has_ref=left.has_ref or right.has_ref, has_term=True)
+        raise ValueError(f"unexpected {self.s[a:b]!r} at {a}")
 
 
-def is_empty(root: str, rules: dict[int, str]) -> bool:
+_SEQ_STOP = frozenset({None, "bar", "close", "mid", "end"})
+
+
+def is_empty(root: str, rules: dict[int, str], cache: dict | None = None) -> bool:
     """Whether the grammar admits no finite document (every derivation of ``root`` recurses
-    forever): the usual fixpoint of productive rules (Hopcroft and Ullman 1979, §4.4)."""
-    trees = {n: _Parser(body).parse() for n, body in rules.items()}
+    forever): the usual fixpoint of productive rules (Hopcroft and Ullman 1979, §4.4).
+    ``cache``: text → parse tree, shared with :func:`to_lark`."""
+    trees = {n: _parse(body, cache) for n, body in rules.items()}
     productive: set[int] = set()
 
     def derives(node: _Node) -> bool:
@@ -241,19 +269,20 @@ def is_empty(root: str, rules: dict[int, str]) -> bool:
             if n not in productive and derives(tree):
                 productive.add(n)
                 changed = True
-    return not derives(_Parser(root).parse())
+    return not derives(_parse(root, cache))
 
 
-def to_lark(root: str, rules: dict[int, str], terminals: list[str] | tuple[str, ...] = ()) -> str:
+def to_lark(root: str, rules: dict[int, str], terminals: list[str] | tuple[str, ...] = (),
+            cache: dict | None = None) -> str:
     """A Lark grammar whose ``start`` is ``root``; rule ``n`` is named ``r<n>``, terminal ``n``
     ``T<n>``. Without rules it is one terminal (``start: MAIN``): the regex's language exactly.
 
     Raises:
         ValueError: text outside the compiler's regex dialect (a bug, not a user error).
     """
-    w = _Writer(terminals)
+    w = _Writer(terminals, {} if cache is None else cache)
     if not rules and not has_refs(root):
-        lines = [f"start: MAIN", f"MAIN: {w.terminal(_Parser(root).parse(), root) or chr(34) * 2}"]
+        lines = ["start: MAIN", f"MAIN: {w.terminal(_parse(root, w.cache), root) or chr(34) * 2}"]
     else:
         lines = [f"start: {w.rule(root)}"]
         lines += [f"r{n}: {w.rule(rules[n])}" for n in sorted(rules)]
@@ -278,8 +307,9 @@ _MAX_NESTING = 24  # llguidance refuses Lark nested too deeply; deeper pieces ge
 class _Writer:
     """Writes parsed texts as Lark: rule expressions and terminal definitions (shared)."""
 
-    def __init__(self, terminals):
+    def __init__(self, terminals, cache: dict):
         self.terminals = terminals
+        self.cache = cache
         self.defs: list[str] = []
         self.named: set[int] = set()
         self.pieces: dict[str, str] = {}  # lexeme text with terminal references → its name
@@ -294,13 +324,13 @@ class _Writer:
         return name
 
     def rule(self, text: str) -> str:
-        return self._rule(_Parser(text).parse(), text) or '""'
+        return self._rule(_parse(text, self.cache), text) or '""'
 
     def _name_terminal(self, n: int) -> str:
         if n not in self.named:
             self.named.add(n)
             body = self.terminals[n]
-            self.defs.append(f"T{n}: {self.terminal(_Parser(body).parse(), body)}")
+            self.defs.append(f"T{n}: {self.terminal(_parse(body, self.cache), body)}")
         return f"T{n}"
 
     def _lexeme(self, text: str, node: _Node | None = None) -> str:
@@ -312,7 +342,7 @@ class _Writer:
         name = self.pieces.get(text)
         if name is None:
             name = self.pieces[text] = f"L{len(self.pieces)}"
-            tree = node if node is not None else _Parser(text).parse()
+            tree = node if node is not None else _parse(text, self.cache)
             self.defs.append(f"{name}: {self.terminal(tree, text)}")
         return name
 
