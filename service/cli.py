@@ -18,6 +18,7 @@ from pathlib import Path
 
 BENCHMARKS = {
     "conformance": "JSON Schema conformance of constrained outputs over a corpus",
+    "maskbench": "MaskBench's own harness (jsonschemabench) on Stencil's grammar API",
     "throughput": "decode tokens/s and latency at several concurrencies",
     "spec": "speculative decoding on a copy-heavy extraction workload",
     "cpu_kernels": "native CPU int4 GEMM and paged attention against torch's, same run",

@@ -40,6 +40,7 @@ from grammar.base import GrammarError, GrammarTimeout, Program
 from grammar.json_schema.arrays import compile_array
 from grammar.json_schema.canonical import canonical_json
 from grammar.json_schema.merge import MergeError, json_key, merge
+from grammar.json_schema.multiples import multiple_rules
 from grammar.json_schema.objects import compile_object
 from grammar.json_schema.oneof import disjoint, exclusive_required, promote_discriminators
 from grammar.json_schema.refs import RefResolver
@@ -230,6 +231,13 @@ class SchemaCompiler:
             if key in schema:
                 self.unsupported(key, path)
         if "not" in schema:
+            neg = self._deref(schema["not"], f"{path}/not")
+            if (isinstance(neg, dict) and set(neg) <= {"required"} | _ANNOTATIONS
+                    and isinstance(neg.get("required"), list) and 1 < len(neg["required"]) <= 8):
+                # not all of these present = one of them absent (exact; a union of cases)
+                rest = {k: v for k, v in schema.items() if k != "not"}
+                absent = [{"properties": {name: False}} for name in neg["required"]]
+                return self.sub({"allOf": [rest, {"anyOf": absent}]}, path, only_types)
             schema = self._not(schema, path)
             if schema is None:
                 return None
@@ -404,6 +412,16 @@ class SchemaCompiler:
                 self.unsupported(exc.keyword, f"{path}/oneOf", exc.message)
                 merged = b
             branches.append(merged)
+        finite = [self._finite_values_deep(b, path) for b in branches]
+        if all(f is not None for f in finite):
+            # Finite branches: keep the values that validate against exactly one of them.
+            values, seen = [], set()
+            for v in (v for f in finite for v in f):
+                if json_key(v) not in seen:
+                    seen.add(json_key(v))
+                    values.append(v)
+            kept = [v for v in values if sum(self.value_valid(v, b) for b in branches) == 1]
+            return self._enum({}, path, only_types, kept) if kept else None
         branches = promote_discriminators(self, branches)
         for i in range(len(branches)):
             for j in range(i + 1, len(branches)):
@@ -454,6 +472,22 @@ class SchemaCompiler:
         for m in members:
             if isinstance(m, dict) and ("enum" in m or "const" in m):
                 return _enum_values(m)
+        return None
+
+    def _finite_values_deep(self, schema: object, path: str, depth: int = 0) -> list | None:
+        """The values of a schema that admits finitely many (``enum``/``const``, also through
+        ``$ref``, ``allOf`` members and ``anyOf``/``oneOf`` of finite branches), or None."""
+        schema = self._deref(schema, path)
+        if not isinstance(schema, dict) or depth > 8:
+            return None
+        found = self._finite_values(schema, path)
+        if found is not None:
+            return found
+        for key in ("oneOf", "anyOf"):
+            if isinstance(schema.get(key), list):
+                parts = [self._finite_values_deep(b, path, depth + 1) for b in schema[key]]
+                if all(p is not None for p in parts):
+                    return [v for p in parts for v in p]
         return None
 
     def _enum(self, schema: dict, path: str, only_types, values: list | None = None) -> Rx:
@@ -551,8 +585,29 @@ class SchemaCompiler:
                 return self._int_fraction_multiple(mult, ilo, ihi, path)
             return self._int_multiple(int(Decimal(str(mult))) if mult is not None else 1, ilo, ihi, path)
         if mult is not None:
-            self.unsupported("multipleOf", path)
+            step = _dyadic_step(mult)
+            if step is not None and self.opts.grammar and (lo is None or (lo == 0 and not lo_x)) and hi is None:
+                out = self._multiple_rules(*step, negative=lo is None)
+                if out is not None:
+                    return out
+            self.unsupported("multipleOf", path, "multipleOf is enforced exactly for integer steps, "
+                             "and for decimal steps a float represents exactly (0.5, 0.25, 2.5), without "
+                             "bounds or with minimum 0: jsonschema divides floats, and refuses most "
+                             "multiples of 0.1 or 0.01")
         return nr.number_range(lo, lo_x, hi, hi_x)
+
+    def _multiple_rules(self, a: int, n: int, negative: bool) -> Rx:
+        """Grammar mode: the remainder automaton (``multiples.multiple_rules``) as rules."""
+        def new_rules(count: int) -> list[int]:
+            start = len(self.rule_ids)
+            for i in range(count):
+                self.rule_ids[f"multiple:{a}:{n}:{start + i}"] = start + i
+            return list(range(start, start + count))
+
+        key = ("multiple", a, n, negative)
+        if key not in self.bodies:
+            self.bodies[key] = multiple_rules(a, n, new_rules, self.rules.__setitem__, negative)
+        return self.bodies[key]
 
     def _int_fraction_multiple(self, mult, lo, hi, path) -> Rx:
         # Every integer is a multiple of 1/k for integer k.
@@ -572,8 +627,27 @@ class SchemaCompiler:
             return alt([str(v) for v in range(first, hi + 1, k)])
         if lo is None and hi is None and k in (2, 5, 10):
             return "(?:" + _multiple_tail(k) + ")"
+        if self.opts.grammar and (lo is None or lo == 0) and hi is None:
+            out = self._multiple_rules(k, 0, negative=lo is None)
+            if out is not None:
+                return out
         self.unsupported("multipleOf", path)
         return nr.int_range(lo, hi)
+
+
+def _dyadic_step(mult) -> tuple[int, int] | None:
+    """``(a, n)`` with ``mult == a * 10**-n`` when the float ``mult`` is that decimal exactly (a
+    binary fraction such as 0.5, 0.25 or 2.5), so jsonschema's float division agrees with decimal
+    arithmetic on the multiples the grammar writes; else None."""
+    if isinstance(mult, bool) or not isinstance(mult, (int, float)) or mult <= 0:
+        return None
+    dec = Decimal(repr(mult)) if isinstance(mult, float) else Decimal(mult)
+    if isinstance(mult, float) and Decimal(mult) != dec:
+        return None
+    exp = -dec.as_tuple().exponent if dec.as_tuple().exponent < 0 else 0
+    if exp > 6:
+        return None
+    return int(dec.scaleb(exp)), exp
 
 
 def _multiple_tail(k: int) -> str:
