@@ -281,3 +281,24 @@ def test_maskbench_instances_get_the_same_verdicts_and_masks_on_both_backends(to
     finally:
         eager.close()
     assert compared >= 30
+
+
+def test_the_public_grammar_api_as_the_readme_shows_it(tokenizer):
+    """The names external harnesses drive (README, "The grammar API"), used exactly that way."""
+    from grammar import GrammarCompiler as PublicCompiler
+    from grammar import GrammarSpec as PublicSpec
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with PublicCompiler(tokenizer, len(tokenizer), max_workers=2, timeout_s=10.0, cache_size=256) as compiler:
+        for spec, text in ((PublicSpec.json_schema(schema, whitespace="flexible"), '{"a": 7}'),
+                           (PublicSpec.regex(r"[0-9]{3}-x"), "123-x"),
+                           (PublicSpec.choice(["yes", "no"]), "no"),
+                           (PublicSpec.grammar('start: "(" start ")" | "x"'), "((x))")):
+            compiled = compiler.compile(spec)
+            m = compiled.matcher()
+            bitmask = allocate_bitmask(1, len(tokenizer))
+            for t in tokenizer.encode(text, add_special_tokens=False):
+                m.fill_bitmask(bitmask, 0)
+                assert (int(bitmask[0, t >> 5]) >> (t & 31)) & 1
+                assert m.accept_tokens([t])
+            assert m.is_accepting(), text
