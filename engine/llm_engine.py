@@ -16,7 +16,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput, make_matcher
 from engine.spec_decode import (SpecConfig, SpecState, StepCost, TokenSplits, propose_ngram, propose_text,
                                  propose_value, span_end)
 
@@ -109,7 +109,8 @@ class LLMEngine:
         if isinstance(grammar, Future):
             future = grammar
         elif grammar is not None:
-            matcher = grammar.matcher()
+            self.check_budget(grammar, params)
+            matcher = make_matcher(grammar, params)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_id, matcher, future)
         if spec is not None:
             req.spec_state = SpecState()
@@ -156,6 +157,19 @@ class LLMEngine:
             return SpecConfig.from_dict(params.speculative) if params.speculative is not None else self.default_spec
         except (ValueError, TypeError) as e:
             raise EngineError(str(e)) from None
+
+    def check_budget(self, grammar, params: SamplingParams) -> None:
+        """Refuse a constrained request whose ``max_tokens`` cannot hold the shortest output.
+
+        Raises:
+            EngineError: naming ``max_tokens`` and the minimum.
+        """
+        if not params.close_on_budget or not hasattr(grammar, "min_output_tokens"):
+            return
+        need = grammar.min_output_tokens(params.max_tokens)
+        if need is not None:
+            raise EngineError(f"max_tokens {params.max_tokens} is below the shortest output this grammar "
+                              f"admits: it needs at least {need} tokens (or set close_on_budget false)")
 
     @property
     def kernels(self) -> dict[str, str]:
@@ -474,6 +488,9 @@ class LLMEngine:
             num_verify_steps=m.num_verify_steps, num_forced_tokens=m.num_forced_tokens,
             num_steps=m.num_steps,
             new_logprobs=req.output_logprobs[len(req.output_logprobs) - len(new):] if req.params.logprobs and new else [],
+            closed_by_budget=finished and (bool(getattr(req.matcher, "closed_by_budget", False))
+                                           or req.finish_reason_detail == "budget"),
+            budget_cuts=list(getattr(req.matcher, "narrowed", ())) if finished else [],
         )
 
     # -- convenience ---------------------------------------------------------------------------

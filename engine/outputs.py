@@ -23,6 +23,9 @@ class RequestOutput:
         total_ms: time from arrival to finish (ms), once finished.
         num_draft_tokens / num_accepted_tokens / num_forced_tokens: speculation counters.
         new_logprobs: log-probabilities of ``new_token_ids`` when requested.
+        closed_by_budget: on the last output: the budget narrowed the grammar's masks so that the
+            output ended complete within ``max_tokens`` (``grammar.budget``).
+        budget_cuts: on the last output: output byte offsets where it did.
     """
 
     request_id: str
@@ -42,3 +45,5 @@ class RequestOutput:
     num_forced_tokens: int = 0
     num_steps: int = 0
     new_logprobs: list[float] = field(default_factory=list)
+    closed_by_budget: bool = False
+    budget_cuts: list[int] = field(default_factory=list)

@@ -53,6 +53,8 @@ class SamplingParams:
         logprobs: return the log-probability of each chosen token.
         speculative: per-request n-gram speculation settings, or ``None`` for the engine default;
             ``{"method": "off"}`` disables it.
+        close_on_budget: under a grammar, keep the output closable within ``max_tokens`` (budget-
+            aware masks, ``grammar.budget``) so it ends complete; False: cut at ``max_tokens``.
     """
 
     max_tokens: int = 256
@@ -64,6 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     speculative: dict | None = None
+    close_on_budget: bool = True
 
     @property
     def greedy(self) -> bool:

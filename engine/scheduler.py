@@ -59,6 +59,13 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+def make_matcher(grammar, params):
+    """The request's matcher: budget-aware unless ``params.close_on_budget`` is off."""
+    if params.close_on_budget and hasattr(grammar, "budget_matcher"):
+        return grammar.budget_matcher(params.max_tokens)
+    return grammar.matcher()
+
+
 class Scheduler:
     """Decides which requests run each step and keeps their KV blocks."""
 
@@ -188,7 +195,14 @@ class Scheduler:
             req.error = str(exc)
             self.finish(req, RequestStatus.FINISHED_ERROR)
             return False
-        req.matcher = fut.result().matcher()
+        grammar = fut.result()
+        need = grammar.min_output_tokens(req.params.max_tokens) if req.params.close_on_budget else None
+        if need is not None:
+            req.error = (f"max_tokens {req.params.max_tokens} is below the shortest output this "
+                         f"grammar admits ({need} tokens)")
+            self.finish(req, RequestStatus.FINISHED_ERROR)
+            return False
+        req.matcher = make_matcher(grammar, req.params)
         req.status = RequestStatus.WAITING
         return True
 
@@ -294,7 +308,11 @@ class Scheduler:
             elif req.matcher is not None and req.matcher.is_terminated():
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
             elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-                self.finish(req, RequestStatus.FINISHED_LENGTH)
+                # A budget-aware matcher kept the output closable: at the budget it is complete.
+                complete = getattr(req.matcher, "closed_by_budget", None) is not None and req.matcher.is_accepting()
+                if complete:
+                    req.finish_reason_detail = "budget"
+                self.finish(req, RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_LENGTH)
             if req.is_finished:
                 break
         return added

@@ -68,13 +68,18 @@ class Program:
         text: the regex or the grammar. A schema's regex may use *terminal references* to
             ``terminals`` (pieces written once, used many times; ``json_schema.rules``).
         warnings: notes from the translation (keywords relaxed, bounds applied).
-        terminals: the regex pieces ``text`` refers to (regex programs only).
+        terminals: the regex pieces ``text`` (or ``root``) refers to.
+        root, rules: for a Lark program written by the JSON Schema compiler, its start and its
+            rules as regex text with references (what the closing automaton reads); ``None`` /
+            empty for regexes and hand-written grammars.
     """
 
     kind: Literal["regex", "lark"]
     text: str
     warnings: tuple[str, ...] = ()
     terminals: tuple[str, ...] = ()
+    root: str | None = None
+    rules: tuple[tuple[int, str], ...] = ()
 
     @property
     def regular(self) -> bool:

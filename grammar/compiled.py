@@ -38,6 +38,9 @@ class CompiledGrammar:
         self._errors: dict[str, GrammarError] = {}  # backend name → why it could not build
         self._pending: dict[str, Future] = {}  # backend name → build in flight
         self.sightings = 1  # compiles that asked for this spec (auto builds eager on the second)
+        self._closing: Future | None = None  # the closing automaton (grammar.closing), once asked for
+        self._closing_pool = None  # an executor for building it off the caller's thread
+        self._min_bytes: int | None = None
 
     # -- what the engine uses ----------------------------------------------------------------
     def matcher(self, backend: str | None = None):
@@ -62,6 +65,65 @@ class CompiledGrammar:
                 raise GrammarError(f"no {backend or 'ready'} grammar for this spec",
                                    keyword="grammar_backend")
         return grammar.matcher()
+
+    def budget_matcher(self, max_tokens: int, backend: str | None = None):
+        """A cursor (as :meth:`matcher`) that also keeps the output closable within
+        ``max_tokens`` tokens (:class:`grammar.budget.BudgetMatcher`)."""
+        from grammar.budget import BudgetMatcher
+
+        return BudgetMatcher(self.matcher(backend), self.closing(), max_tokens)
+
+    def closing(self) -> Future:
+        """The grammar's closing automaton, built once in the background (a future; it raises
+        ``ClosingUnsupported`` for grammars it does not model)."""
+        with self._lock:
+            if self._closing is None:
+                if self._closing_pool is not None:
+                    try:
+                        self._closing = self._closing_pool.submit(self._build_closing)
+                    except RuntimeError:  # pool shut down
+                        self._closing = None
+                if self._closing is None:
+                    f: Future = Future()
+                    try:
+                        f.set_result(self._build_closing())
+                    except Exception as e:  # noqa: BLE001
+                        f.set_exception(e)
+                    self._closing = f
+            return self._closing
+
+    def _build_closing(self):
+        from grammar.closing import ClosingAutomaton
+
+        return ClosingAutomaton(self.program, self.vocab)
+
+    def min_output_tokens(self, max_tokens: int) -> int | None:
+        """The fewest tokens an output needs, when that is more than ``max_tokens`` (``None``:
+        ``max_tokens`` is enough, or the grammar is not modelled). Cheap when ``max_tokens`` is
+        at least the shortest output's bytes (each token spells at least one byte)."""
+        if self._min_bytes is None:
+            from grammar.json_schema.rules import min_bytes
+
+            p = self.program
+            try:
+                if p.kind == "regex":
+                    self._min_bytes = min_bytes(p.text, p.terminals)
+                elif p.root is not None:
+                    self._min_bytes = min_bytes(p.root, p.terminals, dict(p.rules))
+                else:
+                    self._min_bytes = 0
+            except ValueError:  # a user regex outside the compiler's dialect: 4 bytes a character
+                import re._parser as sre_parse
+
+                self._min_bytes = 4 * sre_parse.parse(p.text).getwidth()[0]
+        if max_tokens >= self._min_bytes:
+            return None
+        try:
+            automaton = self.closing().result()
+        except Exception:  # noqa: BLE001 - not modelled: no admission check
+            return None
+        need = automaton.token_distance(automaton.start)
+        return need if need > max_tokens else None
 
     @property
     def backend(self) -> str:
@@ -117,6 +179,9 @@ class PinnedGrammar:
 
     def matcher(self):
         return self.grammar.matcher(self.pinned)
+
+    def budget_matcher(self, max_tokens: int):
+        return self.grammar.budget_matcher(max_tokens, self.pinned)
 
     @property
     def backend(self) -> str:

@@ -101,8 +101,11 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
         # Eager builds never share the request pool: a slow index cannot delay a lazy compile.
         self._eager_pool = ThreadPoolExecutor(max_workers=eager_workers, thread_name_prefix="grammar-eager")
+        # Closing automata (budget-aware masks) are built after the compile, off the request path.
+        self._closing_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-closing")
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._eager_pool, self._backends)
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._eager_pool, self._backends,
+                                           self._closing_pool)
         if backend != "eager":
             self.backend("lazy")  # its tokenizer trie takes ~0.6 s for 49 k tokens: pay it up front
 
@@ -291,6 +294,7 @@ class GrammarCompiler:
             program = to_program(spec, max_recursion_depth=self._depth,
                                  deadline=time.monotonic() + self._timeout_s)
             grammar = CompiledGrammar(spec, program, self.vocab, policy)
+            grammar._closing_pool = self._closing_pool
             first = "eager" if policy == "eager" else "lazy"
             grammar._set(first, self._build(first, program, spec))
             with self._lock:
@@ -366,8 +370,10 @@ def _copy_result(src: Future, dst: Future) -> None:
         dst.set_result(src.result())
 
 
-def _shutdown(pool: ThreadPoolExecutor, eager_pool: ThreadPoolExecutor, backends: dict) -> None:
+def _shutdown(pool: ThreadPoolExecutor, eager_pool: ThreadPoolExecutor, backends: dict,
+              closing_pool: ThreadPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     eager_pool.shutdown(wait=False, cancel_futures=True)
+    closing_pool.shutdown(wait=False, cancel_futures=True)
     for b in list(backends.values()):
         b.close()

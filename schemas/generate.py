@@ -64,6 +64,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         whitespace: JSON layout: "compact" (no free whitespace) or "flexible".
         speculative: n-gram speculation on/off, or its settings; absent = server default.
         logprobs: return each output token's log-probability.
+        close_on_budget: under a constraint, keep the output closable within ``max_tokens`` so it
+            ends complete and valid (default); false: cut it at ``max_tokens`` (``"length"``,
+            ``output: null``). A ``max_tokens`` below the constraint's shortest output is a 400.
     """
 
     prompt: str | None = None
@@ -84,6 +87,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     whitespace: Literal["compact", "flexible"] = "compact"
     speculative: bool | dict[str, Any] | None = None
     logprobs: bool = False
+    close_on_budget: bool = True
 
 
 class GenerateResponse(msgspec.Struct, kw_only=True):
@@ -100,6 +104,8 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
         timings: ttft_ms, total_ms, grammar_ms.
         warnings: why ``valid`` is false; keywords ignored under ``strict: false``.
         logprobs: natural-log probabilities of the output tokens, when asked for.
+        closed_by_budget: the output was closed early (budget-aware masks) to fit ``max_tokens``.
+        shortened: JSON pointers of the values cut short by that (``["/tags/3", "/note"]``).
     """
 
     id: str
@@ -111,6 +117,8 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     timings: Timings
     warnings: list[str]
     logprobs: list[float] | None = None
+    closed_by_budget: bool = False
+    shortened: list[str] = msgspec.field(default_factory=list)
 
 
 class StreamDelta(msgspec.Struct, kw_only=True, omit_defaults=True, tag="delta", tag_field="type"):
@@ -130,6 +138,8 @@ class StreamFinal(msgspec.Struct, kw_only=True, tag="final", tag_field="type"):
     usage: Usage
     timings: Timings
     warnings: list[str]
+    closed_by_budget: bool = False
+    shortened: list[str] = msgspec.field(default_factory=list)
 
 
 class StreamError(msgspec.Struct, kw_only=True, tag="error", tag_field="type"):

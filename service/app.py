@@ -180,7 +180,8 @@ class _ScopeView:
 def _response_of(result: generation.GenerationResult) -> GenerateResponse:
     return GenerateResponse(id=result.id, text=result.text, output=result.output, valid=result.valid,
                             finish_reason=result.finish_reason, usage=result.usage, timings=result.timings,
-                            warnings=result.warnings, logprobs=result.logprobs)
+                            warnings=result.warnings, logprobs=result.logprobs,
+                            closed_by_budget=result.closed_by_budget, shortened=result.shortened)
 
 
 _ENCODER = msgspec.json.Encoder()
@@ -196,7 +197,9 @@ async def _sse_events(gen: generation.GenerationStream, rid: str) -> AsyncIterat
             else:
                 yield _ENCODER.encode(StreamFinal(id=item.id, output=item.output, valid=item.valid,
                                                   finish_reason=item.finish_reason, usage=item.usage,
-                                                  timings=item.timings, warnings=item.warnings)).decode()
+                                                  timings=item.timings, warnings=item.warnings,
+                                                  closed_by_budget=item.closed_by_budget,
+                                                  shortened=item.shortened)).decode()
     except (ServiceError, EngineError, EngineOverloaded, EngineDeadError, GrammarError) as e:
         problem, _ = to_problem(e, rid)
         yield _ENCODER.encode(StreamError(error=problem)).decode()
@@ -219,7 +222,8 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
     prompt_ids = await generation.tokenize(service, prompt=data.prompt, messages=messages)
     params = generation.sampling_params(cfg, max_tokens=data.max_tokens, temperature=data.temperature,
                                         top_p=data.top_p, top_k=data.top_k, seed=data.seed, stop=data.stop,
-                                        logprobs=data.logprobs, speculative=data.speculative)
+                                        logprobs=data.logprobs, speculative=data.speculative,
+                                        close_on_budget=data.close_on_budget)
     spec = generation.grammar_spec(cfg, response_schema=data.response_schema, regex=data.regex,
                                    choice=data.choice, whitespace=data.whitespace, strict=data.strict,
                                    grammar=data.grammar.lark if data.grammar is not None else None)

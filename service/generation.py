@@ -145,7 +145,7 @@ async def tokenize(state: ServiceState, prompt: str | None = None, messages: lis
 def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     stop: str | list[str] | None = None, logprobs: bool = False,
-                    speculative: bool | dict | None = None) -> SamplingParams:
+                    speculative: bool | dict | None = None, close_on_budget: bool = True) -> SamplingParams:
     """Build ``SamplingParams`` from request fields, enforcing the service's caps.
 
     Args:
@@ -157,6 +157,8 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
         logprobs: return each chosen token's log-probability.
         speculative: ``True``/``False`` switches n-gram speculation on/off; a dict gives its
             settings (``engine.spec_decode.SpecConfig`` fields); ``None`` = the server default.
+        close_on_budget: under a grammar, close the output within ``max_tokens`` (default) or
+            cut it there (``finish_reason: "length"``).
 
     Raises:
         InputError: naming the field that is out of range.
@@ -186,7 +188,8 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
     if isinstance(speculative, bool):
         speculative = {"method": "ngram"} if speculative else {"method": "off"}
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                          top_k=top_k, seed=seed, stop=stops, logprobs=logprobs, speculative=speculative)
+                          top_k=top_k, seed=seed, stop=stops, logprobs=logprobs, speculative=speculative,
+                          close_on_budget=close_on_budget)
 
 
 def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str | None = None,
@@ -281,6 +284,9 @@ class GenerationResult(msgspec.Struct, kw_only=True):
         timings: ttft / total / grammar wait in milliseconds.
         warnings: why ``valid`` is False, and keywords ignored under ``strict: false``.
         logprobs: per output token, when requested.
+        closed_by_budget: the budget narrowed the grammar so that the output ended complete
+            within ``max_tokens``.
+        shortened: JSON pointers of the values the budget cut short (``["/tags/3", "/note"]``).
     """
 
     id: str
@@ -293,6 +299,8 @@ class GenerationResult(msgspec.Struct, kw_only=True):
     timings: Timings
     warnings: list[str]
     logprobs: list[float] | None = None
+    closed_by_budget: bool = False
+    shortened: list[str] = msgspec.field(default_factory=list)
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -389,6 +397,14 @@ class GenerationStream:
                       total_tokens=out.num_prompt_tokens + out.num_output_tokens,
                       cached_tokens=out.num_cached_tokens, draft_tokens=out.num_draft_tokens,
                       accepted_tokens=out.num_accepted_tokens, forced_tokens=out.num_forced_tokens)
+        shortened: list[str] = []
+        if out.closed_by_budget and self.spec is not None and self.spec.kind == "json_schema":
+            from service.json_paths import shortened_paths
+
+            shortened = shortened_paths(text, out.budget_cuts)
+        if out.closed_by_budget:
+            warnings.append("the output was closed early to fit max_tokens"
+                            + (f" (shortened: {', '.join(p or '/' for p in shortened)})" if shortened else ""))
         timings = Timings(ttft_ms=round((first_at - self.arrival) * 1e3, 3) if first_at is not None else None,
                           total_ms=round((now - self.arrival) * 1e3, 3), grammar_ms=round(self.grammar_ms, 3))
         st.metrics.record_finished(usage, out.finish_reason, checked.valid if self.spec is not None else None)
@@ -399,7 +415,8 @@ class GenerationStream:
         return GenerationResult(id=self.request_id, text=text, token_ids=token_ids,
                                 finish_reason=out.finish_reason, output=checked.output, valid=checked.valid,
                                 usage=usage, timings=timings, warnings=warnings,
-                                logprobs=logprobs if self.params.logprobs else None)
+                                logprobs=logprobs if self.params.logprobs else None,
+                                closed_by_budget=out.closed_by_budget, shortened=shortened)
 
 
 async def start(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
@@ -434,6 +451,7 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
     if spec is not None:
         t = time.perf_counter()
         compiled = await state.engine.compile_grammar(spec, grammar_backend)
+        state.engine.engine.check_budget(compiled, params)  # a 400 naming max_tokens
         grammar_ms = (time.perf_counter() - t) * 1e3
         state.metrics.grammar_wait.observe(grammar_ms / 1e3)
     return GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms)

@@ -318,7 +318,7 @@ def test_openai_routes_name_the_problem(client, raw, needle):
 
 # -- isolation -----------------------------------------------------------------------------------------
 
-HEALTHY = {"prompt": "healthy", "regex": "[ab]{200}", "max_tokens": 40}
+HEALTHY = {"prompt": "healthy", "regex": "[ab]{200}", "max_tokens": 40, "close_on_budget": False}
 
 
 def _pair(client, poison: dict, healthy: dict = HEALTHY, delay_s: float = 0.3):
@@ -356,7 +356,7 @@ def _inject(monkeypatch, method: str, regex: str, message: str) -> None:
 
 def test_mask_fault_fails_one_request(client, monkeypatch):
     _inject(monkeypatch, "fill_bitmask", "[p]{50}", "injected mask fault")
-    healthy, poisoned = _pair(client, {"prompt": "p", "regex": "[p]{50}", "max_tokens": 20})
+    healthy, poisoned = _pair(client, {"prompt": "p", "regex": "[p]{50}", "max_tokens": 20, "close_on_budget": False})
     p = _problem(poisoned, 500)
     assert "grammar mask" in p["detail"] and "injected" not in p["detail"], p  # no internal text leaks
     _check_healthy(healthy)
@@ -365,7 +365,7 @@ def test_mask_fault_fails_one_request(client, monkeypatch):
 
 def test_append_fault_fails_one_request(client, monkeypatch):
     _inject(monkeypatch, "accept_tokens", "[q]{50}", "injected accept fault")
-    healthy, poisoned = _pair(client, {"prompt": "q", "regex": "[q]{50}", "max_tokens": 20})
+    healthy, poisoned = _pair(client, {"prompt": "q", "regex": "[q]{50}", "max_tokens": 20, "close_on_budget": False})
     assert "appending tokens" in _problem(poisoned, 500)["detail"]
     _check_healthy(healthy)
     _engine_idle(client)
@@ -373,7 +373,7 @@ def test_append_fault_fails_one_request(client, monkeypatch):
 
 def test_draft_fault_fails_one_request(client, monkeypatch):
     _inject(monkeypatch, "forced_text", "[u]{50}", "injected draft fault")
-    healthy, poisoned = _pair(client, {"prompt": "u", "regex": "[u]{50}", "max_tokens": 20, "speculative": True})
+    healthy, poisoned = _pair(client, {"prompt": "u", "regex": "[u]{50}", "max_tokens": 20, "speculative": True, "close_on_budget": False})
     assert "proposing draft tokens" in _problem(poisoned, 500)["detail"]
     _check_healthy(healthy)
     _engine_idle(client)
@@ -410,7 +410,7 @@ def test_compile_fault_fails_one_request(client, monkeypatch):
         return original(spec, **kw)
 
     monkeypatch.setattr(grammar.compiler, "to_program", to_program)
-    healthy, poisoned = _pair(client, {"prompt": "r", "regex": "[r]{50}", "max_tokens": 20})
+    healthy, poisoned = _pair(client, {"prompt": "r", "regex": "[r]{50}", "max_tokens": 20, "close_on_budget": False})
     p = _problem(poisoned, 500)
     assert p["request_id"] in p["detail"] and "injected" not in p["detail"], p
     _check_healthy(healthy)

@@ -771,7 +771,8 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
         if is_empty(regex, compiler.rules, trees):
             raise GrammarError("the schema admits no value (unsatisfiable): it refers to itself with "
                                "no way to end", keyword="$ref", path="#")
-        return Program("lark", to_lark(regex, compiler.rules, compiler.terminals, trees), notes)
+        return Program("lark", to_lark(regex, compiler.rules, compiler.terminals, trees), notes,
+                       tuple(compiler.terminals), regex, tuple(sorted(compiler.rules.items())))
     return Program("regex", regex, notes, tuple(compiler.terminals))
 
 

@@ -421,3 +421,66 @@ class _Writer:
             inner = inner.children[0] if inner.kind == "group" else inner
             return f"({self.terminal(inner, text, depth)}){_op(node.lo, node.hi)}"
         raise ValueError(f"unexpected node {node.kind}")
+
+
+def min_bytes(text: str, terminals=(), rules: dict[int, str] | None = None) -> int:
+    """Bytes of the shortest string in the language of ``text`` (terminal and rule references
+    resolved; rules by fixpoint), counting each character by its shortest UTF-8 encoding."""
+    import re._parser as sre_parse
+
+    rules = rules or {}
+    cache: dict = {}
+    term_len: dict[int, int] = {}
+    rule_len = {n: INF_LEN for n in rules}
+
+    def atom_len(t: str) -> int:
+        if t.startswith("["):
+            from grammar.closing import ClosingUnsupported, _class_ranges
+
+            try:
+                (_, av), = sre_parse.parse(t)
+                ranges = _class_ranges(av)
+            except (ClosingUnsupported, ValueError, Exception):  # noqa: BLE001 - 1 byte: a lower bound
+                return 1
+            return min((len(chr(lo).encode()) for lo, _ in ranges if not 0xD800 <= lo <= 0xDFFF), default=1)
+        if t.startswith("\\x"):
+            return len(chr(int(t[2:4], 16)).encode())
+        if t.startswith("\\u"):
+            return len(chr(int(t[2:6], 16)).encode())
+        if t.startswith("\\"):
+            return 1
+        return len(t.encode())
+
+    def length(node: _Node, src: str) -> int:
+        k = node.kind
+        if k == "atom":
+            return atom_len(src[node.start:node.end])
+        if k == "term":
+            n = node.number
+            if n not in term_len:
+                body = terminals[n]
+                term_len[n] = length(_parse(body, cache), body)
+            return term_len[n]
+        if k == "ref":
+            return rule_len.get(node.number, INF_LEN)
+        if k == "seq":
+            return min(INF_LEN, sum(length(c, src) for c in node.children))
+        if k == "alt":
+            return min(length(c, src) for c in node.children)
+        if k == "group":
+            return length(node.children[0], src)
+        if k == "rep":
+            return min(INF_LEN, node.lo * length(node.children[0], src)) if node.lo else 0
+        if k == "and":
+            return max(length(c, src) for c in node.children)  # a lower bound
+        raise ValueError(k)
+
+    for _ in range(64):
+        new = {n: length(_parse(b, cache), b) for n, b in rules.items()}
+        if new == rule_len:
+            break
+        rule_len = new
+    return length(_parse(text, cache), text)
+
+
+INF_LEN = 1 << 30

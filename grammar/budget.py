@@ -1,0 +1,249 @@
+"""Budget-aware matching: a structured answer that is admitted always closes within ``max_tokens``.
+
+:class:`BudgetMatcher` wraps any backend's matcher. With ``r`` tokens left, a token is allowed only
+if the state it leads to can still reach an accepting state within ``r - 1`` tokens, by the
+closing automaton's token distance (:mod:`grammar.closing`: the least tokenization of a shortest
+completion, a real token sequence). The *plan* — that token sequence from the current state — is
+kept so that one allowed token always exists: its first token is allowed even where the
+distance of the state it leads to was measured through another completion. So from an admitted
+start (distance ≤ ``max_tokens``) the invariant "distance ≤ tokens left" holds to the end, and the
+output is complete when the budget runs out.
+
+Far from the end nothing is computed: a row is narrowed only when ``r - 1`` is less than the
+current distance plus the grammar's *slack* (the largest increase of the distance one token has
+been seen to cause on this grammar, at least ``MIN_SLACK``); near it, the model chooses freely
+among every token that still closes. Drafts and forced tokens go through :meth:`validate_tokens`,
+which applies the same rule, so a draft that would strand the budget is trimmed like one the
+grammar refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+
+from grammar.closing import INF, ClosingAutomaton
+
+log = logging.getLogger(__name__)
+
+MIN_SLACK = 48  # tokens
+
+
+class BudgetMatcher:
+    """A ``GrammarMatcher`` that also keeps the output closable within ``max_tokens`` tokens.
+
+    Args:
+        inner: the backend's matcher (eager or lazy).
+        automaton: the grammar's :class:`ClosingAutomaton`, or a ``Future`` of one (it is built
+            in the background after the compile; the matcher waits for it only when a row is
+            near its budget).
+        max_tokens: the request's budget (every accepted token counts, EOS included).
+
+    Attributes:
+        narrowed: output byte offsets at which the budget removed a token the grammar allowed.
+        disabled: why the budget is not enforced for this request (``None`` when it is).
+    """
+
+    def __init__(self, inner, automaton: "ClosingAutomaton | Future", max_tokens: int):
+        self.inner = inner
+        self._automaton = automaton
+        self.max_tokens = max_tokens
+        self._states: list[int] = []  # DFA state after each accepted token (index = count)
+        self._pending: list[int] = []  # tokens accepted before the automaton was ready
+        self._plan: list[int] | None = None
+        self._out_bytes = 0
+        self._offsets: list[int] = [0]
+        self.narrowed: list[int] = []
+        self.disabled: str | None = None
+
+    # -- delegation ---------------------------------------------------------------------------
+    @property
+    def grammar(self):
+        return self.inner.grammar
+
+    @property
+    def backend(self) -> str:
+        return self.inner.backend
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inner.num_tokens
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def is_accepting(self) -> bool:
+        return self.inner.is_accepting()
+
+    def forced_text(self, max_bytes: int = 64) -> bytes:
+        return self.inner.forced_text(max_bytes)
+
+    def forced_text_after(self, token_ids: list[int], max_bytes: int = 64) -> bytes | None:
+        return self.inner.forced_text_after(token_ids, max_bytes)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens left in the budget."""
+        return self.max_tokens - self.inner.num_tokens
+
+    @property
+    def closed_by_budget(self) -> bool:
+        """Whether the budget narrowed any mask of this output."""
+        return bool(self.narrowed)
+
+    # -- the automaton ------------------------------------------------------------------------
+    def _ready(self, wait: bool) -> ClosingAutomaton | None:
+        a = self._automaton
+        if isinstance(a, Future):
+            if not a.done() and not wait:
+                return None
+            try:
+                a = self._automaton = a.result()
+            except Exception as e:  # noqa: BLE001 - unsupported grammar: serve without a budget
+                self._automaton = None
+                self.disabled = f"no closing automaton: {e}"
+                return None
+        if a is None:
+            return None
+        if not self._states:
+            self._states.append(a.start)
+        if self._pending:
+            tb = self.inner.grammar.vocab.token_bytes
+            eos = set(self.inner.grammar.vocab.eos_token_ids)
+            for t in self._pending:
+                s = self._states[-1]
+                self._states.append(s if t in eos else a.step(s, tb.get(t, b"")))
+            self._pending.clear()
+        return a
+
+    def _state(self) -> int:
+        return self._states[-1]
+
+    def distance(self, wait: bool = True) -> int | None:
+        """Tokens needed to end from here (an upper bound met by a real sequence), or None."""
+        a = self._ready(wait)
+        if a is None or self.disabled:
+            return None
+        return a.token_distance(self._state())
+
+    def _current_plan(self, a: ClosingAutomaton) -> list[int] | None:
+        if self._plan is None:
+            plan = a.plan(self._state())
+            if plan is not None and self.inner.validate_tokens(plan + [self._eos()]) < len(plan) + 1:
+                self.disabled = "the closing automaton's plan is refused by the grammar"
+                log.warning("budget disabled: %s", self.disabled)
+                return None
+            self._plan = plan
+        return self._plan
+
+    def _eos(self) -> int:
+        return self.inner.grammar.vocab.eos_token_id
+
+    def _near(self, a: ClosingAutomaton, tokens_ahead: int = 1) -> bool:
+        d = a.token_distance(self._state())
+        return self.remaining - tokens_ahead < d + tokens_ahead * max(MIN_SLACK, a.slack)
+
+    # -- GrammarMatcher -----------------------------------------------------------------------
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """The backend's row, narrowed (near the end) to the tokens that still close in time."""
+        self.inner.fill_bitmask(bitmask, row)
+        if self.disabled or self.inner.is_terminated():
+            return
+        a = self._ready(wait=False)
+        if a is None:
+            if self.disabled or self.remaining > 4 * MIN_SLACK:
+                return
+            a = self._ready(wait=True)  # close to a small budget: the automaton is needed now
+            if a is None:
+                return
+        if not self._near(a):
+            return
+        s = self._state()
+        if s == a.dead:
+            self.disabled = "the output left the closing automaton"
+            return
+        words = bitmask[row].numpy().view(np.uint32)
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:a.vocab.model_vocab_size].astype(bool)
+        nd = a.next_token_distances(s, allowed)
+        keep = nd <= self.remaining - 1
+        plan = self._current_plan(a)
+        if plan and len(plan) <= self.remaining:
+            keep[plan[0]] = True
+        elif self.inner.is_accepting():
+            for e in self.inner.grammar.vocab.eos_token_ids:
+                keep[e] = True
+        new = allowed & keep
+        if not new.any():
+            self.disabled = "no token closes within the budget"
+            return
+        if (new != allowed).any():
+            packed = np.packbits(np.pad(new, (0, words.size * 32 - new.size)), bitorder="little")
+            words[:] = packed.view(np.uint32)
+            if not self.narrowed or self.narrowed[-1] != self._out_bytes:
+                self.narrowed.append(self._out_bytes)
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """The backend's verdict, shortened where a token would leave the output unable to close
+        within the budget."""
+        n = self.inner.validate_tokens(token_ids)
+        if n == 0 or self.disabled:
+            return n
+        a = self._ready(wait=False)
+        if a is None or not self._near(a, tokens_ahead=n):
+            return n
+        tb = a.vocab.token_bytes
+        eos = set(a.vocab.eos_token_ids)
+        plan = self._current_plan(a) or []
+        s, left = self._state(), self.remaining
+        for k, t in enumerate(token_ids[:n]):
+            if t in eos:
+                return k + 1 if a.accepting(s) else k
+            on_plan = token_ids[:k + 1] == plan[:k + 1]
+            s = a.step(s, tb.get(t, b""))
+            if not on_plan and a.token_distance(s) > left - k - 1:
+                return k
+        return n
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        if not self.inner.accept_tokens(token_ids):
+            return False
+        tb = self.inner.grammar.vocab.token_bytes
+        for t in token_ids:
+            self._out_bytes += len(tb.get(t, b""))
+            self._offsets.append(self._out_bytes)
+        a = self._ready(wait=False)
+        if a is None:
+            self._pending.extend(token_ids)
+        else:
+            eos = set(a.vocab.eos_token_ids)
+            for t in token_ids:
+                s = self._state()
+                self._states.append(s if t in eos else a.step(s, tb.get(t, b"")))
+        plan = self._plan
+        if plan is not None and token_ids == plan[:len(token_ids)]:
+            self._plan = plan[len(token_ids):]
+        else:
+            self._plan = None
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+        if num_tokens:
+            del self._offsets[-num_tokens:]
+            self._out_bytes = self._offsets[-1]
+            if self._pending:
+                drop = min(num_tokens, len(self._pending))
+                del self._pending[len(self._pending) - drop:]
+                num_tokens -= drop
+            if num_tokens:
+                del self._states[-num_tokens:]
+            self._plan = None
+
+    def forced_tokens(self, max_n: int) -> list[int]:
+        forced = self.inner.forced_tokens(max_n)
+        if not forced:
+            return forced
+        return forced[:self.validate_tokens(forced)]

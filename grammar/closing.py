@@ -1,0 +1,647 @@
+"""How soon can the output end? A byte automaton of a program, for budget-aware masks.
+
+Every program the front end writes (a regex, its shared terminals, the rules of a recursive
+schema) becomes a *recursive transition network*: one byte-level NFA per text (Thompson 1968),
+where a terminal or rule reference is a call edge (push the return state, enter the callee) and a
+machine's final state returns. Character classes become UTF-8 byte sequences (every code point
+but the surrogates, split into ranges of equal encoded length, as Rust's ``utf8-ranges`` does).
+
+A *configuration* is an NFA state with its return stack; the matcher's position is a set of them,
+interned lazily as the states of a byte-level DFA (subset construction on demand, Rabin and Scott
+1959). For every NFA state the shortest completion in bytes is known (a fixpoint of Dijkstra's
+algorithm over the machines, where a call costs its callee's shortest string, Knuth 1977 for the
+context-free case), so a DFA state's distance is the minimum over its configurations of the state's
+distance plus those of the return states on its stack; its *witness* is one shortest completion,
+as bytes.
+
+Bytes bound tokens from above only where every byte is a token: SmolLM2's vocabulary lacks 21
+single bytes (controls, 0xC0/0xC1, 0xF5-0xFF, two 4-byte lead bytes). So the distances that
+budgets use are in *tokens*: the length of the least tokenization of the witness (a shortest path
+over the vocabulary's byte trie), which is a real token sequence that the grammar accepts, and so a
+true upper bound for every vocabulary kind.
+
+Not covered (``ClosingUnsupported``): intersections (``&``, pattern with length bounds), user Lark
+grammars, and automata above ``MAX_NFA_STATES``; such grammars are served without budget-aware
+masks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+import re._constants as sre_c
+import re._parser as sre_parse
+import threading
+
+import numpy as np
+
+from grammar.base import Program
+from grammar.vocab import TokenVocabulary
+
+MAX_NFA_STATES = 400_000
+MAX_STACK = 64  # deeper configurations are dropped (a subset: distances stay upper bounds)
+INF = 1 << 30
+
+_REF = re.compile("\ue000(\\d+)\ue001")
+_TERM = re.compile("\ue002(\\d+)\ue003")
+
+
+class ClosingUnsupported(ValueError):
+    """The program uses a construct the closing automaton does not model."""
+
+
+# -- UTF-8 -----------------------------------------------------------------------------------------
+
+def _utf8_ranges(lo: int, hi: int) -> list[list[tuple[int, int]]]:
+    """Byte-range sequences whose concatenations are exactly the UTF-8 encodings of [lo, hi]."""
+    out: list[list[tuple[int, int]]] = []
+    for a, b in _split_surrogates(lo, hi):
+        for start, end in ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, 0x10FFFF)):
+            s, e = max(a, start), min(b, end)
+            if s <= e:
+                out.extend(_split_same_length(s, e))
+    return out
+
+
+def _split_surrogates(lo: int, hi: int):
+    if hi < 0xD800 or lo > 0xDFFF:
+        return [(lo, hi)]
+    parts = []
+    if lo < 0xD800:
+        parts.append((lo, 0xD7FF))
+    if hi > 0xDFFF:
+        parts.append((0xE000, hi))
+    return parts
+
+
+def _split_same_length(lo: int, hi: int) -> list[list[tuple[int, int]]]:
+    n = len(chr(lo).encode())
+    if n == 1:
+        return [[(lo, hi)]]
+    # Split until every position's bytes vary independently (the standard recursive split).
+    for k in range(1, n):
+        m = (1 << (6 * k)) - 1
+        if lo & ~m != hi & ~m:
+            if lo & m != 0:
+                return _split_same_length(lo, lo | m) + _split_same_length((lo | m) + 1, hi)
+            if hi & m != m:
+                return _split_same_length(lo, (hi & ~m) - 1) + _split_same_length(hi & ~m, hi)
+    a, b = chr(lo).encode(), chr(hi).encode()
+    return [[(a[i], b[i]) for i in range(n)]]
+
+
+# -- the network -----------------------------------------------------------------------------------
+
+class _Net:
+    """All machines' NFA states: byte edges, epsilon edges, call edges."""
+
+    def __init__(self):
+        self.byte_edges: list[list[tuple[int, int, int]]] = []
+        self.eps: list[list[int]] = []
+        self.calls: list[list[tuple[int, int]]] = []  # (callee machine, return state)
+        self.machine_of: list[int] = []
+        self.starts: list[int] = []  # machine → start state
+        self.finals: list[int] = []  # machine → final state
+        self._machine = 0
+
+    def state(self) -> int:
+        if len(self.eps) >= MAX_NFA_STATES:
+            raise ClosingUnsupported(f"the byte automaton would exceed {MAX_NFA_STATES} states")
+        self.byte_edges.append([])
+        self.eps.append([])
+        self.calls.append([])
+        self.machine_of.append(self._machine)
+        return len(self.eps) - 1
+
+    def new_machine(self) -> int:
+        self.starts.append(-1)
+        self.finals.append(-1)
+        return len(self.starts) - 1
+
+
+class _Builder:
+    """Thompson construction over ``re._parser`` trees; references are calls."""
+
+    def __init__(self, net: _Net, machine_of_ref: dict[tuple[str, int], int]):
+        self.net = net
+        self.refs = machine_of_ref  # ("rule"|"term", number) → machine
+
+    def machine(self, machine: int, text: str) -> None:
+        net = self.net
+        net._machine = machine
+        marked, names = _mark(text)
+        try:
+            tree = sre_parse.parse(marked)
+        except re.error as e:
+            raise ClosingUnsupported(f"cannot parse for the closing automaton: {e}") from None
+        groups = {i: n for n, i in tree.state.groupdict.items()}
+        start, end = self._seq(list(tree), groups, names)
+        net.starts[machine], net.finals[machine] = start, end
+
+    def _seq(self, items, groups, names) -> tuple[int, int]:
+        net = self.net
+        start = cur = net.state()
+        for op, av in items:
+            s, e = self._item(op, av, groups, names)
+            net.eps[cur].append(s)
+            cur = e
+        return start, cur
+
+    def _chars(self, ranges: list[tuple[int, int]]) -> tuple[int, int]:
+        net = self.net
+        start, end = net.state(), net.state()
+        for lo, hi in ranges:
+            for seq in _utf8_ranges(lo, hi):
+                cur = start
+                for i, (blo, bhi) in enumerate(seq):
+                    nxt = end if i == len(seq) - 1 else net.state()
+                    net.byte_edges[cur].append((blo, bhi, nxt))
+                    cur = nxt
+        return start, end
+
+    def _item(self, op, av, groups, names) -> tuple[int, int]:
+        net = self.net
+        if op is sre_c.LITERAL:
+            return self._chars([(av, av)])
+        if op is sre_c.NOT_LITERAL:
+            return self._chars(_complement([(av, av)]))
+        if op is sre_c.ANY:
+            return self._chars(_complement([(10, 10)]))
+        if op is sre_c.IN:
+            return self._chars(_class_ranges(av))
+        if op is sre_c.BRANCH:
+            start, end = net.state(), net.state()
+            for branch in av[1]:
+                s, e = self._seq(list(branch), groups, names)
+                net.eps[start].append(s)
+                net.eps[e].append(end)
+            return start, end
+        if op is sre_c.SUBPATTERN:
+            gid, _, _, sub = av
+            name = groups.get(gid)
+            if name is not None:
+                kind, number = names[name]
+                callee = self.refs.get((kind, number))
+                if callee is None:
+                    raise ClosingUnsupported(f"unknown {kind} {number}")
+                start, ret = net.state(), net.state()
+                net.calls[start].append((callee, ret))
+                return start, ret
+            return self._seq(list(sub), groups, names)
+        if op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT, getattr(sre_c, "POSSESSIVE_REPEAT", None)):
+            lo, hi, sub = av
+            items = list(sub)
+            start = cur = net.state()
+            for _ in range(lo):
+                s, e = self._seq(items, groups, names)
+                net.eps[cur].append(s)
+                cur = e
+            if hi == sre_c.MAXREPEAT:
+                s, e = self._seq(items, groups, names)
+                net.eps[cur].append(s)
+                net.eps[e].append(s)
+                end = net.state()
+                net.eps[cur].append(end)
+                net.eps[e].append(end)
+                return start, end
+            end = net.state()
+            net.eps[cur].append(end)
+            for _ in range(hi - lo):
+                s, e = self._seq(items, groups, names)
+                net.eps[cur].append(s)
+                net.eps[e].append(end)
+                cur = e
+            return start, end
+        raise ClosingUnsupported(f"regex construct {op} is not modelled")
+
+
+def _mark(text: str) -> tuple[str, dict[str, tuple[str, int]]]:
+    """``text`` with each reference as a uniquely named empty group ``(?P<nK>)``."""
+    if "\ue004" in text:
+        raise ClosingUnsupported("intersections (&) are not modelled")
+    names: dict[str, tuple[str, int]] = {}
+
+    def sub(kind: str):
+        def f(m: re.Match) -> str:
+            name = f"n{len(names)}"
+            names[name] = (kind, int(m.group(1)))
+            return f"(?P<{name}>)"
+        return f
+
+    text = _REF.sub(sub("rule"), text)
+    text = _TERM.sub(sub("term"), text)
+    return text, names
+
+
+_ASCII_DIGIT = [(48, 57)]
+_ASCII_WORD = [(48, 57), (65, 90), (95, 95), (97, 122)]
+_ASCII_SPACE = [(9, 13), (32, 32)]
+
+
+def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for lo, hi in sorted(ranges):
+        if lo > start:
+            out.append((start, lo - 1))
+        start = max(start, hi + 1)
+    if start <= 0x10FFFF:
+        out.append((start, 0x10FFFF))
+    return out
+
+
+def _class_ranges(items) -> list[tuple[int, int]]:
+    """Code point ranges of an ``IN`` node. ``\\d``/``\\w``/``\\s`` are read as their ASCII
+    members (a subset of the backends' Unicode classes: distances stay upper bounds)."""
+    ranges: list[tuple[int, int]] = []
+    negate = False
+    for op, av in items:
+        if op is sre_c.NEGATE:
+            negate = True
+        elif op is sre_c.LITERAL:
+            ranges.append((av, av))
+        elif op is sre_c.RANGE:
+            ranges.append(av)
+        elif op is sre_c.CATEGORY:
+            name = str(av)
+            base = _ASCII_DIGIT if "DIGIT" in name else _ASCII_WORD if "WORD" in name else \
+                _ASCII_SPACE if "SPACE" in name else None
+            if base is None:
+                raise ClosingUnsupported(f"category {name} is not modelled")
+            if "NOT" in name:
+                # Every non-ASCII character is outside the ASCII subset, but the backend's
+                # Unicode class may exclude some of them: keep only ASCII to stay a subset.
+                base = [r for r in _complement(base) if r[1] < 128]
+            ranges.extend(base)
+        else:
+            raise ClosingUnsupported(f"class item {op} is not modelled")
+    return _complement(ranges) if negate else ranges
+
+
+# -- distances and the lazy DFA -----------------------------------------------------------------------
+
+class ClosingAutomaton:
+    """Shortest completions of a program, over bytes and tokens (thread-safe).
+
+    Args:
+        program: a regex or Lark program from :func:`grammar.frontend.to_program` (Lark programs
+            must come from the JSON Schema compiler: ``rules`` and ``terminals`` given).
+        vocab: the grammar alphabet (for token distances and the token walk).
+        rules: rule number → regex text (recursive schemas).
+
+    Raises:
+        ClosingUnsupported: see the module docstring.
+    """
+
+    def __init__(self, program: Program, vocab: TokenVocabulary, rules: dict[int, str] | None = None):
+        if program.kind != "regex" and program.root is None:
+            raise ClosingUnsupported("a Lark grammar written by hand is not modelled")
+        rules = dict(program.rules) if rules is None else rules
+        self.vocab = vocab
+        self.slack = 0  # largest one-token increase of the token distance seen (budget.py)
+        net = self.net = _Net()
+        refs: dict[tuple[str, int], int] = {}
+        root = net.new_machine()
+        texts: list[tuple[int, str]] = [(root, program.text if program.kind == "regex" else program.root)]
+        for n, text in enumerate(program.terminals):
+            refs[("term", n)] = net.new_machine()
+            texts.append((refs[("term", n)], text))
+        for n, text in (rules or {}).items():
+            refs[("rule", n)] = net.new_machine()
+            texts.append((refs[("rule", n)], text))
+        builder = _Builder(net, refs)
+        for machine, text in texts:
+            builder.machine(machine, text)
+        self._distances()
+        self._lock = threading.Lock()
+        self._ids: dict[frozenset, int] = {}
+        self._sets: list[frozenset] = []
+        self._rows = np.zeros((0, 256), dtype=np.int32)
+        self._row_done: list[bool] = []
+        self._bdist: list[int] = []
+        self._tdist: list[int | None] = []
+        self._witness: list[bytes | None] = []
+        self._next_tdist: dict[int, np.ndarray] = {}
+        self.dead = self._intern(frozenset())
+        self.start = self._intern(self._closure({(net.starts[root], ())}))
+        self._tokens = token_matrix(vocab)
+
+    # -- static distances ---------------------------------------------------------------------
+    def _distances(self) -> None:
+        net = self.net
+        n = len(net.eps)
+        callee_len = [INF] * len(net.starts)
+        rev: list[list[tuple[int, int | None, int]]] = [[] for _ in range(n)]  # (source, callee, ret)
+        for s in range(n):
+            for _, _, t in net.byte_edges[s]:
+                rev[t].append((s, None, 1))
+            for t in net.eps[s]:
+                rev[t].append((s, None, 0))
+            for callee, ret in net.calls[s]:
+                rev[ret].append((s, callee, 0))
+        dist = [INF] * n
+        for _ in range(64):  # fixpoint over call costs (recursion), decreasing
+            dist = [INF] * n
+            heap = [(0, f) for f in net.finals]
+            for f in net.finals:
+                dist[f] = 0
+            heapq.heapify(heap)
+            while heap:
+                d, t = heapq.heappop(heap)
+                if d > dist[t]:
+                    continue
+                for s, callee, w in rev[t]:
+                    cost = d + (w if callee is None else callee_len[callee])
+                    if cost < dist[s]:
+                        dist[s] = cost
+                        heapq.heappush(heap, (cost, s))
+            new = [dist[s] for s in net.starts]
+            if new == callee_len:
+                break
+            callee_len = new
+        self._d = dist
+        self._callee_len = callee_len
+        # Successor that realises each state's distance, for witnesses.
+        best: list[tuple | None] = [None] * n
+        for s in range(n):
+            if dist[s] >= INF:
+                continue
+            for lo, hi, t in net.byte_edges[s]:
+                if dist[t] + 1 == dist[s]:
+                    best[s] = ("byte", _pick_byte(lo, hi), t)
+                    break
+            if best[s] is None:
+                for t in net.eps[s]:
+                    if dist[t] == dist[s]:
+                        best[s] = ("eps", t)
+                        break
+            if best[s] is None:
+                for callee, ret in net.calls[s]:
+                    if callee_len[callee] + dist[ret] == dist[s]:
+                        best[s] = ("call", callee, ret)
+                        break
+        self._best = best
+
+    def _config_dist(self, state: int, stack: tuple) -> int:
+        d = self._d[state]
+        for r in stack:
+            d += self._d[r]
+        return d
+
+    def _closure(self, configs) -> frozenset:
+        net = self.net
+        out: set = set()
+        todo = list(configs)
+        while todo:
+            c = todo.pop()
+            if c in out:
+                continue
+            state, stack = c
+            if self._config_dist(state, stack) >= INF:
+                continue  # cannot end from here: drop (keeps sets small)
+            out.add(c)
+            for t in net.eps[state]:
+                todo.append((t, stack))
+            if len(stack) < MAX_STACK:
+                for callee, ret in net.calls[state]:
+                    todo.append((net.starts[callee], stack + (ret,)))
+            m = net.machine_of[state]
+            if state == net.finals[m] and stack:
+                todo.append((stack[-1], stack[:-1]))
+        return frozenset(c for c in out if net.byte_edges[c[0]] or self._accepting_config(c))
+
+    def _accepting_config(self, c) -> bool:
+        state, stack = c
+        return not stack and state == self.net.finals[0]
+
+    def _intern(self, configs: frozenset) -> int:
+        i = self._ids.get(configs)
+        if i is not None:
+            return i
+        i = len(self._sets)
+        self._ids[configs] = i
+        self._sets.append(configs)
+        if i >= self._rows.shape[0]:
+            grown = np.zeros((max(64, 2 * self._rows.shape[0]), 256), dtype=np.int32)
+            grown[:self._rows.shape[0]] = self._rows
+            self._rows = grown
+        self._row_done.append(False)
+        self._bdist.append(min((self._config_dist(s, st) for s, st in configs), default=INF))
+        self._tdist.append(None)
+        self._witness.append(None)
+        return i
+
+    def _row(self, i: int) -> None:
+        """Fill DFA state ``i``'s 256 transitions (lock held)."""
+        targets: list[set] = [set() for _ in range(256)]
+        net = self.net
+        for state, stack in self._sets[i]:
+            for lo, hi, t in net.byte_edges[state]:
+                for b in range(lo, hi + 1):
+                    targets[b].add((t, stack))
+        row = [self.dead] * 256
+        cache: dict[frozenset, int] = {}
+        for b in range(256):
+            if targets[b]:
+                key = frozenset(targets[b])
+                j = cache.get(key)
+                if j is None:
+                    j = cache[key] = self._intern(self._closure(key))
+                row[b] = j
+        self._rows[i] = row  # after the interning above, which may have grown the array
+        self._row_done[i] = True
+
+    # -- queries ------------------------------------------------------------------------------
+    def step(self, i: int, data: bytes) -> int:
+        """The DFA state after ``data`` from state ``i`` (``dead`` when refused)."""
+        with self._lock:
+            for b in data:
+                if i == self.dead:
+                    return i
+                if not self._row_done[i]:
+                    self._row(i)
+                i = int(self._rows[i, b])
+            return i
+
+    def accepting(self, i: int) -> bool:
+        return any(self._accepting_config(c) for c in self._sets[i])
+
+    def byte_distance(self, i: int) -> int:
+        return self._bdist[i]
+
+    def witness(self, i: int) -> bytes | None:
+        """One shortest completion from state ``i`` (bytes), or None from the dead state."""
+        with self._lock:
+            return self._witness_locked(i)
+
+    def _witness_locked(self, i: int) -> bytes | None:
+        if self._witness[i] is not None or i == self.dead:
+            return self._witness[i]
+        configs = self._sets[i]
+        if not configs:
+            return None
+        state, stack = min(configs, key=lambda c: self._config_dist(*c))
+        out = bytearray()
+        self._emit(state, out)
+        for ret in reversed(stack):
+            self._emit(ret, out)
+        self._witness[i] = bytes(out)
+        return self._witness[i]
+
+    def _emit(self, state: int, out: bytearray) -> None:
+        """Append the shortest bytes from ``state`` to its machine's final state."""
+        net = self.net
+        m = net.machine_of[state]
+        guard = 0
+        while state != net.finals[m]:
+            step = self._best[state]
+            guard += 1
+            if step is None or guard > 1_000_000:
+                raise RuntimeError("closing automaton: no path to the final state")
+            if step[0] == "byte":
+                out.append(step[1])
+                state = step[2]
+            elif step[0] == "eps":
+                state = step[1]
+            else:
+                self._emit(net.starts[step[1]], out)
+                state = step[2]
+
+    def token_distance(self, i: int) -> int:
+        """Tokens of the least tokenization of :meth:`witness` (``INF`` from the dead state): an
+        upper bound on the tokens needed to end, met by a real token sequence."""
+        with self._lock:
+            d = self._tdist[i]
+            if d is None:
+                w = self._witness_locked(i)
+                tokens = None if w is None else self._tokens.tokenize(w)
+                d = INF if tokens is None else len(tokens)
+                self._tdist[i] = d
+            return d
+
+    def plan(self, i: int) -> list[int] | None:
+        """The token sequence :meth:`token_distance` counts."""
+        w = self.witness(i)
+        return None if w is None else self._tokens.tokenize(w)
+
+    def next_token_distances(self, i: int, allowed: np.ndarray | None = None) -> np.ndarray:
+        """int32 ``[model_vocab_size]``: the token distance after each token from state ``i``
+        (``INF`` where the token is refused; EOS: 0 when ``i`` accepts). Cached per state.
+
+        ``allowed``: bool ``[model_vocab_size]``, the tokens the backend allows from this state
+        (its mask); only those are walked (the others are refused by the grammar anyway)."""
+        hit = self._next_tdist.get(i)
+        if hit is not None:
+            return hit
+        states = self._tokens.walk(self, i, allowed)
+        uniq, inverse = np.unique(states, return_inverse=True)
+        dists = np.array([self.token_distance(int(s)) for s in uniq], dtype=np.int64)
+        out = np.minimum(dists[inverse], INF).astype(np.int32)
+        out[self._tokens.not_tokens] = INF
+        for e in self.vocab.eos_token_ids:
+            out[e] = 0 if self.accepting(i) else INF
+        finite = out[out < INF]
+        if finite.size:
+            self.slack = max(self.slack, int(finite.max()) - self.token_distance(i))
+        with self._lock:
+            if len(self._next_tdist) > 4096:
+                self._next_tdist.clear()
+            self._next_tdist[i] = out
+        return out
+
+
+def _pick_byte(lo: int, hi: int) -> int:
+    """A byte of [lo, hi] for a witness: printable ASCII first (letters, then digits)."""
+    for preferred in (ord("a"), ord("0"), ord(" ")):
+        if lo <= preferred <= hi:
+            return preferred
+    for b in range(max(lo, 0x21), min(hi, 0x7E) + 1):
+        return b
+    return lo
+
+
+_MATRICES: dict[str, "_TokenMatrix"] = {}
+_MATRICES_LOCK = threading.Lock()
+
+
+def token_matrix(vocab: TokenVocabulary) -> "_TokenMatrix":
+    """The vocabulary's token matrix, built once per vocabulary (about 4 MB for 49 k tokens)."""
+    with _MATRICES_LOCK:
+        m = _MATRICES.get(vocab.fingerprint)
+        if m is None:
+            m = _MATRICES[vocab.fingerprint] = _TokenMatrix(vocab)
+        return m
+
+
+class _TokenMatrix:
+    """The vocabulary as a byte matrix for walking every token through the DFA at once, and the
+    least-tokens tokenizer of byte strings."""
+
+    def __init__(self, vocab: TokenVocabulary):
+        n = vocab.model_vocab_size
+        ids = sorted(vocab.token_bytes, key=lambda t: len(vocab.token_bytes[t]))
+        self.order = np.array(ids, dtype=np.int64)  # token ids, shortest first
+        self.lengths = np.array([len(vocab.token_bytes[t]) for t in ids], dtype=np.int64)
+        width = int(self.lengths.max()) if ids else 0
+        mat = np.zeros((len(ids), max(width, 1)), dtype=np.uint8)
+        for k, t in enumerate(ids):
+            b = vocab.token_bytes[t]
+            mat[k, :len(b)] = np.frombuffer(b, dtype=np.uint8)
+        self.matrix = mat
+        # first row index with length > j, for each column j (tokens are sorted by length)
+        self.active_from = np.searchsorted(self.lengths, np.arange(max(width, 1)), side="right")
+        mask = np.ones(n, dtype=bool)
+        mask[self.order] = False
+        self.not_tokens = np.flatnonzero(mask)
+        self.n = n
+        self._by_bytes = {b: t for t, b in vocab.token_bytes.items()}
+        self._longest = width
+
+    def walk(self, automaton: ClosingAutomaton, start: int, allowed: np.ndarray | None = None) -> np.ndarray:
+        """int64 ``[model_vocab_size]``: the DFA state after each token from ``start`` (tokens
+        outside ``allowed``, when given, are left dead)."""
+        states = np.full(len(self.order), start, dtype=np.int64)
+        if allowed is not None:
+            states[~allowed[self.order]] = automaton.dead
+        for j in range(self.matrix.shape[1]):
+            a = int(self.active_from[j])
+            if a >= len(self.order):
+                break
+            cur = states[a:]
+            live = cur != automaton.dead
+            if not live.any():
+                continue
+            need = np.unique(cur[live])
+            with automaton._lock:
+                for s in need.tolist():
+                    if not automaton._row_done[s]:
+                        automaton._row(s)
+                rows = automaton._rows
+            nxt = np.where(live, rows[cur, self.matrix[a:, j]], automaton.dead)
+            states[a:] = nxt
+        out = np.full(self.n, automaton.dead, dtype=np.int64)
+        out[self.order] = states
+        return out
+
+    def tokenize(self, data: bytes) -> list[int] | None:
+        """The fewest tokens whose bytes concatenate to ``data`` (shortest path over prefixes),
+        or None when the vocabulary cannot spell it."""
+        n = len(data)
+        best = [INF] * (n + 1)
+        back: list[tuple[int, int]] = [(-1, -1)] * (n + 1)
+        best[0] = 0
+        for i in range(n):
+            if best[i] >= INF:
+                continue
+            for j in range(i + 1, min(n, i + self._longest) + 1):
+                t = self._by_bytes.get(data[i:j])
+                if t is not None and best[i] + 1 < best[j]:
+                    best[j] = best[i] + 1
+                    back[j] = (i, t)
+        if best[n] >= INF:
+            return None
+        out, j = [], n
+        while j > 0:
+            i, t = back[j]
+            out.append(t)
+            j = i
+        return out[::-1]
