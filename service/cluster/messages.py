@@ -21,10 +21,12 @@ class ReplicaRequest:
     """One generation, as the ingress hands it to a replica (prompt already tokenized).
 
     Attributes:
-        request_id: unique among live requests; a retry on another replica keeps it, so the
-            default sampling seed (``engine.sampler.default_seed``) and the output stay the same.
+        request_id: unique among live requests; a retry keeps it (the replica's engine knows
+            the attempt as ``{request_id}~{attempt}``).
         prompt_token_ids: the tokenized prompt (chat template applied by the ingress).
-        params: sampling parameters, validated by the ingress.
+        params: sampling parameters, validated by the ingress, with the seed always set (the
+            ingress derives a missing one as an engine would, ``engine.sampler.default_seed``),
+            so every attempt of a sampled request draws the same tokens.
         grammar: the constraint to compile on the replica, or ``None``.
         block_hashes: the prompt's full-block hashes (``engine.kv_cache_manager
             .prompt_block_hashes``), the prefix-affinity router's input.

@@ -8,7 +8,7 @@ the baseline the benchmark compares it with. Both implement Ray Serve 2.60's pub
 replicas and Serve takes the first one in rank order that accepts the request.
 
 Imported only where Ray is installed (``pip install 'stencil-serve[cluster]'``); Serve loads
-these classes in the ingress process by their import path (``ROUTERS``).
+these classes in the ingress process by their import path (``service.cluster.ROUTERS``).
 """
 
 from __future__ import annotations
@@ -21,18 +21,6 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from service.cluster.affinity import AffinityConfig, PrefixAffinityPolicy
 from service.cluster.messages import ReplicaRequest
 from service.cluster.tracking import ReplicaTracker
-
-#: Router names accepted by ``ClusterOptions.router`` -> Serve import path of the class.
-#: "ray_prefix" is Ray's own PrefixCacheAffinityRouter (a prefix tree of prompt characters in a
-#: detached actor), imported from its module because ``ray.serve.llm`` itself needs pyarrow.
-ROUTERS: dict[str, str] = {
-    "affinity": "service.cluster.routers:PrefixAffinityRouter",
-    "round_robin": "service.cluster.routers:RoundRobinRouter",
-    "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
-    "ray_prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
-                  ":PrefixCacheAffinityRouter",
-}
-
 
 def _payload(pending_request: PendingRequest | None) -> ReplicaRequest | None:
     if pending_request is None:
