@@ -226,10 +226,14 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
     gen = await generation.start(service, prompt_ids, params, spec, rid, arrival)
     if data.stream:
         # The content-type header is explicit: for streams Litestar prefers the route's JSON media type.
-        return ServerSentEvent(_sse_events(gen, rid),  # type: ignore[return-value]
-                               headers={"cache-control": "no-cache",
-                                        "content-type": "text/event-stream; charset=utf-8"})
-    return _response_of(await generation.collect(gen, request.receive))
+        headers = {"cache-control": "no-cache", "content-type": "text/event-stream; charset=utf-8"}
+        if gen.replica is not None:  # on a cluster: which replica admitted it
+            headers["x-stencil-replica"] = gen.replica
+        return ServerSentEvent(_sse_events(gen, rid), headers=headers)  # type: ignore[return-value]
+    body = _response_of(await generation.collect(gen, request.receive))
+    if gen.replica is not None:
+        return Response(body, headers={"x-stencil-replica": gen.replica})  # type: ignore[return-value]
+    return body
 
 
 @get("/health", responses={503: ResponseSpec(HealthResponse, description="draining or engine dead")},

@@ -328,6 +328,11 @@ class GenerationStream:
                 await self._agen.aclose()
                 raise
 
+    @property
+    def replica(self) -> str | None:
+        """On a cluster (``service.cluster``), the replica now serving the request; else None."""
+        return getattr(self._agen, "replica", None)
+
     async def aclose(self) -> None:
         """Give the request up before iterating it (a sibling request failed to start)."""
         if self._agen is not None:

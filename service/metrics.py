@@ -89,6 +89,13 @@ class _EngineCollector:
         replica_health = getattr(aeng, "replica_health", None)
         if replica_health is not None:
             yield from _replica_families(replica_health(), gauges, counters)
+            for name, doc, value in (("stencil_cluster_retries", "requests re-sent after a replica failed",
+                                      aeng.retries),
+                                     ("stencil_cluster_replays", "re-sent requests that had delivered tokens",
+                                      aeng.replays)):
+                c = CounterMetricFamily(name, doc)
+                c.add_metric([], float(value))
+                yield c
 
 
 def _replica_families(replicas: list[dict], gauges: dict, counters: dict):

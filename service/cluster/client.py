@@ -117,8 +117,12 @@ class IngressEngineView:
         return None
 
     def stats(self) -> dict:
-        """The replicas' ``LLMEngine.stats()`` summed (hit rate and KV usage recomputed)."""
-        return aggregate_stats([r["engine"] for r in self._cluster.replica_health() if r.get("engine")])
+        """The replicas' ``LLMEngine.stats()`` summed (hit rate and KV usage recomputed), plus the
+        ingress's ``retries`` and ``replays`` (requests re-sent after a replica failed, and of
+        those the ones that had delivered tokens)."""
+        out = aggregate_stats([r["engine"] for r in self._cluster.replica_health() if r.get("engine")])
+        out["retries"], out["replays"] = self._cluster.retries, self._cluster.replays
+        return out
 
     @property
     def kernels(self) -> dict[str, str]:
@@ -317,6 +321,11 @@ class ReplicaStream:
             return first.grammar_ms
         raise Unavailable(f"request {self.request.request_id} failed on {settings.max_attempts} "
                           f"attempts; last: {last}")
+
+    @property
+    def replica(self) -> str | None:
+        """The replica that admitted the latest attempt (``X-Stencil-Replica``), if any."""
+        return self.replicas[-1] if self.replicas else None
 
     def _next_attempt(self, why: str) -> None:
         self.request.attempt += 1
