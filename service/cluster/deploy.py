@@ -52,8 +52,9 @@ class ClusterOptions:
         replicas: engine replicas (the minimum when autoscaling).
         max_replicas: set (> ``replicas``) to autoscale between ``replicas`` and this on queue
             length; ``None`` = a fixed number.
-        target_ongoing_requests: autoscaling target per replica; ``None`` = the engine's batch
-            capacity (``max_num_seqs``), so replicas are added when batches are full.
+        target_ongoing_requests: autoscaling target per replica; ``None`` = 80% of the engine's
+            batch capacity (``max_num_seqs``, which is also ``max_ongoing_requests``), so a
+            replica is added before batches are full and requests start to queue.
         upscale_delay_s / downscale_delay_s: how long the load must stay above / below target
             before Serve adds / removes a replica. Downscaling is slow (10 min) because a removed
             replica takes its prefix cache with it.
@@ -185,7 +186,7 @@ def build_app(engine_config: EngineConfig, service_config: ServiceConfig | None 
     if opts.max_replicas is not None and opts.max_replicas > opts.replicas:
         scaling = {"autoscaling_config": AutoscalingConfig(
             min_replicas=opts.replicas, max_replicas=opts.max_replicas,
-            target_ongoing_requests=opts.target_ongoing_requests or capacity,
+            target_ongoing_requests=opts.target_ongoing_requests or max(1.0, 0.8 * max_ongoing),
             upscale_delay_s=opts.upscale_delay_s, downscale_delay_s=opts.downscale_delay_s)}
     else:
         scaling = {"num_replicas": opts.replicas}
