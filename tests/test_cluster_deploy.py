@@ -61,3 +61,24 @@ def test_the_builder_makes_the_application_it_is_asked_for(tiny_model_dir):
     assert fixed.init_args[0]._bound_deployment.num_replicas == 3
     with pytest.raises(ValueError, match="unknown stencil.cluster arguments: colour"):
         stencil.cluster.app({"model": str(tiny_model_dir), "colour": "red"})
+
+
+def test_the_kuberay_manifest_builds_with_this_code(tiny_model_dir):
+    """examples/kuberay-rayservice.yaml is not run here, but its application arguments must be
+    ones ``stencil.cluster:app`` takes (only the model path is swapped for a local one)."""
+    pytest.importorskip("ray.serve")
+    from pathlib import Path
+
+    import yaml
+
+    import stencil.cluster
+
+    manifest = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "kuberay-rayservice.yaml").read_text())
+    assert manifest["kind"] == "RayService"
+    assert manifest["spec"]["rayClusterConfig"]["rayVersion"] == __import__("ray").__version__
+    (application,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+    assert application["import_path"] == "stencil.cluster:app"
+    args = {**application["args"], "model": str(tiny_model_dir)}
+    replica = stencil.cluster.app(args)._bound_deployment.init_args[0]._bound_deployment
+    assert replica.ray_actor_options["num_gpus"] == 1
+    assert replica._deployment_config.autoscaling_config.max_replicas == args["max_replicas"]

@@ -44,15 +44,30 @@ def test_match_stops_at_the_first_missing_block():
     assert p.match_blocks(CHAIN, ReplicaView("b", frozenset(CHAIN[1:]))) == 0
 
 
-def test_a_miss_goes_to_the_least_loaded_replica():
-    p = _policy()
-    d = p.rank(CHAIN, [ReplicaView("a", queue_len=3), ReplicaView("b", queue_len=1),
+def test_a_miss_goes_to_the_replica_holding_the_fewest_blocks():
+    p = _policy(imbalance_threshold=4)
+    d = p.rank(CHAIN, [ReplicaView("a", frozenset(range(50)), queue_len=1),
+                       ReplicaView("b", frozenset(range(10)), queue_len=3),
                        ReplicaView("c", frozenset([999]), queue_len=2)])
-    assert d.reason == "miss"
-    assert d.ranks == [["b"], ["c"], ["a"]]
-    # Equal queues: the fuller KV cache goes last.
-    d = p.rank(CHAIN, [ReplicaView("a", kv_usage=0.9), ReplicaView("b", kv_usage=0.1)])
+    assert (d.reason, d.ranks) == ("miss", [["c"], ["b"], ["a"]])
+    # Blocks just routed count too, before any report shows them.
+    p.record_routed("c", [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17])
+    assert p.rank(CHAIN, [ReplicaView("b", frozenset(range(10))), ReplicaView("c", frozenset([999]))]).ranks == [
+        ["b"], ["c"]]
+    # Equal footprints: the shorter queue.
+    d = p.rank(CHAIN, [ReplicaView("a", queue_len=2), ReplicaView("b", queue_len=1)])
     assert d.ranks == [["b"], ["a"]]
+
+
+def test_a_miss_goes_to_the_least_loaded_replica_when_queues_are_uneven():
+    p = _policy(imbalance_threshold=4)
+    d = p.rank(CHAIN, [ReplicaView("a", queue_len=6), ReplicaView("b", frozenset(range(50)), queue_len=1),
+                       ReplicaView("c", frozenset([999]), queue_len=2)])
+    assert (d.reason, d.ranks) == ("miss", [["b"], ["c"], ["a"]])
+    # Equal queues: the fuller KV cache goes last.
+    d = p.rank(CHAIN, [ReplicaView("a", queue_len=6), ReplicaView("b", kv_usage=0.9),
+                       ReplicaView("c", kv_usage=0.1)])
+    assert d.ranks == [["c"], ["b"], ["a"]]
 
 
 def test_a_busy_match_gives_way_beyond_the_imbalance_threshold():
@@ -176,7 +191,10 @@ def test_tracker_moves_the_count_of_a_rerouted_request_and_drops_departed_replic
 # -- a shared-prefix load on simulated replicas with finite caches -------------------------------
 
 class SimReplica:
-    """A prefix cache of ``capacity`` blocks with LRU eviction, reporting at once."""
+    """A prefix cache of ``capacity`` blocks with LRU eviction, reporting at once.
+
+    As in ``BlockPool``, a finished request's blocks are freed last block first, so its tail
+    (the user's own blocks) is evicted before the shared head."""
 
     def __init__(self, name: str, capacity: int):
         self.name = name
@@ -189,7 +207,7 @@ class SimReplica:
             if h not in self.blocks:
                 break
             hit += 1
-        for h in chain:
+        for h in reversed(chain):
             self.blocks[h] = None
             self.blocks.move_to_end(h)
         while len(self.blocks) > self.capacity:
@@ -234,6 +252,8 @@ def test_affinity_beats_round_robin_when_caches_are_finite():
     rr, rr_placed = _hit_rate(load, lambda i, chain, replicas: replicas[i % 2])
     aff, aff_placed = _hit_rate(load, affinity)
     assert aff >= rr + 0.2, (aff, rr)
-    assert len(aff_placed) == 8
-    assert all(len(names) == 1 for names in aff_placed.values())  # each prompt cached once
     assert all(len(names) == 2 for names in rr_placed.values())  # each prompt cached twice
+    # Affinity caches most prompts once, and gives each replica about half of them.
+    assert sum(len(names) for names in aff_placed.values()) <= 8 * 1.25, aff_placed
+    for name in "ab":
+        assert 3 <= sum(1 for names in aff_placed.values() if name in names) <= 5, aff_placed

@@ -14,10 +14,13 @@ hashes: the engine's own lookup stops at the first miss too.
 Ranking, as SGLang's cache-aware router and llm-d's prefix scorer do it in spirit:
 
 1. The replica with the longest match wins (ties: the shorter queue, then a rendezvous hash of
-   the first block, so a prefix seen nowhere still lands on the same replica every time), unless
-2. the match is shorter than ``min_match_blocks`` (a miss), or the winner's queue is longer than
-   the shortest queue by more than ``imbalance_threshold`` requests: then replicas are ranked
-   least loaded first (queue length, then KV-cache usage, then the rendezvous hash).
+   the first block), unless its queue is longer than the shortest queue by more than
+   ``imbalance_threshold`` requests: then replicas are ranked least loaded first.
+2. A miss (no match of ``min_match_blocks``) goes to the replica holding the fewest blocks (its
+   reported cache and what was just routed there), so new prefixes spread over the caches
+   instead of crowding one; ties go by queue length, then the rendezvous hash, so a prefix seen
+   nowhere lands on the same replica from any router. If the queues are too uneven (as above),
+   least loaded first instead.
 
 Every replica appears in the ranking, one per rank, so Ray Serve falls through to the next one
 when a replica is full (``max_ongoing_requests``).
@@ -141,6 +144,12 @@ class PrefixAffinityPolicy:
             n += 1
         return n
 
+    def footprint(self, replica: ReplicaView) -> int:
+        """Blocks the replica holds as far as the router knows: reported, plus recorded within
+        the TTL and not reported yet."""
+        recorded = self._fresh(replica.replica_id)
+        return len(replica.cached) + sum(1 for h in recorded if h not in replica.cached)
+
     def rank(self, chain: Sequence[int], replicas: Sequence[ReplicaView]) -> RoutingDecision:
         """Rank ``replicas`` for a request whose prompt has the block-hash chain ``chain``.
 
@@ -160,8 +169,13 @@ class PrefixAffinityPolicy:
         matches = {r.replica_id: self.match_blocks(chain, r) for r in replicas}
         best = max(replicas, key=lambda r: (matches[r.replica_id], -r.queue_len, rendezvous(key, r.replica_id)))
         best_match = matches[best.replica_id]
+        longest_queue = max(r.queue_len for r in replicas)
         if best_match < self.config.min_match_blocks:
-            return RoutingDecision([[r.replica_id] for r in by_load], "miss")
+            if longest_queue - by_load[0].queue_len > self.config.imbalance_threshold:
+                return RoutingDecision([[r.replica_id] for r in by_load], "miss")
+            held = {r.replica_id: self.footprint(r) for r in replicas}
+            order = sorted(replicas, key=lambda r: (held[r.replica_id], r.queue_len, -rendezvous(key, r.replica_id)))
+            return RoutingDecision([[r.replica_id] for r in order], "miss")
         if best.queue_len - by_load[0].queue_len > self.config.imbalance_threshold:
             # Among equally loaded replicas, one that holds the prefix still goes first.
             order = sorted(replicas, key=lambda r: (r.queue_len, -matches[r.replica_id], r.kv_usage,
