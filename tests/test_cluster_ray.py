@@ -76,3 +76,20 @@ def test_a_replica_killed_mid_stream_loses_nothing(report):
     assert (kill["sent"], kill["answered"], kill["lost"], kill["wrong"]) == (24, 24, 0, 0), kill
     assert kill["replays"] >= 1  # the streaming request was re-sent and replayed
     assert kill["restarted_s"] is not None  # Serve brought the replica back
+
+
+def test_sigterm_drains_the_cluster(tiny_model_dir):
+    """``stencil serve --replicas 1``: SIGTERM refuses new requests (503) and lets the one in
+    flight finish, then exits 0."""
+    why = _namespaces_available()
+    if why is not None:
+        pytest.skip(f"Ray must run in a private network namespace: {why}")
+    proc = subprocess.run(["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable,
+                           str(ROOT / "tests" / "cluster_drain.py"), str(tiny_model_dir)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["health_after_sigterm"] == "draining"
+    assert out["new_request_status"] == 503
+    assert out["long"] == {"status": 200, "finish_reason": "stop", "valid": True}
+    assert out["exit_status"] == 0

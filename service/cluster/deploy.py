@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,7 +155,19 @@ class StencilIngress:
         cluster = ClusterEngine(self._engine_config, call, broadcast,
                                 retry_on=(RayActorError, ReplicaUnavailableError),
                                 overload_on=(BackPressureError,), settings=self._settings)
-        return create_app(cluster, self._service_config)
+        self._app = create_app(cluster, self._service_config)
+        return self._app
+
+    def drain(self) -> int:
+        """Refuse new generation requests from now on (503 ``draining``); return how many are
+        still in flight here (``serve_cluster`` calls it on SIGTERM until it reads 0)."""
+        from service.app import service_state
+
+        state = service_state(self._app)
+        if state is None:
+            return 0
+        state.draining = True
+        return state.inflight
 
 
 def build_app(engine_config: EngineConfig, service_config: ServiceConfig | None = None,
@@ -222,12 +235,28 @@ def start_local_ray(num_cpus: float | None = None, temp_dir: str | None = None) 
     ray.init(**kwargs)
 
 
+def _drain(ingress, grace_s: float) -> None:
+    """Make every ingress replica refuse new requests, then wait (at most ``grace_s``) until
+    none has a request in flight. Serve's own shutdown would close the proxy's connections."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        answers = ingress.broadcast("drain").results(timeout_s=5, return_exceptions=True)
+        inflight = sum(a for a in answers if isinstance(a, int))
+        if inflight == 0:
+            return
+        if time.monotonic() >= deadline:
+            log.warning("shutdown: %d requests still in flight after %.0f s", inflight, grace_s)
+            return
+        time.sleep(0.2)
+
+
 def serve_cluster(engine_config: EngineConfig, service_config: ServiceConfig, options: ClusterOptions,
                   host: str = "127.0.0.1", port: int = 8000) -> int:
     """Run the cluster app until SIGTERM / SIGINT; return the exit status (0 after a drain).
 
-    Serve's proxy stops taking connections, every replica lets its requests finish for up to
-    ``options.graceful_shutdown_s``, then Ray stops (a joined cluster keeps running).
+    On a stop signal the ingress refuses new generation requests (503 ``draining``) and the
+    requests in flight finish, for up to ``options.graceful_shutdown_s``; then Serve stops the
+    application and Ray stops (a joined cluster keeps running, without the application).
 
     Raises:
         RuntimeError: Ray Serve is not installed.
@@ -252,7 +281,8 @@ def serve_cluster(engine_config: EngineConfig, service_config: ServiceConfig, op
                   blocking=False)
         log.info("serving %d replica(s) on http://%s:%d", opts.replicas, host, port)
         stop.wait()
-        log.info("stopping: draining replicas (up to %.0f s)", opts.graceful_shutdown_s)
+        log.info("stopping: draining (up to %.0f s)", opts.graceful_shutdown_s)
+        _drain(serve.get_app_handle(opts.app_name), opts.graceful_shutdown_s)
         if os.environ.get("RAY_ADDRESS"):
             serve.delete(opts.app_name)
         else:
