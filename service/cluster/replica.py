@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
 from engine.llm_engine import EngineError, EngineOverloaded
+from engine.request import SamplingParams
 from grammar.base import GrammarError
 from service.cluster.messages import Admitted, Refusal, ReplicaRequest
 
@@ -62,7 +63,13 @@ class EngineReplica:
         self.replica_id = replica_id or _replica_id()
         self._max_reported = max_reported_blocks
         self._started = time.time()
-        self._aeng = AsyncEngine(config).start()
+        self._aeng = AsyncEngine(config)
+        # One short generation before Serve routes anything here, so the first user request
+        # (also the first after a restart) does not pay for first-call allocations. Shorter
+        # than a block: it leaves nothing in the prefix cache.
+        self._aeng.engine.generate([self._aeng.tokenizer.encode("Hello")[:8] or [0]],
+                                   SamplingParams(max_tokens=2, temperature=0.0))
+        self._aeng.start()
         self._seq = 0
         self.admitted = 0
         self.finished = 0
