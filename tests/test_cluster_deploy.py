@@ -73,7 +73,8 @@ def test_the_kuberay_manifest_builds_with_this_code(tiny_model_dir):
 
     import stencil.cluster
 
-    manifest = yaml.safe_load((Path(__file__).resolve().parents[1] / "examples" / "kuberay-rayservice.yaml").read_text())
+    path = Path(__file__).resolve().parents[1] / "examples" / "kuberay-rayservice.yaml"
+    manifest = yaml.safe_load(path.read_text())
     assert manifest["kind"] == "RayService"
     assert manifest["spec"]["rayClusterConfig"]["rayVersion"] == __import__("ray").__version__
     (application,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]

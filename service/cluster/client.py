@@ -34,7 +34,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.async_engine import EngineDeadError
 from engine.config import EngineConfig
 from engine.kv_cache_manager import prompt_block_hashes
 from engine.llm_engine import EngineOverloaded
