@@ -8,10 +8,13 @@ the long request's outcome, the new request's status, the server's exit status.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -23,10 +26,12 @@ def main(model: str) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+    ray_tmp = tempfile.mkdtemp(prefix="std-", dir="/tmp")  # Ray's session files, removed below
     server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--replicas", "1", "--model", model,
                                "--port", str(port), "--num-kv-blocks", "256", "--threads", "1",
                                "--replica-cpus", "0.5", "--shutdown-grace", "60", "--log-level", "warning"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "RAY_TMPDIR": ray_tmp})
     out: dict = {}
     try:
         deadline = time.monotonic() + 180
@@ -71,6 +76,8 @@ def main(model: str) -> dict:
     finally:
         if server.poll() is None:
             server.kill()
+            server.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     return out
 
 
