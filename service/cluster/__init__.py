@@ -3,8 +3,9 @@
 * ``affinity`` — the prefix-affinity routing policy (no Ray); ``tracking`` — the router's book
   of replicas; ``routers`` — the Ray Serve ``RequestRouter`` s.
 * ``messages`` — what ingress and replicas send each other; ``client`` — ``ClusterEngine``, the
-  engine-shaped client the ingress app runs on (retries, replay); ``replica`` — the engine
-  replica deployment; ``deploy`` — the Serve application and ``stencil serve --replicas N``.
+  engine-shaped client the ingress app runs on; ``stream`` — one request's admission, outputs
+  and failover with replay; ``replica`` — the engine replica deployment; ``deploy`` — the Serve
+  application and ``stencil serve --replicas N``.
 
 Only ``routers`` and ``deploy``'s functions need Ray (``pip install 'stencil-serve[cluster]'``).
 """
