@@ -5,9 +5,10 @@ its hash there, so a later request with the same prefix can take it back (a pref
 until allocation evicts it. Eviction takes the least recently freed block first.
 
 Hashing (vLLM's prefix caching, Kwon et al. 2023, "PagedAttention", and the v1 design): block
-``i`` of a sequence is keyed by ``hash((hash of block i-1, its 16 token ids, extra))``, so equal
-keys mean equal prefixes. Because Python's ``hash`` can collide, a hit is confirmed against the
-token ids stored with the block (as nano-vllm does).
+``i`` of a sequence is keyed by a digest of (the key of block i-1, its 16 token ids, extra), so
+equal keys mean equal prefixes (``engine.kv_cache_manager.hash_block``: BLAKE2b, the same in
+every process). A 64-bit key can still collide, so a hit is confirmed against the token ids
+stored with the block (as nano-vllm does).
 """
 
 from __future__ import annotations

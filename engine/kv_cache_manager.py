@@ -2,18 +2,65 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from collections.abc import Sequence
+
 from engine.block_pool import BlockPool
 from engine.request import Request
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: object = None) -> int:
-    """Chained hash of a full block: its parent's hash, its token ids, and ``extra``.
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: tuple | None = None) -> int:
+    """Chained digest of a full block: its parent's hash, its token ids, and ``extra``.
 
     ``extra`` stands for anything else that changes the block's K/V (here: how many of its
     tokens were prompt tokens, when prompt and output tokens run through different weights),
-    so equal hashes imply equal K/V.
+    so equal hashes imply equal K/V. It must be ``None`` or a tuple of str / int.
+
+    The digest is BLAKE2b (8 bytes, as an unsigned int) over canonical bytes — the parent hash
+    as 8 little-endian bytes (or a marker for the first block), each token id as 4 little-endian
+    bytes, then ``repr(extra)`` — so every process computes the same chain: replicas and the
+    router that sends a request to the replica caching its prefix (``service.cluster``). Python's
+    ``hash`` is salted per process (``PYTHONHASHSEED``) and could not be shared. A hit is still
+    confirmed against the stored token ids (``BlockPool.lookup``), so a collision is never a hit.
+
+    Raises:
+        struct.error: a token id outside ``[0, 2**32)``.
     """
-    return hash((parent_hash, token_ids, extra))
+    h = hashlib.blake2b(digest_size=8)
+    h.update(_NO_PARENT if parent_hash is None else parent_hash.to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    if extra is not None:
+        h.update(repr(extra).encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+_NO_PARENT = b"stencil\x00\x00"  # 9 bytes: never equal to an 8-byte parent hash
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
+    """The chained hashes of the full blocks of a prompt, as ``KVCacheManager`` computes them.
+
+    Blocks that hold prompt tokens only carry no ``extra``, so this chain equals the engine's
+    for any request with this prompt; a router can compute it without an engine.
+
+    Args:
+        token_ids: prompt token ids.
+        block_size: tokens per block (the engines' ``block_size``).
+        max_blocks: hash at most this many leading blocks (``None``: every full block).
+
+    Returns:
+        ``len(token_ids) // block_size`` hashes (or ``max_blocks``, if fewer), first block first.
+    """
+    n = len(token_ids) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    out: list[int] = []
+    parent = None
+    for i in range(n):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out
 
 
 class KVCacheManager:
@@ -142,6 +189,23 @@ class KVCacheManager:
             tokens = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
             self.pool.register(request.block_ids[i], hashes[i], tokens)
         request.num_cached_blocks = num_full
+
+    def cached_block_hashes(self, limit: int | None = None) -> list[int]:
+        """Hashes of the blocks the prefix cache holds now (idle ones included), for routers.
+
+        Safe to call from another thread than the engine's: ``list(dict)`` copies the keys in
+        one C call under the GIL; a concurrent resize is retried. ``limit`` keeps the first
+        ``limit`` (oldest registered) hashes.
+        """
+        for _ in range(3):
+            try:
+                keys = list(self.pool.cached)
+                break
+            except RuntimeError:  # "dictionary changed size during iteration"
+                continue
+        else:
+            return []
+        return keys if limit is None else keys[:limit]
 
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first, so shared heads stay cached longest)."""

@@ -11,16 +11,29 @@ decoding.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from engine.request import Request
+
+
+def default_seed(base_seed: int, request_id: str) -> int:
+    """Seed of a request that gives none: the engine's base seed and a BLAKE2b digest of its id.
+
+    A stable digest, not Python's per-process salted ``hash``: every replica derives the same
+    seed for the same request id, so a request retried on another replica (``service.cluster``)
+    samples the same tokens. Returns an int in ``[0, 2**63)``.
+    """
+    digest = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+    return (base_seed * 1_000_003 + digest) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _generator(req: Request, base_seed: int) -> torch.Generator:
     if req.generator is None:
         seed = req.params.seed
         if seed is None:
-            seed = (base_seed * 1_000_003 + hash(req.request_id)) & 0x7FFF_FFFF_FFFF_FFFF
+            seed = default_seed(base_seed, req.request_id)
         g = torch.Generator(device="cpu")
         g.manual_seed(int(seed))
         req.generator = g

@@ -158,6 +158,9 @@ class HealthResponse(msgspec.Struct, kw_only=True):
         engine: ``LLMEngine.stats()`` (running, waiting, KV blocks, prefix cache, steps).
         kernels: what computes the model (``LLMEngine.kernels``): attention backend, int4 GEMM
             ("native", "torch" or "none" without int4 weights), KV-cache dtype.
+        replicas: on a cluster (``stencil serve --replicas N``), each engine replica's last
+            report (``status`` "ok", "dead" or "unreachable", its ``engine`` stats, ``kernels``,
+            ``pid``); ``engine`` then sums them. ``None`` for a single engine.
         error: why the engine died, when it did.
     """
 
@@ -166,4 +169,5 @@ class HealthResponse(msgspec.Struct, kw_only=True):
     inflight: int
     engine: dict[str, Any]
     kernels: dict[str, str] = {}
+    replicas: list[dict[str, Any]] | None = None
     error: str | None = None

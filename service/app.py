@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
@@ -230,10 +231,14 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
     gen = await generation.start(service, prompt_ids, params, spec, rid, arrival, data.grammar_backend)
     if data.stream:
         # The content-type header is explicit: for streams Litestar prefers the route's JSON media type.
-        return ServerSentEvent(_sse_events(gen, rid),  # type: ignore[return-value]
-                               headers={"cache-control": "no-cache",
-                                        "content-type": "text/event-stream; charset=utf-8"})
-    return _response_of(await generation.collect(gen, request.receive))
+        headers = {"cache-control": "no-cache", "content-type": "text/event-stream; charset=utf-8"}
+        if gen.replica is not None:  # on a cluster: which replica admitted it
+            headers["x-stencil-replica"] = gen.replica
+        return ServerSentEvent(_sse_events(gen, rid), headers=headers)  # type: ignore[return-value]
+    body = _response_of(await generation.collect(gen, request.receive))
+    if gen.replica is not None:
+        return Response(body, headers={"x-stencil-replica": gen.replica})  # type: ignore[return-value]
+    return body
 
 
 @get("/health", responses={503: ResponseSpec(HealthResponse, description="draining or engine dead")},
@@ -241,14 +246,17 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
 async def health_handler(service: ServiceState) -> Response[HealthResponse]:
     eng = service.engine
     stats = eng.engine.stats()
-    if not eng.is_alive:
+    # A cluster ingress (service.cluster) reports each replica; it is dead when none is up.
+    replica_health = getattr(eng, "replica_health", None)
+    replicas = replica_health() if replica_health is not None else None
+    if not eng.is_alive or (replicas is not None and not any(r.get("status") == "ok" for r in replicas)):
         status, code = "dead", 503
     elif service.draining:
         status, code = "draining", 503
     else:
         status, code = "ok", 200
     body = HealthResponse(status=status, model=service.model_name, inflight=service.inflight, engine=stats,
-                          kernels=eng.engine.kernels,
+                          kernels=eng.engine.kernels, replicas=replicas,
                           error=repr(eng.error) if eng.error is not None else None)
     return Response(body, status_code=code)
 
@@ -272,14 +280,16 @@ def stop_engine(aeng: AsyncEngine) -> None:
 
 # -- the factory -----------------------------------------------------------------------------------
 
-def create_app(engine: EngineConfig | AsyncEngine, config: ServiceConfig | None = None, *,
+def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig | None = None, *,
                route_handlers: Sequence = (), include_openai: bool = True,
                on_engine_dead: Callable[[BaseException], None] | None = None) -> Litestar:
     """Build the Stencil app.
 
     Args:
-        engine: an ``EngineConfig`` (the model is loaded at startup, off the event loop) or an
-            ``AsyncEngine`` (started at startup). Either way the app owns it and shuts it down.
+        engine: an ``EngineConfig`` (the model is loaded at startup, off the event loop), an
+            ``AsyncEngine`` (started at startup), or a ``service.cluster.client.ClusterEngine``
+            (the Ray Serve ingress: replicas do the generating). Either way the app owns it and
+            shuts it down.
         config: service limits; ``None`` = defaults (API key from ``STENCIL_API_KEY``).
         route_handlers: more routes; they can ask for ``service: ServiceState`` and raise the
             errors ``service.errors.to_problem`` knows.
@@ -296,7 +306,7 @@ def create_app(engine: EngineConfig | AsyncEngine, config: ServiceConfig | None 
 
     @asynccontextmanager
     async def lifespan(app: Litestar):
-        aeng = engine if isinstance(engine, AsyncEngine) else await asyncio.to_thread(AsyncEngine, engine)
+        aeng = await asyncio.to_thread(AsyncEngine, engine) if isinstance(engine, EngineConfig) else engine
 
         def dead(exc: BaseException) -> None:
             log.critical("engine loop died: %r; failing in-flight requests", exc)

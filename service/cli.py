@@ -24,6 +24,7 @@ BENCHMARKS = {
     "cpu_kernels": "native CPU int4 GEMM and paged attention against torch's, same run",
     "weights": "fp32 vs int4 weights: speed and quality",
     "soak": "long mixed load against a server; checks nothing leaks",
+    "cluster": "replicas on Ray Serve: prefix-affinity vs round-robin routing, and a replica kill",
 }
 
 
@@ -76,6 +77,23 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-format", default="json", choices=["json", "text"])
 
 
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    from service.cluster import ROUTERS
+
+    g = p.add_argument_group("cluster", "N engine replicas on Ray Serve behind this endpoint "
+                             "(needs pip install 'stencil-serve[cluster]'; see README, Replicas)")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="serve N engine replicas on Ray Serve (the minimum with --max-replicas)")
+    g.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscale between --replicas and this on queue length")
+    g.add_argument("--router", default="affinity", choices=list(ROUTERS),
+                   help="how requests pick a replica: affinity (longest cached prompt prefix, "
+                        "default), round_robin, pow2 (Serve's default), ray_prefix (Ray's "
+                        "PrefixCacheAffinityRouter)")
+    g.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
+    g.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica (1: one replica per GPU)")
+
+
 def engine_config_from_args(args: argparse.Namespace):
     """``EngineConfig`` from parsed engine arguments (the default model is fetched if needed)."""
     from engine.config import EngineConfig
@@ -110,9 +128,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scfg = ServiceConfig(api_key=args.api_key, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
                          default_max_tokens=min(256, args.max_tokens_cap), max_body_bytes=args.max_body_bytes,
                          request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace).validate()
+    if args.replicas is not None:
+        return _serve_cluster(args, scfg)
     runner = ServerRunner()
     app = create_app(engine_config_from_args(args), scfg, on_engine_dead=runner.engine_dead)
     return runner.run(app, args.host, args.port, grace_s=args.shutdown_grace, log_level=args.log_level)
+
+
+def _serve_cluster(args: argparse.Namespace, scfg) -> int:
+    """``stencil serve --replicas N``: the same API, served by N replicas on Ray Serve."""
+    from engine.config import ConfigError
+    from service.cluster.deploy import ClusterOptions, require_ray, serve_cluster
+
+    try:
+        require_ray()
+    except RuntimeError as e:
+        print(f"stencil serve: --replicas needs Ray Serve. {e}", file=sys.stderr)
+        return 2
+    try:
+        opts = ClusterOptions(replicas=args.replicas, max_replicas=args.max_replicas, router=args.router,
+                              replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus,
+                              graceful_shutdown_s=args.shutdown_grace).validate()
+    except ConfigError as e:
+        print(f"stencil serve: {e}", file=sys.stderr)
+        return 2
+    return serve_cluster(engine_config_from_args(args), scfg, opts, args.host, args.port)
 
 
 def _progress(msg: str) -> None:
@@ -216,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "dies the process exits 1.")
     _add_engine_args(p)
     _add_service_args(p)
+    _add_cluster_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="one constrained generation, in process",

@@ -324,6 +324,35 @@ class GenerationStream:
         self.arrival = arrival
         self.grammar_ms = grammar_ms
         self.result: GenerationResult | None = None
+        self._agen = None
+
+    async def open(self) -> None:
+        """Submit the request to the engine (``start`` does it).
+
+        An engine whose requests are admitted elsewhere (``service.cluster``: a replica checks
+        the request and compiles its grammar) returns a stream with an ``admit()`` coroutine;
+        it is awaited here, so the replica's refusal is still raised before the first byte.
+        """
+        st = self.state
+        # start() admitted the request (429 before any header); don't decide again mid-stream.
+        self._agen = st.engine.generate(self.prompt_ids, self.params, self.compiled, self.request_id, admitted=True)
+        admit = getattr(self._agen, "admit", None)
+        if admit is not None:
+            try:
+                self.grammar_ms += await admit()
+            except BaseException:
+                await self._agen.aclose()
+                raise
+
+    @property
+    def replica(self) -> str | None:
+        """On a cluster (``service.cluster``), the replica now serving the request; else None."""
+        return getattr(self._agen, "replica", None)
+
+    async def aclose(self) -> None:
+        """Give the request up before iterating it (a sibling request failed to start)."""
+        if self._agen is not None:
+            await self._agen.aclose()
 
     def __aiter__(self) -> AsyncIterator[GenerationDelta | GenerationResult]:
         return self._iterate()
@@ -331,8 +360,9 @@ class GenerationStream:
     async def _iterate(self) -> AsyncIterator[GenerationDelta | GenerationResult]:
         st = self.state
         deadline = self.arrival + st.config.request_timeout_s
-        # start() admitted the request (429 before any header); don't decide again mid-stream.
-        agen = st.engine.generate(self.prompt_ids, self.params, self.compiled, self.request_id, admitted=True)
+        if self._agen is None:
+            await self.open()
+        agen = self._agen
         parts: list[str] = []
         token_ids: list[int] = []
         logprobs: list[float] = []
@@ -454,7 +484,27 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
         state.engine.engine.check_budget(compiled, params)  # a 400 naming max_tokens
         grammar_ms = (time.perf_counter() - t) * 1e3
         state.metrics.grammar_wait.observe(grammar_ms / 1e3)
-    return GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms)
+    gen = GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms)
+    await gen.open()
+    return gen
+
+
+async def start_many(state: ServiceState, jobs: list[tuple[list[int], SamplingParams]], spec: GrammarSpec | None,
+                     base_id: str, arrival: float | None = None) -> list[GenerationStream]:
+    """``start`` each ``(prompt_ids, params)`` job (ids ``{base_id}-{k}``); all or none.
+
+    If one fails to start, those already admitted are given up (``aclose``: on a cluster their
+    replicas abort them) before the error is raised (errors as in ``start``).
+    """
+    streams: list[GenerationStream] = []
+    try:
+        for k, (ids, params) in enumerate(jobs):
+            streams.append(await start(state, ids, params, spec, f"{base_id}-{k}", arrival))
+    except BaseException:
+        for s in streams:
+            await s.aclose()
+        raise
+    return streams
 
 
 async def stream(state: ServiceState, prompt_ids: list[int], params: SamplingParams,

@@ -86,6 +86,47 @@ class _EngineCollector:
             yield c
         if counters_summary is not None:
             yield counters_summary
+        replica_health = getattr(aeng, "replica_health", None)
+        if replica_health is not None:
+            yield from _replica_families(replica_health(), gauges, counters)
+            for name, doc, value in (("stencil_cluster_retries", "requests re-sent after a replica failed",
+                                      aeng.retries),
+                                     ("stencil_cluster_replays", "re-sent requests that had delivered tokens",
+                                      aeng.replays)):
+                c = CounterMetricFamily(name, doc)
+                c.add_metric([], float(value))
+                yield c
+
+
+def _replica_families(replicas: list[dict], gauges: dict, counters: dict):
+    """Per-replica series of a cluster ingress: ``stencil_replica_up{replica}`` and every engine
+    gauge and counter above as ``stencil_replica_<name>{replica}`` (the unlabelled ones sum
+    the replicas). Counters restart with their replica, which Prometheus's ``rate`` handles."""
+    up = GaugeMetricFamily("stencil_replica_up", "1 while the engine replica reports ok", labels=["replica"])
+    for r in replicas:
+        if "replica" in r:
+            up.add_metric([r["replica"]], 1.0 if r.get("status") == "ok" else 0.0)
+    yield up
+    live = [r for r in replicas if "replica" in r and r.get("engine")]
+    engine_gauges = {
+        "stencil_requests_running": "running", "stencil_requests_waiting": "waiting",
+        "stencil_kv_blocks_total": "kv_blocks_total", "stencil_kv_cache_usage_ratio": "kv_usage",
+        "stencil_prefix_cache_hit_rate": "prefix_cache_hit_rate",
+    }
+    for name, key in engine_gauges.items():
+        g = GaugeMetricFamily(name.replace("stencil_", "stencil_replica_", 1), gauges[name][0], labels=["replica"])
+        for r in live:
+            g.add_metric([r["replica"]], float(r["engine"].get(key, 0.0)))
+        yield g
+    engine_counters = {"stencil_prefix_cache_queries": "prefix_cache_queries",
+                       "stencil_prefix_cache_hits": "prefix_cache_hits",
+                       "stencil_preemptions": "num_preemptions", "stencil_engine_steps": "num_steps"}
+    for name, key in engine_counters.items():
+        c = CounterMetricFamily(name.replace("stencil_", "stencil_replica_", 1), counters[name][0],
+                                labels=["replica"])
+        for r in live:
+            c.add_metric([r["replica"]], float(r["engine"].get(key, 0)))
+        yield c
 
 
 class Metrics:

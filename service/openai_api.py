@@ -310,7 +310,7 @@ async def _run_all(svc: ServiceState, jobs: list[tuple[list[int], Any]], spec: G
     cancels the rest (raised as an ``ExceptionGroup``); the client hanging up (``http.disconnect``
     on the ASGI ``receive``) aborts all and raises ``ClientDisconnected``.
     """
-    streams = [await gen.start(svc, ids, p, spec, f"{base_id}-{k}") for k, (ids, p) in enumerate(jobs)]
+    streams = await gen.start_many(svc, jobs, spec, base_id)
 
     async def results() -> list[gen.GenerationResult]:
         async with asyncio.TaskGroup() as tg:
@@ -445,7 +445,7 @@ async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, reque
     job = await _prepare_chat(svc, data)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if data.stream:
-        streams = [await gen.start(svc, job.prompt_ids, p, job.spec, f"{rid}-{i}") for i, p in enumerate(job.params)]
+        streams = await gen.start_many(svc, [(job.prompt_ids, p) for p in job.params], job.spec, rid)
         include = bool(data.stream_options and data.stream_options.include_usage)
         return Stream(_chat_events(svc, job, streams, rid, include), media_type="text/event-stream",
                       headers=_SSE_HEADERS)
@@ -521,7 +521,7 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
     jobs = [(ids, p) for ids in prompt_ids for p in params]
     counts = [len(ids) for ids in prompt_ids]
     if data.stream:
-        streams = [await gen.start(svc, ids, p, spec, f"{rid}-{k}") for k, (ids, p) in enumerate(jobs)]
+        streams = await gen.start_many(svc, jobs, spec, rid)
         include = bool(data.stream_options and data.stream_options.include_usage)
         return Stream(_completion_events(svc, model, streams, prompts, counts, data.n, data.echo, rid, include,
                                          want_logprobs),

@@ -82,7 +82,9 @@ class ServiceState:
     """What a handler needs, injected as ``service: ServiceState``.
 
     Attributes:
-        engine: the running engine (owned by the app's lifespan).
+        engine: the running engine (owned by the app's lifespan): an ``AsyncEngine``, or on
+            the Ray Serve ingress a ``service.cluster.client.ClusterEngine`` with the same
+            interface (its requests go to engine replicas).
         config: the service's limits.
         metrics: this app's Prometheus registry and series.
         checker: cached output validators.

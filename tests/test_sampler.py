@@ -83,3 +83,21 @@ def test_top_p_top_k_restrict_support():
     assert abs(probs[:2].sum().item() - 1) < 1e-6
     probs = _probs(logits, _req(0, temperature=1.0, top_k=3))[0]
     assert (probs[3:] == 0).all() and (probs[:3] > 0).all()
+
+
+def test_default_seed_is_stable_across_processes():
+    """A request retried on another replica must draw the same tokens: no salted ``hash``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.sampler import default_seed
+
+    script = "from engine.sampler import default_seed; print(default_seed(3, 'req-abc'))"
+    seen = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": s, "PATH": "/usr/bin:/bin"},
+                           cwd=str(Path(__file__).resolve().parents[1])).stdout.strip() for s in ("1", "2")}
+    assert seen == {str(default_seed(3, "req-abc"))}
+    assert default_seed(3, "req-abc") != default_seed(3, "req-abd")
+    assert default_seed(3, "req-abc") != default_seed(4, "req-abc")
+    assert 0 <= default_seed(3, "req-abc") < 2 ** 63

@@ -1,0 +1,200 @@
+"""One request on the replicas: admission, outputs, and failover with replay.
+
+``ReplicaStream`` is what ``ClusterEngine.generate`` returns: an async iterator of
+``engine.outputs.RequestOutput`` (the items ``AsyncEngine.generate`` yields) with an
+``admit()`` that ``service.generation.start`` awaits before the first byte.
+
+Failover: when the replica dies (Ray's ``ActorDiedError``, a ``Refusal`` of kind
+"unavailable", an "abort" it did not ask for, a stream that ends early), the request is sent
+again, same id, to another replica, and replayed: the tokens already delivered are recomputed
+there, compared and withheld, and delivery resumes after them. A replay that differs, or a
+last attempt that fails, is a 503 (``service.errors.Unavailable``) naming the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from engine.llm_engine import EngineOverloaded
+from engine.outputs import RequestOutput
+from service.cluster.messages import Admitted, Refusal, ReplicaRequest
+from service.errors import Unavailable
+
+if TYPE_CHECKING:
+    from service.cluster.client import ClusterEngine, RemoteGrammar
+
+log = logging.getLogger("stencil.cluster")
+
+
+class ReplicaStream:
+    """One request on the replicas: admission, then outputs, with retries and replay on failure.
+
+    An async iterator of ``RequestOutput`` (the same items ``AsyncEngine.generate`` yields).
+    ``aclose()`` cancels the replica call (the replica aborts the request and frees its blocks).
+    """
+
+    def __init__(self, cluster: "ClusterEngine", request: ReplicaRequest, grammar: "RemoteGrammar | None"):
+        self._cluster = cluster
+        self.request = request
+        self._grammar = grammar
+        self._call: ReplicaCall | None = None
+        self.admitted: Admitted | None = None
+        self.replicas: list[str] = []  # replicas that admitted it, in order
+        self._done = False
+        # What the client has been given, and the replay of it after a failover.
+        self._tokens: list[int] = []
+        self._text = ""
+        self._replaying = False
+        self._replay_tokens: list[int] = []
+        self._replay_text = ""
+        self._replay_logprobs: list[float] = []
+
+    async def admit(self) -> float:
+        """Wait until a replica admits the request; return its grammar time (ms).
+
+        Raises:
+            GrammarError, EngineError (400), EngineOverloaded (429): the replica refused it.
+            service.errors.Unavailable (503): no replica admitted it within the admission
+                timeout, or every attempt found its replica gone.
+        """
+        settings = self._cluster.settings
+        last: str = "no replica answered"
+        while self.request.attempt < settings.max_attempts:
+            call = self._cluster._call(self.request)
+            self._call = call
+            try:
+                first = await asyncio.wait_for(anext(call), settings.admission_timeout_s)
+            except asyncio.TimeoutError:
+                call.cancel()
+                raise Unavailable(f"no replica admitted request {self.request.request_id} within "
+                                  f"{settings.admission_timeout_s:g} s") from None
+            except self._cluster.overload_on as e:
+                call.cancel()
+                raise EngineOverloaded(f"every replica's queue is full: {e}") from None
+            except (StopAsyncIteration, *self._cluster.retry_on) as e:
+                call.cancel()
+                last = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                self._next_attempt(last)
+                continue
+            if isinstance(first, Refusal):
+                if first.retryable:
+                    last = f"replica {first.replica_id}: {first.message}"
+                    self._next_attempt(last)
+                    continue
+                raise first.to_exception()
+            if not isinstance(first, Admitted):
+                call.cancel()
+                raise TypeError(f"replica sent {type(first).__name__} before admitting the request")
+            self.admitted = first
+            self.replicas.append(first.replica_id)
+            if self._grammar is not None:
+                self._grammar.warnings = list(first.warnings)
+            return first.grammar_ms
+        raise Unavailable(f"request {self.request.request_id} failed on {settings.max_attempts} "
+                          f"attempts; last: {last}")
+
+    @property
+    def replica(self) -> str | None:
+        """The replica that admitted the latest attempt (``X-Stencil-Replica``), if any."""
+        return self.replicas[-1] if self.replicas else None
+
+    def _next_attempt(self, why: str) -> None:
+        self.request.attempt += 1
+        self._cluster.retries += 1
+        log.warning("request %s: replica failed (%s); attempt %d of %d", self.request.request_id, why,
+                    self.request.attempt + 1, self._cluster.settings.max_attempts)
+
+    def __aiter__(self) -> "ReplicaStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        if self.admitted is None:
+            await self.admit()
+        while True:
+            try:
+                item = await anext(self._call)
+            except StopAsyncIteration:
+                await self._failover("the replica's stream ended before the request finished")
+                continue
+            except self._cluster.retry_on as e:
+                await self._failover(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                continue
+            if isinstance(item, Refusal):  # its engine stopped mid-request
+                await self._failover(f"replica {item.replica_id}: {item.message}")
+                continue
+            if item.finished and item.finish_reason == "abort":  # the replica is shutting down
+                await self._failover(f"replica {self.replicas[-1]} aborted the request")
+                continue
+            out = self._deliverable(item)
+            if out is None:
+                continue
+            if out.finished:
+                self._done = True
+            return out
+
+    async def _failover(self, why: str) -> None:
+        """Re-send the request elsewhere; later outputs replay what was delivered, then go on.
+
+        Raises:
+            Unavailable: the last attempt failed too (503, naming the replica).
+        """
+        if self._call is not None:
+            self._call.cancel()
+        failed = self.replicas[-1] if self.replicas else "?"
+        if self.request.attempt + 1 >= self._cluster.settings.max_attempts:
+            raise Unavailable(f"replica {failed} failed while serving request {self.request.request_id} "
+                              f"({why}); no attempt left")
+        self._next_attempt(f"{failed}: {why}")
+        if self._tokens or self._text:
+            self._cluster.replays += 1
+        self.admitted = None
+        self._replaying = True
+        self._replay_tokens, self._replay_text, self._replay_logprobs = [], "", []
+        await self.admit()
+
+    def _deliverable(self, out: RequestOutput) -> RequestOutput | None:
+        """``out`` as the client should see it: new tokens only; ``None`` while still replaying.
+
+        Raises:
+            Unavailable: the replay differs from what was delivered (503).
+        """
+        if not self._replaying:
+            self._tokens.extend(out.new_token_ids)
+            self._text += out.new_text
+            return out
+        self._replay_tokens.extend(out.new_token_ids)
+        self._replay_text += out.new_text
+        self._replay_logprobs.extend(out.new_logprobs)
+        n, done = len(self._tokens), self._replay_tokens
+        if done[:n] != self._tokens[:len(done)]:
+            raise Unavailable(f"request {self.request.request_id}: its replica failed after {n} tokens and "
+                              f"the retry on replica {self.replicas[-1]} produced different ones")
+        caught_up = len(done) > n or (out.finished and len(done) == n)
+        if not caught_up or not self._replay_text.startswith(self._text):
+            if out.finished:  # ended without covering what was delivered, or its text differs
+                raise Unavailable(f"request {self.request.request_id}: the retry on replica "
+                                  f"{self.replicas[-1]} ended differently from the failed attempt")
+            return None
+        new_tokens = done[n:]
+        new_text = self._replay_text[len(self._text):]
+        logprobs = self._replay_logprobs[n:] if out.new_logprobs or self._replay_logprobs else []
+        self._replaying = False
+        self._tokens = list(done)
+        self._text = self._replay_text
+        return RequestOutput(
+            request_id=out.request_id, new_token_ids=new_tokens, new_text=new_text, finished=out.finished,
+            finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+            num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens, error=out.error,
+            ttft_ms=out.ttft_ms, total_ms=out.total_ms, num_draft_tokens=out.num_draft_tokens,
+            num_accepted_tokens=out.num_accepted_tokens, num_verify_steps=out.num_verify_steps,
+            num_forced_tokens=out.num_forced_tokens, num_steps=out.num_steps, new_logprobs=logprobs)
+
+    async def aclose(self) -> None:
+        """Cancel the replica call if the request is not finished (the replica aborts it)."""
+        if self._call is not None and not self._done:
+            self._call.cancel()
+        self._done = True
