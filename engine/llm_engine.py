@@ -153,6 +153,18 @@ class LLMEngine:
         if admission and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are waiting "
                                    f"(limit {self.config.max_waiting})")
+        limits = params.soft_limits
+        if limits is not None and not isinstance(limits, (bool, dict)):
+            raise EngineError("soft_limits must be an object or false")
+        if isinstance(limits, dict):
+            from grammar.budget import SoftLimits
+
+            known = set(SoftLimits.__dataclass_fields__)
+            for k, v in limits.items():
+                if k not in known:
+                    raise EngineError(f"soft_limits.{k} is not a field; known: {sorted(known)}")
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise EngineError(f"soft_limits.{k} must be an integer >= 1, got {v!r}")
         try:
             return SpecConfig.from_dict(params.speculative) if params.speculative is not None else self.default_spec
         except (ValueError, TypeError) as e:
@@ -491,6 +503,7 @@ class LLMEngine:
             closed_by_budget=finished and (bool(getattr(req.matcher, "closed_by_budget", False))
                                            or req.finish_reason_detail == "budget"),
             budget_cuts=list(getattr(req.matcher, "narrowed", ())) if finished else [],
+            guard_hits=list(getattr(req.matcher, "guarded", ())) if finished else [],
         )
 
     # -- convenience ---------------------------------------------------------------------------

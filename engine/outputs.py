@@ -26,6 +26,7 @@ class RequestOutput:
         closed_by_budget: on the last output: the budget narrowed the grammar's masks so that the
             output ended complete within ``max_tokens`` (``grammar.budget``).
         budget_cuts: on the last output: output byte offsets where it did.
+        guard_hits: on the last output: ``(what, byte offset)`` for each run-on bound that bound.
     """
 
     request_id: str
@@ -47,3 +48,4 @@ class RequestOutput:
     new_logprobs: list[float] = field(default_factory=list)
     closed_by_budget: bool = False
     budget_cuts: list[int] = field(default_factory=list)
+    guard_hits: list[tuple[str, int]] = field(default_factory=list)

@@ -55,6 +55,8 @@ class SamplingParams:
             ``{"method": "off"}`` disables it.
         close_on_budget: under a grammar, keep the output closable within ``max_tokens`` (budget-
             aware masks, ``grammar.budget``) so it ends complete; False: cut at ``max_tokens``.
+        soft_limits: the run-on guard for JSON (``grammar.budget.SoftLimits`` fields as a dict;
+            ``None``: the defaults; ``False``: off).
     """
 
     max_tokens: int = 256
@@ -67,6 +69,7 @@ class SamplingParams:
     logprobs: bool = False
     speculative: dict | None = None
     close_on_budget: bool = True
+    soft_limits: dict | bool | None = None
 
     @property
     def greedy(self) -> bool:

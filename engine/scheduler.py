@@ -62,7 +62,11 @@ class SchedulerOutput:
 def make_matcher(grammar, params):
     """The request's matcher: budget-aware unless ``params.close_on_budget`` is off."""
     if params.close_on_budget and hasattr(grammar, "budget_matcher"):
-        return grammar.budget_matcher(params.max_tokens)
+        from grammar.budget import SoftLimits
+
+        limits = params.soft_limits
+        soft = None if limits is False else SoftLimits(**limits) if isinstance(limits, dict) else SoftLimits()
+        return grammar.budget_matcher(params.max_tokens, soft_limits=soft)
     return grammar.matcher()
 
 

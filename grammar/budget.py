@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,6 +33,87 @@ log = logging.getLogger(__name__)
 MIN_SLACK = 48  # tokens
 
 
+@dataclass(frozen=True, slots=True)
+class SoftLimits:
+    """The run-on guard: a JSON output that goes past one of these bounds (a string of more than
+    ``string_chars`` characters, a number of more than ``number_digits`` digits, an array of more
+    than ``array_items`` items) may from then on only move toward its end — each token must lower
+    the distance to a complete document — so the value closes. Not part of the schema: the output
+    stays valid, and the service lists every bound that bound in its warnings."""
+
+    string_chars: int = 300
+    number_digits: int = 40
+    array_items: int = 64
+
+
+class _JsonScan:
+    """Where a JSON text stands, byte by byte: inside a string (characters so far), a number
+    (digits so far), and the item count of each open array."""
+
+    __slots__ = ("in_string", "escape", "chars", "digits", "arrays", "expect_item")
+
+    def __init__(self):
+        self.in_string = self.escape = False
+        self.chars = self.digits = 0
+        self.arrays: list[int] = []  # items so far in each open array ([] for objects: -1)
+        self.expect_item = False
+
+    def feed(self, data: bytes) -> None:
+        for b in data:
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif b == 0x5C:
+                    self.escape = True
+                    self.chars += 1
+                elif b == 0x22:
+                    self.in_string = False
+                elif b & 0xC0 != 0x80:  # a character starts (UTF-8 lead or ASCII)
+                    self.chars += 1
+                continue
+            if 0x30 <= b <= 0x39 or b in b"-+.eE":
+                if self.digits == 0:
+                    self._item()
+                self.digits += 1
+                continue
+            self.digits = 0
+            if b == 0x22:
+                self._item()
+                self.in_string, self.chars = True, 0
+            elif b in b"[{":
+                self._item()
+                self.arrays.append(0 if b == 0x5B else -1)
+                self.expect_item = b == 0x5B
+            elif b in b"]}":
+                if self.arrays:
+                    self.arrays.pop()
+            elif b == 0x2C and self.arrays and self.arrays[-1] >= 0:
+                self.expect_item = True
+            elif b in b"tfn":
+                self._item()
+
+    def _item(self) -> None:
+        if self.expect_item and self.arrays and self.arrays[-1] >= 0:
+            self.arrays[-1] += 1
+        self.expect_item = False
+
+    def snapshot(self) -> tuple:
+        return (self.in_string, self.escape, self.chars, self.digits, tuple(self.arrays), self.expect_item)
+
+    def restore(self, snap: tuple) -> None:
+        self.in_string, self.escape, self.chars, self.digits, arrays, self.expect_item = snap
+        self.arrays = list(arrays)
+
+    def over(self, limits: SoftLimits) -> str | None:
+        if self.in_string and self.chars >= limits.string_chars:
+            return f"a string reached {limits.string_chars} characters"
+        if self.digits >= limits.number_digits:
+            return f"a number reached {limits.number_digits} digits"
+        if self.arrays and self.arrays[-1] >= limits.array_items:
+            return f"an array reached {limits.array_items} items"
+        return None
+
+
 class BudgetMatcher:
     """A ``GrammarMatcher`` that also keeps the output closable within ``max_tokens`` tokens.
 
@@ -41,14 +123,21 @@ class BudgetMatcher:
             in the background after the compile; the matcher waits for it only when a row is
             near its budget).
         max_tokens: the request's budget (every accepted token counts, EOS included).
+        soft_limits: the run-on guard for JSON outputs (``None``: off).
 
     Attributes:
         narrowed: output byte offsets at which the budget removed a token the grammar allowed.
+        guarded: what the run-on guard bound, with the output byte offset, in order.
         disabled: why the budget is not enforced for this request (``None`` when it is).
     """
 
-    def __init__(self, inner, automaton: "ClosingAutomaton | Future", max_tokens: int):
+    def __init__(self, inner, automaton: "ClosingAutomaton | Future", max_tokens: int,
+                 soft_limits: SoftLimits | None = None):
         self.inner = inner
+        self.soft_limits = soft_limits
+        self._scan = _JsonScan() if soft_limits is not None else None
+        self._scan_snaps: list[tuple] = []  # the scanner before each accepted token (rollback)
+        self.guarded: list[tuple[str, int]] = []
         self._automaton = automaton
         self.max_tokens = max_tokens
         self._states: list[int] = []  # DFA state after each accepted token (index = count)
@@ -159,7 +248,8 @@ class BudgetMatcher:
             a = self._ready(wait=True)  # close to a small budget: the automaton is needed now
             if a is None:
                 return
-        if not self._near(a):
+        guard = self._scan.over(self.soft_limits) if self._scan is not None else None
+        if not guard and not self._near(a):
             return
         s = self._state()
         if s == a.dead:
@@ -169,6 +259,8 @@ class BudgetMatcher:
         allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:a.vocab.model_vocab_size].astype(bool)
         nd = a.next_token_distances(s, allowed)
         keep = nd <= self.remaining - 1
+        if guard:  # run-on guard: only tokens that bring the end nearer
+            keep &= nd < a.token_distance(s)
         plan = self._current_plan(a)
         if plan and len(plan) <= self.remaining:
             keep[plan[0]] = True
@@ -182,7 +274,10 @@ class BudgetMatcher:
         if (new != allowed).any():
             packed = np.packbits(np.pad(new, (0, words.size * 32 - new.size)), bitorder="little")
             words[:] = packed.view(np.uint32)
-            if not self.narrowed or self.narrowed[-1] != self._out_bytes:
+            if guard:
+                if not self.guarded or self.guarded[-1][0] != guard:
+                    self.guarded.append((guard, self._out_bytes))
+            elif not self.narrowed or self.narrowed[-1] != self._out_bytes:
                 self.narrowed.append(self._out_bytes)
 
     def validate_tokens(self, token_ids: list[int]) -> int:
@@ -214,6 +309,9 @@ class BudgetMatcher:
         for t in token_ids:
             self._out_bytes += len(tb.get(t, b""))
             self._offsets.append(self._out_bytes)
+            if self._scan is not None:
+                self._scan_snaps.append(self._scan.snapshot())
+                self._scan.feed(tb.get(t, b""))
         a = self._ready(wait=False)
         if a is None:
             self._pending.extend(token_ids)
@@ -234,6 +332,9 @@ class BudgetMatcher:
         if num_tokens:
             del self._offsets[-num_tokens:]
             self._out_bytes = self._offsets[-1]
+            if self._scan is not None:
+                self._scan.restore(self._scan_snaps[-num_tokens])
+                del self._scan_snaps[-num_tokens:]
             if self._pending:
                 drop = min(num_tokens, len(self._pending))
                 del self._pending[len(self._pending) - drop:]

@@ -66,12 +66,16 @@ class CompiledGrammar:
                                    keyword="grammar_backend")
         return grammar.matcher()
 
-    def budget_matcher(self, max_tokens: int, backend: str | None = None):
+    def budget_matcher(self, max_tokens: int, backend: str | None = None, soft_limits=None):
         """A cursor (as :meth:`matcher`) that also keeps the output closable within
-        ``max_tokens`` tokens (:class:`grammar.budget.BudgetMatcher`)."""
+        ``max_tokens`` tokens (:class:`grammar.budget.BudgetMatcher`); ``soft_limits``: the
+        run-on guard (``grammar.budget.SoftLimits``), JSON Schema grammars only."""
         from grammar.budget import BudgetMatcher
 
-        return BudgetMatcher(self.matcher(backend), self.closing(), max_tokens)
+        limits = soft_limits if self.spec.kind == "json_schema" else None
+        if limits is not None:
+            limits = _raised_by_schema(limits, self.spec.value)
+        return BudgetMatcher(self.matcher(backend), self.closing(), max_tokens, limits)
 
     def closing(self) -> Future:
         """The grammar's closing automaton, built once in the background (a future; it raises
@@ -169,6 +173,31 @@ class CompiledGrammar:
                 f"backends={sorted(self._grammars)})")
 
 
+def _raised_by_schema(limits, schema_text: str):
+    """The run-on guard's bounds, raised to what the schema itself allows (its largest
+    ``maxLength``/``minLength`` and ``maxItems``/``minItems``): the guard never cuts what the
+    schema asks for."""
+    import json
+    from dataclasses import replace
+
+    strings = items = 0
+    stack = [json.loads(schema_text)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in ("maxLength", "minLength") and isinstance(v, int):
+                    strings = max(strings, v)
+                elif k in ("maxItems", "minItems") and isinstance(v, int):
+                    items = max(items, v)
+                else:
+                    stack.append(v)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return replace(limits, string_chars=max(limits.string_chars, strings + 1),
+                   array_items=max(limits.array_items, items + 1))
+
+
 class PinnedGrammar:
     """A :class:`CompiledGrammar` whose ``matcher()`` always uses one backend (a per-request
     ``grammar_backend`` choice). Other attributes are the shared grammar's."""
@@ -180,8 +209,8 @@ class PinnedGrammar:
     def matcher(self):
         return self.grammar.matcher(self.pinned)
 
-    def budget_matcher(self, max_tokens: int):
-        return self.grammar.budget_matcher(max_tokens, self.pinned)
+    def budget_matcher(self, max_tokens: int, soft_limits=None):
+        return self.grammar.budget_matcher(max_tokens, self.pinned, soft_limits)
 
     @property
     def backend(self) -> str:

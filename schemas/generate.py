@@ -67,6 +67,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         close_on_budget: under a constraint, keep the output closable within ``max_tokens`` so it
             ends complete and valid (default); false: cut it at ``max_tokens`` (``"length"``,
             ``output: null``). A ``max_tokens`` below the constraint's shortest output is a 400.
+        soft_limits: the run-on guard of JSON outputs: ``{"string_chars": 300, "number_digits":
+            40, "array_items": 64}`` (the defaults; raised to what the schema allows); a value past
+            a bound may only move toward its end, and a warning says so; false turns it off.
     """
 
     prompt: str | None = None
@@ -88,6 +91,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     speculative: bool | dict[str, Any] | None = None
     logprobs: bool = False
     close_on_budget: bool = True
+    soft_limits: dict[str, int] | bool | None = None
 
 
 class GenerateResponse(msgspec.Struct, kw_only=True):

@@ -224,7 +224,8 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
     params = generation.sampling_params(cfg, max_tokens=data.max_tokens, temperature=data.temperature,
                                         top_p=data.top_p, top_k=data.top_k, seed=data.seed, stop=data.stop,
                                         logprobs=data.logprobs, speculative=data.speculative,
-                                        close_on_budget=data.close_on_budget)
+                                        close_on_budget=data.close_on_budget,
+                                        soft_limits=data.soft_limits)
     spec = generation.grammar_spec(cfg, response_schema=data.response_schema, regex=data.regex,
                                    choice=data.choice, whitespace=data.whitespace, strict=data.strict,
                                    grammar=data.grammar.lark if data.grammar is not None else None)

@@ -145,7 +145,8 @@ async def tokenize(state: ServiceState, prompt: str | None = None, messages: lis
 def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     stop: str | list[str] | None = None, logprobs: bool = False,
-                    speculative: bool | dict | None = None, close_on_budget: bool = True) -> SamplingParams:
+                    speculative: bool | dict | None = None, close_on_budget: bool = True,
+                    soft_limits: dict | bool | None = None) -> SamplingParams:
     """Build ``SamplingParams`` from request fields, enforcing the service's caps.
 
     Args:
@@ -189,7 +190,8 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
         speculative = {"method": "ngram"} if speculative else {"method": "off"}
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                           top_k=top_k, seed=seed, stop=stops, logprobs=logprobs, speculative=speculative,
-                          close_on_budget=close_on_budget)
+                          close_on_budget=close_on_budget,
+                          soft_limits=None if soft_limits is True else soft_limits)
 
 
 def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str | None = None,
@@ -435,6 +437,13 @@ class GenerationStream:
         if out.closed_by_budget:
             warnings.append("the output was closed early to fit max_tokens"
                             + (f" (shortened: {', '.join(p or '/' for p in shortened)})" if shortened else ""))
+        if out.guard_hits:
+            from service.json_paths import shortened_paths
+
+            for what, offset in out.guard_hits:
+                where = shortened_paths(text, [offset]) if self.spec is not None else []
+                warnings.append(f"run-on guard: {what}" + (f" at {where[0] or '/'}" if where else "")
+                                + "; it was closed (soft_limits adjusts the bounds)")
         timings = Timings(ttft_ms=round((first_at - self.arrival) * 1e3, 3) if first_at is not None else None,
                           total_ms=round((now - self.arrival) * 1e3, 3), grammar_ms=round(self.grammar_ms, 3))
         st.metrics.record_finished(usage, out.finish_reason, checked.valid if self.spec is not None else None)
