@@ -24,7 +24,7 @@ import json
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
@@ -99,6 +99,9 @@ class GrammarCompiler:
         self._failures: OrderedDict[str, tuple[GrammarError, float]] = OrderedDict()
         self._failure_ttl_s = failure_ttl_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self._client_share = max(1, max_workers - 1)
+        self._client_running: dict[str, int] = {}
+        self._client_queue: dict[str, deque] = {}
         # Eager builds never share the request pool: a slow index cannot delay a lazy compile.
         self._eager_pool = ThreadPoolExecutor(max_workers=eager_workers, thread_name_prefix="grammar-eager")
         # Closing automata (budget-aware masks) are built after the compile, off the request path.
@@ -121,8 +124,8 @@ class GrammarCompiler:
         """
         return self.submit(spec, backend, hot=hot).result()
 
-    def submit(self, spec: GrammarSpec, backend: str | None = None, *, hot: bool = False
-               ) -> "Future[CompiledGrammar]":
+    def submit(self, spec: GrammarSpec, backend: str | None = None, *, hot: bool = False,
+               client: str | None = None) -> "Future[CompiledGrammar]":
         """Start compiling ``spec``; never blocks. The future raises as :meth:`compile`.
 
         Args:
@@ -132,6 +135,9 @@ class GrammarCompiler:
                 are llguidance's even when an index exists.
             hot: build the eager index now (in the background under "auto"), not at the second
                 sighting.
+            client: who asks (an API key, a peer address). One client's compiles take at most
+                ``max_workers - 1`` of the workers at once (at least one); the rest wait in that
+                client's own queue, so its slow schemas never delay another client's answer.
 
         Raises:
             ValueError: an unknown ``backend``.
@@ -161,11 +167,47 @@ class GrammarCompiler:
                 out: Future = Future()
                 running.add_done_callback(lambda f: self._chain(f, out, policy, True, pin))
                 return out
-            first: Future = self._pool.submit(self._compile_and_store, spec, key, policy)
+            first = self._start(spec, key, policy, client)
             self._inflight[key] = first
         out = Future()
         first.add_done_callback(lambda f: self._chain(f, out, policy, hot, pin))
         return out
+
+    def _start(self, spec: GrammarSpec, key: str, policy: str, client: str | None) -> Future:
+        """Submit the first compile of ``spec`` to the pool, or queue it behind the client's own
+        compiles when that client already holds its share of the workers (lock held)."""
+        if client is None:
+            return self._pool.submit(self._compile_and_store, spec, key, policy)
+        out: Future = Future()
+        job = (spec, key, policy, out)
+        if self._client_running.get(client, 0) < self._client_share:
+            self._run_client_job(client, job)
+        else:
+            self._client_queue.setdefault(client, deque()).append(job)
+        return out
+
+    def _run_client_job(self, client: str, job) -> None:
+        """Run one of ``client``'s compiles on the pool; when it ends, start its next (lock held)."""
+        spec, key, policy, out = job
+        self._client_running[client] = self._client_running.get(client, 0) + 1
+
+        def done(f: Future) -> None:
+            _copy_result(f, out)
+            with self._lock:
+                self._client_running[client] -= 1
+                queue = self._client_queue.get(client)
+                if queue:
+                    self._run_client_job(client, queue.popleft())
+                if not queue:
+                    self._client_queue.pop(client, None)
+                if not self._client_running[client]:
+                    del self._client_running[client]
+
+        try:
+            self._pool.submit(self._compile_and_store, spec, key, policy).add_done_callback(done)
+        except RuntimeError as e:  # the pool is shut down
+            self._client_running[client] -= 1
+            out.set_exception(e)
 
     def close(self) -> None:
         """Stop the pools and kill the eager build processes (idempotent)."""

@@ -458,9 +458,20 @@ class GenerationStream:
                                 closed_by_budget=out.closed_by_budget, shortened=shortened)
 
 
+def client_id(headers, peer) -> str:
+    """Who sends a request, for fairness between clients: its API key when it gives one, else
+    its address (host and port of the connection)."""
+    auth = headers.get("authorization") or headers.get("x-api-key") or ""
+    if auth:
+        import hashlib
+
+        return "key:" + hashlib.blake2b(auth.encode(), digest_size=8).hexdigest()
+    return f"peer:{peer.host}:{peer.port}" if peer is not None else "peer:unknown"
+
+
 async def start(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
                 spec: GrammarSpec | None, request_id: str, arrival: float | None = None,
-                grammar_backend: str | None = None) -> GenerationStream:
+                grammar_backend: str | None = None, client: str | None = None) -> GenerationStream:
     """Admit a request: check it, compile its grammar (on the compiler's pool), return its stream.
 
     Args:
@@ -472,6 +483,7 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
         arrival: ``time.perf_counter()`` when the request arrived (default: now); timings and the
             deadline count from it.
         grammar_backend: "auto", "eager" or "lazy" for this request (``None``: the server's).
+        client: who asks (``client_id``): its grammar compiles share the workers fairly.
 
     Raises:
         Unavailable: the service is draining or the engine is dead.
@@ -489,7 +501,7 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
     compiled, grammar_ms = None, 0.0
     if spec is not None:
         t = time.perf_counter()
-        compiled = await state.engine.compile_grammar(spec, grammar_backend)
+        compiled = await state.engine.compile_grammar(spec, grammar_backend, client)
         state.engine.engine.check_budget(compiled, params)  # a 400 naming max_tokens
         grammar_ms = (time.perf_counter() - t) * 1e3
         state.metrics.grammar_wait.observe(grammar_ms / 1e3)

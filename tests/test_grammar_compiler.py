@@ -301,3 +301,28 @@ def test_json_schema_on_the_real_vocabulary(real_compiler, tokenizer):
         m = g.matcher()
         ids = tokenizer.encode(doc, add_special_tokens=False)
         assert not (m.accept_tokens(ids) and m.is_accepting()), doc
+
+
+def test_one_clients_slow_compiles_never_hold_every_worker(vocab, monkeypatch):
+    """Two workers: a client whose three compiles hang (until released) holds one worker at a
+    time; a second client's compile is answered while all three still hang."""
+    import threading
+
+    import grammar.compiler as gc_module
+
+    release = threading.Event()
+    original = gc_module.to_program
+
+    def slow_for_greedy(spec, **kw):
+        if spec.value.startswith("(a|b)*"):
+            assert release.wait(timeout=60)
+        return original(spec, **kw)
+
+    monkeypatch.setattr(gc_module, "to_program", slow_for_greedy)
+    with GrammarCompiler(vocab, 48, max_workers=2, backend="lazy") as c:
+        slow = [c.submit(GrammarSpec("regex", "(a|b)*" + s), client="greedy") for s in ("a", "b", "c")]
+        g = c.submit(GrammarSpec("regex", "x(yz)?"), client="polite").result(timeout=60)
+        assert accepts_text(g, "xyz")
+        assert not any(f.done() for f in slow)  # answered while the other client's work hangs
+        release.set()
+        assert all(accepts_text(f.result(timeout=60), "ab" + s) for f, s in zip(slow, "abc"))
