@@ -199,6 +199,10 @@ class BudgetMatcher:
             return None
         if not self._states:
             self._states.append(a.start)
+        return a
+
+    def _sync(self, a: ClosingAutomaton) -> None:
+        """Move the cursor over the tokens accepted since it last moved."""
         if self._pending:
             tb = self.inner.grammar.vocab.token_bytes
             eos = set(self.inner.grammar.vocab.eos_token_ids)
@@ -206,7 +210,6 @@ class BudgetMatcher:
                 s = self._states[-1]
                 self._states.append(s if t in eos else a.step(s, tb.get(t, b"")))
             self._pending.clear()
-        return a
 
     def _state(self) -> int:
         return self._states[-1]
@@ -216,9 +219,11 @@ class BudgetMatcher:
         a = self._ready(wait)
         if a is None or self.disabled:
             return None
+        self._sync(a)
         return a.token_distance(self._state())
 
     def _current_plan(self, a: ClosingAutomaton) -> list[int] | None:
+        self._sync(a)
         if self._plan is None:
             plan = a.plan(self._state())
             if plan is not None and self.inner.validate_tokens(plan + [self._eos()]) < len(plan) + 1:
@@ -231,7 +236,15 @@ class BudgetMatcher:
     def _eos(self) -> int:
         return self.inner.grammar.vocab.eos_token_id
 
+    def _far(self, a: ClosingAutomaton, tokens_ahead: int = 1) -> bool:
+        """Whether no state of the grammar is within reach of the budget's end: then the cursor is
+        not even moved (tokens wait in ``_pending``), so rows far from the end cost nothing."""
+        return self.remaining - tokens_ahead >= a.max_distance + tokens_ahead * max(MIN_SLACK, a.slack)
+
     def _near(self, a: ClosingAutomaton, tokens_ahead: int = 1) -> bool:
+        if self._far(a, tokens_ahead):
+            return False
+        self._sync(a)
         d = a.token_distance(self._state())
         return self.remaining - tokens_ahead < d + tokens_ahead * max(MIN_SLACK, a.slack)
 
@@ -251,6 +264,7 @@ class BudgetMatcher:
         guard = self._scan.over(self.soft_limits) if self._scan is not None else None
         if not guard and not self._near(a):
             return
+        self._sync(a)
         s = self._state()
         if s == a.dead:
             self.disabled = "the output left the closing automaton"
@@ -292,6 +306,7 @@ class BudgetMatcher:
         tb = a.vocab.token_bytes
         eos = set(a.vocab.eos_token_ids)
         plan = self._current_plan(a) or []
+        self._sync(a)
         s, left = self._state(), self.remaining
         for k, t in enumerate(token_ids[:n]):
             if t in eos:
@@ -312,14 +327,7 @@ class BudgetMatcher:
             if self._scan is not None:
                 self._scan_snaps.append(self._scan.snapshot())
                 self._scan.feed(tb.get(t, b""))
-        a = self._ready(wait=False)
-        if a is None:
-            self._pending.extend(token_ids)
-        else:
-            eos = set(a.vocab.eos_token_ids)
-            for t in token_ids:
-                s = self._state()
-                self._states.append(s if t in eos else a.step(s, tb.get(t, b"")))
+        self._pending.extend(token_ids)  # the cursor moves only when a row nears the budget
         plan = self._plan
         if plan is not None and token_ids == plan[:len(token_ids)]:
             self._plan = plan[len(token_ids):]

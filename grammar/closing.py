@@ -360,6 +360,7 @@ class ClosingAutomaton:
             callee_len = new
         self._d = dist
         self._callee_len = callee_len
+        self.max_distance = self._max_distance()
         # Successor that realises each state's distance, for witnesses.
         best: list[tuple | None] = [None] * n
         for s in range(n):
@@ -380,6 +381,35 @@ class ClosingAutomaton:
                         best[s] = ("call", callee, ret)
                         break
         self._best = best
+
+    def _max_distance(self) -> int:
+        """An upper bound of every configuration's distance in bytes (``INF`` with recursion): a
+        configuration in machine ``c`` called from ``m`` is at most ``max d_c + max d_m`` away,
+        so the bound is the heaviest call chain of per-machine maxima."""
+        net = self.net
+        per: list[int] = [0] * len(net.starts)
+        callees: list[set] = [set() for _ in net.starts]
+        for s, d in enumerate(self._d):
+            m = net.machine_of[s]
+            if d < INF:
+                per[m] = max(per[m], d)
+            for callee, _ in net.calls[s]:
+                callees[m].add(callee)
+        memo: dict[int, int] = {}
+        on_path: set[int] = set()
+
+        def heaviest(m: int) -> int:
+            if m in memo:
+                return memo[m]
+            if m in on_path:
+                return INF
+            on_path.add(m)
+            deepest = max((heaviest(c) for c in callees[m]), default=0)
+            on_path.discard(m)
+            memo[m] = min(INF, per[m] + deepest)
+            return memo[m]
+
+        return heaviest(0)
 
     def _config_dist(self, state: int, stack: tuple) -> int:
         d = self._d[state]
