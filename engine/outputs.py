@@ -23,6 +23,8 @@ class RequestOutput:
         total_ms: time from arrival to finish (ms), once finished.
         num_draft_tokens / num_accepted_tokens / num_forced_tokens: speculation counters.
         new_logprobs: log-probabilities of ``new_token_ids`` when requested.
+        new_top_logprobs: per token of ``new_token_ids``, its position's most likely tokens as
+            ``(token id, logprob)``, best first, when ``top_logprobs`` was requested.
     """
 
     request_id: str
@@ -42,3 +44,4 @@ class RequestOutput:
     num_forced_tokens: int = 0
     num_steps: int = 0
     new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
