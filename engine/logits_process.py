@@ -131,21 +131,32 @@ def check_logits_params(params: SamplingParams, vocab_size: int) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(params, name)
         if not -2.0 <= v <= 2.0:  # NaN fails too
-            raise LogitsParamError(f"{name} must be between -2 and 2, got {v}")
+            raise LogitsParamError(f"{name} must be between -2 and 2, got {v}", name)
     if not 0.0 < params.repetition_penalty <= 10.0:
-        raise LogitsParamError(f"repetition_penalty must be in (0, 10], got {params.repetition_penalty}")
+        raise LogitsParamError(f"repetition_penalty must be in (0, 10], got {params.repetition_penalty}",
+                               "repetition_penalty")
     if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise LogitsParamError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {params.top_logprobs}")
+        raise LogitsParamError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {params.top_logprobs}",
+                               "top_logprobs")
     bias = params.logit_bias or {}
     if len(bias) > MAX_LOGIT_BIAS:
-        raise LogitsParamError(f"logit_bias has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS}")
+        raise LogitsParamError(f"logit_bias has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS}", "logit_bias")
     for token, value in bias.items():
         if not isinstance(token, int) or not 0 <= token < vocab_size:
             raise LogitsParamError(f"logit_bias: token id {token!r} is not in this model's vocabulary "
-                                   f"(0..{vocab_size - 1})")
-        if not -BIAS_LIMIT <= value <= BIAS_LIMIT:
-            raise LogitsParamError(f"logit_bias: the bias of token {token} must be between -100 and 100, got {value}")
+                                   f"(0..{vocab_size - 1})", "logit_bias")
+        if not isinstance(value, (int, float)) or not -BIAS_LIMIT <= value <= BIAS_LIMIT:
+            raise LogitsParamError(f"logit_bias: the bias of token {token} must be between -100 and 100, "
+                                   f"got {value}", "logit_bias")
 
 
 class LogitsParamError(ValueError):
-    """A penalty, bias or ``top_logprobs`` value out of range; the message names the field."""
+    """A penalty, bias or ``top_logprobs`` value out of range.
+
+    Attributes:
+        field: the ``SamplingParams`` field at fault (also named in the message).
+    """
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field

@@ -98,10 +98,29 @@ def test_undecodable_bodies(client, raw, needle):
     ({"prompt": "x", "respose_schema": {}}, "unknown field `respose_schema`", "respose_schema"),
     ({"prompt": "x", "max_tokens": -3}, ">= 1", "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, ">= 1", "max_tokens"),
+    # strict types: msgspec's lenient mode (Litestar's default) would have taken these
+    ({"prompt": "x", "max_tokens": "5"}, "Expected `int | null`, got `str`", "max_tokens"),
+    ({"prompt": "x", "stream": "true"}, "Expected `bool`, got `str`", "stream"),
+    ({"prompt": "x", "temperature": "0.5"}, "Expected `float`, got `str`", "temperature"),
+    ({"prompt": "x", "max_tokens": True}, "Expected `int | null`, got `bool`", "max_tokens"),
+    ({"messages": [{"role": "user", "content": 5}]}, "Expected `str`, got `int`", "messages[0].content"),
 ])
 def test_wrong_types_and_unknown_fields_name_the_field(client, body, needle, field):
     p = _problem(client.post("/generate", json=body), 422)
     assert needle in p["detail"] and p["field"] == field, p
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_body_not_sent_as_json_is_415(client, ctype):
+    for path in ("/generate", "/v1/chat/completions"):
+        r = client.post(path, content=b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}',
+                        headers={"content-type": ctype})
+        assert r.status_code == 415, r.text
+        message = r.json()["detail"] if path == "/generate" else r.json()["error"]["message"]
+        assert "application/json" in message and ctype in message
+    for ctype in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        r = client.post("/generate", content=b'{"prompt": "x", "max_tokens": 1}', headers={"content-type": ctype})
+        assert r.status_code == 200, r.text
 
 
 def test_json_that_is_not_an_object(client):
@@ -305,6 +324,18 @@ def test_openai_routes_name_the_problem(client, raw, needle):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error", err
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"stream": "true"}, "stream"),
+    ({"n": 1.5}, "n"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+])
+def test_openai_routes_take_strict_types(client, body, param):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and "Expected" in r.json()["error"]["message"]
 
 
 # -- isolation -----------------------------------------------------------------------------------------
