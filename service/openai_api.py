@@ -51,7 +51,7 @@ from service import generation as gen
 from service.errors import InputError, Unavailable
 from service.openai_common import (
     GENERATION_ERRORS, SSE_HEADERS, Constraint, check_model, constraint, error_fields, logit_bias_ids, merged, openai_exception_handler,
-    refuse_unserved, relaxed, run_all, sse, token_bytes, token_logprobs, token_text, verdict, vocab_size,
+    refuse_unserved, relaxed, run_all, sse, start_all, token_bytes, token_logprobs, token_text, verdict, vocab_size,
     warnings_header,
 )
 from service.openapi_docs import StreamableOperation, error_responses
@@ -219,11 +219,6 @@ def _chat_choice(svc: ServiceState, job: _ChatJob, index: int, r: gen.Generation
     return choice, v.problems
 
 
-async def _start_all(svc: ServiceState, jobs: list[tuple[list[int], Any]], spec, rid: str) -> list[gen.GenerationStream]:
-    """Admit every choice first, so a refusal (400/429) comes before any work."""
-    return [await gen.start(svc, ids, p, spec, f"{rid}-{k}") for k, (ids, p) in enumerate(jobs)]
-
-
 @dataclass(slots=True)
 class _Pending:
     """Logprobs of tokens whose text has not been sent yet (held back by the tool parser)."""
@@ -322,7 +317,7 @@ async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, reque
     job = await _prepare_chat(svc, data)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     _log_identity(rid, data)
-    streams = await _start_all(svc, [(job.prompt_ids, p) for p in job.params], job.constraint.spec, rid)
+    streams = await start_all(svc, [(job.prompt_ids, p) for p in job.params], job.constraint.spec, rid)
     relaxed_warnings = relaxed(job.constraint, streams[0])
     headers = warnings_header(relaxed_warnings)
     if data.stream:
@@ -435,7 +430,7 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
     _log_identity(rid, data)
     jobs = [(ids, p) for ids in prompt_ids for p in params]
     counts = [len(ids) for ids in prompt_ids]
-    streams = await _start_all(svc, jobs, spec, rid)
+    streams = await start_all(svc, jobs, spec, rid)
     relaxed_warnings = [str(w) for w in (getattr(streams[0].compiled, "warnings", None) or ())]
     headers = warnings_header(relaxed_warnings)
     echo = bool(data.echo)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from grammar.base import GrammarSpec
+from grammar.base import GrammarError, GrammarSpec
 from schemas.openai import ErrorBody, ErrorResponse, FunctionDefinition, TokenLogprob, TopLogprob
 from service import generation as gen
 from service.openapi_docs import error_responses
@@ -168,7 +169,8 @@ class Constraint:
 
 
 async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPlan,
-                     parameters_field: str = "tools[{i}].function.parameters") -> Constraint:
+                     parameters_field: str = "tools[{i}].function.parameters",
+                     format_field: str = "response_format") -> Constraint:
     """The grammar of a whole answer: the response format's schema, or the tool-call regex.
 
     Args:
@@ -177,6 +179,7 @@ async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPla
         plan: the tool plan; when active the grammar is ``tools.tool_regex`` (text answers in
             auto mode follow ``schema`` when given).
         parameters_field: where the request holds function ``i``'s parameters, for errors.
+        format_field: where it holds the response format, for errors.
 
     Raises:
         InputError: a schema or parameters over the limits or invalid (param names the tool).
@@ -199,19 +202,40 @@ async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPla
     warnings: list[str] = []
 
     def arguments_regex(fn: FunctionDefinition) -> str:
-        regex, notes = schema_to_regex(arguments_schema(fn), strict=is_strict(fn))
+        i = plan.functions.index(fn)
+        with grammar_field(parameters_field.format(i=i)):
+            regex, notes = schema_to_regex(arguments_schema(fn), strict=is_strict(fn))
         warnings.extend(f"tool {fn.name}: {n}" for n in notes)
         return regex
 
     def build() -> str:
         text = None
         if schema is not None:
-            text, notes = schema_to_regex(schema, strict=strict)
+            with grammar_field(format_field):
+                text, notes = schema_to_regex(schema, strict=strict)
             warnings.extend(f"response format: {n}" for n in notes)
         return tool_regex(plan, arguments_regex, text)
 
     # A large schema can take a while to translate; keep the event loop serving others.
     return Constraint(GrammarSpec("regex", await asyncio.to_thread(build)), schema, plan, warnings)
+
+
+@contextmanager
+def grammar_field(name: str) -> Iterator[None]:
+    """Turn a ``GrammarError`` raised inside into an ``InputError`` naming the request field
+    (keyword and JSON pointer kept), so OpenAI clients see it as the error's ``param``."""
+    try:
+        yield
+    except GrammarError as e:
+        raise InputError(str(e), field=name, keyword=e.keyword, path=e.path, position=e.position) from None
+
+
+async def start_all(svc: ServiceState, jobs: list[tuple[list[int], Any]], spec: GrammarSpec | None, rid: str,
+                    format_field: str = "response_format") -> list[gen.GenerationStream]:
+    """Admit every choice (grammar compiled) before any runs, so a refusal (400/429) comes first."""
+    with grammar_field(format_field):
+        return [await gen.start(svc, ids, p, spec, f"{rid}-{k}" if len(jobs) > 1 else rid)
+                for k, (ids, p) in enumerate(jobs)]
 
 
 def relaxed(c: Constraint, stream: gen.GenerationStream) -> list[str]:

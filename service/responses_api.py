@@ -40,8 +40,8 @@ from schemas.responses import (
 from service import generation as gen
 from service.errors import InputError
 from service.openai_common import (
-    GENERATION_ERRORS, SSE_HEADERS, Constraint, NotFound, check_model, constraint, error_fields, refuse_unserved, relaxed, run_all, sse,
-    token_bytes, token_text, verdict, warnings_header,
+    GENERATION_ERRORS, SSE_HEADERS, Constraint, NotFound, check_model, constraint, error_fields, refuse_unserved,
+    relaxed, run_all, sse, start_all, token_bytes, token_text, verdict, warnings_header,
 )
 from service.openapi_docs import StreamableOperation
 from service.state import ServiceState
@@ -172,7 +172,8 @@ async def _prepare(svc: ServiceState, data: ResponsesRequest) -> _Job:
     messages, tools_arg = template_messages(input_messages(data), plan, native)
     prompt_ids = await gen.tokenize(svc, messages=messages, tools=tools_arg)
     schema, strict = _format(data.text)
-    c = await constraint(svc, schema, strict, plan, parameters_field="tools[{i}].parameters")
+    c = await constraint(svc, schema, strict, plan, parameters_field="tools[{i}].parameters",
+                         format_field="text.format")
     want_logprobs = LOGPROBS_INCLUDE in include or bool(data.top_logprobs)
     params = gen.sampling_params(svc.config, max_tokens=data.max_output_tokens,
                                  temperature=1.0 if data.temperature is None else data.temperature,
@@ -376,7 +377,7 @@ async def create_response(data: ResponsesRequest, svc: ServiceState, request: Re
     """Create a model response (OpenAI ``POST /v1/responses``), whole or streamed."""
     job = await _prepare(svc, data)
     created = time.time()
-    stream = await gen.start(svc, job.prompt_ids, job.params, job.constraint.spec, job.rid)
+    stream = (await start_all(svc, [(job.prompt_ids, job.params)], job.constraint.spec, job.rid, "text.format"))[0]
     relaxed_warnings = relaxed(job.constraint, stream)
     headers = warnings_header(relaxed_warnings)
     if data.stream:

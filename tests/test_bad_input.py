@@ -80,11 +80,16 @@ SELF_CYCLE = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
     (b'{"prompt": "\xff\xfe"}', "UTF-8"),
     (b'{"pr\xc3\x28mpt": "x"}', "UTF-8"),
     (b'{"prompt": "x", "response_schema": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}", "too deeply"),
-    (b'{"prompt": "x", "stop": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "too deeply"),
 ])
 def test_undecodable_bodies(client, raw, needle):
     p = _problem(client.post("/generate", content=raw, headers={"content-type": "application/json"}), 400)
     assert needle in p["detail"], p
+
+
+def test_deep_nesting_of_a_typed_field_is_refused_at_its_first_wrong_level(client):
+    raw = b'{"prompt": "x", "stop": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    p = _problem(client.post("/generate", content=raw, headers={"content-type": "application/json"}), 422)
+    assert p["field"] == "stop[0]" and "Expected `str`" in p["detail"], p
 
 
 @pytest.mark.parametrize("body, needle, field", [
@@ -309,7 +314,10 @@ def test_server_is_clean_after_bad_input(client):
 
 @pytest.mark.parametrize("raw, needle", [
     (b'{"model": "x", "messages": [{"role": "user", "content": "\xff"}]}', "UTF-8"),
-    (b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "too deeply"),
+    # a typed field is refused at its first wrong level, before any depth limit
+    (b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "messages[0]: Expected `object`, got `array`"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+     b'"json_schema": {"name": "d", "schema": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}}}", "too deeply"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}],
                  "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CYCLE}}}).encode(),
      "admits no value"),
