@@ -115,6 +115,7 @@ def top_logprobs(logp: torch.Tensor, k: int) -> list[tuple[int, float]]:
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat completions
 MAX_LOGIT_BIAS = 1024  # entries per request
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
 
 
 def check_logits_params(params: SamplingParams, vocab_size: int) -> None:
@@ -132,9 +133,11 @@ def check_logits_params(params: SamplingParams, vocab_size: int) -> None:
         v = getattr(params, name)
         if not -2.0 <= v <= 2.0:  # NaN fails too
             raise LogitsParamError(f"{name} must be between -2 and 2, got {v}", name)
-    if not 0.0 < params.repetition_penalty <= 10.0:
-        raise LogitsParamError(f"repetition_penalty must be in (0, 10], got {params.repetition_penalty}",
-                               "repetition_penalty")
+    if not MIN_REPETITION_PENALTY <= params.repetition_penalty <= MAX_REPETITION_PENALTY:
+        # Dividing a logit by a penalty near 0 overflows float32 to inf, and the sampler's softmax
+        # to NaN (the API fuzzer found 8e-258): the range keeps every processed logit finite.
+        raise LogitsParamError(f"repetition_penalty must be between {MIN_REPETITION_PENALTY} and "
+                               f"{MAX_REPETITION_PENALTY}, got {params.repetition_penalty}", "repetition_penalty")
     if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
         raise LogitsParamError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {params.top_logprobs}",
                                "top_logprobs")

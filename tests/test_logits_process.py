@@ -133,6 +133,7 @@ def test_out_of_range_values_are_refused_by_name(engine):
     for kw, name in (({"frequency_penalty": 2.5}, "frequency_penalty"),
                      ({"presence_penalty": float("nan")}, "presence_penalty"),
                      ({"repetition_penalty": 0.0}, "repetition_penalty"),
+                     ({"repetition_penalty": 8e-258}, "repetition_penalty"),  # found by the API fuzzer
                      ({"top_logprobs": 21}, "top_logprobs"),
                      ({"logit_bias": {10**6: 1.0}}, "logit_bias"),
                      ({"logit_bias": {5: 101.0}}, "logit_bias")):
