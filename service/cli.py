@@ -23,6 +23,7 @@ BENCHMARKS = {
     "cpu_kernels": "native CPU int4 GEMM and paged attention against torch's, same run",
     "weights": "fp32 vs int4 weights: speed and quality",
     "soak": "long mixed load against a server; checks nothing leaks",
+    "serve": "the throughput workload over HTTP against one or two OpenAI-compatible servers (loopback)",
 }
 
 
