@@ -163,6 +163,20 @@ def test_strict_omitted_or_false_relaxes_and_reports(server, strict):
     assert relaxed["checked"] > 0
 
 
+def test_streamed_relaxed_answer_carries_header_valid_and_warnings(server):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "response_format": _format(RELAXED, None), "max_tokens": 60,
+            "seed": 1, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200 and "uniqueItems" in r.headers["x-stencil-warnings"]
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    last = chunks[-1]["choices"][0]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert last["finish_reason"] in ("stop", "length") and isinstance(last["valid"], bool)
+    if last["finish_reason"] == "stop":
+        assert last["valid"] is jsonschema.Draft202012Validator(RELAXED).is_valid(json.loads(text))
+    assert last["valid"] or last["warnings"]
+
+
 def test_strict_true_fails_closed_as_generate_does(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, response_format=_format(RELAXED, True))
@@ -243,6 +257,16 @@ def test_responses_function_call_round_trip_and_streamed_arguments(client):
                                             {"type": "function_call_output", "call_id": calls[0].call_id,
                                              "output": '{"sky": "clear"}'}])
     assert follow.output[0].type == "message" and follow.output_text
+
+
+def test_responses_logprobs_with_top_alternatives(client):
+    r = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=4, temperature=0, top_logprobs=2,
+                                include=["message.output_text.logprobs"])
+    part = r.output[0].content[0]
+    assert len(part.logprobs) == 4 and "".join(lp.token for lp in part.logprobs) == part.text
+    for lp in part.logprobs:
+        assert len(lp.top_logprobs) == 2 and lp.top_logprobs[0].token == lp.token
+        assert lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
 
 
 def test_responses_max_tool_calls_bounds_the_calls(client):
