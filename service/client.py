@@ -2,8 +2,9 @@
 
 Depends only on httpx and msgspec (pydantic is used when, and only when, a pydantic model is
 passed in). ``stream_extract`` yields typed partial answers as they stream (``Partial``: the
-fields complete so far and the one being written), then the validated instance. ``Client`` is synchronous, ``AsyncClient`` the asyncio twin; both share the request
-building, schema derivation, retry timing and answer decoding defined here.
+fields complete so far and the one being written), then the validated instance. ``Client`` is
+synchronous, ``AsyncClient`` the asyncio twin; both share the request building, schema
+derivation, retry timing and answer decoding defined here.
 
     client = Client("http://127.0.0.1:8000")
     person = client.extract(Person, "Ada Lovelace, 36, London")   # -> Person instance

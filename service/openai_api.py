@@ -50,9 +50,9 @@ from schemas.openai import (
 from service import generation as gen
 from service.errors import InputError, Unavailable
 from service.openai_common import (
-    GENERATION_ERRORS, SSE_HEADERS, Constraint, check_model, constraint, error_fields, logit_bias_ids, merged, openai_exception_handler,
-    refuse_unserved, relaxed, run_all, sse, start_all, token_bytes, token_logprobs, token_text, verdict, vocab_size,
-    warnings_header,
+    GENERATION_ERRORS, SSE_HEADERS, Constraint, check_model, constraint, error_fields, logit_bias_ids, merged,
+    openai_exception_handler, refuse_unserved, relaxed, run_all, sse, start_all, token_bytes, token_logprobs,
+    token_text, verdict, vocab_size, warnings_header,
 )
 from service.openapi_docs import StreamableOperation, error_responses
 from service.state import ServiceState
@@ -106,6 +106,10 @@ def _check_common(n: int, stream: bool, stream_options: Any) -> None:
     if stream_options is not None and stream_options.include_obfuscation:
         raise InputError("stream_options.include_obfuscation is not supported: Stencil pads no events",
                          field="stream_options")
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def _seeds(seed: int | None, n: int) -> list[int | None]:
@@ -197,7 +201,7 @@ async def _prepare_chat(svc: ServiceState, data: ChatCompletionRequest) -> _Chat
                                   top_logprobs=data.top_logprobs or 0 if data.logprobs else 0, logit_bias=bias,
                                   presence_penalty=data.presence_penalty or 0.0,
                                   frequency_penalty=data.frequency_penalty or 0.0,
-                                  repetition_penalty=1.0 if data.repetition_penalty is None else data.repetition_penalty,
+                                  repetition_penalty=_or(data.repetition_penalty, 1.0),
                                   vocab_size=vocab_size(svc))
               for s in _seeds(data.seed, n)]
     return _ChatJob(model, c, prompt_ids, params)
@@ -421,7 +425,7 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
                                   seed=s, stop=data.stop, logprobs=want_logprobs, top_logprobs=data.logprobs or 0,
                                   logit_bias=bias, presence_penalty=data.presence_penalty or 0.0,
                                   frequency_penalty=data.frequency_penalty or 0.0,
-                                  repetition_penalty=1.0 if data.repetition_penalty is None else data.repetition_penalty,
+                                  repetition_penalty=_or(data.repetition_penalty, 1.0),
                                   vocab_size=vocab_size(svc))
               for s in _seeds(data.seed, n)]
     prompt_ids = [g if isinstance(g, list) else await gen.tokenize(svc, prompt=g) for g in groups]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -75,8 +76,6 @@ def openai_exception_handler(request: Request, exc: Exception) -> Response:
         keys = [str(e["key"]) for e in items if e.get("key") and e.get("key") != "data"]
         param = keys[0] if keys else None
         if param is None and items:
-            import re
-
             unknown = re.search(r"unknown field `([^`]*)`", str(items[0].get("message", "")))
             param = unknown.group(1) if unknown else None
         return openai_error(400, f"{exc.detail}{': ' + details if details else ''}", param)
@@ -118,7 +117,8 @@ def refuse_unserved(data: Any, unserved: dict[str, tuple[Any, str]]) -> None:
         raise InputError(f"{name} is not supported: {why}", field=name)
 
 
-def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int, param: str = "logit_bias") -> dict[int, float] | None:
+def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int,
+                   param: str = "logit_bias") -> dict[int, float] | None:
     """``{"1234": -100}`` (OpenAI's JSON form) → ``{1234: -100.0}``.
 
     Raises:

@@ -305,7 +305,7 @@ def _response(job: _Job, status: str, output: list[OutputItem], created: float, 
     text = d.text if d.text is not None else TextConfig(format=TextFormat(type="text"))
     return ResponseObject(
         id=job.rid, created_at=created, model=job.model, status=status, output=output,  # type: ignore[arg-type]
-        parallel_tool_calls=job.constraint.plan.parallel or d.parallel_tool_calls is not False,
+        parallel_tool_calls=d.parallel_tool_calls is not False,
         tool_choice=tool_choice, tools=_tools(d), instructions=d.instructions, max_output_tokens=d.max_output_tokens,
         max_tool_calls=d.max_tool_calls, temperature=1.0 if d.temperature is None else d.temperature,
         top_p=1.0 if d.top_p is None else d.top_p, top_logprobs=d.top_logprobs, text=text, metadata=d.metadata,

@@ -339,7 +339,8 @@ def test_penalties_change_the_output_and_are_range_checked(client):
     # would often change nothing.
     for extra in ({"presence_penalty": -2.0}, {"frequency_penalty": -2.0}, {"extra_body": {"repetition_penalty": 0.2}}):
         assert client.chat.completions.create(**kw, **extra).choices[0].message.content != plain, extra
-    for bad, param in (({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    for bad, param in (({"presence_penalty": 2.5}, "presence_penalty"),
+                       ({"frequency_penalty": -3}, "frequency_penalty"),
                        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
                        ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"logit_bias": {"5": 150}}, "logit_bias")):
         with pytest.raises(openai.BadRequestError) as e:
