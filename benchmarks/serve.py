@@ -18,7 +18,10 @@ from the engine's entry, leaves out); ITL from the gaps between content chunks, 
 evenly over the tokens its chunk carries, counted from the chunk's ``logprobs`` (asked for;
 one token per chunk when a server sends none), and output tokens from the final ``usage``
 chunk when the server sends one. Each schema is sent once before timing, so grammar compiles
-that a server caches are not timed.
+that a server caches are not timed. ``bench throughput`` empties the prefix cache between
+concurrency levels; a server's cache cannot be emptied over HTTP, so each level's system message
+starts with its own tag (``[run c=8]``): the documents are not served from the cache of an
+earlier level (or of the warm-up).
 
 Only loopback addresses (127.0.0.0/8, ::1, localhost) are contacted; others are refused.
 """
@@ -80,6 +83,12 @@ def v1_root(url: str) -> str:
 class Job:
     messages: list[dict]
     schema: dict
+
+
+def tagged(job: Job, tag: str) -> Job:
+    """``job`` with ``tag`` at the start of its first message (a different prompt prefix)."""
+    first = {**job.messages[0], "content": f"{tag} {job.messages[0]['content']}"}
+    return Job([first, *job.messages[1:]], job.schema)
 
 
 def request_body(job: Job, model: str, max_tokens: int, stream: bool = True) -> dict:
@@ -238,7 +247,8 @@ def main(args: argparse.Namespace) -> int:
     for c in levels:
         row: dict = {"concurrency": c, "results": {}}
         for url, root, model in zip(args.base_url, roots, models):
-            s = asyncio.run(run_level(root, model, jobs, c, args.max_tokens, args.api_key, args.timeout))
+            level_jobs = [tagged(j, f"[run c={c}]") for j in jobs]
+            s = asyncio.run(run_level(root, model, level_jobs, c, args.max_tokens, args.api_key, args.timeout))
             row["results"][url] = s
             print(f"[serve] {url} c={c} {s['output_tokens_per_s']:.1f} tok/s, {s['requests_per_s']:.2f} req/s, "
                   f"TTFT p50 {s['ttft_ms_p50'] or 0:.0f} ms, ITL p50 {s['itl_ms_p50'] or 0:.1f} ms, "
