@@ -1,21 +1,28 @@
-"""Conformance of the JSON Schema grammar on MaskBench and the JSON-Schema-Test-Suite.
+"""Conformance and speed of the JSON Schema grammar, per backend, on MaskBench or the test suite.
 
-For each schema: compile it (our ``schema_to_regex`` → outlines-core ``Index`` over the
-tokenizer's vocabulary, through ``grammar.compiler.GrammarCompiler`` with a per-schema time
-limit); for each test instance, serialize it the way the grammar writes JSON (compact, keys in
-schema order, see ``grammar.schema_canonical``), tokenize it, and check that the token-level
-matcher accepts it (all tokens, then EOS) exactly when the instance is labelled valid. The
-token-level verdict is the one counted; the regex verdict (Python ``re.fullmatch``) is recorded
-next to it as ``regex_disagreements``. Along each valid instance the mask time per token
-(``Matcher.fill_bitmask`` → ``Guide.write_mask_into``) is sampled.
+For each schema the front end runs once (``grammar.frontend.to_program``: our JSON Schema compiler,
+a regex, or a Lark grammar where the schema is recursive); then each backend builds its grammar
+from that program (``eager``: outlines-core index in a child process, limited to ``--timeout``;
+``lazy``: llguidance) and answers every test instance: serialized the way the grammar writes JSON
+(compact, keys in schema order, see ``grammar.json_schema.canonical``), tokenized, fed token by
+token to a matcher, accepted when every token is and the matcher is accepting at the end. A schema
+passes when every valid instance is accepted and every invalid one rejected (MaskBench's
+criterion, JSONSchemaBench, Geng et al. 2025, arXiv 2501.10868).
 
-A schema passes when it compiles, every valid instance is accepted and every invalid one
-rejected (MaskBench's criterion, JSONSchemaBench, Geng et al. 2025, arXiv 2501.10868).
-``compile_ms_p50/p99`` are over the schemas that compiled; ``answer_ms_p99`` over all of them,
-errors and time-outs included (a time-out counts as the limit): how long a client waits for a
-grammar or an error.
+Per backend: ``passed``, ``invalid_accepted``, ``compile_ms_p50/p99`` (front end + build, over the
+schemas that compiled), ``first_mask_ms_p50/p99`` (front end + build + the first mask: what a
+request waits before its first token can be sampled), ``answer_ms_p99/max`` (the same over every
+schema, errors and time-outs included), ``mask_us_p50/p99`` (one mask per token along the valid
+instances) and ``errors_by_reason``.
 
-Usage: ``python -m benchmarks.conformance --corpus DIR [--limit N] [--timeout S] --json PATH``.
+``auto`` is the serving policy: every request starts on the lazy matcher, so its time to first mask,
+verdicts and answers are the lazy backend's; its masks (``mask_us``) are those of the steady state,
+the eager index where it builds within the limit (it is built in the background once a grammar is
+reused), else the lazy matcher. ``--step-share`` also loads the model and reports the bitmask of a
+decode step of 32 structured rows as a share of that step.
+
+Usage: ``stencil bench conformance --corpus DIR [--limit N] [--timeout S] [--backends eager,lazy,auto]
+[--whitespace compact|flexible] [--step-share] --json PATH``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,10 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="N schemas, evenly spaced over the sorted files")
     parser.add_argument("--timeout", type=float, default=10.0, help="per-schema compile limit, s")
     parser.add_argument("--mode", choices=("maskbench", "test-suite"), default="maskbench")
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="tokenizer directory")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="tokenizer (and model) directory")
+    parser.add_argument("--backends", default="eager,lazy,auto",
+                        help="comma-separated: eager, lazy, auto (auto needs lazy; eager adds its masks)")
+    parser.add_argument("--whitespace", choices=("compact", "flexible"), default="compact")
+    parser.add_argument("--step-share", action="store_true",
+                        help="also time the bitmask of a 32-row decode step against the model's step")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--failures", type=Path, default=None,
-                        help="write one JSON line per failed schema here")
+                        help="write one JSON line per failed schema and backend here")
 
 
 class _RegexTimeout(Exception):
@@ -95,7 +108,7 @@ def _has_remote_ref(node) -> bool:
 
 def _make_view(compiler):
     """``view(schema, value)`` for ``order_keys``: the effective schema the grammar used."""
-    from grammar.schema_merge import MergeError, merge
+    from grammar.json_schema.merge import MergeError, merge
 
     def view(schema, value, depth=0):
         if depth > 16 or not isinstance(schema, dict):
@@ -130,138 +143,265 @@ def _percentile(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+@dataclass(slots=True)
+class _Tally:
+    """One backend's results."""
+
+    counts: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=Counter)
+    compile_ms: list[float] = field(default_factory=list)
+    first_mask_ms: list[float] = field(default_factory=list)
+    answer_ms: list[float] = field(default_factory=list)
+    mask_us: list[float] = field(default_factory=list)
+
+    def fail(self, reason: str, answer_ms: float) -> None:
+        self.reasons[reason] += 1
+        self.answer_ms.append(answer_ms)
+
+    def report(self) -> dict:
+        c = self.counts
+        return {
+            "schemas": c["schemas"], "passed": c["passed"],
+            "passed_fraction": round(c["passed"] / c["schemas"], 4) if c["schemas"] else None,
+            "compiled": c["compiled"], "valid_accepted": c["valid_accepted"],
+            "invalid_accepted": c["invalid_accepted"],
+            "compile_ms_p50": _percentile(self.compile_ms, 0.5), "compile_ms_p99": _percentile(self.compile_ms, 0.99),
+            "first_mask_ms_p50": _percentile(self.first_mask_ms, 0.5),
+            "first_mask_ms_p99": _percentile(self.first_mask_ms, 0.99),
+            "answer_ms_p99": _percentile(self.answer_ms, 0.99),
+            "answer_ms_max": max(self.answer_ms) if self.answer_ms else None,
+            "mask_us_p50": _percentile(self.mask_us, 0.5), "mask_us_p99": _percentile(self.mask_us, 0.99),
+            "errors_by_reason": dict(self.reasons.most_common()),
+        }
+
+
+def _reason(e) -> str:
+    from grammar.base import GrammarTimeout
+
+    if isinstance(e, GrammarTimeout):
+        return "timeout"
+    msg = getattr(e, "message", str(e))
+    if "characters, above the limit" in msg:
+        return "error:regex_too_large"
+    if "too large" in msg:
+        return "error:index_too_large"
+    kw = getattr(e, "keyword", None)
+    return f"error:{kw}" if kw else "error:other"
+
+
 def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 10.0,
                     mode: str = "maskbench", model_dir: Path = DEFAULT_MODEL,
-                    failures_path: Path | None = None) -> dict:
-    """Run the benchmark; returns the report dict (keys listed in the module docstring)."""
+                    failures_path: Path | None = None, backends: tuple[str, ...] = ("eager", "lazy", "auto"),
+                    whitespace: str = "compact", step_share: bool = False) -> dict:
+    """Run the benchmark; returns the report (keys in the module docstring)."""
     import torch
     from transformers import AutoTokenizer
 
-    from grammar.base import GrammarError, GrammarSpec, GrammarTimeout
-    from grammar.compiler import GrammarCompiler
-    from grammar.json_schema import SchemaCompiler, SchemaOptions, schema_to_regex
-    from grammar.schema_canonical import canonical_json, order_keys
+    from grammar.backends.eager import EagerBackend
+    from grammar.backends.lazy import LazyBackend
+    from grammar.base import GrammarError, GrammarSpec, Program
+    from grammar.frontend import to_program
+    from grammar.json_schema import SchemaCompiler, SchemaOptions
+    from grammar.json_schema.canonical import canonical_json, order_keys
+    from grammar.vocab import build_vocabulary
 
+    if "auto" in backends and "lazy" not in backends:
+        backends = ("lazy", *backends)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    vocab = build_vocabulary(tokenizer, len(tokenizer))
+    built = {}
+    if "lazy" in backends:
+        built["lazy"] = LazyBackend(vocab)
+    if "eager" in backends:
+        built["eager"] = EagerBackend(vocab, timeout_s=timeout_s)
+    tallies = {b: _Tally() for b in backends}
     cases = _suite_cases(corpus, limit) if mode == "test-suite" else _maskbench_cases(corpus, limit)
-    report = Counter()
-    reasons: Counter = Counter()
-    compile_ms: list[float] = []
-    answered_ms: list[float] = []  # every schema's time to a grammar or an error (timeouts at the limit)
-    mask_us: list[float] = []
-    regex_disagree = 0
-    regex_skipped = 0
-    fail_lines = []
+    bitmask = torch.zeros((1, vocab.bitmask_words), dtype=torch.int32)
+    fail_lines: list[dict] = []
+    regex_disagree = regex_skipped = 0
+    kinds = Counter()
+    samples: list[tuple[object, list[int]]] = []  # (lazy grammar, a valid instance's tokens) for --step-share
     signal.signal(signal.SIGALRM, _alarm)
-    with GrammarCompiler(tokenizer, len(tokenizer), max_workers=1, timeout_s=timeout_s) as gc:
-        bitmask = torch.zeros((1, gc.vocab.bitmask_words), dtype=torch.int32)
-        for name, schema, tests in cases:
-            report["schemas"] += 1
-            if report["schemas"] % 100 == 0:
-                print(f"{report['schemas']} schemas, {report['passed']} passed", file=sys.stderr,
-                      flush=True)
-            n_valid = sum(1 for _, v in tests if v)
-            report["valid_instances"] += n_valid
-            report["invalid_instances"] += len(tests) - n_valid
-            t0 = time.perf_counter()
-            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    n_schemas = 0
+    for name, schema, tests in cases:
+        n_schemas += 1
+        if n_schemas % 100 == 0:
+            print(f"{n_schemas} schemas, " + ", ".join(f"{b} {t.counts['passed']}" for b, t in tallies.items()),
+                  file=sys.stderr, flush=True)
+        for t in tallies.values():
+            t.counts["schemas"] += 1
+        spec = GrammarSpec.json_schema(schema, whitespace=whitespace)
+        t0 = time.perf_counter()
+        try:
+            program = to_program(spec, deadline=time.monotonic() + timeout_s)
+        except (GrammarError, RecursionError) as e:
+            ms = (time.perf_counter() - t0) * 1e3
+            reason = _reason(e) if isinstance(e, GrammarError) else "error:recursion"
+            for b, t in tallies.items():
+                t.fail(reason, ms)
+            fail_lines.append({"name": name, "backend": "all", "reason": reason, "detail": str(e)[:300]})
+            continue
+        front_ms = (time.perf_counter() - t0) * 1e3
+        kinds[program.kind] += 1
+        view = _make_view(SchemaCompiler(schema, SchemaOptions()))
+        texts = []
+        for data, valid in tests:
             try:
-                regex, _ = schema_to_regex(schema)
-            except GrammarError as e:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                report["compile_errors"] += 1
-                reasons[f"error:{e.keyword}"] += 1
-                fail_lines.append({"name": name, "reason": f"error:{e.keyword}", "detail": str(e)})
-                answered_ms.append((time.perf_counter() - t0) * 1e3)
+                text = canonical_json(order_keys(data, schema, view))
+            except (ValueError, TypeError):
+                text = json.dumps(data)
+            texts.append((text, tokenizer.encode(text, add_special_tokens=False), valid))
+        verdicts: dict[str, list[bool] | None] = {}
+        masks: dict[str, list[float]] = {}
+        for b in ("lazy", "eager"):
+            if b not in built:
                 continue
-            except _RegexTimeout:
-                report["timeouts"] += 1
-                reasons["timeout:regex"] += 1
-                fail_lines.append({"name": name, "reason": "timeout:regex"})
-                answered_ms.append((time.perf_counter() - t0) * 1e3)
-                continue
-            except RecursionError:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                report["compile_errors"] += 1
-                reasons["error:recursion"] += 1
-                answered_ms.append((time.perf_counter() - t0) * 1e3)
-                continue
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+            tally = tallies[b]
+            prog = program
+            t1 = time.perf_counter()
             try:
-                grammar = gc.compile(GrammarSpec.json_schema(schema))
-            except GrammarTimeout:
-                report["timeouts"] += 1
-                reasons["timeout:index"] += 1
-                fail_lines.append({"name": name, "reason": "timeout:index", "regex_len": len(regex)})
-                answered_ms.append((time.perf_counter() - t0) * 1e3)
-                continue
+                if b == "eager" and program.kind == "lark":
+                    # What `--grammar-backend eager` serves for a recursive schema: the unrolled regex.
+                    prog = to_program(spec, deadline=time.monotonic() + timeout_s, grammar=False)
+                grammar = built[b].build(prog, spec) if b == "eager" else built[b].build(prog)
+                m = grammar.matcher()
+                m.fill_bitmask(bitmask, 0)
             except GrammarError as e:
-                report["compile_errors"] += 1
-                reason = "error:regex_too_large" if "characters" in e.message else f"error:index"
-                reasons[reason] += 1
-                fail_lines.append({"name": name, "reason": reason, "detail": str(e)})
-                answered_ms.append((time.perf_counter() - t0) * 1e3)
+                ms = front_ms + (time.perf_counter() - t1) * 1e3
+                tally.fail(_reason(e), ms)
+                verdicts[b] = None
+                fail_lines.append({"name": name, "backend": b, "reason": _reason(e), "detail": str(e)[:300]})
                 continue
-            compile_ms.append((time.perf_counter() - t0) * 1e3)
-            answered_ms.append(compile_ms[-1])
-            view = _make_view(SchemaCompiler(schema, SchemaOptions()))
-            pyre = re.compile(regex)
-            ok = True
-            bad: list = []
-            for data, valid in tests:
-                try:
-                    text = canonical_json(order_keys(data, schema, view))
-                except (ValueError, TypeError):
-                    text = json.dumps(data)
-                ids = tokenizer.encode(text, add_special_tokens=False)
+            first_ms = front_ms + (time.perf_counter() - t1) * 1e3
+            tally.counts["compiled"] += 1
+            tally.compile_ms.append(first_ms)
+            tally.first_mask_ms.append(first_ms)
+            tally.answer_ms.append(first_ms)
+            out, mask_us, bad = [], [], []
+            for text, ids, valid in texts:
                 m = grammar.matcher()
                 accepted = True
-                for tid in ids:
-                    if valid:
-                        t1 = time.perf_counter()
-                        m.fill_bitmask(bitmask, 0)
-                        mask_us.append((time.perf_counter() - t1) * 1e6)
-                    if not m.accept_tokens([tid]):
-                        accepted = False
-                        break
-                accepted = accepted and m.is_accepting()
-                # Python's backtracking re can take exponential time on these regexes: bound it.
-                signal.setitimer(signal.ITIMER_REAL, 0.5)
                 try:
-                    if accepted != bool(pyre.fullmatch(text)):
-                        regex_disagree += 1
-                except _RegexTimeout:
-                    regex_skipped += 1
-                finally:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-                if valid:
-                    report["valid_accepted"] += accepted
-                else:
-                    report["invalid_accepted"] += accepted
+                    for tid in ids:
+                        if valid:
+                            t2 = time.perf_counter()
+                            m.fill_bitmask(bitmask, 0)
+                            mask_us.append((time.perf_counter() - t2) * 1e6)
+                        if not m.accept_tokens([tid]):
+                            accepted = False
+                            break
+                    accepted = accepted and m.is_accepting()
+                except RuntimeError:  # a lazy matcher past one of llguidance's limits
+                    accepted = False
+                out.append(accepted)
+                tally.counts["valid_accepted" if valid else "invalid_accepted"] += accepted
                 if accepted != valid:
-                    ok = False
                     bad.append({"valid": valid, "text": text[:300]})
-            if ok:
-                report["passed"] += 1
+            verdicts[b], masks[b] = out, mask_us
+            tally.mask_us.extend(mask_us)
+            if not bad:
+                tally.counts["passed"] += 1
+                if b == "lazy" and len(samples) < 256 and any(v for _, _, v in texts):
+                    samples.append((grammar, next(ids for _, ids, v in texts if v)))
             else:
-                kind = "fail:invalid_accepted" if any(not b["valid"] for b in bad) else "fail:valid_rejected"
-                reasons[kind] += 1
-                fail_lines.append({"name": name, "reason": kind, "cases": bad[:3]})
-    keys = ("schemas", "passed", "compile_errors", "timeouts", "valid_instances", "valid_accepted",
-            "invalid_instances", "invalid_accepted")
-    out = {k: int(report[k]) for k in keys}
-    out.update({
-        "compile_ms_p50": _percentile(compile_ms, 0.5), "compile_ms_p99": _percentile(compile_ms, 0.99),
-        "answer_ms_p99": _percentile(answered_ms, 0.99),
-        "mask_us_p50": _percentile(mask_us, 0.5), "mask_us_p99": _percentile(mask_us, 0.99),
-        "errors_by_reason": dict(reasons.most_common()), "regex_disagreements": regex_disagree,
-        "regex_checks_timed_out": regex_skipped,
-        "check": "token-level (outlines-core Index via grammar.matcher), regex recorded apart",
-    })
+                kind = "fail:invalid_accepted" if any(not x["valid"] for x in bad) else "fail:valid_rejected"
+                tally.reasons[kind] += 1
+                fail_lines.append({"name": name, "backend": b, "reason": kind, "cases": bad[:3]})
+            if program.regular and b == "lazy" and program.regex_size() < 1_000_000:
+                pyre = re.compile(program.regex())
+                for (text, _, _), accepted in zip(texts, out):
+                    signal.setitimer(signal.ITIMER_REAL, 0.5)  # Python's re can backtrack exponentially
+                    try:
+                        regex_disagree += accepted != bool(pyre.fullmatch(text))
+                    except _RegexTimeout:
+                        regex_skipped += 1
+                    finally:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+        if "auto" in tallies:
+            auto, lazy = tallies["auto"], tallies["lazy"]
+            if verdicts.get("lazy") is None:
+                auto.fail(lazy.reasons.most_common(1)[0][0] if lazy.reasons else "error:other", front_ms)
+            else:
+                auto.counts["compiled"] += 1
+                auto.compile_ms.append(lazy.compile_ms[-1])
+                auto.first_mask_ms.append(lazy.first_mask_ms[-1])
+                auto.answer_ms.append(lazy.first_mask_ms[-1])
+                ok = all(a == v for a, (_, _, v) in zip(verdicts["lazy"], texts))
+                auto.counts["passed"] += ok
+                auto.counts["valid_accepted"] += sum(a for a, (_, _, v) in zip(verdicts["lazy"], texts) if v)
+                auto.counts["invalid_accepted"] += sum(a for a, (_, _, v) in zip(verdicts["lazy"], texts) if not v)
+                if not ok:
+                    auto.reasons["fail:invalid_accepted" if auto.counts["invalid_accepted"] else
+                                 "fail:valid_rejected"] += 1
+                steady = masks.get("eager") if verdicts.get("eager") is not None else None
+                auto.mask_us.extend(steady if steady is not None else masks.get("lazy", []))
+                auto.counts["steady_eager"] += steady is not None
+    out = {"schemas": n_schemas, "whitespace": whitespace, "programs": dict(kinds),
+           "backends": {b: t.report() for b, t in tallies.items()},
+           "regex_disagreements": regex_disagree, "regex_checks_timed_out": regex_skipped,
+           "check": "token-level: each backend's matcher on the instance's tokens, EOS at the end"}
+    if "auto" in tallies:
+        out["backends"]["auto"]["steady_state_eager"] = tallies["auto"].counts["steady_eager"]
+    if step_share and samples:
+        out["bitmask_step"] = bitmask_step_share(model_dir, samples, built)
     if failures_path is not None:
         failures_path.write_text("\n".join(json.dumps(x) for x in fail_lines) + "\n")
     return out
+
+
+def bitmask_step_share(model_dir: Path, samples: list, backends: dict, rows: int = 32,
+                       repeats: int = 20) -> dict:
+    """Time filling a ``rows``-row bitmask (matchers mid-document) against one decode step of
+    ``rows`` rows on the model; the share is mask / (step + mask). Matchers come from schemas that
+    passed, each advanced halfway through one valid instance."""
+    import random
+
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import SamplingParams
+    from grammar.bitmask import allocate_bitmask
+
+    rng = random.Random(0)
+    picks = [samples[rng.randrange(len(samples))] for _ in range(rows)]
+    matchers = []
+    for grammar, ids in picks:
+        m = grammar.matcher()
+        m.accept_tokens(ids[:len(ids) // 2])
+        matchers.append(m)
+    vocab = next(iter(backends.values())).vocab
+    bm = allocate_bitmask(rows, vocab.model_vocab_size)
+    fill_ms = []
+    for _ in range(repeats):
+        for m in matchers:
+            m._mask_valid = False  # time the mask, not its cache
+        t0 = time.perf_counter()
+        for r, m in enumerate(matchers):
+            m.fill_bitmask(bm, r)
+        fill_ms.append((time.perf_counter() - t0) * 1e3)
+    engine = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=rows, speculative=None))
+    try:
+        tok = engine.tokenizer
+        prompt = tok.encode("Write a long story about a lighthouse keeper.", add_special_tokens=False)
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, speculative={"method": "off"})
+        for _ in range(rows):
+            engine.add_request(None, prompt, params)
+        step_ms = []
+        while engine.has_unfinished():
+            prefill = any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
+                or engine.scheduler.waiting
+            t0 = time.perf_counter()
+            engine.step()
+            if not prefill and len(engine.scheduler.running) == rows:
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        engine.grammar.close()
+    mask = _percentile(fill_ms, 0.5)
+    step = _percentile(step_ms, 0.5)
+    return {"rows": rows, "bitmask_ms_p50": mask, "decode_step_ms_p50": step,
+            "share_of_step": round(mask / (step + mask), 4) if step and mask is not None else None,
+            "backend": "lazy (first sighting of each grammar)"}
 
 
 def main(args: argparse.Namespace | list[str] | None = None) -> int:
@@ -270,8 +410,13 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
         add_arguments(parser)
         args = parser.parse_args(args)
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    unknown = set(backends) - {"eager", "lazy", "auto"}
+    if unknown:
+        print(f"unknown backends {sorted(unknown)}; choose from eager, lazy, auto", file=sys.stderr)
+        return 2
     report = run_conformance(args.corpus, args.limit, args.timeout, args.mode, args.model,
-                             args.failures)
+                             args.failures, backends, args.whitespace, args.step_share)
     text = json.dumps(report, indent=2)
     if args.json is not None:
         args.json.write_text(text + "\n")

@@ -65,13 +65,17 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     # -- requests --------------------------------------------------------------------------------
-    async def compile_grammar(self, spec):
+    async def compile_grammar(self, spec, backend: str | None = None):
         """Compile (or fetch from cache) a grammar on the compiler's pool, without blocking the loop.
+
+        Args:
+            spec: the ``GrammarSpec``.
+            backend: "auto", "eager" or "lazy" for this request (``None``: the compiler's policy).
 
         Raises:
             grammar.base.GrammarError: the constraint is invalid or cannot be enforced exactly.
         """
-        return await asyncio.wrap_future(self.engine.grammar.submit(spec))
+        return await asyncio.wrap_future(self.engine.grammar.submit(spec, backend))
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None,
                        request_id: str | None = None, *, admitted: bool = False) -> AsyncIterator[RequestOutput]:

@@ -46,6 +46,8 @@ class EngineConfig:
         num_threads: torch intra-op threads on CPU; ``None`` = leave torch's default.
         grammar_workers: threads compiling grammars.
         grammar_timeout_s: longest one grammar compile may take (seconds).
+        grammar_backend: "auto" (lazy llguidance matcher at once, eager outlines-core index
+            built in the background for reused grammars), "eager" or "lazy".
         speculative: default n-gram speculation settings (``None`` = off unless a request asks).
         seed: base seed for requests without their own.
     """
@@ -70,6 +72,7 @@ class EngineConfig:
     num_threads: int | None = None
     grammar_workers: int = 2
     grammar_timeout_s: float = 10.0
+    grammar_backend: str = "auto"
     speculative: dict | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
@@ -107,6 +110,8 @@ class EngineConfig:
             raise ConfigError(f"weights must be auto, fp32 or int4, got {self.weights!r}")
         if self.prompt_weights not in ("auto", "bf16", "int4"):
             raise ConfigError(f"prompt_weights must be auto, bf16 or int4, got {self.prompt_weights!r}")
+        if self.grammar_backend not in ("auto", "eager", "lazy"):
+            raise ConfigError(f"grammar_backend must be auto, eager or lazy, got {self.grammar_backend!r}")
         if self.grammar_timeout_s <= 0:
             raise ConfigError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         return self

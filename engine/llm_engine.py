@@ -60,7 +60,8 @@ class LLMEngine:
         if self.eos_token_id is None:
             self.eos_token_id = getattr(hf, "eos_token_id", None)
         self.grammar = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
-                                       max_workers=config.grammar_workers, timeout_s=config.grammar_timeout_s)
+                                       max_workers=config.grammar_workers, timeout_s=config.grammar_timeout_s,
+                                       backend=config.grammar_backend)
         self.default_spec = SpecConfig.from_dict(config.speculative)
         from engine.models.quant import Int4Linear
 

@@ -14,7 +14,8 @@ from typing import Literal, Protocol
 
 import torch
 
-GrammarKind = Literal["json_schema", "regex", "choice"]
+GrammarKind = Literal["json_schema", "regex", "choice", "lark"]
+BackendName = Literal["auto", "eager", "lazy"]
 
 
 class GrammarError(ValueError):
@@ -25,14 +26,17 @@ class GrammarError(ValueError):
         keyword: the JSON Schema keyword at fault (``None`` for regexes).
         path: JSON pointer of the offending subschema (``"#/properties/age"``) or ``None``.
         position: character offset in a regex, or ``None``.
+        line, column: 1-based place of the fault in a Lark grammar, or ``None``.
     """
 
     def __init__(self, message: str, *, keyword: str | None = None, path: str | None = None,
-                 position: int | None = None):
+                 position: int | None = None, line: int | None = None, column: int | None = None):
         self.message = message
         self.keyword = keyword
         self.path = path
         self.position = position
+        self.line = line
+        self.column = column
         parts = [message]
         if keyword is not None:
             parts.append(f"keyword {keyword!r}")
@@ -43,8 +47,69 @@ class GrammarError(ValueError):
         super().__init__(" ".join(parts) if len(parts) == 1 else f"{parts[0]} ({', '.join(parts[1:])})")
 
 
+    def copy(self) -> "GrammarError":
+        """A fresh exception with the same fields (one instance raised in many threads would
+        accumulate their tracebacks)."""
+        return type(self)(self.message, keyword=self.keyword, path=self.path, position=self.position,
+                          line=self.line, column=self.column)
+
+
 class GrammarTimeout(GrammarError):
     """Compilation took longer than the configured limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """What the front end hands a backend: a regex (Python ``re`` / Rust ``regex`` common
+    dialect, implicitly anchored) or a Lark grammar in llguidance's dialect (``start`` rule).
+
+    Attributes:
+        kind: "regex" or "lark".
+        text: the regex or the grammar. A schema's regex may use *terminal references* to
+            ``terminals`` (pieces written once, used many times; ``json_schema.rules``).
+        warnings: notes from the translation (keywords relaxed, bounds applied).
+        terminals: the regex pieces ``text`` refers to (regex programs only).
+    """
+
+    kind: Literal["regex", "lark"]
+    text: str
+    warnings: tuple[str, ...] = ()
+    terminals: tuple[str, ...] = ()
+
+    @property
+    def regular(self) -> bool:
+        """Whether a plain regex says this program (what the eager backend needs)."""
+        if self.kind != "regex":
+            return False
+        from grammar.json_schema.rules import is_regular_text
+
+        return is_regular_text(self.text, self.terminals)
+
+    def regex_size(self) -> int:
+        """Characters of the plain regex (terminals written out), without writing it."""
+        if not self.terminals:
+            return len(self.text)
+        from grammar.json_schema.rules import expanded_size
+
+        return expanded_size(self.text, self.terminals)
+
+    def regex(self) -> str:
+        """The plain regex (terminals written out); for regex programs only."""
+        if self.kind != "regex":
+            raise ValueError("a Lark program has no regex")
+        if not self.terminals:
+            return self.text
+        from grammar.json_schema.rules import expand
+
+        return expand(self.text, self.terminals)
+
+    def lark(self) -> str:
+        """The program as a Lark grammar (a regex program: one terminal, the same language)."""
+        if self.kind == "lark":
+            return self.text
+        from grammar.json_schema.rules import to_lark
+
+        return to_lark(self.text, {}, self.terminals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +118,8 @@ class GrammarSpec:
 
     Attributes:
         kind: "json_schema" (``value`` is the schema as canonical JSON text), "regex"
-            (``value`` is the pattern, implicitly anchored at both ends) or "choice"
-            (``value`` is a JSON array of strings).
+            (``value`` is the pattern, implicitly anchored at both ends), "choice"
+            (``value`` is a JSON array of strings) or "lark" (``value`` is a Lark grammar).
         whitespace: JSON only: "compact" (no free whitespace) or "flexible" (a bounded run).
         strict: JSON only: reject unenforceable keywords (True) or ignore them with a warning.
     """
@@ -65,8 +130,27 @@ class GrammarSpec:
     strict: bool = True
 
     @classmethod
-    def json_schema(cls, schema: dict | bool, **kw) -> "GrammarSpec":
-        return cls("json_schema", json.dumps(schema, sort_keys=False, separators=(",", ":")), **kw)
+    def json_schema(cls, schema: dict | bool, *, whitespace: str = "compact", strict: bool = True
+                    ) -> "GrammarSpec":
+        """JSON documents that ``schema`` admits (compact or bounded flexible whitespace)."""
+        return cls("json_schema", json.dumps(schema, sort_keys=False, separators=(",", ":")),
+                   whitespace, strict)
+
+    @classmethod
+    def regex(cls, pattern: str) -> "GrammarSpec":
+        """Text fully matching ``pattern`` (anchored at both ends; no lookaround)."""
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options: list[str]) -> "GrammarSpec":
+        """Exactly one of ``options``."""
+        return cls("choice", json.dumps(list(options)))
+
+    @classmethod
+    def grammar(cls, lark: str) -> "GrammarSpec":
+        """Text in the language of a Lark grammar (llguidance's dialect: a ``start`` rule,
+        uppercase terminals as regexes, ``/regex/`` and ``"literal"`` lexemes)."""
+        return cls("lark", lark)
 
     def key(self) -> str:
         """Stable cache key of the spec and its options."""
@@ -82,6 +166,8 @@ class CompileStats:
     disk_hits: int = 0
     errors: int = 0
     timeouts: int = 0
+    eager_builds: int = 0  # eager indexes built (in the background under ``auto``)
+    eager_failures: int = 0  # eager builds that failed or timed out (the grammar stays lazy)
     compile_ms_count: int = 0  # compiles timed (a count and a sum: bounded memory for a server)
     compile_ms_sum: float = 0.0
 
@@ -115,4 +201,16 @@ class GrammarMatcher(Protocol):
 
     def is_terminated(self) -> bool:
         """True once EOS has been accepted."""
+        ...
+
+    def is_accepting(self) -> bool:
+        """True when the output so far fully matches (EOS is allowed now)."""
+        ...
+
+    def forced_text(self, max_bytes: int = 64) -> bytes:
+        """Bytes the grammar forces next (for draft tokens); no state change."""
+        ...
+
+    def forced_text_after(self, token_ids: list[int], max_bytes: int = 64) -> bytes | None:
+        """Bytes the grammar would force after ``token_ids`` (None if refused); no state change."""
         ...

@@ -1,45 +1,44 @@
-"""The engine-level grammar compiler: spec → regex → outlines-core index, cached.
+"""The engine-level grammar compiler: spec → program → backend grammars, cached, with a policy.
 
 * ``compile(spec)`` blocks; ``submit(spec)`` returns a ``Future`` at once (a thread pool runs the
-  compile; the engine keeps the request in WAITING_FOR_GRAMMAR meanwhile). Concurrent requests
-  for the same spec share one compile.
-* The index itself is built in a child process (:mod:`grammar.index_worker`) killed at
-  ``timeout_s``, so a runaway regex (exponential DFA) costs no CPU after its deadline.
+  front end and the lazy build; the engine keeps the request in WAITING_FOR_GRAMMAR meanwhile).
+  Concurrent requests for the same spec share one compile.
+* Backends come from :mod:`grammar.backends.registry`. Policy ``auto`` (the default): a request
+  never waits for an eager index — it is served by the lazy matcher (llguidance) within
+  milliseconds; a spec seen a second time (or compiled with ``hot=True``) gets its eager index
+  (outlines-core, µs masks) built in the background, in a child process with the eager limits,
+  and later requests use it once it is ready. A regex the eager backend refuses or cannot build in
+  time stays lazy. ``eager`` waits for the index (the behaviour before the lazy backend);
+  ``lazy`` never builds one. A per-request ``backend`` overrides the policy.
 * Caches: an in-memory LRU of :class:`CompiledGrammar` keyed by (spec, vocabulary fingerprint,
-  library versions), bounded by count and by index bytes; optionally a disk cache of index
-  binaries keyed by sha256 of (the final regex, vocabulary fingerprint, outlines-core version).
-  The disk key uses the *regex*, not the spec, so a change in the JSON-Schema translation can
-  never serve a stale index.
+  library versions), bounded by count and by eager index bytes; remembered failures (a time-out
+  only for ``failure_ttl_s``); the eager backend's disk cache of index binaries.
+* Time: the front end runs under a deadline of ``timeout_s`` (GrammarTimeout), the eager build in a
+  child killed at ``timeout_s``; llguidance bounds each of its own steps by fuel.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import os
-import queue
-import tempfile
 import threading
 import time
 import weakref
-import zlib
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from grammar.base import CompileStats, GrammarError, GrammarSpec, GrammarTimeout
-from grammar.index_worker import (BuildFailed, IndexWorker, WorkerDied, WorkerTimeout,
-                                  index_from_binary)
-from grammar.matcher import CompiledGrammar
-from grammar.regex_tools import check_supported, choice_regex, locate_syntax_error
-from grammar.vocab import END_SENTINEL, TokenVocabulary, build_vocabulary
+from grammar.backends import registry
+from grammar.base import CompileStats, GrammarError, GrammarSpec, GrammarTimeout, Program
+from grammar.compiled import CompiledGrammar
+from grammar.frontend import to_program
+from grammar.vocab import TokenVocabulary, build_vocabulary
 
-_OUTLINES_VERSION = version("outlines-core")
-_FORMAT = "stencil-grammar-1"  # bump when CompiledGrammar's construction changes meaning
-_DISK_MAGIC = b"STNCIDX2"
+_FORMAT = "stencil-grammar-2"  # bump when the front end's output changes meaning
+_VERSIONS = [version("outlines-core"), registry.lazy_version()]
+POLICIES = ("auto", "eager", "lazy")
 
 
 class GrammarCompiler:
@@ -48,26 +47,33 @@ class GrammarCompiler:
     Args:
         tokenizer: a Hugging Face tokenizer, or a ready :class:`TokenVocabulary`.
         vocab_size: the model's logits width (≥ the tokenizer's size).
-        max_workers: concurrent compiles (threads, each driving at most one child process).
-        timeout_s: limit on one index build, in seconds → :class:`GrammarTimeout`.
+        max_workers: concurrent compiles (front end + lazy build threads).
+        timeout_s: limit on one compile, seconds: the front end's deadline and the eager
+            index build's (→ :class:`GrammarTimeout`).
         cache_size: compiled grammars kept in memory (LRU).
-        disk_cache_dir: where index binaries persist across restarts; ``None`` disables.
-        max_recursion_depth: JSON Schema ``$ref`` recursion unrolling depth.
-        max_regex_chars: longer regexes are refused → :class:`GrammarError`.
-        max_index_bytes: larger indexes (outlines-core binary size, ≈ memory) are refused.
-        cache_max_bytes: the in-memory LRU also evicts beyond this many index bytes.
-        worker_memory_bytes: address-space limit of each child (``None``: unlimited).
+        backend: policy, "auto" (default), "eager" or "lazy" (see the module docstring).
+        disk_cache_dir: where eager index binaries persist across restarts; ``None`` disables.
+        max_recursion_depth: JSON Schema ``$ref`` unrolling depth where a regex is written.
+        max_regex_chars: the eager backend refuses longer regexes (the lazy one takes them).
+        max_index_bytes: larger eager indexes (≈ memory) are refused.
+        cache_max_bytes: the in-memory LRU also evicts beyond this many eager index bytes.
+        worker_memory_bytes: address-space limit of each eager build child (``None``: none).
         failure_ttl_s: how long a timed-out spec is answered from memory before it may be
-            retried (other failures are deterministic and remembered while in the LRU), so a
-            client repeating a runaway schema cannot tie up the workers.
+            retried (other failures are deterministic and remembered while in the LRU).
+        eager_workers: concurrent background eager builds (each a child process).
+
+    Raises:
+        ValueError: an unknown ``backend``, or a vocabulary for another logits width.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, max_workers: int = 2,
-                 timeout_s: float = 10.0, cache_size: int = 256,
+                 timeout_s: float = 10.0, cache_size: int = 256, backend: str = "auto",
                  disk_cache_dir: Path | None = None, max_recursion_depth: int = 3,
                  max_regex_chars: int = 200_000, max_index_bytes: int = 256 << 20,
                  cache_max_bytes: int = 2 << 30, worker_memory_bytes: int | None = 4 << 30,
-                 failure_ttl_s: float = 60.0):
+                 failure_ttl_s: float = 60.0, eager_workers: int = 1):
+        if backend not in POLICIES:
+            raise ValueError(f"grammar backend must be one of {POLICIES}, got {backend!r}")
         if isinstance(tokenizer, TokenVocabulary):
             if tokenizer.model_vocab_size != vocab_size:
                 raise ValueError(f"vocabulary is for {tokenizer.model_vocab_size} logits, "
@@ -75,43 +81,63 @@ class GrammarCompiler:
             self.vocab = tokenizer
         else:
             self.vocab = build_vocabulary(tokenizer, model_vocab_size=vocab_size)
+        self.policy = backend
         self.stats = CompileStats()
         self._timeout_s = timeout_s
         self._cache_size = cache_size
         self._cache_max_bytes = cache_max_bytes
-        self._disk = Path(disk_cache_dir) if disk_cache_dir is not None else None
-        if self._disk is not None:
-            self._disk.mkdir(parents=True, exist_ok=True)
         self._depth = max_recursion_depth
-        self._max_regex_chars = max_regex_chars
-        self._max_index_bytes = max_index_bytes
-        self._worker_memory = worker_memory_bytes
-        self._outlines_vocab = self.vocab.to_outlines()
+        self._eager_opts = dict(timeout_s=timeout_s, max_regex_chars=max_regex_chars,
+                                max_index_bytes=max_index_bytes, worker_memory_bytes=worker_memory_bytes,
+                                disk_cache_dir=disk_cache_dir)
+        self._backends: dict[str, Any] = {}
+        self._backend_lock = threading.Lock()
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
-        self._cache_bytes = 0
         self._inflight: dict[str, Future] = {}
         # key → (error, monotonic time); bounded like the main cache
         self._failures: OrderedDict[str, tuple[GrammarError, float]] = OrderedDict()
         self._failure_ttl_s = failure_ttl_s
-        self._idle: queue.SimpleQueue[IndexWorker] = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        # Eager builds never share the request pool: a slow index cannot delay a lazy compile.
+        self._eager_pool = ThreadPoolExecutor(max_workers=eager_workers, thread_name_prefix="grammar-eager")
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._idle)
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._eager_pool, self._backends)
+        if backend != "eager":
+            self.backend("lazy")  # its tokenizer trie takes ~0.6 s for 49 k tokens: pay it up front
 
     # -- public -------------------------------------------------------------------------------
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Compile (or fetch from cache) ``spec``; blocks.
+    def compile(self, spec: GrammarSpec, backend: str | None = None, *, hot: bool = False) -> CompiledGrammar:
+        """Compile (or fetch from cache) ``spec``; blocks. Arguments as :meth:`submit`.
 
         Raises:
-            GrammarError: the spec cannot be compiled exactly (with ``position`` for regexes).
-            GrammarTimeout: the index build exceeded ``timeout_s``.
+            GrammarError: the spec cannot be compiled exactly (with ``position`` for regexes,
+                ``line``/``column`` for Lark grammars, ``keyword``/``path`` for schemas).
+            GrammarTimeout: the compile exceeded ``timeout_s``.
         """
-        return self.submit(spec).result()
+        return self.submit(spec, backend, hot=hot).result()
 
-    def submit(self, spec: GrammarSpec) -> "Future[CompiledGrammar]":
-        """Start compiling ``spec`` in the pool; never blocks. The future raises as ``compile``."""
+    def submit(self, spec: GrammarSpec, backend: str | None = None, *, hot: bool = False
+               ) -> "Future[CompiledGrammar]":
+        """Start compiling ``spec``; never blocks. The future raises as :meth:`compile`.
+
+        Args:
+            spec: the constraint.
+            backend: "auto", "eager" or "lazy" for this request (``None``: the compiler's policy).
+                With "eager" the future waits for the index; with "lazy" the result's matchers
+                are llguidance's even when an index exists.
+            hot: build the eager index now (in the background under "auto"), not at the second
+                sighting.
+
+        Raises:
+            ValueError: an unknown ``backend``.
+            RuntimeError: the compiler is closed.
+        """
+        policy = self.policy if backend is None else backend
+        if policy not in POLICIES:
+            raise ValueError(f"grammar backend must be one of {POLICIES}, got {policy!r}")
+        pin = policy != self.policy  # a per-request choice: matchers from that backend only
         key = self._key(spec)
         with self._lock:
             if self._closed:
@@ -120,25 +146,26 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 self.stats.cache_hits += 1
-                done: Future = Future()
-                done.set_result(hit)
-                return done
+                hit.sightings += 1
+                return self._serve(hit, policy, hot or hit.sightings >= 2, pin)
             failed = self._recent_failure(key)
             if failed is not None:
                 self.stats.cache_hits += 1
-                done = Future()
-                done.set_exception(failed)
-                return done
+                return _done(exc=failed)
             running = self._inflight.get(key)
             if running is not None:
                 self.stats.cache_hits += 1
-                return running
-            fut = self._pool.submit(self._compile_and_store, spec, key)
-            self._inflight[key] = fut
-            return fut
+                out: Future = Future()
+                running.add_done_callback(lambda f: self._chain(f, out, policy, True, pin))
+                return out
+            first: Future = self._pool.submit(self._compile_and_store, spec, key, policy)
+            self._inflight[key] = first
+        out = Future()
+        first.add_done_callback(lambda f: self._chain(f, out, policy, hot, pin))
+        return out
 
     def close(self) -> None:
-        """Stop the pool and kill the child processes (idempotent)."""
+        """Stop the pools and kill the eager build processes (idempotent)."""
         with self._lock:
             self._closed = True
         self._finalizer()
@@ -149,17 +176,130 @@ class GrammarCompiler:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def backend(self, name: str):
+        """The backend object ``name`` ("eager" or "lazy"), created on first use."""
+        with self._backend_lock:
+            b = self._backends.get(name)
+            if b is None:
+                opts = self._eager_opts if name == "eager" else {}
+                b = registry.create(name, self.vocab, **opts)
+                self._backends[name] = b
+            return b
+
+    # -- policy -------------------------------------------------------------------------------
+
+    def _chain(self, first: Future, out: Future, policy: str, hot: bool, pin: bool) -> None:
+        """Complete ``out`` from the shared first compile, then apply the request's policy."""
+        exc = first.exception()
+        if exc is not None:
+            out.set_exception(exc.copy() if isinstance(exc, GrammarError) else exc)
+            return
+        served = self._serve(first.result(), policy, hot, pin)
+        served.add_done_callback(lambda f: _copy_result(f, out))
+
+    def _serve(self, grammar: CompiledGrammar, policy: str, hot: bool, pin: bool) -> Future:
+        """A future of ``grammar`` as ``policy`` wants it (builds what is missing); ``pin``: its
+        matchers come from that backend even when the other one is ready."""
+        if policy in ("lazy", "eager"):
+            if grammar.has(policy):
+                return _done(grammar.using(policy) if pin else grammar)
+            return self._ensure(grammar, policy, wait=True, pin=pin)
+        # auto: whatever is ready now; the eager index later, in the background, when hot.
+        if hot and grammar.program.regular and not grammar.has("eager") and grammar.error("eager") is None:
+            self._ensure(grammar, "eager", wait=False)
+        if grammar.has("eager") or grammar.has("lazy"):
+            return _done(grammar)
+        return self._ensure(grammar, "lazy", wait=True, pin=False)
+
+    def backend_kinds(self, name: str) -> frozenset:
+        return registry.kinds(name)
+
+    def _ensure(self, grammar: CompiledGrammar, name: str, *, wait: bool, pin: bool = False) -> Future:
+        """Build ``grammar``'s ``name`` backend once (shared future); a future of the result."""
+        with grammar._lock:
+            pending = grammar._pending.get(name)
+            if pending is None:
+                err = grammar._errors.get(name)
+                if err is not None:
+                    return _done(exc=err.copy())
+                pool = self._eager_pool if name == "eager" else self._pool
+                try:
+                    pending = pool.submit(self._build_backend, grammar, name)
+                except RuntimeError as e:  # pool shut down
+                    return _done(exc=e)
+                grammar._pending[name] = pending
+        if not wait:
+            return pending
+        out: Future = Future()
+
+        def done(f: Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc.copy() if isinstance(exc, GrammarError) else exc)
+            else:
+                out.set_result(grammar.using(name) if pin else grammar)
+
+        pending.add_done_callback(done)
+        return out
+
+    def _build_backend(self, grammar: CompiledGrammar, name: str) -> CompiledGrammar:
+        start = time.perf_counter()
+        try:
+            built = self._build(name, grammar.program, grammar.spec)
+        except GrammarError as e:
+            grammar._fail(name, e)
+            with self._lock:
+                if name == "eager":
+                    self.stats.eager_failures += 1
+            raise
+        finally:
+            with grammar._lock:
+                grammar._pending.pop(name, None)
+        grammar._set(name, built)
+        with self._lock:
+            if name == "eager":
+                self.stats.eager_builds += 1
+                self.stats.disk_hits = getattr(self._backends.get("eager"), "disk_hits", 0)
+                self._evict()
+            self.stats.record_compile_ms((time.perf_counter() - start) * 1e3)
+        return grammar
+
+    def _build(self, name: str, program: Program, spec: GrammarSpec):
+        backend = self.backend(name)
+        if program.kind not in backend.kinds and not (name == "eager" and spec.kind == "json_schema"):
+            raise GrammarError(f"the {name} backend cannot serve a {program.kind} grammar; "
+                               "use grammar_backend 'lazy' or 'auto'", keyword="grammar_backend")
+        if name == "eager":
+            if not program.regular and spec.kind == "json_schema":
+                # An eager-only request for a schema that needs rules or intersections: the regex
+                # compilation (recursion unrolled, a subset; intersections refused by keyword).
+                program = to_program(spec, max_recursion_depth=self._depth, grammar=False,
+                                     deadline=time.monotonic() + self._timeout_s)
+            return backend.build(program, spec)
+        return backend.build(program)
+
     # -- compile path -------------------------------------------------------------------------
 
     def _key(self, spec: GrammarSpec) -> str:
-        parts = [spec.key(), self.vocab.fingerprint, _OUTLINES_VERSION, _FORMAT, self._depth]
+        parts = [spec.key(), self.vocab.fingerprint, _VERSIONS, _FORMAT, self._depth]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
-    def _compile_and_store(self, spec: GrammarSpec, key: str) -> CompiledGrammar:
+    def _compile_and_store(self, spec: GrammarSpec, key: str, policy: str) -> CompiledGrammar:
+        """Front end, then the first backend the policy needs; cached on success."""
+        start = time.perf_counter()
         try:
-            grammar = self._compile_uncached(spec)
+            program = to_program(spec, max_recursion_depth=self._depth,
+                                 deadline=time.monotonic() + self._timeout_s)
+            grammar = CompiledGrammar(spec, program, self.vocab, policy)
+            first = "eager" if policy == "eager" else "lazy"
+            grammar._set(first, self._build(first, program, spec))
             with self._lock:
                 self._store(key, grammar)
+                self.stats.compiles += 1
+                if first == "eager":
+                    self.stats.eager_builds += 1
+                    self.stats.disk_hits = getattr(self._backends.get("eager"), "disk_hits", 0)
+                self.stats.record_compile_ms((time.perf_counter() - start) * 1e3)
             return grammar
         except GrammarError as e:
             with self._lock:
@@ -173,114 +313,6 @@ class GrammarCompiler:
             with self._lock:
                 self._inflight.pop(key, None)
 
-    def _compile_uncached(self, spec: GrammarSpec) -> CompiledGrammar:
-        start = time.perf_counter()
-        regex, notes = self._to_regex(spec)
-        if len(regex) > self._max_regex_chars:
-            raise GrammarError(f"regex is {len(regex)} characters, above the limit of "
-                               f"{self._max_regex_chars}")
-        full = "(?:" + regex + ")" + END_SENTINEL.decode()
-        raw = self._disk_load(full)
-        from_disk = raw is not None
-        if raw is None:
-            raw = self._build(full, spec)
-            self._disk_store(full, raw)
-        grammar = CompiledGrammar(spec=spec, regex=regex, index=index_from_binary(raw),
-                                  vocab=self.vocab, warnings=tuple(notes), index_bytes=len(raw))
-        with self._lock:
-            if from_disk:
-                self.stats.disk_hits += 1
-            else:
-                self.stats.compiles += 1
-            self.stats.record_compile_ms((time.perf_counter() - start) * 1e3)
-        return grammar
-
-    def _to_regex(self, spec: GrammarSpec) -> tuple[str, list[str]]:
-        if spec.kind == "regex":
-            return check_supported(spec.value), []
-        if spec.kind == "choice":
-            try:
-                choices = json.loads(spec.value)
-            except json.JSONDecodeError as e:
-                raise GrammarError(f"choice is not valid JSON: {e.msg}", position=e.pos) from None
-            if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
-                raise GrammarError("choice must be a JSON array of strings")
-            return choice_regex(choices), []
-        if spec.kind == "json_schema":
-            return self._schema_regex(spec)
-        raise GrammarError(f"unknown grammar kind {spec.kind!r}")
-
-    def _schema_regex(self, spec: GrammarSpec) -> tuple[str, list[str]]:
-        try:
-            schema = json.loads(spec.value)
-        except json.JSONDecodeError as e:
-            raise GrammarError(f"schema is not valid JSON: {e.msg}") from None
-        if importlib.util.find_spec("grammar.json_schema") is not None:
-            from grammar.json_schema import schema_to_regex
-
-            regex, notes = schema_to_regex(schema, whitespace=spec.whitespace, strict=spec.strict,
-                                           max_recursion_depth=self._depth)
-            return regex, list(notes)
-        # Stop-gap until grammar/json_schema.py exists: outlines-core's translation, which
-        # silently ignores several keywords (FACTS.md), hence the warning.
-        from outlines_core.json_schema import build_regex_from_schema
-
-        ws = "" if spec.whitespace == "compact" else "[ ]?"
-        try:
-            regex = build_regex_from_schema(spec.value, whitespace_pattern=ws,
-                                            max_recursion_depth=self._depth)
-        except (ValueError, TypeError) as e:
-            raise GrammarError(f"unsupported schema: {e}") from None
-        return regex, ["schema translated by outlines-core's build_regex_from_schema (fallback); "
-                       "numeric bounds, uniqueItems and similar keywords are not enforced"]
-
-    def _build(self, full_regex: str, spec: GrammarSpec) -> bytes:
-        worker = self._idle_worker()
-        try:
-            raw = worker.build(full_regex, self._timeout_s, self._max_index_bytes)
-        except WorkerTimeout:
-            raise GrammarTimeout(f"grammar compilation exceeded {self._timeout_s:g} s") from None
-        except WorkerDied as e:
-            raise GrammarError(f"grammar too large: the compile worker died ({e}); memory limit "
-                               f"{self._worker_memory} bytes") from None
-        except BuildFailed as e:
-            raise self._explain(e, spec) from None
-        finally:
-            self._release(worker)
-        return raw
-
-    def _explain(self, failure: BuildFailed, spec: GrammarSpec) -> GrammarError:
-        if failure.kind == "syntax" and spec.kind == "regex":
-            pos, msg = locate_syntax_error(spec.value)
-            return GrammarError(f"invalid regex: {msg or failure.message}", position=pos)
-        if failure.kind == "vocabulary":
-            return GrammarError("no token sequence can produce this pattern: "
-                                + failure.message)
-        if failure.kind == "too_large":
-            return GrammarError("grammar too large: " + failure.message)
-        return GrammarError(f"cannot compile {spec.kind}: {failure.message}")
-
-    # -- workers ------------------------------------------------------------------------------
-
-    def _idle_worker(self) -> IndexWorker:
-        while True:
-            try:
-                worker = self._idle.get_nowait()
-            except queue.Empty:
-                try:
-                    return IndexWorker(self._outlines_vocab, self._worker_memory)
-                except (WorkerDied, WorkerTimeout) as e:
-                    raise GrammarError(f"cannot start a grammar compile worker: {e}") from None
-            if worker.alive:
-                return worker
-            worker.close()
-
-    def _release(self, worker: IndexWorker) -> None:
-        if worker.alive and not self._closed:
-            self._idle.put(worker)
-        else:
-            worker.close()
-
     # -- caches -------------------------------------------------------------------------------
 
     def _store(self, key: str, grammar: CompiledGrammar) -> None:
@@ -288,11 +320,14 @@ class GrammarCompiler:
         if self._cache_size <= 0:
             return
         self._cache[key] = grammar
-        self._cache_bytes += grammar.index_bytes
-        while self._cache and (len(self._cache) > self._cache_size
-                               or self._cache_bytes > self._cache_max_bytes):
+        self._evict()
+
+    def _evict(self) -> None:
+        """Drop least recently used grammars beyond the count and byte limits (lock held)."""
+        total = sum(g.index_bytes for g in self._cache.values())
+        while self._cache and (len(self._cache) > self._cache_size or total > self._cache_max_bytes):
             _, old = self._cache.popitem(last=False)
-            self._cache_bytes -= old.index_bytes
+            total -= old.index_bytes
 
     def _remember_failure(self, key: str, error: GrammarError) -> None:
         """Caller holds the lock."""
@@ -311,53 +346,28 @@ class GrammarCompiler:
         if isinstance(error, GrammarTimeout) and time.monotonic() - when > self._failure_ttl_s:
             del self._failures[key]
             return None
-        # A new instance per raise: one exception object re-raised in many threads would
-        # accumulate their tracebacks.
-        cls = GrammarTimeout if isinstance(error, GrammarTimeout) else GrammarError
-        return cls(error.message, keyword=error.keyword, path=error.path, position=error.position)
-
-    def _disk_path(self, full_regex: str) -> Path | None:
-        if self._disk is None:
-            return None
-        h = hashlib.sha256()
-        for part in (full_regex, self.vocab.fingerprint, _OUTLINES_VERSION):
-            h.update(part.encode("utf-8", "surrogatepass"))
-            h.update(b"\0")
-        return self._disk / f"{h.hexdigest()}.idx"
-
-    def _disk_load(self, full_regex: str) -> bytes | None:
-        path = self._disk_path(full_regex)
-        if path is None or not path.exists():
-            return None
-        try:
-            data = path.read_bytes()
-        except OSError:
-            return None
-        head, check, raw = data[:8], data[8:12], data[12:]
-        if head != _DISK_MAGIC or zlib.crc32(raw).to_bytes(4, "little") != check:
-            path.unlink(missing_ok=True)  # torn or foreign file: rebuild
-            return None
-        return raw
-
-    def _disk_store(self, full_regex: str, raw: bytes) -> None:
-        path = self._disk_path(full_regex)
-        if path is None:
-            return
-        try:
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                # CRC32 catches corruption at 3 GB/s (sha256 is 4x slower on 100 MB indexes);
-                # tampering is out of scope: the directory is ours.
-                f.write(_DISK_MAGIC + zlib.crc32(raw).to_bytes(4, "little") + raw)
-            os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
-        except OSError:
-            pass  # the disk cache is an optimisation; a full disk must not fail the request
+        return error.copy()
 
 
-def _shutdown(pool: ThreadPoolExecutor, idle: "queue.SimpleQueue[IndexWorker]") -> None:
+def _done(result=None, exc: BaseException | None = None) -> Future:
+    f: Future = Future()
+    if exc is not None:
+        f.set_exception(exc)
+    else:
+        f.set_result(result)
+    return f
+
+
+def _copy_result(src: Future, dst: Future) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
+
+
+def _shutdown(pool: ThreadPoolExecutor, eager_pool: ThreadPoolExecutor, backends: dict) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
-    while True:
-        try:
-            idle.get_nowait().close()
-        except queue.Empty:
-            return
+    eager_pool.shutdown(wait=False, cancel_futures=True)
+    for b in list(backends.values()):
+        b.close()

@@ -59,6 +59,7 @@ class Problem(msgspec.Struct, kw_only=True, omit_defaults=True):
         keyword: the JSON Schema keyword at fault.
         path: JSON pointer into the offending schema (``"#/properties/age"``).
         position: character offset in an offending regex.
+        line / column: 1-based place of the fault in an offending Lark grammar.
         errors: individual messages when several things are wrong.
     """
 
@@ -71,4 +72,6 @@ class Problem(msgspec.Struct, kw_only=True, omit_defaults=True):
     keyword: str | None = None
     path: str | None = None
     position: int | None = None
+    line: int | None = None
+    column: int | None = None
     errors: list[str] | None = None

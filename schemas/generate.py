@@ -25,11 +25,21 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     content: str
 
 
+class GrammarBody(msgspec.Struct, forbid_unknown_fields=True):
+    """A context-free grammar constraint.
+
+    Attributes:
+        lark: the grammar in Lark syntax (llguidance's dialect).
+    """
+
+    lark: str
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Body of ``POST /generate``.
 
     Give exactly one of ``prompt`` / ``messages``, and at most one of ``response_schema`` /
-    ``regex`` / ``choice``.
+    ``regex`` / ``choice`` / ``grammar``.
 
     Attributes:
         prompt: raw text continued by the model.
@@ -38,6 +48,11 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             default 2020-12).
         regex: a regular expression the whole output must match.
         choice: the output is exactly one of these strings.
+        grammar: ``{"lark": "..."}``: the output is in the language of this Lark grammar
+            (llguidance's dialect: a ``start`` rule, ``/regex/`` and ``"literal"`` lexemes,
+            uppercase terminals); a bad grammar gets a 400 naming its line and column.
+        grammar_backend: "auto" (server default: a fast lazy matcher at once, an eager index
+            once the grammar is reused), "eager" (wait for the index) or "lazy".
         max_tokens: most output tokens (server default when absent; capped by the server).
         temperature: 0 = greedy (the default: extraction wants the most likely answer).
         top_p / top_k: nucleus and top-k filtering (1.0 / 0 = off).
@@ -56,6 +71,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     response_schema: dict[str, Any] | bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: "GrammarBody | None" = None
+    grammar_backend: Literal["auto", "eager", "lazy"] | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0

@@ -228,8 +228,9 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
                                         top_p=data.top_p, top_k=data.top_k, seed=data.seed, stop=data.stop,
                                         logprobs=data.logprobs, speculative=data.speculative)
     spec = generation.grammar_spec(cfg, response_schema=data.response_schema, regex=data.regex,
-                                   choice=data.choice, whitespace=data.whitespace, strict=data.strict)
-    gen = await generation.start(service, prompt_ids, params, spec, rid, arrival)
+                                   choice=data.choice, whitespace=data.whitespace, strict=data.strict,
+                                   grammar=data.grammar.lark if data.grammar is not None else None)
+    gen = await generation.start(service, prompt_ids, params, spec, rid, arrival, data.grammar_backend)
     if data.stream:
         # The content-type header is explicit: for streams Litestar prefers the route's JSON media type.
         return ServerSentEvent(_sse_events(gen, rid),  # type: ignore[return-value]

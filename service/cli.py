@@ -18,6 +18,7 @@ from pathlib import Path
 
 BENCHMARKS = {
     "conformance": "JSON Schema conformance of constrained outputs over a corpus",
+    "maskbench": "MaskBench's own harness (jsonschemabench) on Stencil's grammar API",
     "throughput": "decode tokens/s and latency at several concurrencies",
     "spec": "speculative decoding on a copy-heavy extraction workload",
     "cpu_kernels": "native CPU int4 GEMM and paged attention against torch's, same run",
@@ -56,6 +57,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="server-default speculation (requests may override)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--grammar-timeout", type=float, default=10.0, help="longest grammar compile (s)")
+    g.add_argument("--grammar-backend", choices=("auto", "eager", "lazy"), default="auto",
+                   help="auto: a lazy llguidance matcher at once, an eager outlines-core index built "
+                        "in the background for grammars used again; eager: wait for the index; "
+                        "lazy: never build one")
 
 
 def _add_service_args(p: argparse.ArgumentParser) -> None:
@@ -89,6 +94,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching, max_waiting=args.max_waiting,
         num_threads=args.threads, grammar_timeout_s=args.grammar_timeout,
+        grammar_backend=args.grammar_backend,
         speculative={"method": "ngram"} if args.speculative == "ngram" else None,
     ).validate()
 

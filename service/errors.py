@@ -122,7 +122,8 @@ def to_problem(exc: BaseException, request_id: str | None = None,
                     keyword=exc.keyword, path=exc.path, position=exc.position)
     elif isinstance(exc, GrammarError):
         p = Problem(title="Bad Request", status=400, detail=str(exc), keyword=exc.keyword,
-                    path=exc.path, position=exc.position)
+                    path=exc.path, position=exc.position, line=exc.line, column=exc.column,
+                    field="grammar" if exc.line is not None else None)
     elif isinstance(exc, EngineOverloaded):
         headers["Retry-After"] = str(retry_after)
         p = Problem(title="Too Many Requests", status=429, detail=str(exc))

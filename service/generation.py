@@ -208,13 +208,14 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
 
 def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str | None = None,
                  choice: list[str] | None = None, whitespace: str = "compact",
-                 strict: bool = True) -> GrammarSpec | None:
+                 strict: bool = True, grammar: str | None = None) -> GrammarSpec | None:
     """The constraint a request asks for, checked against the service's limits.
 
     Args:
         response_schema: a JSON Schema (dict or bool), or ``None``.
         regex: a pattern the whole output must match, or ``None``.
         choice: the output must be exactly one of these strings, or ``None``.
+        grammar: a Lark grammar the output must be in, or ``None``.
         whitespace: JSON only: "compact" or "flexible".
         strict: JSON only: refuse keywords that cannot be enforced (True) or ignore them with a
             warning in the response (False).
@@ -227,11 +228,11 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
             has a non-local ``$ref`` (see ``service.validation.check_schema``); a regex or
             choice over the limits.
     """
-    given = [n for n, v in (("response_schema", response_schema), ("regex", regex), ("choice", choice))
-             if v is not None]
+    given = [n for n, v in (("response_schema", response_schema), ("regex", regex), ("choice", choice),
+                            ("grammar", grammar)) if v is not None]
     if len(given) > 1:
-        raise InputError(f"give at most one of response_schema, regex and choice (got {', '.join(given)})",
-                         field=given[1])
+        raise InputError(f"give at most one of response_schema, regex, choice and grammar "
+                         f"(got {', '.join(given)})", field=given[1])
     if whitespace not in ("compact", "flexible"):
         raise InputError(f"whitespace must be 'compact' or 'flexible', got {whitespace!r}", field="whitespace")
     if response_schema is not None:
@@ -253,6 +254,13 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
             raise InputError(f"each choice must be a string of at most {cfg.max_choice_chars} characters",
                              field="choice")
         return GrammarSpec("choice", json.dumps(list(choice), ensure_ascii=False))
+    if grammar is not None:
+        if not grammar.strip():
+            raise InputError("grammar is empty: it needs a start rule", field="grammar")
+        if len(grammar) > cfg.max_grammar_chars:
+            raise InputError(f"grammar has {len(grammar)} characters; the limit is {cfg.max_grammar_chars}",
+                             field="grammar")
+        return GrammarSpec.grammar(grammar)
     return None
 
 
@@ -403,7 +411,7 @@ class GenerationStream:
                 first_at: float | None) -> GenerationResult:
         st = self.state
         now = time.perf_counter()
-        checked = st.checker.check(self.spec, text, out.finish_reason)
+        checked = st.checker.check(self.spec, text, out.finish_reason, token_ids, self.compiled)
         warnings = [str(w) for w in (getattr(self.compiled, "warnings", None) or ())] + checked.warnings
         usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                       total_tokens=out.num_prompt_tokens + out.num_output_tokens,
@@ -423,7 +431,8 @@ class GenerationStream:
 
 
 async def start(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
-                spec: GrammarSpec | None, request_id: str, arrival: float | None = None) -> GenerationStream:
+                spec: GrammarSpec | None, request_id: str, arrival: float | None = None,
+                grammar_backend: str | None = None) -> GenerationStream:
     """Admit a request: check it, compile its grammar (on the compiler's pool), return its stream.
 
     Args:
@@ -434,6 +443,7 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
         request_id: unique among live requests; used in logs, metrics and errors.
         arrival: ``time.perf_counter()`` when the request arrived (default: now); timings and the
             deadline count from it.
+        grammar_backend: "auto", "eager" or "lazy" for this request (``None``: the server's).
 
     Raises:
         Unavailable: the service is draining or the engine is dead.
@@ -451,7 +461,7 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
     compiled, grammar_ms = None, 0.0
     if spec is not None:
         t = time.perf_counter()
-        compiled = await state.engine.compile_grammar(spec)
+        compiled = await state.engine.compile_grammar(spec, grammar_backend)
         grammar_ms = (time.perf_counter() - t) * 1e3
         state.metrics.grammar_wait.observe(grammar_ms / 1e3)
     return GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms)

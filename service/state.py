@@ -25,6 +25,7 @@ class ServiceConfig:
         max_schema_bytes: largest ``response_schema`` as compact JSON (bytes).
         max_schema_depth: deepest nesting of objects/arrays in a schema.
         max_regex_chars: longest ``regex``.
+        max_grammar_chars: longest Lark ``grammar``.
         max_choices / max_choice_chars: most ``choice`` entries / longest entry.
         max_stop: most stop strings; max_stop_chars: longest one.
         max_tokens_cap: largest ``max_tokens`` a request may ask for.
@@ -42,6 +43,7 @@ class ServiceConfig:
     max_schema_bytes: int = 64 << 10
     max_schema_depth: int = 32
     max_regex_chars: int = 4096
+    max_grammar_chars: int = 64 << 10
     max_choices: int = 256
     max_choice_chars: int = 1024
     max_stop: int = 8
@@ -61,7 +63,7 @@ class ServiceConfig:
         if self.api_key is None:
             self.api_key = os.environ.get("STENCIL_API_KEY") or None
         for name in ("max_body_bytes", "max_prompt_chars", "max_messages", "max_schema_bytes",
-                     "max_schema_depth", "max_regex_chars", "max_choices", "max_choice_chars",
+                     "max_schema_depth", "max_regex_chars", "max_grammar_chars", "max_choices", "max_choice_chars",
                      "max_stop_chars", "max_tokens_cap", "default_max_tokens", "retry_after_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

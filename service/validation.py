@@ -143,11 +143,14 @@ class OutputChecker:
                 return False  # a dialect difference; the grammar already enforced the pattern
         return self._cached(("regex", pattern), build)
 
-    def check(self, spec: GrammarSpec | None, text: str, finish_reason: str | None) -> CheckedOutput:
+    def check(self, spec: GrammarSpec | None, text: str, finish_reason: str | None,
+              token_ids: list[int] | None = None, compiled=None) -> CheckedOutput:
         """Parse and validate ``text`` against ``spec``.
 
         A request cut short (``finish_reason == "length"``, or anything but ``"stop"``) is never
-        valid and its ``output`` is ``None``: a truncated document is not a document.
+        valid and its ``output`` is ``None``: a truncated document is not a document. A Lark
+        grammar has no second implementation to check against here: its output's tokens
+        (``token_ids``) are replayed through a fresh matcher of ``compiled``.
         """
         if finish_reason != "stop":
             why = ("output was cut at max_tokens before it was complete" if finish_reason == "length"
@@ -174,6 +177,13 @@ class OutputChecker:
                 return CheckedOutput(None, False, [f"output could not be checked against the regex within "
                                                    f"{self.regex_timeout_s:g} s"])
             return CheckedOutput(None, False, ["output does not fully match the regex"])
+        if spec.kind == "lark":
+            if compiled is None or token_ids is None:
+                return CheckedOutput(None, True)
+            m = compiled.matcher()
+            if m.accept_tokens(list(token_ids)) and (m.is_terminated() or m.is_accepting()):
+                return CheckedOutput(None, True)
+            return CheckedOutput(None, False, ["output is not in the grammar's language"])
         choices = json.loads(spec.value)
         if text in choices:
             return CheckedOutput(text, True)

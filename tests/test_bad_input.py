@@ -24,7 +24,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from grammar.base import GrammarError, GrammarSpec
-from grammar.matcher import Matcher
+from grammar.backends.eager import EagerMatcher
+from grammar.backends.lazy import LazyMatcher
 from service.app import create_app, service_state
 from service.state import ServiceConfig
 from service.validation import OutputChecker
@@ -270,15 +271,23 @@ def test_catastrophic_backtracking_shapes_are_answered_quickly(client, pattern):
         assert re.fullmatch(pattern, body["text"])
 
 
-@pytest.mark.parametrize("pattern", [r"a{1000}{1000}", r"(a{1,100}){1,100}[b-z]{0,5000}"])
-def test_exploding_regexes_are_refused_by_name(client, pattern):
+def test_exploding_regexes_are_served_lazily_or_refused_by_name(client):
+    """A regex whose DFA explodes is served at once by the lazy matcher; asking for an eager index
+    gets a 400 naming the grammar, remembered so a repeat does not tie up a worker again."""
+    pattern = r"(a{1,100}){1,100}[b-z]{0,5000}"
+    r = client.post("/generate", json={"prompt": "x", "regex": pattern, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert re.fullmatch("a+[b-z]*", r.json()["text"]), r.json()
     t0 = time.monotonic()
-    p = _problem(client.post("/generate", json={"prompt": "x", "regex": pattern}), 400)
+    body = {"prompt": "x", "regex": pattern, "grammar_backend": "eager"}
+    p = _problem(client.post("/generate", json=body), 400)
     assert "grammar" in p["detail"] and time.monotonic() - t0 < 20, p
-    # The refusal is remembered: asking again does not tie up a compile worker for another timeout.
     t0 = time.monotonic()
-    _problem(client.post("/generate", json={"prompt": "x", "regex": pattern}), 400)
+    _problem(client.post("/generate", json=body), 400)
     assert time.monotonic() - t0 < 1.0
+    # Rust's regex syntax takes a repeated repeat; Python's (and so the output check) does not.
+    p = _problem(client.post("/generate", json={"prompt": "x", "regex": "a{1000}{1000}"}), 400)
+    assert p["position"] == 7 and "regex" in p["detail"], p
 
 
 @pytest.mark.parametrize("pattern, needle", [("(?=a)b", "lookaround"), ("ab(c", "position"),
@@ -371,15 +380,21 @@ def _check_healthy(r: httpx.Response, n: int = 40) -> None:
     assert re.fullmatch("[ab]+", body["text"]), body
 
 
+def _inject(monkeypatch, method: str, regex: str, message: str) -> None:
+    """Make ``method`` of both backends' matchers raise for grammars of ``regex``."""
+    for cls in (EagerMatcher, LazyMatcher):
+        original = getattr(cls, method)
+
+        def faulty(self, *args, _original=original, **kw):
+            if self.grammar.regex == regex:
+                raise RuntimeError(message)
+            return _original(self, *args, **kw)
+
+        monkeypatch.setattr(cls, method, faulty)
+
+
 def test_mask_fault_fails_one_request(client, monkeypatch):
-    original = Matcher.fill_bitmask
-
-    def fill(self, bitmask, row):
-        if self.grammar.regex == "[p]{50}":
-            raise RuntimeError("injected mask fault")
-        return original(self, bitmask, row)
-
-    monkeypatch.setattr(Matcher, "fill_bitmask", fill)
+    _inject(monkeypatch, "fill_bitmask", "[p]{50}", "injected mask fault")
     healthy, poisoned = _pair(client, {"prompt": "p", "regex": "[p]{50}", "max_tokens": 20})
     p = _problem(poisoned, 500)
     assert "grammar mask" in p["detail"] and "injected" not in p["detail"], p  # no internal text leaks
@@ -388,14 +403,7 @@ def test_mask_fault_fails_one_request(client, monkeypatch):
 
 
 def test_append_fault_fails_one_request(client, monkeypatch):
-    original = Matcher.accept_tokens
-
-    def accept(self, ids):
-        if self.grammar.regex == "[q]{50}":
-            raise RuntimeError("injected accept fault")
-        return original(self, ids)
-
-    monkeypatch.setattr(Matcher, "accept_tokens", accept)
+    _inject(monkeypatch, "accept_tokens", "[q]{50}", "injected accept fault")
     healthy, poisoned = _pair(client, {"prompt": "q", "regex": "[q]{50}", "max_tokens": 20})
     assert "appending tokens" in _problem(poisoned, 500)["detail"]
     _check_healthy(healthy)
@@ -403,14 +411,7 @@ def test_append_fault_fails_one_request(client, monkeypatch):
 
 
 def test_draft_fault_fails_one_request(client, monkeypatch):
-    original = Matcher.forced_text
-
-    def forced_text(self, max_bytes):
-        if self.grammar.regex == "[u]{50}":
-            raise RuntimeError("injected draft fault")
-        return original(self, max_bytes)
-
-    monkeypatch.setattr(Matcher, "forced_text", forced_text)
+    _inject(monkeypatch, "forced_text", "[u]{50}", "injected draft fault")
     healthy, poisoned = _pair(client, {"prompt": "u", "regex": "[u]{50}", "max_tokens": 20, "speculative": True})
     assert "proposing draft tokens" in _problem(poisoned, 500)["detail"]
     _check_healthy(healthy)
@@ -438,15 +439,16 @@ def test_detokenizer_fault_fails_one_request_streamed(client, monkeypatch):
 
 
 def test_compile_fault_fails_one_request(client, monkeypatch):
-    compiler = service_state(client.app).engine.engine.grammar
-    original = compiler._to_regex
+    import grammar.compiler
 
-    def to_regex(spec):
+    original = grammar.compiler.to_program
+
+    def to_program(spec, **kw):
         if spec.value == "[r]{50}":
             raise MemoryError("injected compile fault")
-        return original(spec)
+        return original(spec, **kw)
 
-    monkeypatch.setattr(compiler, "_to_regex", to_regex)
+    monkeypatch.setattr(grammar.compiler, "to_program", to_program)
     healthy, poisoned = _pair(client, {"prompt": "r", "regex": "[r]{50}", "max_tokens": 20})
     p = _problem(poisoned, 500)
     assert p["request_id"] in p["detail"] and "injected" not in p["detail"], p

@@ -145,18 +145,34 @@ def test_bad_requests_are_refused_with_named_fields(tiny_model_dir):
     assert r["finish_reason"] == "length" and len(r["token_ids"]) == 4
 
 
-def test_constrained_speculation_and_forcing_keep_greedy_outputs(tiny_model_dir, prompts):
-    """Grammar drafts + n-gram drafts + forced tokens vs all off, on constrained requests."""
+CONSTRAINED_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
+    "ok": {"type": "boolean"}}, "required": ["name", "age", "tags", "ok"]}
+TREE_SCHEMA = {"$defs": {"node": {"type": "object", "properties": {
+    "v": {"type": "integer", "minimum": 0, "maximum": 9},
+    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["v", "kids"]}},
+    "$ref": "#/$defs/node"}
+ARITH = 'start: expr\nexpr: term (("+" | "-") term)*\nterm: NUM | "(" expr ")"\nNUM: /[0-9]{1,3}/\n'
+
+
+def _constrained_specs(backend: str):
     from grammar.base import GrammarSpec
 
-    schema = {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
-        "ok": {"type": "boolean"}}, "required": ["name", "age", "tags", "ok"]}
-    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128))
-    specs = [GrammarSpec.json_schema(schema), GrammarSpec("regex", r"(ab|cd){2,4}-[0-9]{3}"),
+    specs = [GrammarSpec.json_schema(CONSTRAINED_SCHEMA), GrammarSpec("regex", r"(ab|cd){2,4}-[0-9]{3}"),
              GrammarSpec("choice", '["alpha", "beta", "gamma delta"]')]
-    grammars = [eng.grammar.compile(specs[i % 3]) for i in range(len(prompts))]
+    if backend == "lazy":  # grammars only the lazy backend serves: exact recursion, Lark
+        specs += [GrammarSpec.json_schema(TREE_SCHEMA), GrammarSpec.grammar(ARITH)]
+    return specs
+
+
+@pytest.mark.parametrize("backend", ["eager", "lazy"])
+def test_constrained_speculation_and_forcing_keep_greedy_outputs(tiny_model_dir, prompts, backend):
+    """Grammar drafts + n-gram drafts + forced tokens vs all off, on constrained requests, on each
+    grammar backend."""
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, grammar_backend=backend))
+    specs = _constrained_specs(backend)
+    grammars = [eng.grammar.compile(specs[i % len(specs)]) for i in range(len(prompts))]
     spec = {"method": "ngram", "num_speculative_tokens": 6, "max_batch_size": 64, "min_acceptance": 0.0}
 
     def run(on: bool):
@@ -180,9 +196,27 @@ def test_constrained_speculation_and_forcing_keep_greedy_outputs(tiny_model_dir,
     assert sum(r["output"].num_accepted_tokens for r in on) > 0
     assert sum(r["output"].num_steps for r in on) < sum(r["output"].num_steps for r in off)
     for r, g in zip(on, grammars):
-        if r["finish_reason"] == "stop":
+        if r["finish_reason"] == "stop" and g.program.regular:
             import re
-            assert re.fullmatch(g.regex, r["text"], flags=re.DOTALL), r["text"]
+            assert re.fullmatch(g.program.regex(), r["text"], flags=re.DOTALL), r["text"]
+        if r["finish_reason"] == "stop":  # every output replays through a fresh matcher
+            m = g.matcher()
+            assert m.accept_tokens(r["token_ids"]) and (m.is_terminated() or m.is_accepting())
+
+
+def test_greedy_outputs_are_the_same_on_either_backend(tiny_model_dir, prompts):
+    """The same programs on outlines-core's index and on llguidance: the same masks, so the same
+    greedy outputs, batched and with speculation."""
+    outs = {}
+    for backend in ("eager", "lazy"):
+        eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, grammar_backend=backend))
+        specs = _constrained_specs("eager")
+        grammars = [eng.grammar.compile(specs[i % len(specs)]) for i in range(len(prompts))]
+        assert all(g.backend == backend for g in grammars)
+        params = SamplingParams(max_tokens=40, temperature=0, speculative={"method": "ngram", "max_batch_size": 64})
+        outs[backend] = [r["token_ids"] for r in eng.generate(prompts, params, grammars)]
+        eng.grammar.close()
+    assert outs["eager"] == outs["lazy"]
 
 
 def test_decoding_continues_while_a_grammar_compiles(tiny_model_dir, prompts):

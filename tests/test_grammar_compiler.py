@@ -1,4 +1,5 @@
-"""GrammarCompiler: caches, errors with positions, time limit in a killable worker, spec kinds."""
+"""GrammarCompiler: caches, errors with positions, backends and the auto policy, time limit in a
+killable eager worker, spec kinds (regex, choice, JSON Schema, Lark)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 
 import jsonschema
 import pytest
+import torch
 
 from grammar.base import GrammarError, GrammarSpec, GrammarTimeout
 from grammar.compiler import GrammarCompiler
@@ -25,9 +27,16 @@ def vocab() -> TokenVocabulary:
     return TokenVocabulary.from_token_bytes(TOKENS, EOS, 48)
 
 
+@pytest.fixture(scope="module", params=["eager", "lazy"])
+def compiler(vocab, request):
+    """One compiler per backend: every test that takes it runs on both."""
+    with GrammarCompiler(vocab, 48, max_workers=1, timeout_s=0.5, backend=request.param) as c:
+        yield c
+
+
 @pytest.fixture(scope="module")
-def compiler(vocab):
-    with GrammarCompiler(vocab, 48, max_workers=1, timeout_s=0.5) as c:
+def eager(vocab):
+    with GrammarCompiler(vocab, 48, max_workers=1, timeout_s=0.5, backend="eager") as c:
         yield c
 
 
@@ -37,7 +46,7 @@ def accepts_text(grammar, text: str) -> bool:
 
 
 def test_second_compile_is_a_cache_hit(vocab):
-    with GrammarCompiler(vocab, 48) as c:
+    with GrammarCompiler(vocab, 48, backend="lazy") as c:
         g1 = c.compile(GrammarSpec("regex", "ab+"))
         g2 = c.compile(GrammarSpec("regex", "ab+"))
         assert g1 is g2
@@ -95,27 +104,87 @@ def test_tricky_but_supported_regexes(compiler, pattern, good, bad):
     assert accepts_text(g, good) and not accepts_text(g, bad)
 
 
-def test_regex_the_vocabulary_cannot_spell_is_an_error(compiler):
+def test_regex_the_vocabulary_cannot_spell_is_an_error(eager, vocab):
     with pytest.raises(GrammarError, match="no token sequence"):
-        compiler.compile(GrammarSpec("regex", "ab#"))
+        eager.compile(GrammarSpec("regex", "ab#"))
+    with GrammarCompiler(vocab, 48, backend="lazy") as lazy:
+        with pytest.raises(GrammarError, match="no token sequence"):
+            lazy.compile(GrammarSpec("regex", "#ab"))  # dead at the start: found at compile time
+        m = lazy.compile(GrammarSpec("regex", "ab#")).matcher()  # dead later: found when reached
+        assert m.accept_tokens([ID["a"], ID["b"]])
+        with pytest.raises(RuntimeError, match="cannot spell"):
+            m.fill_bitmask(torch.zeros((1, 2), dtype=torch.int32), 0)
 
 
-def test_timeout_kills_the_build_and_the_worker_is_free_afterwards(compiler):
-    before = compiler.stats.timeouts
+def test_timeout_kills_the_build_and_the_worker_is_free_afterwards(eager):
+    before = eager.stats.timeouts
     t = time.perf_counter()
     with pytest.raises(GrammarTimeout):
-        compiler.compile(GrammarSpec("regex", EXPLOSIVE))
+        eager.compile(GrammarSpec("regex", EXPLOSIVE))
     assert time.perf_counter() - t < 3.0
     # One worker only: had the runaway build kept running, this compile would queue behind it.
     t = time.perf_counter()
-    g = compiler.compile(GrammarSpec("regex", "x(yz)?"))
+    g = eager.compile(GrammarSpec("regex", "x(yz)?"))
     assert time.perf_counter() - t < 3.0
     assert accepts_text(g, "xyz") and not accepts_text(g, "xy")
-    assert compiler.stats.timeouts == before + 1
+    assert eager.stats.timeouts == before + 1
+
+
+def _wait(cond, timeout_s: float = 20.0) -> None:
+    """Poll ``cond`` (a background build) until it holds; the test fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_the_lazy_backend_takes_what_the_eager_one_cannot_build(vocab):
+    """A regex whose DFA has ~2^20 states times out as an eager index; under ``auto`` it is served
+    lazily at once, and its background eager build failing leaves it lazy."""
+    with GrammarCompiler(vocab, 48, timeout_s=0.3) as c:
+        g = c.compile(GrammarSpec("regex", EXPLOSIVE), hot=True)
+        assert g.backend == "lazy"
+        text = "ab" * 5 + "a" + "b" * 20
+        assert accepts_text(g, text) and not accepts_text(g, "b" * 21)
+        _wait(lambda: g.error("eager") is not None)
+        assert isinstance(g.error("eager"), GrammarTimeout) and c.stats.eager_failures == 1
+        assert c.compile(GrammarSpec("regex", EXPLOSIVE)).backend == "lazy"
+        with pytest.raises(GrammarTimeout):  # insisting on eager gets the remembered failure
+            c.compile(GrammarSpec("regex", EXPLOSIVE), "eager")
+
+
+def test_auto_builds_the_eager_index_at_the_second_sighting(vocab):
+    with GrammarCompiler(vocab, 48) as c:
+        spec = GrammarSpec("regex", "a[bc]+d")
+        g = c.compile(spec)
+        assert g.backend == "lazy" and not g.has("eager")
+        assert c.stats.eager_builds == 0  # seen once: no index
+        assert c.compile(spec) is g
+        _wait(lambda: g.has("eager"))
+        assert g.backend == "eager" and c.stats.eager_builds == 1
+        assert g.matcher().backend == "eager" and accepts_text(g, "abcd")
+        pinned = c.compile(spec, "lazy")  # a per-request choice
+        assert pinned.matcher().backend == "lazy" and accepts_text(pinned, "abcbd")
+        assert c.compile(GrammarSpec("regex", "xy+"), "eager").matcher().backend == "eager"
+
+
+def test_a_lark_grammar_is_lazy_only_and_its_errors_name_line_and_column(vocab):
+    with GrammarCompiler(vocab, 48) as c:
+        g = c.compile(GrammarSpec.grammar('start: expr\nexpr: term ("-" term)*\n'
+                                          'term: NUM | "(" expr ")"\nNUM: /[0-9]+/'))
+        assert accepts_text(g, "(1-(2-3))-45") and not accepts_text(g, "(1-2")
+        assert not accepts_text(g, "1--2")
+        with pytest.raises(GrammarError) as info:
+            c.compile(GrammarSpec.grammar('start: a\na: ("x"\n'))
+        assert info.value.line == 2 and info.value.column is not None
+        assert "line 2" in str(info.value)
+        with pytest.raises(GrammarError, match="unknown name"):
+            c.compile(GrammarSpec.grammar("start: missing"))
+        with pytest.raises(GrammarError, match="eager"):
+            c.compile(GrammarSpec.grammar('start: "a"'), "eager")
 
 
 def test_failures_are_remembered(vocab):
-    with GrammarCompiler(vocab, 48, timeout_s=0.3, failure_ttl_s=0.0) as c:
+    with GrammarCompiler(vocab, 48, timeout_s=0.3, failure_ttl_s=0.0, backend="eager") as c:
         for _ in range(2):
             with pytest.raises(GrammarError) as info:
                 c.compile(GrammarSpec("regex", "a(?=b)"))
@@ -126,7 +195,7 @@ def test_failures_are_remembered(vocab):
         with pytest.raises(GrammarTimeout):  # TTL 0: a timed-out spec is tried again
             c.compile(GrammarSpec("regex", EXPLOSIVE))
         assert c.stats.timeouts == 2
-    with GrammarCompiler(vocab, 48, timeout_s=0.3) as c:
+    with GrammarCompiler(vocab, 48, timeout_s=0.3, backend="eager") as c:
         with pytest.raises(GrammarTimeout):
             c.compile(GrammarSpec("regex", EXPLOSIVE))
         t = time.perf_counter()
@@ -136,28 +205,30 @@ def test_failures_are_remembered(vocab):
 
 
 def test_worker_memory_limit_turns_a_huge_build_into_an_error(vocab):
-    with GrammarCompiler(vocab, 48, timeout_s=30, worker_memory_bytes=150 << 20) as c:
+    with GrammarCompiler(vocab, 48, timeout_s=30, worker_memory_bytes=150 << 20, backend="eager") as c:
         with pytest.raises(GrammarError, match="too large") as info:
             c.compile(GrammarSpec("regex", EXPLOSIVE + "[ab]"))
         assert not isinstance(info.value, GrammarTimeout)
         assert accepts_text(c.compile(GrammarSpec("regex", "ab")), "ab")  # a fresh worker
 
 
-def test_submit_returns_at_once_and_shares_inflight_compiles(compiler):
+def test_submit_returns_at_once_and_shares_inflight_compiles(eager):
     spec = GrammarSpec("regex", EXPLOSIVE + "c")
+    before = eager.stats.timeouts
     t = time.perf_counter()
-    f1 = compiler.submit(spec)
-    f2 = compiler.submit(spec)
+    f1 = eager.submit(spec)
+    f2 = eager.submit(spec)
     assert time.perf_counter() - t < 0.1
-    assert f1 is f2
     assert isinstance(f1.exception(timeout=10), GrammarTimeout)
+    assert isinstance(f2.exception(timeout=10), GrammarTimeout)
+    assert eager.stats.timeouts == before + 1  # one build answered both
 
 
 def test_size_limits(vocab):
-    with GrammarCompiler(vocab, 48, max_index_bytes=64) as c:
+    with GrammarCompiler(vocab, 48, max_index_bytes=64, backend="eager") as c:
         with pytest.raises(GrammarError, match="too large"):
             c.compile(GrammarSpec("regex", "[a-d]{1,8}"))
-    with GrammarCompiler(vocab, 48, max_regex_chars=5) as c:
+    with GrammarCompiler(vocab, 48, max_regex_chars=5, backend="eager") as c:
         with pytest.raises(GrammarError, match="limit"):
             c.compile(GrammarSpec("regex", "abcdabcd"))
 
@@ -176,19 +247,21 @@ def test_choice_is_an_alternation_of_literals(compiler):
 
 def test_disk_cache_survives_a_new_compiler(vocab, tmp_path):
     spec = GrammarSpec("regex", r"-?\d+(\.\d+)?")
-    with GrammarCompiler(vocab, 48, disk_cache_dir=tmp_path) as c1:
+    with GrammarCompiler(vocab, 48, disk_cache_dir=tmp_path, backend="eager") as c1:
         g1 = c1.compile(spec)
     files = list(tmp_path.glob("*.idx"))
     assert len(files) == 1
-    with GrammarCompiler(vocab, 48, disk_cache_dir=tmp_path) as c2:
+    with GrammarCompiler(vocab, 48, disk_cache_dir=tmp_path, backend="eager") as c2:
         g2 = c2.compile(spec)
-        assert (c2.stats.compiles, c2.stats.disk_hits) == (0, 1)
-    assert g2.index.get_transitions() == g1.index.get_transitions()
+        assert c2.stats.disk_hits == 1
+    def index(g):
+        return g.matcher().grammar.index
+    assert index(g2).get_transitions() == index(g1).get_transitions()
     assert accepts_text(g2, "-12.5") and not accepts_text(g2, "12.")
     files[0].write_bytes(files[0].read_bytes()[:-3])  # torn file: rebuilt, not trusted
-    with GrammarCompiler(vocab, 48, disk_cache_dir=tmp_path) as c3:
+    with GrammarCompiler(vocab, 48, disk_cache_dir=tmp_path, backend="eager") as c3:
         c3.compile(spec)
-        assert (c3.stats.compiles, c3.stats.disk_hits) == (1, 0)
+        assert c3.stats.disk_hits == 0
 
 
 def test_closed_compiler_refuses_work(vocab):
@@ -205,9 +278,9 @@ PERSON = {"type": "object",
           "required": ["name", "age"]}
 
 
-@pytest.fixture(scope="module")
-def real_compiler(tokenizer):
-    with GrammarCompiler(tokenizer, len(tokenizer)) as c:
+@pytest.fixture(scope="module", params=["eager", "lazy"])
+def real_compiler(tokenizer, request):
+    with GrammarCompiler(tokenizer, len(tokenizer), backend=request.param) as c:
         yield c
 
 

@@ -32,9 +32,10 @@ def vocab() -> TokenVocabulary:
     return TokenVocabulary.from_token_bytes(TOKENS, EOS, MODEL_VOCAB)
 
 
-@pytest.fixture(scope="module")
-def compiler(vocab):
-    with GrammarCompiler(vocab, MODEL_VOCAB, max_workers=1) as c:
+@pytest.fixture(scope="module", params=["eager", "lazy"])
+def compiler(vocab, request):
+    """Every matcher test runs on both backends: the same behaviour is pinned on each."""
+    with GrammarCompiler(vocab, MODEL_VOCAB, max_workers=1, backend=request.param) as c:
         yield c
 
 

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from grammar.json_schema import schema_to_regex
-from grammar.number_range import int_range, number_range
-from grammar.schema_canonical import canonical_json
+from grammar.json_schema.numbers import int_range, number_range
+from grammar.json_schema.canonical import canonical_json
 
 _SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from grammar import schema_charset as cs
-from grammar.schema_rx import Rx, alt, repeat, seq
+from grammar.json_schema import charset as cs
+from grammar.json_schema.rx import Rx, alt, repeat, seq
 
 
 class PatternError(ValueError):

@@ -12,12 +12,12 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from grammar import schema_charset as cs
-from grammar.schema_rx import Rx, alt, opt, seq
-from grammar.schema_strings import excluded_keys_regex
+from grammar.json_schema import charset as cs
+from grammar.json_schema.rx import Rx, alt, opt, seq
+from grammar.json_schema.strings import excluded_keys_regex
 
 if TYPE_CHECKING:
-    from grammar.json_schema import SchemaCompiler
+    from grammar.json_schema.compiler import SchemaCompiler
 
 MAX_OBJECT_REGEX = 2_000_000
 _ANY_KEY = '"' + cs.json_char(cs.ANY_CHAR) + '*"'

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grammar.schema_rx import Rx, alt, opt, repeat, seq
+from grammar.json_schema.rx import Rx, alt, opt, repeat, seq
 
 if TYPE_CHECKING:
-    from grammar.json_schema import SchemaCompiler
+    from grammar.json_schema.compiler import SchemaCompiler
 
 
 def _layout(s: dict, path: str) -> tuple[list[tuple[object, str]], object, str]:

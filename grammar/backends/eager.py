@@ -1,26 +1,38 @@
-"""Compiled grammars (shared, immutable) and their per-request matchers.
+"""The eager backend: an outlines-core token index per regex, built in a killable child process.
 
-A :class:`CompiledGrammar` wraps an outlines-core ``Index`` built from ``(?:REGEX)\\x01`` over the
+An :class:`EagerGrammar` wraps an outlines-core ``Index`` built from ``(?:REGEX)\\x01`` over the
 vocabulary plus the sentinel token (see :data:`grammar.vocab.END_SENTINEL`). "The sentinel is
 allowed" is read as "EOS is allowed"; accepting EOS advances the index over the sentinel, into
 its only final state. So EOS is allowed exactly in the regex's accepting states, and after EOS
 nothing else is.
 
-A :class:`Matcher` is a cursor: an outlines-core ``Guide`` (which writes masks and keeps the
-state history used by :meth:`Matcher.rollback`) plus a terminated flag. Source of the Guide /
+An :class:`EagerMatcher` is a cursor: an outlines-core ``Guide`` (which writes masks and keeps the
+state history used by :meth:`EagerMatcher.rollback`) plus a terminated flag. Source of the Guide /
 Index API: outlines-core 0.2.14 ``src/python_bindings/mod.rs``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import queue
+import tempfile
+import zlib
 from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
 
 import numpy as np
 import torch
 from outlines_core import Guide
 
-from grammar.base import GrammarSpec
-from grammar.vocab import TokenVocabulary
+from grammar.backends.index_worker import (BuildFailed, IndexWorker, WorkerDied, WorkerTimeout,
+                                           index_from_binary)
+from grammar.base import GrammarError, GrammarSpec, GrammarTimeout, Program
+from grammar.vocab import END_SENTINEL, TokenVocabulary
+
+OUTLINES_VERSION = version("outlines-core")
+_DISK_MAGIC = b"STNCIDX2"
 
 # Guide keeps one u32 per accepted token (no preallocation); generations are bounded by the
 # model length long before this.
@@ -29,7 +41,7 @@ _UNKNOWN = object()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class CompiledGrammar:
+class EagerGrammar:
     """An immutable compiled constraint, shared by every request with the same spec.
 
     Attributes:
@@ -56,9 +68,15 @@ class CompiledGrammar:
     _forced_bytes: dict = field(default_factory=dict, repr=False)
     _byte_tokens: dict = field(default_factory=dict, repr=False)  # byte value → single-byte token id
 
-    def matcher(self) -> "Matcher":
+    kind = "eager"
+
+    @property
+    def nbytes(self) -> int:
+        return self.index_bytes
+
+    def matcher(self) -> "EagerMatcher":
         """A fresh cursor at the start of the grammar."""
-        return Matcher(self)
+        return EagerMatcher(self)
 
     def forced_step(self, state: int) -> tuple[int, int] | None:
         """``(token_id, next_state)`` if ``state`` allows exactly one token, else ``None``."""
@@ -107,8 +125,8 @@ class CompiledGrammar:
         return self._byte_tokens.get(b)
 
 
-class Matcher:
-    """Per-request cursor over a :class:`CompiledGrammar` (implements ``GrammarMatcher``).
+class EagerMatcher:
+    """Per-request cursor over an :class:`EagerGrammar` (implements ``GrammarMatcher``).
 
     Not thread-safe; owned by one request.
     """
@@ -116,7 +134,7 @@ class Matcher:
     __slots__ = ("_grammar", "_index", "_guide", "_sentinel", "_eos", "_size", "_num_tokens",
                  "_terminated")
 
-    def __init__(self, grammar: CompiledGrammar):
+    def __init__(self, grammar: EagerGrammar):
         self._grammar = grammar
         self._index = grammar.index
         self._guide = Guide(grammar.index, max_rollback=_MAX_ROLLBACK)
@@ -127,8 +145,12 @@ class Matcher:
         self._terminated = False
 
     @property
-    def grammar(self) -> CompiledGrammar:
+    def grammar(self) -> EagerGrammar:
         return self._grammar
+
+    @property
+    def backend(self) -> str:
+        return "eager"
 
     @property
     def num_tokens(self) -> int:
@@ -283,3 +305,167 @@ class Matcher:
     def _set_eos_bits(self, row_view: np.ndarray) -> None:
         for e in self._grammar.vocab.eos_token_ids:
             row_view[e >> 5] |= np.uint32(1 << (e & 31))
+
+
+class EagerBackend:
+    """Builds outlines-core indexes for regex programs, each in a child process with limits.
+
+    Thread-safe: each build takes an idle :class:`~grammar.backends.index_worker.IndexWorker`
+    (or starts one), so concurrent builds run in parallel processes.
+
+    Args:
+        vocab: the grammar alphabet.
+        timeout_s: limit on one index build → :class:`GrammarTimeout` (the child is killed).
+        max_regex_chars: longer regexes are refused → :class:`GrammarError`.
+        max_index_bytes: larger indexes (outlines-core binary size, ≈ memory) are refused.
+        worker_memory_bytes: address-space limit of each child (``None``: unlimited).
+        disk_cache_dir: where index binaries persist across restarts, keyed by sha256 of the
+            final regex, the vocabulary fingerprint and the outlines-core version (the *regex*,
+            not the spec, so a change in the translation can never serve a stale index);
+            ``None`` disables it.
+    """
+
+    name = "eager"
+    kinds = frozenset({"regex"})
+
+    def __init__(self, vocab: TokenVocabulary, *, timeout_s: float = 10.0, max_regex_chars: int = 200_000,
+                 max_index_bytes: int = 256 << 20, worker_memory_bytes: int | None = 4 << 30,
+                 disk_cache_dir: Path | None = None):
+        self.vocab = vocab
+        self.timeout_s = timeout_s
+        self._max_regex_chars = max_regex_chars
+        self._max_index_bytes = max_index_bytes
+        self._worker_memory = worker_memory_bytes
+        self._disk = Path(disk_cache_dir) if disk_cache_dir is not None else None
+        if self._disk is not None:
+            self._disk.mkdir(parents=True, exist_ok=True)
+        self._outlines_vocab = vocab.to_outlines()
+        self._idle: queue.SimpleQueue[IndexWorker] = queue.SimpleQueue()
+        self._closed = False
+        self.disk_hits = 0
+
+    def build(self, program: Program, spec: GrammarSpec | None = None) -> EagerGrammar:
+        """The index of ``program`` (from the disk cache when there).
+
+        Raises:
+            GrammarError: not a regex, too long, refused by outlines-core, too large, or the
+                worker died; :class:`GrammarTimeout` past ``timeout_s``.
+        """
+        if program.kind != "regex":
+            raise GrammarError(f"the eager backend takes regexes, not {program.kind!r} programs "
+                               "(use the lazy or auto backend)", keyword="grammar_backend")
+        if not program.regular:
+            raise GrammarError("the program uses an intersection (a pattern with length bounds or a "
+                               "format), which the eager backend cannot index; the lazy backend "
+                               "serves it", keyword="grammar_backend")
+        size = program.regex_size()
+        if size > self._max_regex_chars:
+            raise GrammarError(f"regex is {size} characters, above the limit of "
+                               f"{self._max_regex_chars}")
+        regex = program.regex()
+        full = "(?:" + regex + ")" + END_SENTINEL.decode()
+        raw = self._disk_load(full)
+        if raw is None:
+            raw = self._build(full, spec)
+            self._disk_store(full, raw)
+        else:
+            self.disk_hits += 1
+        return EagerGrammar(spec=spec, regex=regex, index=index_from_binary(raw), vocab=self.vocab,
+                            warnings=program.warnings, index_bytes=len(raw))
+
+    def close(self) -> None:
+        """Kill the idle child processes (idempotent); builds in flight finish or fail."""
+        self._closed = True
+        while True:
+            try:
+                self._idle.get_nowait().close()
+            except queue.Empty:
+                return
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _build(self, full_regex: str, spec: GrammarSpec | None) -> bytes:
+        worker = self._idle_worker()
+        try:
+            return worker.build(full_regex, self.timeout_s, self._max_index_bytes)
+        except WorkerTimeout:
+            raise GrammarTimeout(f"grammar compilation exceeded {self.timeout_s:g} s") from None
+        except WorkerDied as e:
+            raise GrammarError(f"grammar too large: the compile worker died ({e}); memory limit "
+                               f"{self._worker_memory} bytes") from None
+        except BuildFailed as e:
+            raise _explain(e, spec) from None
+        finally:
+            self._release(worker)
+
+    def _idle_worker(self) -> IndexWorker:
+        while True:
+            try:
+                worker = self._idle.get_nowait()
+            except queue.Empty:
+                try:
+                    return IndexWorker(self._outlines_vocab, self._worker_memory)
+                except (WorkerDied, WorkerTimeout) as e:
+                    raise GrammarError(f"cannot start a grammar compile worker: {e}") from None
+            if worker.alive:
+                return worker
+            worker.close()
+
+    def _release(self, worker: IndexWorker) -> None:
+        if worker.alive and not self._closed:
+            self._idle.put(worker)
+        else:
+            worker.close()
+
+    # -- disk cache ---------------------------------------------------------------------------
+
+    def _disk_path(self, full_regex: str) -> Path | None:
+        if self._disk is None:
+            return None
+        h = hashlib.sha256()
+        for part in (full_regex, self.vocab.fingerprint, OUTLINES_VERSION):
+            h.update(part.encode("utf-8", "surrogatepass"))
+            h.update(b"\0")
+        return self._disk / f"{h.hexdigest()}.idx"
+
+    def _disk_load(self, full_regex: str) -> bytes | None:
+        path = self._disk_path(full_regex)
+        if path is None or not path.exists():
+            return None
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        head, check, raw = data[:8], data[8:12], data[12:]
+        if head != _DISK_MAGIC or zlib.crc32(raw).to_bytes(4, "little") != check:
+            path.unlink(missing_ok=True)  # torn or foreign file: rebuild
+            return None
+        return raw
+
+    def _disk_store(self, full_regex: str, raw: bytes) -> None:
+        path = self._disk_path(full_regex)
+        if path is None:
+            return
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                # CRC32 catches corruption at 3 GB/s (sha256 is 4x slower on 100 MB indexes);
+                # tampering is out of scope: the directory is ours.
+                f.write(_DISK_MAGIC + zlib.crc32(raw).to_bytes(4, "little") + raw)
+            os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
+        except OSError:
+            pass  # the disk cache is an optimisation; a full disk must not fail the request
+
+
+def _explain(failure: BuildFailed, spec: GrammarSpec | None) -> GrammarError:
+    from grammar.regex_tools import locate_syntax_error
+
+    if failure.kind == "syntax" and spec is not None and spec.kind == "regex":
+        pos, msg = locate_syntax_error(spec.value)
+        return GrammarError(f"invalid regex: {msg or failure.message}", position=pos)
+    if failure.kind == "vocabulary":
+        return GrammarError("no token sequence can produce this pattern: " + failure.message)
+    if failure.kind == "too_large":
+        return GrammarError("grammar too large: " + failure.message)
+    kind = spec.kind if spec is not None else "grammar"
+    return GrammarError(f"cannot compile {kind}: {failure.message}")

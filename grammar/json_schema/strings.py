@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grammar import schema_charset as cs
-from grammar import schema_pattern as sp
-from grammar.formats import format_pattern
-from grammar.schema_rx import Rx, alt, repeat, seq
+from grammar.json_schema import charset as cs
+from grammar.json_schema import pattern as sp
+from grammar.json_schema.formats import format_pattern
+from grammar.json_schema.rules import both
+from grammar.json_schema.rx import Rx, alt, repeat, seq
 
 ANY_CHAR = cs.json_char(cs.ANY_CHAR)
 NEWLINE = cs.json_char(cs.chars("\n"))
@@ -37,6 +38,8 @@ class StringSpec:
     pattern: str | None = None
     format: str | None = None
     max_length_cap: int | None = None  # write at most this many characters (a subset)
+    exact_chars: bool = False  # bounded strings take every character (not BOUNDED_CHAR's subset)
+    intersect: bool = False  # may write intersections (rules.both: lazy backend only)
 
 
 def _fit_length(body, lo: int, hi: int | None):
@@ -73,7 +76,7 @@ def _branch_regex(branch: sp.Branch) -> Rx:
     return seq(prefix, body, suffix)
 
 
-def _pattern_body(pattern: str, lo: int, hi: int | None) -> Rx:
+def _pattern_body(pattern: str, lo: int, hi: int | None, intersect: bool = False) -> Rx:
     try:
         branches = sp.branches(sp.parse(pattern))
     except sp.PatternError as exc:
@@ -83,10 +86,14 @@ def _pattern_body(pattern: str, lo: int, hi: int | None) -> Rx:
     out: list[Rx] = []
     for b in branches:
         if not (b.start and b.end and not b.newline_ok) and not (b.start and b.end):
+            if intersect:
+                return both(_pattern_body(pattern, 0, None), repeat(ANY_CHAR, lo, hi))
             raise StringError("pattern", "an unanchored pattern together with minLength/maxLength "
                               "is not supported")
         fitted = _fit_length(b.body, lo, hi)
         if fitted is None:
+            if intersect:  # exact: the pattern's strings that have the right length
+                return both(_pattern_body(pattern, 0, None), repeat(ANY_CHAR, lo, hi))
             raise StringError("pattern", "pattern combined with minLength/maxLength is not "
                               "expressible exactly")
         out.append(sp.emit(fitted))
@@ -115,16 +122,19 @@ def string_regex(spec: StringSpec) -> Rx:
         except KeyError:
             raise StringError("format", f"format {spec.format!r} is not supported") from None
     if fmt is not None and spec.pattern is not None:
-        raise StringError("pattern", "pattern together with format is not supported")
-    if fmt is not None:
-        body = _pattern_body("^(?:" + fmt + ")\\Z", lo, hi)
+        if not spec.intersect:
+            raise StringError("pattern", "pattern together with format is not supported")
+        body = both(_pattern_body("^(?:" + fmt + ")\\Z", lo, hi, True),
+                    _pattern_body(spec.pattern, lo, hi, True))
+    elif fmt is not None:
+        body = _pattern_body("^(?:" + fmt + ")\\Z", lo, hi, spec.intersect)
     elif spec.pattern is not None:
-        body = _pattern_body(spec.pattern, lo, hi)
+        body = _pattern_body(spec.pattern, lo, hi, spec.intersect)
     elif hi is None:
         body = repeat(ANY_CHAR, lo, None)
     else:
         cap = hi if spec.max_length_cap is None else max(min(hi, spec.max_length_cap), lo)
-        body = repeat(BOUNDED_CHAR, lo, cap)
+        body = repeat(ANY_CHAR if spec.exact_chars else BOUNDED_CHAR, lo, cap)
     return seq('"', body, '"')
 
 

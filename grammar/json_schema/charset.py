@@ -28,6 +28,7 @@ _NAMED_ESCAPES = {0x22: '\\\\"', 0x5C: "\\\\\\\\", 0x08: "\\\\b", 0x0C: "\\\\f",
 # in Rust; '&', '~', '-' form set operators there).
 _CLASS_META = set("\\]^-[&~")
 _LITERAL_META = set("\\.+*?()|[]{}^$")
+_RULE_MARKS = tuple(range(0xE000, 0xE007))  # written escaped: bare, they mark references (rules.py)
 
 
 def charset(*ranges: tuple[int, int]) -> CharSet:
@@ -83,6 +84,8 @@ def _class_char(cp: int) -> str:
         return f"\\x{cp:02x}"
     if 0xD800 <= cp <= 0xDFFF:
         raise ValueError("surrogate code point in a character class")
+    if cp in _RULE_MARKS:
+        return f"\\u{cp:04x}"
     return "\\" + c if c in _CLASS_META else c
 
 
@@ -95,6 +98,8 @@ def literal(text: str) -> str:
             out.append(f"\\x{cp:02x}")
         elif c in _LITERAL_META:
             out.append("\\" + c)
+        elif cp in _RULE_MARKS:
+            out.append(f"\\u{cp:04x}")
         else:
             out.append(c)
     return "".join(out)

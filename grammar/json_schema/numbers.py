@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from grammar.schema_rx import Rx, alt, repeat, seq
+from grammar.json_schema.rx import Rx, alt, repeat, seq
 
 DIGIT = "[0-9]"
 INTEGER = "(?:0|-?[1-9][0-9]*)"

@@ -91,7 +91,7 @@ class IndexWorker:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        args = [sys.executable, "-m", "grammar.index_worker", str(memory_limit_bytes or 0)]
+        args = [sys.executable, "-m", "grammar.backends.index_worker", str(memory_limit_bytes or 0)]
         self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._call(("vocab", vocabulary), start_timeout_s)
 

@@ -27,24 +27,30 @@ free-form and takes any keys. ``extra_properties=True`` follows the specificatio
 from __future__ import annotations
 
 import itertools
+import json
+import time
 from dataclasses import dataclass, field
 from decimal import Decimal
 
 import jsonschema
 from jsonschema import validators
 
-from grammar import number_range as nr
-from grammar.base import GrammarError
-from grammar.schema_arrays import compile_array
-from grammar.schema_canonical import canonical_json
-from grammar.schema_merge import MergeError, json_key, merge
-from grammar.schema_objects import compile_object
-from grammar.schema_oneof import disjoint, exclusive_required, promote_discriminators
-from grammar.schema_refs import RefResolver
-from grammar.schema_rx import Rx, alt, repeat, seq
-from grammar.schema_strings import StringError, StringSpec, excluded_keys_regex, string_regex
+from grammar.json_schema import numbers as nr
+from grammar.base import GrammarError, GrammarTimeout, Program
+from grammar.json_schema.arrays import compile_array
+from grammar.json_schema.canonical import canonical_json
+from grammar.json_schema.merge import MergeError, json_key, merge
+from grammar.json_schema.multiples import multiple_rules
+from grammar.json_schema.objects import compile_object
+from grammar.json_schema.oneof import disjoint, exclusive_required, promote_discriminators
+from grammar.json_schema.refs import RefResolver
+from grammar.json_schema.rules import REF_OPEN, expand, has_refs, is_empty, ref, term_ref, to_lark
+from grammar.json_schema.rx import Rx, alt, repeat, seq
+from grammar.json_schema.strings import ANY_CHAR, StringError, StringSpec, excluded_keys_regex, string_regex
 
 MAX_MIN_LENGTH = 10_000  # most characters minLength may require (each is an automaton state)
+GRAMMAR_ANY_DEPTH = 3  # container nesting of free-form values in served programs
+ANY_CHAR_GROUP = ANY_CHAR if ANY_CHAR.startswith("(?:") else "(?:" + ANY_CHAR + ")"
 
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _TYPE_KEYWORDS = {
@@ -71,6 +77,11 @@ class SchemaOptions:
     extra_properties: bool = False
     max_string_length: int = 128
     max_regex_chars: int = 8_000_000
+    deadline: float | None = None  # time.monotonic() past which compilation stops (GrammarTimeout)
+    grammar: bool = False  # recursion as grammar rules (rules.ref) instead of unrolling
+    # Grammar mode: a subschema's regex of at least this many characters is written once, as a
+    # terminal (rules.term_ref), however often it is used.
+    term_min_chars: int = 48
 
 
 @dataclass(slots=True)
@@ -82,6 +93,13 @@ class SchemaCompiler:
     warnings: list[str] = field(default_factory=list)
     ref_depth: dict[str, int] = field(default_factory=dict)
     emitted: int = 0  # characters of regex text produced so far (all subschemas)
+    rules: dict[int, Rx] = field(default_factory=dict)  # rule number → body (grammar mode)
+    rule_ids: dict[str, int] = field(default_factory=dict)  # (target, siblings, types) → number
+    in_progress: set[str] = field(default_factory=set)  # rule keys being compiled on this path
+    recursive: set[str] = field(default_factory=set)  # rule keys found to refer to themselves
+    bodies: dict[str, Rx] = field(default_factory=dict)  # rule key → compiled body (grammar mode)
+    terminals: list[str] = field(default_factory=list)  # terminal number → regex (grammar mode)
+    term_ids: dict[str, int] = field(default_factory=dict)  # regex → terminal number
     resolver: RefResolver = field(init=False)
     validator: object = field(init=False)
     old_draft: bool = field(init=False)
@@ -113,17 +131,42 @@ class SchemaCompiler:
             return False
 
     def string_for(self, schema: object, path: str) -> Rx:
-        """Regex of the string literals ``schema`` admits (used for keys)."""
+        """Regex of the string literals ``schema`` admits (used for keys), written out."""
         r = self.sub(schema, path, only_types=("string",))
-        return r
+        return expand(r, self.terminals) if r is not None and self.terminals else r
+
+    def term(self, rx: str) -> str:
+        """``rx`` as a terminal reference when it is long enough to be worth sharing (grammar
+        mode); identical regexes share one terminal. Text referring to a rule stays as it is."""
+        if len(rx) < self.opts.term_min_chars or _is_term(rx):
+            return rx
+        if REF_OPEN in rx:  # not regular: a long piece becomes a helper rule (shared the same way)
+            if len(rx) < 4 * self.opts.term_min_chars or _is_ref(rx):
+                return rx
+            key = "text:" + rx
+            n = self.rule_ids.get(key)
+            if n is None:
+                n = self.rule_ids[key] = len(self.rule_ids)
+                self.rules[n] = rx
+            return ref(n)
+        n = self.term_ids.get(rx)
+        if n is None:
+            if rx != ANY_CHAR_GROUP and ANY_CHAR_GROUP in rx:
+                # The JSON character class is in every free string: one shared terminal.
+                rx = rx.replace(ANY_CHAR_GROUP, self.term(ANY_CHAR_GROUP))
+                n = self.term_ids.get(rx)
+            if n is None:
+                n = self.term_ids[rx] = len(self.terminals)
+                self.terminals.append(rx)
+        return term_ref(n)
 
     def any_value(self, depth: int | None = None) -> str:
         """Any JSON value nested at most ``depth`` containers deep."""
         depth = self.opts.any_max_depth if depth is None else depth
         scalar = alt(['"' + self._any_char() + '*"', nr.NUMBER, "true", "false", "null"])
         if depth <= 0:
-            return scalar
-        inner = self.any_value(depth - 1)
+            return self._share(scalar)
+        inner = self._share(self.any_value(depth - 1))
         comma, colon = self.ws + "," + self.ws, self.ws + ":" + self.ws
         n = self.opts.any_max_length
         more = None if n is None else max(n - 1, 0)
@@ -132,17 +175,25 @@ class SchemaCompiler:
         member = seq('"' + self._any_char() + '*"', colon, inner)
         obj = seq("\\{", self.ws, alt(["", seq(member, repeat(seq(comma, member), 0, more))]),
                   self.ws, "\\}")
-        return alt([scalar, array, obj])  # type: ignore[list-item]
+        return self._share(alt([self._share(scalar), array, obj]))  # type: ignore[list-item]
+
+    def _share(self, rx: Rx) -> Rx:
+        """``rx`` as a shared terminal in grammar mode (itself otherwise)."""
+        return self.term(rx) if self.opts.grammar and rx is not None else rx
 
     @staticmethod
     def _any_char() -> str:
-        from grammar.schema_strings import ANY_CHAR
+        from grammar.json_schema.strings import ANY_CHAR
         return ANY_CHAR
 
     # -- the recursive walk --------------------------------------------------------------------
     def sub(self, schema: object, path: str, only_types: tuple[str, ...] | None = None) -> Rx:
         """Regex of ``schema`` at JSON pointer ``path``; None when it admits nothing."""
+        if self.opts.deadline is not None and time.monotonic() > self.opts.deadline:
+            raise GrammarTimeout("schema compilation exceeded its time limit")
         out = self._sub(schema, path, only_types)
+        if out is not None and self.opts.grammar:
+            out = self.term(out)
         if out is not None:
             # Unrolled recursion and shared definitions are copied into the text; stop before
             # an exponential schema exhausts memory.
@@ -180,6 +231,13 @@ class SchemaCompiler:
             if key in schema:
                 self.unsupported(key, path)
         if "not" in schema:
+            neg = self._deref(schema["not"], f"{path}/not")
+            if (isinstance(neg, dict) and set(neg) <= {"required"} | _ANNOTATIONS
+                    and isinstance(neg.get("required"), list) and 1 < len(neg["required"]) <= 8):
+                # not all of these present = one of them absent (exact; a union of cases)
+                rest = {k: v for k, v in schema.items() if k != "not"}
+                absent = [{"properties": {name: False}} for name in neg["required"]]
+                return self.sub({"allOf": [rest, {"anyOf": absent}]}, path, only_types)
             schema = self._not(schema, path)
             if schema is None:
                 return None
@@ -246,6 +304,8 @@ class SchemaCompiler:
         base = self.resolver.base_of(schema, self.resolver.root_base)
         target = self.resolver.resolve(schema["$ref"], base, path)
         key = target.pointer if target.base == self.resolver.root_base else target.base + target.pointer
+        if self.opts.grammar:
+            return self._ref_rule(schema, target, key, only_types)
         count = self.ref_depth.get(key, 0)
         if count > self.opts.max_recursion_depth:
             return None  # recursion unrolled far enough: this branch admits nothing more
@@ -258,6 +318,42 @@ class SchemaCompiler:
             return self.sub(resolved, target.pointer, only_types)
         finally:
             self.ref_depth[key] = count
+
+    def _ref_rule(self, schema: dict, target, key: str, only_types) -> Rx:
+        """Grammar mode: a ``$ref`` met again while its target is being compiled on the same path
+        becomes a reference to a rule (``rules.ref``), whose body is the target's regex; other
+        references are inlined as in regex mode. Exact: nothing is unrolled or cut."""
+        siblings = {k: v for k, v in schema.items() if k != "$ref"}
+        resolved = target.schema
+        if siblings and not self.old_draft and any(k in _ASSERTIONS for k in siblings):
+            resolved = {"allOf": [resolved, siblings]}
+        rule_key = json.dumps([key, siblings if resolved is not target.schema else None,
+                               list(only_types) if only_types else None], sort_keys=True, default=str)
+        number = self.rule_ids.get(rule_key)
+        if number is not None and (number in self.rules or rule_key in self.in_progress):
+            if rule_key in self.in_progress:
+                self.recursive.add(rule_key)
+            return ref(number)
+        if rule_key in self.bodies:  # compiled before (its text is a terminal when long)
+            return self.bodies[rule_key]
+        if rule_key in self.in_progress:
+            number = self.rule_ids[rule_key] = len(self.rule_ids)
+            self.recursive.add(rule_key)
+            return ref(number)
+        self.in_progress.add(rule_key)
+        try:
+            out = self.sub(resolved, target.pointer, only_types)
+        finally:
+            self.in_progress.discard(rule_key)
+        if rule_key not in self.recursive:
+            self.bodies[rule_key] = out
+            return out
+        number = self.rule_ids[rule_key]
+        if out is None:
+            raise GrammarError("the schema refers to itself with no way to end (every value would be "
+                               "infinite)", keyword="$ref", path=target.pointer)
+        self.rules[number] = out
+        return ref(number)
 
     def _deref(self, schema: object, path: str) -> object:
         """Inline top-level ``$ref``s of an ``allOf`` member (one level, cycle-safe)."""
@@ -316,6 +412,16 @@ class SchemaCompiler:
                 self.unsupported(exc.keyword, f"{path}/oneOf", exc.message)
                 merged = b
             branches.append(merged)
+        finite = [self._finite_values_deep(b, path) for b in branches]
+        if all(f is not None for f in finite):
+            # Finite branches: keep the values that validate against exactly one of them.
+            values, seen = [], set()
+            for v in (v for f in finite for v in f):
+                if json_key(v) not in seen:
+                    seen.add(json_key(v))
+                    values.append(v)
+            kept = [v for v in values if sum(self.value_valid(v, b) for b in branches) == 1]
+            return self._enum({}, path, only_types, kept) if kept else None
         branches = promote_discriminators(self, branches)
         for i in range(len(branches)):
             for j in range(i + 1, len(branches)):
@@ -368,6 +474,22 @@ class SchemaCompiler:
                 return _enum_values(m)
         return None
 
+    def _finite_values_deep(self, schema: object, path: str, depth: int = 0) -> list | None:
+        """The values of a schema that admits finitely many (``enum``/``const``, also through
+        ``$ref``, ``allOf`` members and ``anyOf``/``oneOf`` of finite branches), or None."""
+        schema = self._deref(schema, path)
+        if not isinstance(schema, dict) or depth > 8:
+            return None
+        found = self._finite_values(schema, path)
+        if found is not None:
+            return found
+        for key in ("oneOf", "anyOf"):
+            if isinstance(schema.get(key), list):
+                parts = [self._finite_values_deep(b, path, depth + 1) for b in schema[key]]
+                if all(p is not None for p in parts):
+                    return [v for p in parts for v in p]
+        return None
+
     def _enum(self, schema: dict, path: str, only_types, values: list | None = None) -> Rx:
         values = _enum_values(schema) if values is None else values
         if not values and "enum" in schema:
@@ -383,11 +505,18 @@ class SchemaCompiler:
         return alt(out)
 
     def _literal(self, value: object) -> str:
-        from grammar import schema_charset as cs
-        text = canonical_json(value)
-        if self.ws == "":
-            return cs.literal(text)
-        return cs.literal(text)  # enum literals keep the compact layout
+        """An enum/const value as the grammar writes it: canonical JSON, with the whitespace mode's
+        free runs between the tokens of objects and arrays (none in compact mode)."""
+        from grammar.json_schema import charset as cs
+        if self.ws == "" or not isinstance(value, (dict, list)) or not value:
+            return cs.literal(canonical_json(value))
+        ws = self.ws
+        if isinstance(value, list):
+            inner = (ws + "," + ws).join(self._literal(v) for v in value)
+            return "\\[" + ws + inner + ws + "\\]"
+        members = (ws + "," + ws).join(cs.literal(canonical_json(k)) + ws + ":" + ws + self._literal(v)
+                                       for k, v in value.items())
+        return "\\{" + ws + members + ws + "\\}"
 
     def _typed(self, schema: dict, path: str, only_types) -> Rx:
         types = _types(schema)
@@ -428,7 +557,8 @@ class SchemaCompiler:
             raise GrammarError(f"minLength {lo} is more than the {MAX_MIN_LENGTH} characters a grammar "
                                "can require of one string", keyword="minLength", path=f"{path}/minLength")
         spec = StringSpec(schema.get("minLength", 0), hi, schema.get("pattern"), fmt,
-                          self.opts.max_string_length)
+                          self.opts.max_string_length, exact_chars=self.opts.grammar,
+                          intersect=self.opts.grammar)
         if hi is not None and hi > self.opts.max_string_length and not schema.get("pattern") and not fmt:
             self.warnings.append(f"maxLength at {path}: strings are written with at most "
                                  f"{self.opts.max_string_length} characters (not {hi})")
@@ -455,8 +585,29 @@ class SchemaCompiler:
                 return self._int_fraction_multiple(mult, ilo, ihi, path)
             return self._int_multiple(int(Decimal(str(mult))) if mult is not None else 1, ilo, ihi, path)
         if mult is not None:
-            self.unsupported("multipleOf", path)
+            step = _dyadic_step(mult)
+            if step is not None and self.opts.grammar and (lo is None or (lo == 0 and not lo_x)) and hi is None:
+                out = self._multiple_rules(*step, negative=lo is None)
+                if out is not None:
+                    return out
+            self.unsupported("multipleOf", path, "multipleOf is enforced exactly for integer steps, "
+                             "and for decimal steps a float represents exactly (0.5, 0.25, 2.5), without "
+                             "bounds or with minimum 0: jsonschema divides floats, and refuses most "
+                             "multiples of 0.1 or 0.01")
         return nr.number_range(lo, lo_x, hi, hi_x)
+
+    def _multiple_rules(self, a: int, n: int, negative: bool) -> Rx:
+        """Grammar mode: the remainder automaton (``multiples.multiple_rules``) as rules."""
+        def new_rules(count: int) -> list[int]:
+            start = len(self.rule_ids)
+            for i in range(count):
+                self.rule_ids[f"multiple:{a}:{n}:{start + i}"] = start + i
+            return list(range(start, start + count))
+
+        key = ("multiple", a, n, negative)
+        if key not in self.bodies:
+            self.bodies[key] = multiple_rules(a, n, new_rules, self.rules.__setitem__, negative)
+        return self.bodies[key]
 
     def _int_fraction_multiple(self, mult, lo, hi, path) -> Rx:
         # Every integer is a multiple of 1/k for integer k.
@@ -476,8 +627,27 @@ class SchemaCompiler:
             return alt([str(v) for v in range(first, hi + 1, k)])
         if lo is None and hi is None and k in (2, 5, 10):
             return "(?:" + _multiple_tail(k) + ")"
+        if self.opts.grammar and (lo is None or lo == 0) and hi is None:
+            out = self._multiple_rules(k, 0, negative=lo is None)
+            if out is not None:
+                return out
         self.unsupported("multipleOf", path)
         return nr.int_range(lo, hi)
+
+
+def _dyadic_step(mult) -> tuple[int, int] | None:
+    """``(a, n)`` with ``mult == a * 10**-n`` when the float ``mult`` is that decimal exactly (a
+    binary fraction such as 0.5, 0.25 or 2.5), so jsonschema's float division agrees with decimal
+    arithmetic on the multiples the grammar writes; else None."""
+    if isinstance(mult, bool) or not isinstance(mult, (int, float)) or mult <= 0:
+        return None
+    dec = Decimal(repr(mult)) if isinstance(mult, float) else Decimal(mult)
+    if isinstance(mult, float) and Decimal(mult) != dec:
+        return None
+    exp = -dec.as_tuple().exponent if dec.as_tuple().exponent < 0 else 0
+    if exp > 6:
+        return None
+    return int(dec.scaleb(exp)), exp
 
 
 def _multiple_tail(k: int) -> str:
@@ -502,6 +672,14 @@ _ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaxim
                "additionalProperties", "propertyNames", "items", "prefixItems", "additionalItems",
                "contains", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
                "not", "if", "then", "else", "dependentSchemas", "dependencies", "format", "$ref"}
+
+
+def _is_ref(rx: str) -> bool:
+    return rx.startswith("\ue000") and rx.endswith("\ue001") and rx.count("\ue000") == 1
+
+
+def _is_term(rx: str) -> bool:
+    return rx.startswith("\ue002") and rx.endswith("\ue003") and rx.count("\ue002") == 1
 
 
 def _types(schema: dict) -> list[str] | None:
@@ -567,11 +745,42 @@ def _normalize(schema: dict) -> dict:
     return out
 
 
+def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
+                      max_recursion_depth: int = 3, deadline: float | None = None,
+                      grammar: bool = True) -> Program:
+    """Compile a JSON Schema to the program a backend runs (see :func:`schema_to_regex`).
+
+    With ``grammar`` (the default) a schema that refers to itself becomes a Lark grammar whose
+    rules are the recursive definitions (``json_schema.rules``), exact at any depth; otherwise,
+    and for every schema without recursion, a regex.
+
+    Raises:
+        GrammarError: as :func:`schema_to_regex`; GrammarTimeout past ``deadline``.
+    """
+    # Served programs (grammar mode) drop the subsets that only kept outlines-core's index small:
+    # free-form values nest GRAMMAR_ANY_DEPTH deep, bounded strings take every character up to
+    # their real maxLength (the lazy backend builds states on demand; an eager index that grows
+    # too large times out in the background and the grammar stays lazy).
+    opts = (SchemaOptions(whitespace, strict, max_recursion_depth, any_max_depth=GRAMMAR_ANY_DEPTH,
+                          max_string_length=MAX_MIN_LENGTH, deadline=deadline, grammar=True)
+            if grammar else SchemaOptions(whitespace, strict, max_recursion_depth, deadline=deadline))
+    compiler, regex = _compile(schema, opts)
+    notes = tuple(compiler.warnings)
+    if compiler.rules or has_refs(regex):
+        trees: dict = {}
+        if is_empty(regex, compiler.rules, trees):
+            raise GrammarError("the schema admits no value (unsatisfiable): it refers to itself with "
+                               "no way to end", keyword="$ref", path="#")
+        return Program("lark", to_lark(regex, compiler.rules, compiler.terminals, trees), notes)
+    return Program("regex", regex, notes, tuple(compiler.terminals))
+
+
 def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
                     max_recursion_depth: int = 3, any_max_depth: int = 1,
                     any_max_length: int | None = None,
                     extra_properties: bool = False,
-                    max_string_length: int = 128) -> tuple[str, list[str]]:
+                    max_string_length: int = 128,
+                    deadline: float | None = None) -> tuple[str, list[str]]:
     """Compile a JSON Schema to a regex over serialized JSON documents.
 
     Args:
@@ -591,6 +800,7 @@ def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict:
         max_string_length: a ``maxLength`` above this is written as this many characters at
             most (a warning says so): each counted character is a few automaton states, and
             outlines-core's index build time grows with them (≈ 0.9 s for 256).
+        deadline: ``time.monotonic()`` past which compilation stops (``None``: no limit).
 
     Returns:
         (regex, warnings): the regex is implicitly anchored at both ends.
@@ -599,10 +809,15 @@ def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict:
         GrammarError: unsatisfiable schema, remote ``$ref``, or (strict) a keyword that cannot
             be enforced exactly; ``keyword`` and ``path`` (JSON pointer) name the culprit.
     """
-    if whitespace not in ("compact", "flexible"):
-        raise GrammarError(f"unknown whitespace mode {whitespace!r}", keyword="whitespace")
     opts = SchemaOptions(whitespace, strict, max_recursion_depth, any_max_depth, any_max_length,
-                         extra_properties, max_string_length)
+                         extra_properties, max_string_length, deadline=deadline)
+    compiler, regex = _compile(schema, opts)
+    return regex, compiler.warnings
+
+
+def _compile(schema: dict | bool, opts: SchemaOptions) -> tuple["SchemaCompiler", str]:
+    if opts.whitespace not in ("compact", "flexible"):
+        raise GrammarError(f"unknown whitespace mode {opts.whitespace!r}", keyword="whitespace")
     if schema is False:
         raise GrammarError("the schema `false` admits no value", keyword="false", path="#")
     try:
@@ -619,7 +834,7 @@ def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict:
     if regex is None:
         raise GrammarError("the schema admits no value (unsatisfiable)", keyword=_culprit(schema),
                            path="#")
-    return regex, compiler.warnings
+    return compiler, regex
 
 
 def _culprit(schema: object) -> str:

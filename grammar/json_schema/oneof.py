@@ -18,7 +18,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from grammar.json_schema import SchemaCompiler
+    from grammar.json_schema.compiler import SchemaCompiler
 
 _ALL = {"object", "array", "string", "number", "integer", "boolean", "null"}
 _IMPLIED = {
@@ -34,7 +34,7 @@ def possible_types(s: object) -> set[str]:
     if not isinstance(s, dict):
         return set() if s is False else set(_ALL)
     if "enum" in s or "const" in s:
-        from grammar.json_schema import _enum_values, _json_type
+        from grammar.json_schema.compiler import _enum_values, _json_type
         out = {_json_type(v) for v in _enum_values(s)}
         return out | ({"number"} if "integer" in out else set())
     t = s.get("type")
@@ -142,7 +142,7 @@ def _merged(c: "SchemaCompiler", s: dict) -> dict:
     """``s`` with its ``allOf`` members merged in (``s`` itself when they cannot be)."""
     if "allOf" not in s:
         return s
-    from grammar.schema_merge import MergeError, merge
+    from grammar.json_schema.merge import MergeError, merge
 
     members: list = []
     try:

@@ -1,0 +1,407 @@
+"""The lazy backend: llguidance's matcher, fed by Stencil's own regexes and Lark grammars.
+
+llguidance (guidance-ai/llguidance, MIT) keeps a lexer of lazily built derivative states
+(Brzozowski derivatives; Owens, Reppy and Turon 2009, "Regular-expression derivatives
+re-examined") under an Earley parser, so nothing is computed for a state until a sequence reaches
+it: a grammar is ready in about a millisecond, whatever its size, and a mask costs microseconds to
+a few hundred (``docs/optimizations.md`` of the project). Its own JSON-Schema front end is not used:
+the input is the regex (or Lark grammar) that :mod:`grammar.json_schema` wrote, so exactness, key
+order and whitespace are the same as on the eager backend.
+
+The alphabet is the :class:`~grammar.vocab.TokenVocabulary` itself (its token bytes, not the
+tokenizer's own decoder), so both backends see the same bytes for every id; ids outside the
+alphabet are handed to llguidance as special tokens, which no grammar here can produce. EOS is the
+vocabulary's EOS ids, allowed exactly in accepting states.
+
+Source of the API: llguidance 1.9 ``python/llguidance/_lib.pyi`` (``LLMatcher``,
+``LLTokenizer``, ``LLExecutor``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import numpy as np
+import torch
+
+from grammar.base import GrammarError, Program
+from grammar.vocab import TokenVocabulary
+
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+
+
+class _VocabTokenizer:
+    """The object ``llguidance.LLTokenizer`` reads a vocabulary from (its ``TokenizerWrapper``
+    protocol): ``tokens`` (bytes per id), ``eos_token_id``, ``bos_token_id``,
+    ``special_token_ids``, and a call that tokenizes bytes (greedy longest match over the
+    vocabulary: only used by llguidance for its own forced-token helpers, which Stencil does not
+    call)."""
+
+    def __init__(self, vocab: TokenVocabulary):
+        n = vocab.model_vocab_size
+        self.tokens = [vocab.token_bytes.get(i) or f"<[{i}]>".encode() for i in range(n)]
+        self.special_token_ids = [i for i in range(n) if i not in vocab.token_bytes]
+        self.eos_token_id = vocab.eos_token_id
+        self.bos_token_id = None
+        self.is_tokenizer_wrapper = True
+        self._by_bytes = {b: i for i, b in vocab.token_bytes.items()}
+        self._longest = max((len(b) for b in vocab.token_bytes.values()), default=1)
+
+    def __call__(self, text) -> list[int]:
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        out, i = [], 0
+        while i < len(data):
+            for j in range(min(len(data), i + self._longest), i, -1):
+                tid = self._by_bytes.get(data[i:j])
+                if tid is not None:
+                    out.append(tid)
+                    i = j
+                    break
+            else:
+                i += 1  # a byte no token spells: skipped (never produced by a grammar here)
+        return out
+
+
+class LazyBackend:
+    """Builds llguidance matchers for programs over one vocabulary (thread-safe).
+
+    Args:
+        vocab: the grammar alphabet.
+        limits: ``llguidance.LLParserLimits`` (``None``: llguidance's defaults, which bound the
+            lexer's fuel per step and the parser's items, so no mask is unbounded).
+    """
+
+    name = "lazy"
+    kinds = frozenset({"regex", "lark"})
+
+    def __init__(self, vocab: TokenVocabulary, limits=None):
+        import llguidance
+
+        self._llg = llguidance
+        self.vocab = vocab
+        self._limits = limits
+        self.tokenizer = llguidance.LLTokenizer(_VocabTokenizer(vocab), n_vocab=vocab.model_vocab_size,
+                                                eos_token=list(vocab.eos_token_ids))
+        self._executor = None
+        self._lock = threading.Lock()
+
+    def build(self, program: Program) -> "LazyGrammar":
+        """A grammar ready for matchers; the first mask is computed here, so errors show now.
+
+        Raises:
+            GrammarError: the regex or grammar is invalid for llguidance (for Lark, with the line
+                and column of the fault in ``position``-free text and ``line``/``column``).
+        """
+        llg = self._llg
+        if program.kind == "regex" and not program.terminals:
+            top = json.loads(llg.LLMatcher.grammar_from_regex(program.text))
+        elif program.kind in ("regex", "lark"):
+            top = {"grammars": [{"lark_grammar": program.lark()}]}
+        else:
+            raise GrammarError(f"the lazy backend cannot take a {program.kind!r} program")
+        # llguidance normally narrows a mask to the canonical tokenization of bytes the grammar
+        # forces ("xyz" as one token, not x-y-z); the eager index allows every tokenization, and
+        # so must this backend, or the two would accept different token sequences.
+        for g in top["grammars"]:
+            if g.get("lark_grammar") is not None:
+                g["lark_grammar"] = g["lark_grammar"] + "\n" + _NO_FORCING
+        grammar = json.dumps(top)
+        kw = {} if self._limits is None else {"limits": self._limits}
+        root = llg.LLMatcher(self.tokenizer, grammar, log_level=0, **kw)
+        if root.is_error():
+            raise _explain(program, root.get_error())
+        return LazyGrammar(self, root, program)
+
+    def executor(self):
+        """A shared ``llguidance.LLExecutor`` for filling many rows at once (created on first use)."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = self._llg.LLExecutor()
+            return self._executor
+
+    def close(self) -> None:
+        pass
+
+
+_LARK_AT = re.compile(r"(?:at )?(\d+)\((\d+)\):\s*")
+_NO_FORCING = "%llguidance {\"no_forcing\": true}\n"  # appended: the user's line numbers stay
+
+
+def _explain(program: Program, message: str) -> GrammarError:
+    """A GrammarError from llguidance's message: first line only, with line/column for Lark."""
+    first = message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    if program.kind == "lark":
+        m = _LARK_AT.search(first)
+        if m:
+            line, col = int(m.group(1)), int(m.group(2))
+            text = first[m.end():]
+            return GrammarError(f"invalid Lark grammar at line {line}, column {col}: {text}",
+                                keyword="grammar", line=line, column=col)
+        return GrammarError(f"invalid Lark grammar: {first}", keyword="grammar")
+    return GrammarError(f"cannot compile regex: {first}")
+
+
+class LazyGrammar:
+    """An llguidance grammar with a warmed root matcher; ``matcher()`` deep-copies it (≈ 2 µs).
+
+    The root's first mask was computed at build time, so a copy starts with the lexer states of
+    the start already built."""
+
+    kind = "lazy"
+
+    def __init__(self, backend: LazyBackend, root, program: Program):
+        self.backend = backend
+        self.program = program
+        self.regex = program.text if program.kind == "regex" else None
+        self.vocab = backend.vocab
+        self._root = root
+        self._root_lock = threading.Lock()
+        try:
+            LazyMatcher(self, root)._current_mask()  # warms the start's lexer states
+        except RuntimeError:
+            if root.is_error() and "NoExtension" not in root.get_error():
+                raise GrammarError("cannot compile: " + root.get_error().strip().splitlines()[0]) from None
+            raise GrammarError("no token sequence can produce this pattern: no token of the "
+                               "vocabulary can start it") from None
+        self.nbytes = 0
+
+    def matcher(self) -> "LazyMatcher":
+        with self._root_lock:
+            return LazyMatcher(self, self._root.deep_copy())
+
+
+class LazyMatcher:
+    """Per-request cursor over a :class:`LazyGrammar` (implements ``GrammarMatcher``).
+
+    The mask of the current state is computed once and kept until the state changes: the
+    scheduler asks for forced tokens after every step and the engine for the bitmask row before
+    the next one, both from the same state. Not thread-safe; owned by one request.
+    """
+
+    __slots__ = ("_grammar", "_m", "_vocab", "_eos", "_words", "_num_tokens", "_terminated", "_mask",
+                 "_mask_valid")
+
+    def __init__(self, grammar: LazyGrammar, m):
+        self._grammar = grammar
+        self._m = m
+        self._vocab = grammar.backend.vocab
+        self._eos = frozenset(self._vocab.eos_token_ids)
+        self._words = self._vocab.bitmask_words
+        self._num_tokens = 0
+        self._terminated = False
+        self._mask = torch.zeros((1, self._words), dtype=torch.int32)
+        self._mask_valid = False
+
+    @property
+    def grammar(self) -> LazyGrammar:
+        return self._grammar
+
+    @property
+    def backend(self) -> str:
+        return "lazy"
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def is_accepting(self) -> bool:
+        return not self._terminated and self._m.is_accepting()
+
+    def _check(self) -> None:
+        if self._m.is_error():
+            if "NoExtension" in self._m.get_error() or "NoExtension" in str(self._m.stop_reason()):
+                raise _dead_end()
+            raise RuntimeError(f"grammar matcher failed: {self._m.get_error().strip().splitlines()[0]}")
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """Length of the longest admitted prefix (EOS only where the output may end); no state change.
+
+        EOS never reaches llguidance (which refuses it once the grammar cannot grow, although the
+        output is complete): it is admitted here exactly when the tokens before it are accepted
+        and leave the matcher accepting."""
+        if self._terminated or not token_ids:
+            return 0
+        size = self._vocab.model_vocab_size
+        cut = len(token_ids)
+        for k, t in enumerate(token_ids):
+            if t in self._eos or not 0 <= t < size:
+                cut = k
+                break
+        prefix = list(token_ids[:cut])
+        n = self._m.validate_tokens(prefix) if prefix else 0
+        self._check()
+        if n < cut or cut == len(token_ids) or token_ids[cut] not in self._eos:
+            return n
+        if prefix:
+            self._m.consume_tokens(prefix)
+            accepting = self._m.is_accepting()
+            self._m.rollback(len(prefix))
+        else:
+            accepting = self._m.is_accepting()
+        return cut + 1 if accepting else cut
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance over all of ``token_ids``; if any is refused, return False and change nothing."""
+        if not token_ids:
+            return True
+        if self.validate_tokens(token_ids) != len(token_ids):
+            return False
+        eos = token_ids[-1] in self._eos
+        body = list(token_ids[:-1] if eos else token_ids)
+        if body and not self._m.consume_tokens(body):
+            self._check()
+            raise RuntimeError("llguidance refused tokens it had validated")
+        self._num_tokens += len(token_ids)
+        self._mask_valid = False
+        self._terminated = eos
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (an accepted EOS included).
+
+        Raises:
+            ValueError: ``num_tokens`` negative or more than were accepted.
+        """
+        if not 0 <= num_tokens <= self._num_tokens:
+            raise ValueError(f"cannot roll back {num_tokens} of {self._num_tokens} tokens")
+        if num_tokens == 0:
+            return
+        inner = num_tokens - (1 if self._terminated else 0)  # EOS was never given to llguidance
+        if inner:
+            self._m.rollback(inner)
+            self._check()
+        self._num_tokens -= num_tokens
+        self._terminated = False
+        self._mask_valid = False
+
+    def _current_mask(self) -> torch.Tensor:
+        """The current state's mask, EOS bits set exactly when accepting (cached per state).
+
+        Raises:
+            RuntimeError: llguidance failed, or no token can continue a non-accepting state (the
+                vocabulary cannot spell what the grammar requires next).
+        """
+        if not self._mask_valid:
+            mask = self._mask
+            self._m.unsafe_compute_mask_ptr(mask.data_ptr(), self._words * 4)
+            self._check()
+            view = mask[0].numpy().view(np.uint32)
+            accepting = self._m.is_accepting()
+            if self._m.is_stopped():  # nothing can follow: llguidance's mask is then a stand-in
+                if not accepting:
+                    raise _dead_end()
+                view[:] = 0
+            elif not accepting:
+                nz = np.flatnonzero(view)
+                word = int(view[nz[0]]) if nz.size == 1 else 0
+                if nz.size == 0 or (word and word & (word - 1) == 0):
+                    # With no token allowed llguidance 1.9 returns a one-token stand-in mask.
+                    t = int(nz[0]) * 32 + word.bit_length() - 1 if nz.size else -1
+                    if t < 0 or self._m.validate_tokens([t]) == 0:
+                        raise _dead_end()
+            for e in self._eos:
+                if accepting:
+                    view[e >> 5] |= np.uint32(1 << (e & 31))
+                else:
+                    view[e >> 5] &= np.uint32(~(1 << (e & 31)) & 0xFFFFFFFF)
+            if not accepting and not view.any():
+                raise RuntimeError("no token can continue the output here: the vocabulary cannot "
+                                   "spell what the grammar requires next")
+            self._mask_valid = True
+        return self._mask
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-token bits of the current state into ``bitmask[row]``.
+
+        Args:
+            bitmask: int32 ``[R, ceil(model_vocab_size / 32)]`` on the CPU, rows contiguous.
+            row: the row to overwrite.
+
+        Raises:
+            ValueError: wrong dtype, device, width or layout, or a row out of range.
+            RuntimeError: llguidance hit one of its limits (the request fails alone).
+        """
+        _check_bitmask(bitmask, row, self._words)
+        if self._terminated:
+            bitmask[row] = 0
+            view = bitmask[row].numpy().view(np.uint32)
+            for e in self._eos:
+                view[e >> 5] |= np.uint32(1 << (e & 31))
+            return
+        bitmask[row] = self._current_mask()[0]
+
+    def forced_tokens(self, max_n: int) -> list[int]:
+        """Tokens allowed alone, in a row, from the current state (≤ ``max_n``); no state change.
+
+        "Alone" means the mask has one bit (the EOS ids counting as one): the same rule as the
+        eager backend, so forcing never changes which tokens an output is made of.
+        """
+        if self._terminated:
+            return []
+        out: list[int] = []
+        while len(out) < max_n:
+            mask = self._current_mask()[0].numpy().view(np.uint8)
+            nz = np.flatnonzero(mask)
+            if nz.size == 0 or nz.size > 8:  # cheap exit: many allowed tokens
+                break
+            bits = int(_POPCOUNT[mask[nz]].sum())
+            ids = [int(b) * 8 + i for b in nz for i in range(8) if mask[b] >> i & 1]
+            non_eos = [t for t in ids if t not in self._eos]
+            if bits == 1 and non_eos:
+                tid = non_eos[0]
+            elif not non_eos and ids:
+                out.append(self._vocab.eos_token_id)
+                break
+            else:
+                break
+            if not self._m.consume_token(tid):
+                self._check()
+                break
+            self._mask_valid = False
+            out.append(tid)
+        taken = len(out) - (1 if out and out[-1] in self._eos else 0)
+        if taken:
+            self._m.rollback(taken)
+            self._mask_valid = False
+        return out
+
+    def forced_text(self, max_bytes: int = 64) -> bytes:
+        """The bytes the grammar forces next, up to ``max_bytes`` (llguidance's fast-forward
+        bytes; empty where the output may end); no state change."""
+        if self._terminated:
+            return b""
+        return bytes(self._m.compute_ff_bytes())[:max_bytes]
+
+    def forced_text_after(self, token_ids: list[int], max_bytes: int = 64) -> bytes | None:
+        """The bytes the grammar would force after ``token_ids``; None if it refuses them (or
+        they contain EOS). No state change."""
+        if self._terminated or any(t in self._eos for t in token_ids):
+            return None
+        if self.validate_tokens(token_ids) != len(token_ids):
+            return None
+        if not token_ids:
+            return self.forced_text(max_bytes)
+        self._m.consume_tokens(list(token_ids))
+        try:
+            return bytes(self._m.compute_ff_bytes())[:max_bytes]
+        finally:
+            self._m.rollback(len(token_ids))
+
+
+def _dead_end() -> RuntimeError:
+    return RuntimeError("no token can continue the output here: the vocabulary cannot spell what "
+                        "the grammar requires next")
+
+
+def _check_bitmask(bitmask: torch.Tensor, row: int, words: int) -> None:
+    if (bitmask.dtype != torch.int32 or bitmask.device.type != "cpu"
+            or bitmask.dim() != 2 or bitmask.shape[1] != words or bitmask.stride(1) != 1):
+        raise ValueError(f"bitmask must be a CPU int32 [R, {words}] tensor with contiguous "
+                         f"rows, got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+    if not 0 <= row < bitmask.shape[0]:
+        raise ValueError(f"row {row} outside [0, {bitmask.shape[0]})")

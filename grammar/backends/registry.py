@@ -1,0 +1,47 @@
+"""Backend name → implementation, imported on first use (as ``kernels/registry.py`` does).
+
+Each backend module defines a class with ``name``, ``kinds`` (the program kinds it takes:
+"regex", "lark"), ``build(program, ...)`` returning a grammar with ``matcher()`` and ``nbytes``,
+and ``close()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+
+_BACKENDS = {
+    "eager": ("grammar.backends.eager", "EagerBackend", frozenset({"regex"})),
+    "lazy": ("grammar.backends.lazy", "LazyBackend", frozenset({"regex", "lark"})),
+}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def kinds(name: str) -> frozenset:
+    """Program kinds backend ``name`` accepts (without importing it)."""
+    return _BACKENDS[name][2]
+
+
+def create(name: str, vocab, **options):
+    """A new backend ``name`` over ``vocab``.
+
+    Raises:
+        ValueError: an unknown name.
+        ImportError: its library is not installed (the message says which).
+    """
+    try:
+        module, cls, _ = _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown grammar backend {name!r}; known: {sorted(_BACKENDS)}") from None
+    return getattr(importlib.import_module(module), cls)(vocab, **options)
+
+
+def lazy_version() -> str:
+    """llguidance's version (part of the cache key), or "none"."""
+    try:
+        return version("llguidance")
+    except PackageNotFoundError:
+        return "none"

@@ -1,0 +1,75 @@
+"""Spec → program: what every backend compiles, written by Stencil alone.
+
+A :class:`~grammar.base.GrammarSpec` becomes a :class:`~grammar.base.Program`: a regex for
+regexes, choices and schemas a regex can express, a Lark grammar for user grammars and for
+schemas that refer to themselves (recursion is kept, not unrolled). The backends only ever see
+programs, so the language of a spec does not depend on which backend serves it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from grammar.base import GrammarError, GrammarSpec, GrammarTimeout, Program
+from grammar.regex_tools import check_supported, choice_regex, locate_syntax_error
+
+MAX_GRAMMAR_CHARS = 1_000_000  # a user Lark grammar longer than this is refused
+
+
+def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: float | None = None,
+               grammar: bool = True) -> Program:
+    """Translate ``spec``.
+
+    Args:
+        spec: the constraint.
+        max_recursion_depth: how often a ``$ref`` may be unrolled where a regex is written.
+        deadline: ``time.monotonic()`` past which the translation stops with
+            :class:`GrammarTimeout` (``None``: no limit).
+        grammar: schemas that refer to themselves become Lark grammars (exact); ``False``
+            unrolls their recursion ``max_recursion_depth`` times into a regex (a subset, for a
+            backend that takes regexes only).
+
+    Raises:
+        GrammarError: the spec is invalid or cannot be enforced exactly (named keyword, JSON
+            path or regex position); GrammarTimeout past ``deadline``.
+    """
+    if spec.kind == "regex":
+        core = check_supported(spec.value)
+        pos, msg = locate_syntax_error(spec.value)
+        if msg is not None:
+            raise GrammarError(f"invalid regex: {msg}", position=pos)
+        return Program("regex", core)
+    if spec.kind == "choice":
+        try:
+            choices = json.loads(spec.value)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"choice is not valid JSON: {e.msg}", position=e.pos) from None
+        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+            raise GrammarError("choice must be a JSON array of strings")
+        return Program("regex", choice_regex(choices))
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.value)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"schema is not valid JSON: {e.msg}") from None
+        from grammar.json_schema import schema_to_program
+
+        return schema_to_program(schema, whitespace=spec.whitespace, strict=spec.strict,
+                                 max_recursion_depth=max_recursion_depth, deadline=deadline,
+                                 grammar=grammar)
+    if spec.kind == "lark":
+        if not spec.value.strip():
+            raise GrammarError("the grammar is empty: it needs a start rule", keyword="grammar",
+                               line=1, column=1)
+        if len(spec.value) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(f"the grammar is {len(spec.value)} characters, above the limit of "
+                               f"{MAX_GRAMMAR_CHARS}", keyword="grammar")
+        return Program("lark", spec.value)
+    raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+
+
+def check_deadline(deadline: float | None) -> None:
+    """Raise :class:`GrammarTimeout` when ``deadline`` (monotonic seconds) has passed."""
+    if deadline is not None and time.monotonic() > deadline:
+        raise GrammarTimeout("grammar compilation exceeded its time limit")

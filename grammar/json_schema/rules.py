@@ -1,0 +1,423 @@
+"""Regex text with references → Lark (llguidance's dialect) or plain regex.
+
+The schema compiler writes regex text (:mod:`grammar.json_schema.rx`) with two kinds of
+references, each two private-use characters around a number (the compiler never emits those
+characters otherwise: :func:`grammar.json_schema.charset.literal` escapes them):
+
+* a *terminal reference* ``\\ue002<n>\\ue003`` (:func:`term_ref`) stands for a piece of regex the
+  compiler wrote once and uses many times (the JSON string pattern, a ``$ref`` definition);
+  :func:`expand` writes the plain regex (what the eager backend needs), and in Lark it is a named
+  terminal: still one lexeme, so the language is the regex's exactly, but llguidance parses each
+  piece once (Kubernetes schemas: 102 k characters of regex, 3 k of distinct text, ten times
+  faster to build);
+* a *rule reference* ``\\ue000<n>\\ue001`` (:func:`ref`) stands for a definition that refers to
+  itself (recursion), which no regex can say; rule ``n``'s body is that definition's text.
+
+:func:`to_lark` parses the texts in the compiler's regex dialect and writes the grammar: rule
+bodies as Lark rules in which every maximal piece without rule references is one lexeme (a named
+terminal), terminals as terminal definitions.
+
+One caveat of the lexer, for rules only: llguidance lexes greedily (a lexeme that can go on
+does), so where a lexeme could both end and continue into the next one, some documents the regex
+accepts are refused. It can only refuse, never accept more; in JSON, lexemes end at punctuation,
+where it does not arise in practice, and the differential tests check it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+REF_OPEN, REF_CLOSE = "\ue000", "\ue001"
+TERM_OPEN, TERM_CLOSE = "\ue002", "\ue003"
+AND_OPEN, AND_MID, AND_CLOSE = "\ue004", "\ue005", "\ue006"
+MARKS = frozenset(map(ord, REF_OPEN + REF_CLOSE + TERM_OPEN + TERM_CLOSE + AND_OPEN + AND_MID + AND_CLOSE))
+_TERM = re.compile(TERM_OPEN + r"(\d+)" + TERM_CLOSE)
+
+
+def ref(n: int) -> str:
+    """The regex-text stand-in for rule ``n``."""
+    return f"{REF_OPEN}{n}{REF_CLOSE}"
+
+
+def term_ref(n: int) -> str:
+    """The regex-text stand-in for terminal ``n``."""
+    return f"{TERM_OPEN}{n}{TERM_CLOSE}"
+
+
+def both(a: str | None, b: str | None) -> str | None:
+    """The intersection of two regexes (``None``: empty); llguidance's ``&``, which a plain
+    regex cannot say: a program using it is served by the lazy backend only."""
+    if a is None or b is None:
+        return None
+    return f"{AND_OPEN}{a}{AND_MID}{b}{AND_CLOSE}"
+
+
+def is_regular_text(text: str, terminals=()) -> bool:
+    """Whether ``text`` (with its terminals) can be written as a plain regex (no rule
+    references, no intersections)."""
+    return (REF_OPEN not in text and AND_OPEN not in text
+            and not any(AND_OPEN in t or REF_OPEN in t for t in terminals))
+
+
+def has_refs(text: str) -> bool:
+    """Whether ``text`` refers to a rule (so it is not a regular language as written)."""
+    return REF_OPEN in text
+
+
+def expanded_size(text: str, terminals: list[str] | tuple[str, ...]) -> int:
+    """Characters of :func:`expand` ``(text, terminals)`` without writing it (DAG sizes)."""
+    sizes: dict[int, int] = {}
+
+    def size(t: str) -> int:
+        total, last = 0, 0
+        for m in _TERM.finditer(t):
+            n = int(m.group(1))
+            if n not in sizes:
+                sizes[n] = size(terminals[n]) + 4  # "(?:" + ")"
+            total += m.start() - last + sizes[n]
+            last = m.end()
+        return total + len(t) - last
+
+    return size(text)
+
+
+def expand(text: str, terminals: list[str] | tuple[str, ...]) -> str:
+    """``text`` with every terminal reference replaced by its regex, grouped (a plain regex)."""
+    done: dict[int, str] = {}
+
+    def sub(m: re.Match) -> str:
+        n = int(m.group(1))
+        if n not in done:
+            done[n] = "(?:" + _TERM.sub(sub, terminals[n]) + ")"
+        return done[n]
+
+    out = _TERM.sub(sub, text)
+    if AND_OPEN in out:
+        raise ValueError("an intersection (&) has no plain-regex form")
+    return out
+
+
+@dataclass(slots=True)
+class _Node:
+    kind: str  # "seq", "alt", "rep", "group", "atom", "ref" (rule), "term" (terminal)
+    start: int
+    end: int
+    children: list["_Node"] = field(default_factory=list)
+    lo: int = 0
+    hi: int | None = None
+    number: int = -1  # of the rule or terminal referred to
+    has_ref: bool = False  # refers to a rule somewhere inside
+    has_term: bool = False  # refers to a terminal somewhere inside
+
+
+# A run of characters that are atoms on their own (no metacharacter, class, escape or mark).
+
+
+def _parse(text: str, cache: dict | None = None) -> "_Node":
+    """The parse tree of ``text``, from ``cache`` (text → tree) when it is there."""
+    if cache is None:
+        return _Parser(text).parse()
+    tree = cache.get(text)
+    if tree is None:
+        tree = cache[text] = _Parser(text).parse()
+    return tree
+
+
+_MARK_CHARS = "".join(chr(c) for c in range(0xE000, 0xE007))
+# One token of the dialect; a run of plain characters is one token (scanned in C, not per char).
+_TOKEN = re.compile(
+    r"(?P<plain>[^\\()|?*+{\[" + _MARK_CHARS + r"]+)"
+    r"|(?P<esc>\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.))"
+    r"|(?P<cls>\[\^?\]?(?:\\.|[^\]\\])*\])"
+    r"|(?P<open>\(\?:)|(?P<close>\))|(?P<bar>\|)"
+    r"|(?P<quant>[?*+]|\{\d+(?:,\d*)?\})"
+    r"|(?P<ref>\ue000\d+\ue001)|(?P<term>\ue002\d+\ue003)"
+    r"|(?P<and>\ue004)|(?P<mid>\ue005)|(?P<end>\ue006)", re.S)
+
+
+class _Parser:
+    """A parser for the compiler's regex dialect: ``(?:...)``, ``|``, quantifiers ``? * + {m}
+    {m,} {m,n}``, classes ``[...]``, escapes ``\\c``/``\\xHH``/``\\uHHHH``, references.
+
+    The text is cut into tokens first (one C-level scan; a run of literal characters is one
+    token, split before a quantifier so that it binds to the last character only)."""
+
+    def __init__(self, text: str):
+        self.s = text
+        toks: list[tuple[str, int, int]] = []
+        pos = 0
+        for m in _TOKEN.finditer(text):
+            if m.start() != pos:
+                raise ValueError(f"unexpected {text[pos]!r} at {pos}")
+            kind = m.lastgroup
+            if kind == "quant" and toks and toks[-1][0] == "plain" and toks[-1][2] - toks[-1][1] > 1:
+                _, a, b = toks.pop()
+                toks.append(("plain", a, b - 1))
+                toks.append(("plain", b - 1, b))
+            toks.append((kind, m.start(), m.end()))
+            pos = m.end()
+        if pos != len(text):
+            raise ValueError(f"unexpected {text[pos]!r} at {pos}")
+        self.toks = toks
+        self.k = 0
+
+    def _peek(self) -> str | None:
+        return self.toks[self.k][0] if self.k < len(self.toks) else None
+
+    def _pos(self) -> int:
+        return self.toks[self.k][1] if self.k < len(self.toks) else len(self.s)
+
+    def parse(self) -> _Node:
+        node = self._alt()
+        if self.k != len(self.toks):
+            raise ValueError(f"unexpected {self.s[self._pos()]!r} at {self._pos()}")
+        return node
+
+    def _alt(self) -> _Node:
+        start = self._pos()
+        branches = [self._seq()]
+        while self._peek() == "bar":
+            self.k += 1
+            branches.append(self._seq())
+        if len(branches) == 1:
+            return branches[0]
+        return _Node("alt", start, self._pos(), branches, has_ref=any(b.has_ref for b in branches),
+                     has_term=any(b.has_term for b in branches))
+
+    def _seq(self) -> _Node:
+        start = self._pos()
+        items: list[_Node] = []
+        while self._peek() not in _SEQ_STOP:
+            items.append(self._quantified())
+        return _Node("seq", start, self._pos(), items, has_ref=any(n.has_ref for n in items),
+                     has_term=any(n.has_term for n in items))
+
+    def _quantified(self) -> _Node:
+        atom = self._atom()
+        while self._peek() == "quant":
+            _, a, b = self.toks[self.k]
+            q = self.s[a:b]
+            if q[0] == "{":
+                lo_s, _, hi_s = q[1:-1].partition(",")
+                lo = int(lo_s)
+                hi = lo if "," not in q else (int(hi_s) if hi_s else None)
+            else:
+                lo, hi = {"?": (0, 1), "*": (0, None), "+": (1, None)}[q]
+            self.k += 1
+            atom = _Node("rep", atom.start, b, [atom], lo, hi, has_ref=atom.has_ref, has_term=atom.has_term)
+        return atom
+
+    def _atom(self) -> _Node:
+        if self.k >= len(self.toks):
+            raise ValueError("unexpected end of regex")
+        kind, a, b = self.toks[self.k]
+        self.k += 1
+        if kind in ("plain", "esc", "cls"):
+            return _Node("atom", a, b)
+        if kind in ("ref", "term"):
+            rule = kind == "ref"
+            return _Node(kind, a, b, number=int(self.s[a + 1:b - 1]), has_ref=rule, has_term=not rule)
+        if kind == "open":
+            inner = self._alt()
+            if self._peek() != "close":
+                raise ValueError(f"unclosed group at {a}")
+            end = self.toks[self.k][2]
+            self.k += 1
+            return _Node("group", a, end, [inner], has_ref=inner.has_ref, has_term=inner.has_term)
+        if kind == "and":
+            left = self._alt()
+            if self._peek() != "mid":
+                raise ValueError(f"unclosed intersection at {a}")
+            self.k += 1
+            right = self._alt()
+            if self._peek() != "end":
+                raise ValueError(f"unclosed intersection at {a}")
+            end = self.toks[self.k][2]
+            self.k += 1
+            return _Node("and", a, end, [left, right], has_ref=left.has_ref or right.has_ref, has_term=True)
+        raise ValueError(f"unexpected {self.s[a:b]!r} at {a}")
+
+
+_SEQ_STOP = frozenset({None, "bar", "close", "mid", "end"})
+
+
+def is_empty(root: str, rules: dict[int, str], cache: dict | None = None) -> bool:
+    """Whether the grammar admits no finite document (every derivation of ``root`` recurses
+    forever): the usual fixpoint of productive rules (Hopcroft and Ullman 1979, §4.4).
+    ``cache``: text → parse tree, shared with :func:`to_lark`."""
+    trees = {n: _parse(body, cache) for n, body in rules.items()}
+    productive: set[int] = set()
+
+    def derives(node: _Node) -> bool:
+        if not node.has_ref:
+            return True
+        if node.kind == "ref":
+            return node.number in productive
+        if node.kind == "seq":
+            return all(derives(c) for c in node.children)
+        if node.kind in ("alt",):
+            return any(derives(c) for c in node.children)
+        if node.kind == "group":
+            return derives(node.children[0])
+        return node.lo == 0 or derives(node.children[0])  # rep
+
+    changed = True
+    while changed:
+        changed = False
+        for n, tree in trees.items():
+            if n not in productive and derives(tree):
+                productive.add(n)
+                changed = True
+    return not derives(_parse(root, cache))
+
+
+def to_lark(root: str, rules: dict[int, str], terminals: list[str] | tuple[str, ...] = (),
+            cache: dict | None = None) -> str:
+    """A Lark grammar whose ``start`` is ``root``; rule ``n`` is named ``r<n>``, terminal ``n``
+    ``T<n>``. Without rules it is one terminal (``start: MAIN``): the regex's language exactly.
+
+    Raises:
+        ValueError: text outside the compiler's regex dialect (a bug, not a user error).
+    """
+    w = _Writer(terminals, {} if cache is None else cache)
+    if not rules and not has_refs(root):
+        lines = ["start: MAIN", f"MAIN: {w.terminal(_parse(root, w.cache), root) or chr(34) * 2}"]
+    else:
+        lines = [f"start: {w.rule(root)}"]
+        lines += [f"r{n}: {w.rule(rules[n])}" for n in sorted(rules)]
+    return "\n".join(lines + w.defs) + "\n"
+
+
+def _lexeme(text: str) -> str:
+    # Lark's /.../ delimiters: a slash inside is escaped; llguidance reads the rest as Rust regex.
+    return "/" + text.replace("/", "\\/") + "/"
+
+
+def _op(lo: int, hi: int | None) -> str:
+    op = {(0, 1): "?", (0, None): "*", (1, None): "+"}.get((lo, hi))
+    if op is None:
+        op = "{" + str(lo) + ("" if hi == lo else "," + ("" if hi is None else str(hi))) + "}"
+    return op
+
+
+_MAX_NESTING = 24  # llguidance refuses Lark nested too deeply; deeper pieces get a name
+
+
+class _Writer:
+    """Writes parsed texts as Lark: rule expressions and terminal definitions (shared)."""
+
+    def __init__(self, terminals, cache: dict):
+        self.terminals = terminals
+        self.cache = cache
+        self.defs: list[str] = []
+        self.named: set[int] = set()
+        self.pieces: dict[str, str] = {}  # lexeme text with terminal references → its name
+        self.deep: dict[tuple[str, str], str] = {}  # (kind, text) of a deep piece → its name
+
+    def _deep_name(self, kind: str, text: str, write) -> str:
+        """A name for a piece nested too deeply: a terminal (``N<k>``) or a rule (``q<k>``)."""
+        name = self.deep.get((kind, text))
+        if name is None:
+            name = self.deep[(kind, text)] = f"{'N' if kind == 'terminal' else 'q'}{len(self.deep)}"
+            self.defs.append(f"{name}: {write()}")
+        return name
+
+    def rule(self, text: str) -> str:
+        return self._rule(_parse(text, self.cache), text) or '""'
+
+    def _name_terminal(self, n: int) -> str:
+        if n not in self.named:
+            self.named.add(n)
+            body = self.terminals[n]
+            self.defs.append(f"T{n}: {self.terminal(_parse(body, self.cache), body)}")
+        return f"T{n}"
+
+    def _lexeme(self, text: str, node: _Node | None = None) -> str:
+        """One lexeme for the rule-free ``text``: a regex, or a named terminal when it uses terminals."""
+        if not text:
+            return ""
+        if TERM_OPEN not in text and AND_OPEN not in text:
+            return _lexeme(text)
+        name = self.pieces.get(text)
+        if name is None:
+            name = self.pieces[text] = f"L{len(self.pieces)}"
+            tree = node if node is not None else _parse(text, self.cache)
+            self.defs.append(f"{name}: {self.terminal(tree, text)}")
+        return name
+
+    def _rule(self, node: _Node, text: str, depth: int = 0) -> str:
+        if depth > _MAX_NESTING and node.has_ref and node.kind in ("group", "alt", "rep"):
+            return self._deep_name("rule", text[node.start:node.end], lambda: self._rule(node, text))
+        depth += 1
+        if not node.has_ref:
+            if node.start == 0 and node.end == len(text):
+                return self._lexeme(text, node)
+            return self._lexeme(text[node.start:node.end])
+        if node.kind == "ref":
+            return f"r{node.number}"
+        if node.kind == "group":
+            inner = self._rule(node.children[0], text, depth)
+            return f"({inner})" if inner else ""
+        if node.kind == "seq":
+            parts, run = [], []
+            for child in node.children:  # rule-free neighbours stay one lexeme
+                if child.has_ref:
+                    if run:
+                        parts.append(self._lexeme(text[run[0].start:run[-1].end]))
+                        run = []
+                    parts.append(self._rule(child, text, depth))
+                else:
+                    run.append(child)
+            if run:
+                parts.append(self._lexeme(text[run[0].start:run[-1].end]))
+            return " ".join(p for p in parts if p)
+        if node.kind == "alt":
+            branches = [self._rule(b, text, depth) for b in node.children]
+            nonempty = [b for b in branches if b]
+            body = "(" + " | ".join(nonempty) + ")"
+            return body + "?" if len(nonempty) < len(branches) else body
+        if node.kind == "rep":
+            inner = node.children[0]
+            inner = inner.children[0] if inner.kind == "group" else inner  # one pair of parentheses
+            return f"({self._rule(inner, text, depth)}){_op(node.lo, node.hi)}"
+        raise ValueError(f"unexpected node {node.kind}")
+
+    def terminal(self, node: _Node, text: str, depth: int = 0) -> str:
+        """Lark terminal syntax for ``node`` (no rule references inside)."""
+        if depth > _MAX_NESTING and node.has_term and node.kind in ("group", "alt", "rep"):
+            return self._deep_name("terminal", text[node.start:node.end], lambda: self.terminal(node, text))
+        depth += 1
+        if node.kind == "term":
+            return self._name_terminal(node.number)
+        if not node.has_term:
+            span = text[node.start:node.end]
+            return _lexeme(span) if span else ""
+        if node.kind == "group":
+            return "(" + self.terminal(node.children[0], text, depth) + ")"
+        if node.kind == "and":
+            a, b = (self.terminal(c, text, depth) or '""' for c in node.children)
+            return f"(({a}) & ({b}))"
+        if node.kind == "seq":
+            parts, run = [], []
+            for child in node.children:
+                if child.has_term:
+                    if run:
+                        parts.append(_lexeme(text[run[0].start:run[-1].end]))
+                        run = []
+                    parts.append(self.terminal(child, text, depth))
+                else:
+                    run.append(child)
+            if run:
+                parts.append(_lexeme(text[run[0].start:run[-1].end]))
+            return " ".join(parts)
+        if node.kind == "alt":
+            branches = [self.terminal(b, text, depth) for b in node.children]
+            nonempty = [b for b in branches if b]
+            body = "(" + " | ".join(nonempty) + ")"
+            return body + "?" if len(nonempty) < len(branches) else body
+        if node.kind == "rep":
+            inner = node.children[0]
+            inner = inner.children[0] if inner.kind == "group" else inner
+            return f"({self.terminal(inner, text, depth)}){_op(node.lo, node.hi)}"
+        raise ValueError(f"unexpected node {node.kind}")

@@ -1,0 +1,304 @@
+"""Differential tests: the eager (outlines-core) and lazy (llguidance) backends hold the same
+program to the same language, token sequence by token sequence and mask by mask; and the new
+constructs of the served programs (Lark rules for recursion, shared terminals, intersections).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from grammar.backends.eager import EagerBackend
+from grammar.backends.lazy import LazyBackend
+from grammar.base import GrammarError, GrammarSpec, Program
+from grammar.bitmask import allocate_bitmask
+from grammar.compiler import GrammarCompiler
+from grammar.frontend import to_program
+from grammar.json_schema.rules import expand, to_lark
+from grammar.vocab import TokenVocabulary
+
+EOS = 30
+CHARS = "abcdxyz0123456789.-"
+MULTI = ["bc", "cd", "12", "xyz", "5.", "ab", "a1", "9-"]
+TOKENS = {i: ch.encode() for i, ch in enumerate(CHARS)} | {
+    len(CHARS) + k: s.encode() for k, s in enumerate(MULTI)}
+ID = {b.decode(): i for i, b in TOKENS.items()}
+SIZE = 40
+
+REGEXES = [
+    r"ab(cd)?", r"-?(0|[1-9][0-9]*)(\.[0-9]+)?", r"(ab|cd){2,4}-[0-9]{3}", r"x(yz)*|xy",
+    r"[a-d]{1,5}\.[0-9]{0,2}", r"(a|ab)(c|bcd)(d*)", r"1(2|23)?3*", r"a{0,3}b{2}c?",
+    r"(0|1[0-9]{0,2}|2[0-4][0-9])(\.(0|1[0-9]{0,2})){3}",
+]
+
+
+@pytest.fixture(scope="module")
+def vocab() -> TokenVocabulary:
+    return TokenVocabulary.from_token_bytes(TOKENS, EOS, SIZE)
+
+
+@pytest.fixture(scope="module")
+def both_backends(vocab):
+    eager, lazy = EagerBackend(vocab, timeout_s=10), LazyBackend(vocab)
+    yield eager, lazy
+    eager.close()
+
+
+def _mask_rows(matcher, tokens: list[int]) -> list[bytes]:
+    """The mask before each token of ``tokens`` (as bytes), following them while admitted."""
+    bm = allocate_bitmask(1, SIZE)
+    rows = []
+    for t in tokens + [None]:
+        matcher.fill_bitmask(bm, 0)
+        rows.append(bm.numpy().tobytes())
+        if t is None or not matcher.accept_tokens([t]):
+            break
+    return rows
+
+
+def _tokenizations(text: str, rng: random.Random) -> list[int]:
+    """A random tokenization of ``text`` over the tiny vocabulary (greedy over random lengths)."""
+    out, i = [], 0
+    while i < len(text):
+        options = [n for n in (3, 2, 1) if text[i:i + n] in ID]
+        n = rng.choice(options)
+        out.append(ID[text[i:i + n]])
+        i += n
+    return out
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_same_regex_same_tokens_and_masks_on_both_backends(both_backends, pattern, data):
+    """Strings from the regex (valid) and mutations of them (mostly invalid), each tokenized at
+    random: validate_tokens, acceptance and every mask along the way agree."""
+    eager, lazy = both_backends
+    prog = Program("regex", pattern)
+    ge, gl = _grammar(eager, prog), _grammar(lazy, prog)
+    text = data.draw(st.from_regex(re.compile(pattern), fullmatch=True).filter(
+        lambda s: all(c in CHARS for c in s)))
+    if data.draw(st.booleans()):
+        pos = data.draw(st.integers(0, len(text)))
+        text = text[:pos] + data.draw(st.sampled_from(list(CHARS))) + text[pos:]
+    tokens = _tokenizations(text, random.Random(data.draw(st.integers(0, 1000)))) + [EOS]
+    me, ml = ge.matcher(), gl.matcher()
+    assert me.validate_tokens(tokens) == ml.validate_tokens(tokens)
+    assert _mask_rows(ge.matcher(), tokens) == _mask_rows(gl.matcher(), tokens)
+    assert me.accept_tokens(tokens) == ml.accept_tokens(tokens) == bool(re.fullmatch(pattern, text))
+    assert me.forced_tokens(4) == ml.forced_tokens(4)
+
+
+_GRAMMARS: dict = {}
+
+
+def _grammar(backend, program):
+    key = (backend.name, program.text)
+    if key not in _GRAMMARS:
+        _GRAMMARS[key] = backend.build(program)
+    return _GRAMMARS[key]
+
+
+def test_rollback_and_forced_tokens_agree_on_random_walks(both_backends):
+    eager, lazy = both_backends
+    rng = random.Random(1)
+    for pattern in REGEXES:
+        prog = Program("regex", pattern)
+        me, ml = _grammar(eager, prog).matcher(), _grammar(lazy, prog).matcher()
+        for _ in range(30):
+            bm_e, bm_l = allocate_bitmask(1, SIZE), allocate_bitmask(1, SIZE)
+            me.fill_bitmask(bm_e, 0)
+            ml.fill_bitmask(bm_l, 0)
+            assert torch.equal(bm_e, bm_l), pattern
+            assert me.forced_tokens(3) == ml.forced_tokens(3)
+            assert me.is_accepting() == ml.is_accepting()
+            allowed = [t for t in range(SIZE) if (int(bm_e[0, t >> 5]) >> (t & 31)) & 1]
+            assert me.is_terminated() == ml.is_terminated()
+            if allowed and not me.is_terminated() and rng.random() < 0.8:
+                t = rng.choice(allowed)
+                assert me.accept_tokens([t]) and ml.accept_tokens([t])
+            elif me.num_tokens:
+                k = rng.randint(1, me.num_tokens)
+                me.rollback(k)
+                ml.rollback(k)
+
+
+# -- programs the front end writes --------------------------------------------------------------
+
+TREE = {"$defs": {"node": {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}, "required": ["name", "children"]}},
+    "$ref": "#/$defs/node"}
+
+
+@pytest.fixture(scope="module")
+def real_compilers(tokenizer):
+    with GrammarCompiler(tokenizer, len(tokenizer), backend="eager") as e, \
+            GrammarCompiler(tokenizer, len(tokenizer), backend="lazy") as lz:
+        yield e, lz
+
+
+def _accepts(grammar, tokenizer, text: str) -> bool:
+    m = grammar.matcher()
+    return m.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+
+def test_recursive_schema_is_a_grammar_exact_at_any_depth(real_compilers, tokenizer):
+    _, lazy = real_compilers
+    prog = to_program(GrammarSpec.json_schema(TREE))
+    assert prog.kind == "lark" and "r0" in prog.text
+    g = lazy.compile(GrammarSpec.json_schema(TREE))
+    deep = '{"name":"a","children":[]}'
+    for i in range(12):  # 12 levels: far past the 3 levels a regex unrolls
+        deep = '{"name":"n%d","children":[%s]}' % (i, deep)
+    assert _accepts(g, tokenizer, deep)
+    assert _accepts(g, tokenizer, '{"name":"a","children":[{"name":"b","children":[]},{"name":"c","children":[]}]}')
+    for bad in ('{"name":"a","children":[{"name":"b"}]}', '{"name":"toolongname","children":[]}',
+                '{"children":[],"name":"a"}'):
+        assert not _accepts(g, tokenizer, bad), bad
+    with pytest.raises(GrammarError, match="no value"):
+        lazy.compile(GrammarSpec.json_schema({"$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/a"},
+                                                               "minItems": 1}}, "$ref": "#/$defs/a"}))
+
+
+def test_an_eager_only_request_unrolls_the_recursion(real_compilers, tokenizer):
+    eager, _ = real_compilers
+    g = eager.compile(GrammarSpec.json_schema(TREE))
+    assert _accepts(g, tokenizer, '{"name":"a","children":[{"name":"b","children":[]}]}')
+    deep = '{"name":"a","children":[]}'
+    for i in range(8):
+        deep = '{"name":"n%d","children":[%s]}' % (i, deep)
+    assert not _accepts(g, tokenizer, deep)  # a subset: depth is bounded
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$", "minLength": 3, "maxLength": 8},
+     ['"abc"', '"ab-cd"', '"abcdefgh"'], ['"ab"', '"abcdefghi"', '"a--b"', '"ab-"']),
+    ({"type": "string", "format": "email", "pattern": "@example\\.com$"},
+     ['"a@example.com"'], ['"a@other.com"', '"example.com"']),
+    ({"type": "string", "pattern": "^https?://", "maxLength": 12},
+     ['"http://a.b"', '"https://x"'], ['"ftp://a"', '"https://abcdefgh"']),
+])
+def test_pattern_with_length_or_format_is_an_exact_intersection(real_compilers, tokenizer, schema, good, bad):
+    _, lazy = real_compilers
+    prog = to_program(GrammarSpec.json_schema(schema))
+    assert not prog.regular  # an intersection: lazy only
+    g = lazy.compile(GrammarSpec.json_schema(schema))
+    for doc in good:
+        assert _accepts(g, tokenizer, doc), doc
+    for doc in bad:
+        assert not _accepts(g, tokenizer, doc), doc
+    with pytest.raises(GrammarError, match="pattern"):  # the regex-only compilation still refuses it
+        to_program(GrammarSpec.json_schema(schema), grammar=False)
+
+
+def test_flexible_whitespace_inside_enum_object_literals(real_compilers, tokenizer):
+    _, lazy = real_compilers
+    spec = GrammarSpec.json_schema({"enum": [{"a": True, "b": [1, 2]}, "x"]}, whitespace="flexible")
+    g = lazy.compile(spec)
+    for doc in ('{"a": true, "b": [1, 2]}', '{"a":true,"b":[1,2]}', '"x"'):
+        assert _accepts(g, tokenizer, doc), doc
+    assert not _accepts(g, tokenizer, '{"b": [1, 2], "a": true}')
+
+
+def test_shared_terminals_write_the_same_regex():
+    """A served program names repeated pieces once; written out, it is the regex-mode text's
+    language (checked with Python's re on both), and its Lark form is one terminal."""
+    schema = {"type": "object", "properties": {k: {"type": "string"} for k in "abcdef"} |
+              {"n": {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "string"}}}}}}
+    prog = to_program(GrammarSpec.json_schema(schema))
+    assert prog.regular and prog.terminals and len(prog.text) < prog.regex_size()
+    rx = re.compile(prog.regex())
+    for doc in ('{"a":"1","c":"x\\"y","n":[{"x":"q"},{}]}', '{}', '{"b":"","f":"z"}'):
+        assert rx.fullmatch(doc), doc
+    assert not rx.fullmatch('{"g":"1"}') and not rx.fullmatch('{"n":[{"x":1}]}')
+    lark = prog.lark()
+    assert lark.startswith("start: MAIN\nMAIN: ") and "T0:" in lark
+    assert expand(prog.text, prog.terminals) == prog.regex()
+
+
+def test_to_lark_names_rules_and_lexemes():
+    from grammar.json_schema.rules import ref
+
+    lark = to_lark(r"\[" + ref(0) + r"(?:," + ref(0) + r")*\]", {0: "x|y" + ref(0)})
+    assert lark.splitlines()[0] == r"start: /\[/ r0 (/,/ r0)* /\]/"
+    assert lark.splitlines()[1] == "r0: (/x/ | /y/ r0)"
+
+
+# -- MaskBench dev instances on both backends ------------------------------------------------------
+
+MASKBENCH = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "maskbench-dev"
+
+
+@pytest.mark.skipif(not MASKBENCH.exists(), reason="../shared/corpora/maskbench-dev is absent")
+def test_maskbench_instances_get_the_same_verdicts_and_masks_on_both_backends(tokenizer):
+    """40 schemas evenly spread over the corpus (those with a regex program the eager backend can
+    index within its limits): every instance, valid or not, walks both matchers token by token
+    with identical masks and the same verdict."""
+    from grammar.backends.eager import EagerBackend as Eager
+    from grammar.backends.lazy import LazyBackend as Lazy
+    from grammar.vocab import build_vocabulary
+
+    vocab = build_vocabulary(tokenizer, len(tokenizer))
+    eager, lazy = Eager(vocab, timeout_s=5, max_regex_chars=20_000), Lazy(vocab)
+    files = sorted(MASKBENCH.glob("*.json"))
+    picked = [files[i * len(files) // 120] for i in range(120)]
+    compared = 0
+    bm_e = allocate_bitmask(1, vocab.model_vocab_size)
+    bm_l = allocate_bitmask(1, vocab.model_vocab_size)
+    try:
+        for f in picked:
+            if compared >= 40:
+                break
+            case = json.loads(f.read_text())
+            try:
+                prog = to_program(GrammarSpec.json_schema(case["schema"]))
+                if not prog.regular:
+                    continue
+                ge, gl = eager.build(prog), lazy.build(prog)
+            except GrammarError:
+                continue
+            compared += 1
+            for t in case["tests"][:4]:
+                ids = tokenizer.encode(json.dumps(t["data"], separators=(",", ":")), add_special_tokens=False)
+                me, ml = ge.matcher(), gl.matcher()
+                for tid in ids:
+                    me.fill_bitmask(bm_e, 0)
+                    ml.fill_bitmask(bm_l, 0)
+                    assert torch.equal(bm_e, bm_l), f.name
+                    a, b = me.accept_tokens([tid]), ml.accept_tokens([tid])
+                    assert a == b, f.name
+                    if not a:
+                        break
+                assert me.is_accepting() == ml.is_accepting(), f.name
+    finally:
+        eager.close()
+    assert compared >= 30
+
+
+def test_the_public_grammar_api_as_the_readme_shows_it(tokenizer):
+    """The names external harnesses drive (README, "The grammar API"), used exactly that way."""
+    from grammar import GrammarCompiler as PublicCompiler
+    from grammar import GrammarSpec as PublicSpec
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with PublicCompiler(tokenizer, len(tokenizer), max_workers=2, timeout_s=10.0, cache_size=256) as compiler:
+        for spec, text in ((PublicSpec.json_schema(schema, whitespace="flexible"), '{"a": 7}'),
+                           (PublicSpec.regex(r"[0-9]{3}-x"), "123-x"),
+                           (PublicSpec.choice(["yes", "no"]), "no"),
+                           (PublicSpec.grammar('start: "(" start ")" | "x"'), "((x))")):
+            compiled = compiler.compile(spec)
+            m = compiled.matcher()
+            bitmask = allocate_bitmask(1, len(tokenizer))
+            for t in tokenizer.encode(text, add_special_tokens=False):
+                m.fill_bitmask(bitmask, 0)
+                assert (int(bitmask[0, t >> 5]) >> (t & 31)) & 1
+                assert m.accept_tokens([t])
+            assert m.is_accepting(), text
