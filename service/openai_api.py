@@ -117,6 +117,8 @@ def _seeds(seed: int | None, n: int) -> list[int | None]:
 
 
 def _usage(results: list[gen.GenerationResult], prompt_counts: list[int]) -> Usage:
+    """Totals; ``prompt_counts`` has one entry per distinct prompt (``n`` choices of one prompt
+    count it once, as OpenAI does)."""
     prompt = sum(prompt_counts)
     completion = sum(r.usage.completion_tokens for r in results)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -306,7 +308,7 @@ async def _chat_events(svc: ServiceState, job: _ChatJob, streams: list[gen.Gener
         if include_usage:
             done = [r for r in results if r is not None]
             yield sse(ChatCompletionChunk(id=rid, created=created, model=job.model, choices=[],
-                                          usage=_usage(done, [len(job.prompt_ids)] * len(done))))
+                                          usage=_usage(done, [len(job.prompt_ids)])))
     except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
         yield sse({"error": msgspec.to_builtins(error_fields(e))})
     yield b"data: [DONE]\n\n"
@@ -335,7 +337,7 @@ async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, reque
         choices.append(choice)
         warnings += [f"choice {i}: {w}" for w in problems]
     body = ChatCompletion(id=rid, created=int(time.time()), model=job.model, choices=choices,
-                          usage=_usage(results, [len(job.prompt_ids)] * len(results)),
+                          usage=_usage(results, [len(job.prompt_ids)]),
                           service_tier=data.service_tier and "default", warnings=warnings or msgspec.UNSET)
     return Response(body, headers=headers)
 

@@ -179,6 +179,8 @@ def test_n_choices_use_consecutive_seeds(client):
     assert [c.index for c in both.choices] == [0, 1]
     assert [c.message.content for c in both.choices] == [first, second]
     assert both.usage.completion_tokens == 12  # no EOS is likely in 6 random tokens, so assert it
+    one = client.chat.completions.create(seed=20, **kw).usage.prompt_tokens
+    assert both.usage.prompt_tokens == one  # the prompt is counted once, as OpenAI does
     assert all(c.finish_reason == "length" for c in both.choices)
 
 
