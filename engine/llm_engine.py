@@ -13,6 +13,7 @@ import torch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
+from engine.logits_process import LogitsParamError, check_logits_params
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
@@ -150,6 +151,10 @@ class LLMEngine:
             raise EngineError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.top_k < 0:
             raise EngineError(f"top_k must be >= 0, got {params.top_k}")
+        try:
+            check_logits_params(params, self.runner.vocab_size)
+        except LogitsParamError as e:
+            raise EngineError(str(e)) from None
         if admission and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are waiting "
                                    f"(limit {self.config.max_waiting})")
@@ -240,7 +245,8 @@ class LLMEngine:
             for req, exc in failed:
                 self._fail(req, "computing its grammar mask", exc)
             self._learn_splits(sched, result.sampled)
-            for req, new in self.scheduler.update(sched, result.sampled, result.logprobs):
+            for req, new in self.scheduler.update(sched, result.sampled, result.logprobs,
+                                                   result.top_logprobs):
                 out = self._output(req, new)
                 outputs.append(out)
                 if out.finished:
@@ -504,6 +510,8 @@ class LLMEngine:
                                            or req.finish_reason_detail == "budget"),
             budget_cuts=list(getattr(req.matcher, "narrowed", ())) if finished else [],
             guard_hits=list(getattr(req.matcher, "guarded", ())) if finished else [],
+            new_top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - len(new):]
+                              if req.params.top_logprobs and new else []),
         )
 
     # -- convenience ---------------------------------------------------------------------------

@@ -33,10 +33,12 @@ def default_kv_cache_bytes(device: torch.device) -> int:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Per sampled request (in schedule order): accepted drafts + one new token; logprobs if asked."""
+    """Per sampled request (in schedule order): accepted drafts + one new token; logprobs if asked
+    (and the top alternatives per token, see ``engine.sampler.SamplerOutput``)."""
 
     sampled: list[list[int]]
     logprobs: list[list[float]] | None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
 class ModelRunner:
@@ -115,9 +117,9 @@ class ModelRunner:
             apply_bitmask_(logits, bitmask.to(logits.device, non_blocking=True))
         sampled_reqs = [sr.request for sr in out.scheduled if sr.sample]
         drafts = [sr.request.draft_token_ids[:sr.num_drafts] for sr in out.scheduled if sr.sample]
-        want_lp = any(r.params.logprobs for r in sampled_reqs)
-        tokens, lps = self.sampler(logits.cpu(), sampled_reqs, drafts, want_logprobs=want_lp)
-        return ModelRunnerOutput(tokens, lps)
+        want_lp = any(r.params.logprobs or r.params.top_logprobs for r in sampled_reqs)
+        tokens, lps, tops = self.sampler(logits.cpu(), sampled_reqs, drafts, want_logprobs=want_lp)
+        return ModelRunnerOutput(tokens, lps, tops)
 
 
 SPARSE_BLOCKS = 96  # rows allowing tokens in at most this many 64-token blocks: sparse LM head

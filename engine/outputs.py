@@ -27,6 +27,8 @@ class RequestOutput:
             output ended complete within ``max_tokens`` (``grammar.budget``).
         budget_cuts: on the last output: output byte offsets where it did.
         guard_hits: on the last output: ``(what, byte offset)`` for each run-on bound that bound.
+        new_top_logprobs: per token of ``new_token_ids``, its position's most likely tokens as
+            ``(token id, logprob)``, best first, when ``top_logprobs`` was requested.
     """
 
     request_id: str
@@ -49,3 +51,4 @@ class RequestOutput:
     closed_by_budget: bool = False
     budget_cuts: list[int] = field(default_factory=list)
     guard_hits: list[tuple[str, int]] = field(default_factory=list)
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -51,6 +51,12 @@ class SamplingParams:
         stop: strings that end the output (not included in it).
         ignore_eos: keep going past EOS (unconstrained requests only).
         logprobs: return the log-probability of each chosen token.
+        top_logprobs: also return, per position, this many most likely tokens with their
+            log-probabilities (0 = none; implies ``logprobs``).
+        logit_bias: token id -> value added to its logit (-100 / +100: ban / exclusive choice).
+        presence_penalty / frequency_penalty: subtracted per output token already present /
+            per occurrence (OpenAI's definitions; 0 = off).
+        repetition_penalty: CTRL's penalty over prompt and output tokens (1 = off).
         speculative: per-request n-gram speculation settings, or ``None`` for the engine default;
             ``{"method": "off"}`` disables it.
         close_on_budget: under a grammar, keep the output closable within ``max_tokens`` (budget-
@@ -67,6 +73,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     speculative: dict | None = None
     close_on_budget: bool = True
     soft_limits: dict | bool | None = None
@@ -105,7 +116,7 @@ class Request:
                  "num_computed_tokens", "draft_token_ids", "block_ids", "status", "params",
                  "matcher", "grammar_future", "eos_token_id", "metrics", "generator",
                  "error", "finish_reason_detail", "arrival_index", "num_cached_blocks",
-                 "output_logprobs", "spec_state")
+                 "output_logprobs", "output_top_logprobs", "spec_state")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: int | None, matcher: "GrammarMatcher | None" = None,
@@ -129,6 +140,8 @@ class Request:
         self.finish_reason_detail: str | None = None
         self.arrival_index = 0
         self.output_logprobs: list[float] = []
+        # Per output token, when ``params.top_logprobs``: [(token id, logprob), ...], best first.
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.spec_state = None  # adaptive speculation state (engine.spec_decode)
 
     @property

@@ -12,9 +12,11 @@ decoding.
 from __future__ import annotations
 
 import hashlib
+from typing import NamedTuple
 
 import torch
 
+from engine.logits_process import process_logits_, top_logprobs
 from engine.request import Request
 
 
@@ -27,6 +29,20 @@ def default_seed(base_seed: int, request_id: str) -> int:
     """
     digest = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
     return (base_seed * 1_000_003 + digest) & 0x7FFF_FFFF_FFFF_FFFF
+class SamplerOutput(NamedTuple):
+    """Per sampled request, in row order.
+
+    Attributes:
+        tokens: accepted drafts, then one sampled token.
+        logprobs: the log-probability of each of ``tokens`` (or None when nobody asked).
+        top_logprobs: per token of ``tokens``, the most likely alternatives at its position as
+            ``(token id, logprob)``, best first (``[]`` for requests that did not ask; None
+            when nobody asked).
+    """
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]] | None
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
 def _generator(req: Request, base_seed: int) -> torch.Generator:
@@ -64,24 +80,28 @@ class Sampler:
         self.base_seed = base_seed
 
     def __call__(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
-                 want_logprobs: bool = False) -> tuple[list[list[int]], list[list[float]] | None]:
+                 want_logprobs: bool = False) -> SamplerOutput:
         """Pick tokens.
 
         Args:
             logits: fp32 ``[rows, vocab_size]``, masked; request ``i`` owns ``len(drafts[i]) + 1``
-                consecutive rows (one per draft position, then the bonus position).
+                consecutive rows (one per draft position, then the bonus position). Modified in
+                place by the requests' penalties and biases (``engine.logits_process``).
             requests: the sampled requests, in row order.
             drafts: each request's draft tokens (``[]`` when not speculating).
-            want_logprobs: also return the log-probability (masked logits, temperature 1) of
-                every returned token.
+            want_logprobs: also return the log-probability of every returned token (and the
+                top alternatives of the requests with ``top_logprobs``), taken from the
+                distribution tokens are drawn from at temperature 1: masked, penalized, biased.
 
         Returns:
-            (tokens per request: accepted drafts then one sampled token; logprobs or None).
+            ``SamplerOutput``.
         """
+        process_logits_(logits, requests, drafts)
         greedy_ids = torch.argmax(logits, dim=-1).tolist()  # one pass for every row
         logp = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         out: list[list[int]] = []
         out_lp: list[list[float]] | None = [] if want_logprobs else None
+        out_top: list[list[list[tuple[int, float]]]] | None = [] if want_logprobs else None
         row = 0
         for req, draft in zip(requests, drafts):
             n = len(draft) + 1
@@ -91,9 +111,11 @@ class Sampler:
                 tokens = self._verify_sampled(logits[row:row + n], req, draft)
             if out_lp is not None:
                 out_lp.append([float(logp[row + j, t]) for j, t in enumerate(tokens)])
+                k = req.params.top_logprobs
+                out_top.append([top_logprobs(logp[row + j], k) for j in range(len(tokens))] if k else [])
             out.append(tokens)
             row += n
-        return out, out_lp
+        return SamplerOutput(out, out_lp, out_top)
 
     @staticmethod
     def _verify_greedy(targets: list[int], draft: list[int]) -> list[int]:

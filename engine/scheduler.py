@@ -231,7 +231,8 @@ class Scheduler:
         return min(num_new, limit)
 
     def update(self, out: SchedulerOutput, sampled: list[list[int]],
-               logprobs: list[list[float]] | None = None) -> list[tuple[Request, list[int]]]:
+               logprobs: list[list[float]] | None = None,
+               top_logprobs: list[list[list[tuple[int, float]]]] | None = None) -> list[tuple[Request, list[int]]]:
         """Apply one step's results.
 
         Args:
@@ -239,6 +240,8 @@ class Scheduler:
             sampled: for each scheduled request with ``sample`` (in order), the accepted draft
                 tokens followed by one sampled token (so ``1 <= len <= num_drafts + 1``).
             logprobs: matching log-probabilities, when any request asked for them.
+            top_logprobs: matching top alternatives per token (``[]`` for a request that did
+                not ask), when any request asked for logprobs.
 
         Returns:
             (request, new output token ids) for every request that gained tokens (sampled, accepted
@@ -256,11 +259,12 @@ class Scheduler:
                 continue
             tokens = sampled[k]
             lps = logprobs[k] if logprobs is not None else None
+            tops = top_logprobs[k] if top_logprobs is not None else None
             k += 1
             if req.is_finished:
                 continue  # aborted (or failed) while the step ran
             try:
-                new = self._apply(sr, tokens, lps, now)
+                new = self._apply(sr, tokens, lps, now, tops)
             except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
                 log.error("request %s failed while appending its tokens", req.request_id, exc_info=e)
                 req.error = f"internal error while appending tokens ({type(e).__name__}); see the server log"
@@ -269,7 +273,8 @@ class Scheduler:
             updates.append((req, new))
         return updates
 
-    def _apply(self, sr: ScheduledRequest, tokens: list[int], lps: list[float] | None, now: float) -> list[int]:
+    def _apply(self, sr: ScheduledRequest, tokens: list[int], lps: list[float] | None, now: float,
+               tops: list[list[tuple[int, float]]] | None = None) -> list[int]:
         """Record one sampled request's accepted drafts and new tokens (then forced ones); return them."""
         req = sr.request
         num_rejected = sr.num_drafts - (len(tokens) - 1)
@@ -283,18 +288,21 @@ class Scheduler:
         req.draft_token_ids = []
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        new = self._append(req, tokens, lps)
+        new = self._append(req, tokens, lps, tops)
         if not req.is_finished and self.enable_forced_tokens and req.matcher is not None:
             forced = req.matcher.forced_tokens(self.max_forced_tokens)
             if forced:
                 n_before = len(new)
-                new += self._append(req, forced, [0.0] * len(forced) if lps is not None else None)
+                # The grammar allows a forced token alone: probability 1, the only alternative.
+                new += self._append(req, forced, [0.0] * len(forced) if lps is not None else None,
+                                    [[(t, 0.0)] for t in forced] if tops else None)
                 req.metrics.num_forced_tokens += len(new) - n_before
         if not req.is_finished:
             self.kv.cache_full_blocks(req)
         return new
 
-    def _append(self, req: Request, tokens: list[int], lps: list[float] | None) -> list[int]:
+    def _append(self, req: Request, tokens: list[int], lps: list[float] | None,
+                tops: list[list[tuple[int, float]]] | None = None) -> list[int]:
         """Append tokens one by one, stopping at EOS, max_tokens, model length or grammar end."""
         added: list[int] = []
         params = req.params
@@ -307,6 +315,8 @@ class Scheduler:
             added.append(t)
             if lps is not None:
                 req.output_logprobs.append(lps[j])
+            if tops:
+                req.output_top_logprobs.append(tops[j])
             if t == req.eos_token_id and not params.ignore_eos:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
             elif req.matcher is not None and req.matcher.is_terminated():

@@ -1,9 +1,13 @@
 """OpenAI-compatible wire types (msgspec Structs): chat completions, completions, models, errors.
 
 Field names and shapes follow OpenAI's API reference (platform.openai.com/docs/api-reference,
-"Chat", "Completions (legacy)", "Models"). Unknown request fields are ignored, as OpenAI's own
-SDKs send fields we do not model; fields we model but cannot honour are refused by the handlers
-(``service/openai_api.py``) rather than silently dropped.
+"Chat", "Completions (legacy)", "Models"). Every request field of the reference is modelled, and
+nothing is accepted and ignored: a field Stencil serves is honoured; a field it cannot serve is
+refused with a 400 naming it when it is set to anything but its neutral value (the handlers'
+``service.openai_fields`` table says which and why); a field the reference does not have is
+refused as unknown (``forbid_unknown_fields``), so a typo or another server's extension is
+never silently dropped. Stencil's own extensions: ``top_k``, ``repetition_penalty``; answers
+carry ``valid`` (per choice) and ``warnings``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,11 @@ class ToolChoiceFunction(Struct):
 
 
 class FunctionDefinition(Struct):
-    """A callable the model may name; ``parameters`` is a JSON Schema (``None``: no arguments)."""
+    """A callable the model may name; ``parameters`` is a JSON Schema (``None``: no arguments).
+
+    ``strict``: ``true`` refuses parameter keywords the grammar cannot enforce exactly; omitted
+    or ``false`` (OpenAI's default) relaxes them (named in ``warnings``).
+    """
 
     name: str
     description: str | None = None
@@ -62,7 +70,12 @@ class ContentPart(Struct):
 
 
 class ChatMessage(Struct, omit_defaults=True):
-    """A message of the conversation sent by the client (any role)."""
+    """A message of the conversation sent by the client (any role).
+
+    An assistant message sent back as history may carry what the API returned with it
+    (``refusal``, ``annotations``, ``audio``, ``function_call``, ...): output metadata, not
+    instructions, so unknown fields of a message are not refused.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -85,15 +98,21 @@ class ResponseFormat(Struct):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StreamOptions(Struct):
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    """``include_usage``: a last chunk with the totals. ``include_obfuscation`` pads events
+    against size side channels; Stencil sends none (true is refused)."""
+
     include_usage: bool = False
+    include_obfuscation: bool | None = None
 
 
-class ChatCompletionRequest(Struct):
+class ChatCompletionRequest(Struct, forbid_unknown_fields=True):
     """Body of ``POST /v1/chat/completions``.
 
     ``max_completion_tokens`` (current name) wins over ``max_tokens`` (deprecated name) when both
-    are given. ``temperature`` defaults to 1.0 as in OpenAI's API.
+    are given. ``temperature`` defaults to 1.0 as in OpenAI's API. ``logit_bias`` maps token ids
+    (as strings) to -100..100. The fields after ``user`` are in the reference but not served
+    (see ``service.openai_fields``).
     """
 
     messages: list[ChatMessage]
@@ -102,13 +121,14 @@ class ChatCompletionRequest(Struct):
     max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
@@ -116,30 +136,49 @@ class ChatCompletionRequest(Struct):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
-    # Stencil extension, as in vLLM: sample only among the k most likely tokens (0 = all).
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    # Stencil extensions (as in vLLM): the k most likely tokens only (0 = all); CTRL's penalty.
     top_k: int | None = None
+    repetition_penalty: float | None = None
+    # In the reference, not served: refused unless absent/null (or their neutral value).
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: str | None = None
 
 
-class CompletionRequest(Struct):
+class CompletionRequest(Struct, forbid_unknown_fields=True):
     """Body of ``POST /v1/completions`` (OpenAI's legacy text completion).
 
-    ``prompt`` is one string or a list of strings (one choice group each). ``logprobs`` is the
-    number of alternatives per position (only 0 is served). ``response_format`` is a Stencil
-    extension with the chat endpoint's meaning.
+    ``prompt`` is one string, a list of strings (one choice group each), a list of token ids or
+    a list of such lists. ``logprobs`` is the number of alternatives per position (0..5, as
+    OpenAI). ``response_format`` is a Stencil extension with the chat endpoint's meaning.
     """
 
-    prompt: str | list[str]
+    prompt: str | list[str | int | list[int]]  # checked further by the handler (one shape at a time)
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     logprobs: int | None = None
-    echo: bool = False
+    logit_bias: dict[str, float] | None = None
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
     presence_penalty: float | None = None
@@ -147,6 +186,7 @@ class CompletionRequest(Struct):
     user: str | None = None
     response_format: ResponseFormat | None = None
     top_k: int | None = None
+    repetition_penalty: float | None = None
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -158,16 +198,23 @@ class Usage(Struct):
     total_tokens: int
 
 
-class TokenLogprob(Struct):
-    """One chosen token: its text, natural-log probability and UTF-8 bytes.
-
-    ``top_logprobs`` is always empty: the engine reports the chosen token only.
-    """
+class TopLogprob(Struct):
+    """An alternative at one position: its text, natural-log probability and UTF-8 bytes."""
 
     token: str
     logprob: float
     bytes: list[int] | None
-    top_logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class TokenLogprob(Struct):
+    """One chosen token: its text, natural-log probability, UTF-8 bytes, and the
+    ``top_logprobs`` most likely tokens at its position (best first; fewer where the grammar
+    allowed fewer; empty unless asked)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
 
 
 class ChoiceLogprobs(Struct):
@@ -183,13 +230,22 @@ class AssistantMessage(Struct):
 
 
 class ChatChoice(Struct):
+    """One choice. ``valid`` (Stencil extension, absent for unconstrained text): the answer was
+    checked with jsonschema against the response format (or each call's arguments against their
+    function's parameters) and passed; false when cut short or relaxed keywords were broken."""
+
     index: int
     message: AssistantMessage
     finish_reason: str | None
     logprobs: ChoiceLogprobs | None = None
+    valid: bool | UnsetType = UNSET
 
 
 class ChatCompletion(Struct):
+    """A chat completion. ``warnings`` (Stencil extension, absent when empty): schema keywords
+    relaxed under ``strict`` omitted/false (also in the ``X-Stencil-Warnings`` header), and why
+    a choice is not ``valid``."""
+
     id: str
     created: int
     model: str
@@ -197,15 +253,25 @@ class ChatCompletion(Struct):
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: str | None = None
+    service_tier: str | None = None
+    warnings: list[str] | UnsetType = UNSET
+
+
+class FunctionCallDelta(Struct, omit_defaults=True):
+    """Part of a streamed call: the name in its first delta, then ``arguments`` fragments."""
+
+    name: str | None = None
+    arguments: str | None = None
 
 
 class ToolCallDelta(Struct, omit_defaults=True):
-    """A streamed tool call; Stencil sends each call whole, in one delta."""
+    """A streamed tool call: the first delta has ``id``, ``type`` and ``function.name`` (and
+    ``arguments: ""``), the next ones ``function.arguments`` fragments as they are written."""
 
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
-    function: FunctionCall | None = None
+    function: FunctionCallDelta | None = None
 
 
 class ChoiceDelta(Struct, omit_defaults=True):
@@ -215,10 +281,14 @@ class ChoiceDelta(Struct, omit_defaults=True):
 
 
 class ChunkChoice(Struct):
+    """``valid`` / ``warnings`` (Stencil extensions) come with a constrained choice's last chunk."""
+
     index: int
     delta: ChoiceDelta
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    valid: bool | UnsetType = UNSET
+    warnings: list[str] | UnsetType = UNSET
 
 
 class ChatCompletionChunk(Struct):
@@ -250,6 +320,7 @@ class CompletionChoice(Struct):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    valid: bool | UnsetType = UNSET
 
 
 class Completion(Struct):
@@ -261,6 +332,7 @@ class Completion(Struct):
     choices: list[CompletionChoice]
     object: Literal["text_completion"] = "text_completion"
     usage: Usage | None | UnsetType = UNSET
+    warnings: list[str] | UnsetType = UNSET
 
 
 class Model(Struct):

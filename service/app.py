@@ -43,12 +43,13 @@ from service.metrics import Metrics
 from service.openapi_docs import StreamableOperation, error_responses
 from service.state import ServiceConfig, ServiceState
 from service.validation import OutputChecker
+from service.wire import strict_body
 
 log = logging.getLogger("stencil.app")
 
 PROBLEM_JSON = "application/problem+json"
 _PUBLIC = ("/health", "/metrics", "/schema")  # reachable without the API key
-_ERROR_RESPONSES = error_responses(Problem, PROBLEM_JSON, (400, 401, 413, 422, 429, 503, 504, 500))
+_ERROR_RESPONSES = error_responses(Problem, PROBLEM_JSON, (400, 401, 413, 415, 422, 429, 503, 504, 500))
 
 
 class _Holder:
@@ -72,6 +73,11 @@ def _request_id(connection: ASGIConnection) -> str:
 # -- errors ----------------------------------------------------------------------------------------
 
 def _problem_response(request: Request, exc: Exception) -> Response:
+    if request.url.path == "/v1" or request.url.path.startswith("/v1/"):
+        # Errors met before a /v1 route is found (404, 405) still speak OpenAI's shape.
+        from service.openai_common import openai_exception_handler
+
+        return openai_exception_handler(request, exc)
     rid = _request_id(request)
     holder: _Holder = request.app.state["stencil"]
     retry = holder.state.config.retry_after_s if holder.state else 1
@@ -212,6 +218,7 @@ async def _sse_events(gen: generation.GenerationStream, rid: str) -> AsyncIterat
 
 
 @post("/generate", status_code=200, responses=_ERROR_RESPONSES, operation_class=StreamableOperation,
+      guards=[strict_body(GenerateRequest)],
       summary="Generate text, constrained or not",
       description="JSON answer, or server-sent events with `\"stream\": true` (text deltas, a final event "
                   "with output/valid/finish_reason/usage, then `[DONE]`).")

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "soak": "long mixed load against a server; checks nothing leaks",
     "budget": "structured answers at 25-150% of their natural length: closed in time, valid",
     "cluster": "replicas on Ray Serve: prefix-affinity vs round-robin routing, and a replica kill",
+    "serve": "the throughput workload over HTTP against one or two OpenAI-compatible servers (loopback)",
 }
 
 

@@ -1,11 +1,15 @@
 """Stencil's Python client: typed extraction, raw generation and streaming over ``POST /generate``.
 
 Depends only on httpx and msgspec (pydantic is used when, and only when, a pydantic model is
-passed in). ``Client`` is synchronous, ``AsyncClient`` the asyncio twin; both share the request
-building, schema derivation, retry timing and answer decoding defined here.
+passed in). ``stream_extract`` yields typed partial answers as they stream (``Partial``: the
+fields complete so far and the one being written), then the validated instance. ``Client`` is
+synchronous, ``AsyncClient`` the asyncio twin; both share the request building, schema
+derivation, retry timing and answer decoding defined here.
 
     client = Client("http://127.0.0.1:8000")
     person = client.extract(Person, "Ada Lovelace, 36, London")   # -> Person instance
+    for item in client.stream_extract(Person, "Ada Lovelace, 36, London"):
+        ...   # Partial(done={"name": "Ada Lovelace"}, writing="age"), ..., then a Person
 
 Retries: 429 and 503 answers (and connection failures) are retried up to ``max_retries`` times,
 waiting the server's ``Retry-After`` when it sends one, else an exponential backoff
@@ -15,14 +19,19 @@ waiting the server's ``Retry-After`` when it sends one, else an exponential back
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import json
 import time
+import typing
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import httpx
 import msgspec
+
+from service.partial_json import progress
 
 T = TypeVar("T")
 
@@ -126,6 +135,75 @@ def decode_output(tp: type[T], output: Any) -> T:
     return msgspec.convert(output, type=tp)
 
 
+# -- partial answers ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Generic[T]):
+    """A typed answer still being written (``stream_extract``).
+
+    The server's grammar makes every streamed prefix the start of a valid answer, so the fields
+    in ``done`` are final: later text never changes them.
+
+    Attributes:
+        type: the type being extracted.
+        done: the fields completed so far, by name, each already of its declared type (a
+            nested model is an instance of it, a set a set, an Enum its member).
+        writing: the path of the value being written now (``"home.city"``, ``"tags[1]"``), or
+            ``None`` between fields.
+        text: the JSON text so far.
+    """
+
+    type: type
+    done: dict[str, Any]
+    writing: str | None
+    text: str
+
+
+def field_types(tp: Any) -> dict[str, tuple[str, Any]]:
+    """JSON member name → (attribute name, declared type) of a pydantic model, msgspec Struct,
+    dataclass or TypedDict (``{}`` for other types)."""
+    if _is_pydantic(tp):
+        return {(f.alias or name): (name, f.annotation) for name, f in tp.model_fields.items()}
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return {f.encode_name: (f.name, f.type) for f in msgspec.structs.fields(tp)}
+    if dataclasses.is_dataclass(tp) or typing.is_typeddict(tp):
+        return {name: (name, hint) for name, hint in typing.get_type_hints(tp).items()}
+    return {}
+
+
+def _typed_value(tp: Any, value: Any, pydantic_model: bool) -> Any:
+    if pydantic_model:
+        from pydantic import TypeAdapter
+
+        return TypeAdapter(tp).validate_python(value)
+    return msgspec.convert(value, type=tp)
+
+
+class _PartialReader:
+    """Text deltas of a ``/generate`` stream → ``Partial`` items (each field converted once)."""
+
+    def __init__(self, tp: Any) -> None:
+        self.tp = tp
+        self.fields = field_types(tp)
+        self.pydantic = _is_pydantic(tp)
+        self.text = ""
+        self.done: dict[str, Any] = {}
+
+    def push(self, delta: str) -> Partial:
+        self.text += delta
+        p = progress(self.text)
+        for key, value in p.done.items():
+            if key in self.done or key not in self.fields:
+                continue
+            name, declared = self.fields[key]
+            try:
+                self.done[name] = _typed_value(declared, value, self.pydantic)
+            except Exception:  # noqa: BLE001 - a relaxed keyword let it through: keep the JSON value
+                self.done[name] = value
+        return Partial(self.tp, dict(self.done), p.writing, self.text)
+
+
 # -- request / answer helpers -------------------------------------------------------------------------
 
 
@@ -171,9 +249,15 @@ def retry_delay(resp: httpx.Response | None, attempt: int, backoff_s: float, max
     return min(backoff_s * (2 ** attempt), max_backoff_s)
 
 
-def _extracted(tp: type[T], answer: dict) -> T:
+def _extracted(tp: type[T], answer: dict, relaxed: bool = False) -> T:
+    """The answer's output as a ``tp``.
+
+    ``relaxed`` (the request said ``strict: false``): an output the server's jsonschema check
+    found invalid (a relaxed keyword was broken, e.g. a duplicate in a ``set``) is still offered
+    to the type, which has the last word; otherwise it is an ``ExtractionError``.
+    """
     output = answer.get("output")
-    if output is None or answer.get("valid") is False:
+    if output is None or (answer.get("valid") is False and not relaxed):
         raise ExtractionError(
             f"no valid output (finish_reason={answer.get('finish_reason')!r}, "
             f"text={str(answer.get('text'))[:200]!r})", answer)
@@ -345,12 +429,16 @@ class Client(_Base):
     def extract(self, tp: type[T], text_or_messages: str | list[dict], **gen_kwargs: Any) -> T:
         """Generate JSON constrained by ``tp``'s schema and decode it into a ``tp`` instance.
 
+        With ``strict=False`` the server relaxes keywords its grammar cannot enforce exactly
+        (a ``set``'s ``uniqueItems``), and the type, not the server's jsonschema check, decides
+        whether the answer fits.
+
         Raises:
             StencilError: the request failed.
             ExtractionError: no valid output (e.g. ``finish_reason == "length"``).
         """
         answer = self.generate(text_or_messages, response_schema=json_schema_for(tp), **gen_kwargs)
-        return _extracted(tp, answer)
+        return _extracted(tp, answer, gen_kwargs.get("strict") is False)
 
     def stream(self, text_or_messages: str | list[dict], **gen_kwargs: Any) -> Iterator[str]:
         """Yield text deltas of a streamed ``/generate``.
@@ -374,6 +462,20 @@ class Client(_Base):
             raise self._timeout_error(e) from e
         finally:
             resp.close()
+
+    def stream_extract(self, tp: type[T], text_or_messages: str | list[dict],
+                       **gen_kwargs: Any) -> Iterator[Partial[T] | T]:
+        """Extract ``tp`` as the answer streams: a ``Partial`` per text delta (the fields complete
+        so far, typed, and the one being written), then the validated ``tp`` instance.
+
+        Raises:
+            StencilError: the request failed.
+            ExtractionError: the finished answer is not valid (e.g. cut at ``max_tokens``).
+        """
+        reader = _PartialReader(tp)
+        for delta in self.stream(text_or_messages, response_schema=json_schema_for(tp), **gen_kwargs):
+            yield reader.push(delta)
+        yield _extracted(tp, self.last or {"text": reader.text}, gen_kwargs.get("strict") is False)
 
 
 class AsyncClient(_Base):
@@ -429,7 +531,7 @@ class AsyncClient(_Base):
     async def extract(self, tp: type[T], text_or_messages: str | list[dict], **gen_kwargs: Any) -> T:
         """See ``Client.extract``."""
         answer = await self.generate(text_or_messages, response_schema=json_schema_for(tp), **gen_kwargs)
-        return _extracted(tp, answer)
+        return _extracted(tp, answer, gen_kwargs.get("strict") is False)
 
     async def stream(self, text_or_messages: str | list[dict], **gen_kwargs: Any) -> AsyncIterator[str]:
         """See ``Client.stream``."""
@@ -446,3 +548,11 @@ class AsyncClient(_Base):
             raise self._timeout_error(e) from e
         finally:
             await resp.aclose()
+
+    async def stream_extract(self, tp: type[T], text_or_messages: str | list[dict],
+                             **gen_kwargs: Any) -> AsyncIterator[Partial[T] | T]:
+        """See ``Client.stream_extract``."""
+        reader = _PartialReader(tp)
+        async for delta in self.stream(text_or_messages, response_schema=json_schema_for(tp), **gen_kwargs):
+            yield reader.push(delta)
+        yield _extracted(tp, self.last or {"text": reader.text}, gen_kwargs.get("strict") is False)

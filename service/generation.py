@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from engine.logits_process import LogitsParamError, check_logits_params
 from engine.request import SamplingParams
 from grammar.base import GrammarSpec
 from schemas.common import Timings, Usage
@@ -145,7 +146,10 @@ async def tokenize(state: ServiceState, prompt: str | None = None, messages: lis
 def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                     stop: str | list[str] | None = None, logprobs: bool = False,
-                    speculative: bool | dict | None = None, close_on_budget: bool = True,
+                    speculative: bool | dict | None = None, top_logprobs: int = 0,
+                    logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                    vocab_size: int | None = None, close_on_budget: bool = True,
                     soft_limits: dict | bool | None = None) -> SamplingParams:
     """Build ``SamplingParams`` from request fields, enforcing the service's caps.
 
@@ -158,8 +162,15 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
         logprobs: return each chosen token's log-probability.
         speculative: ``True``/``False`` switches n-gram speculation on/off; a dict gives its
             settings (``engine.spec_decode.SpecConfig`` fields); ``None`` = the server default.
+        top_logprobs: alternatives per position to report (0..20; implies ``logprobs``).
+        logit_bias / presence_penalty / frequency_penalty / repetition_penalty: see
+            ``engine.logits_process``.
+        vocab_size: the model's vocabulary size, to check ``logit_bias`` token ids here (else
+            the engine checks them at admission).
         close_on_budget: under a grammar, close the output within ``max_tokens`` (default) or
             cut it there (``finish_reason: "length"``).
+        soft_limits: the run-on guard's bounds (``grammar.budget.SoftLimits`` fields), or
+            ``False`` to turn it off; ``None``/``True``: the defaults.
 
     Raises:
         InputError: naming the field that is out of range.
@@ -188,10 +199,17 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
             raise InputError(f"each stop string must have 1..{cfg.max_stop_chars} characters", field="stop")
     if isinstance(speculative, bool):
         speculative = {"method": "ngram"} if speculative else {"method": "off"}
-    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                          top_k=top_k, seed=seed, stop=stops, logprobs=logprobs, speculative=speculative,
-                          close_on_budget=close_on_budget,
-                          soft_limits=None if soft_limits is True else soft_limits)
+    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                            top_k=top_k, seed=seed, stop=stops, logprobs=logprobs or top_logprobs > 0,
+                            speculative=speculative, top_logprobs=top_logprobs, logit_bias=logit_bias or None,
+                            presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
+                            repetition_penalty=float(repetition_penalty), close_on_budget=close_on_budget,
+                            soft_limits=None if soft_limits is True else soft_limits)
+    try:
+        check_logits_params(params, vocab_size if vocab_size is not None else 2**62)
+    except LogitsParamError as e:
+        raise InputError(str(e), field=e.field) from None
+    return params
 
 
 def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str | None = None,
@@ -262,11 +280,14 @@ class GenerationDelta:
         text: new text (complete UTF-8 characters; may be "" when tokens are held back).
         token_ids: new output token ids.
         logprobs: log-probabilities of ``token_ids`` (natural log), when requested, else None.
+        top_logprobs: per token, the most likely ``(token id, logprob)`` at its position, best
+            first, when ``top_logprobs`` was requested, else None.
     """
 
     text: str
     token_ids: list[int]
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class GenerationResult(msgspec.Struct, kw_only=True):
@@ -286,6 +307,7 @@ class GenerationResult(msgspec.Struct, kw_only=True):
         timings: ttft / total / grammar wait in milliseconds.
         warnings: why ``valid`` is False, and keywords ignored under ``strict: false``.
         logprobs: per output token, when requested.
+        top_logprobs: per output token, its position's alternatives, when requested.
         closed_by_budget: the budget narrowed the grammar so that the output ended complete
             within ``max_tokens``.
         shortened: JSON pointers of the values the budget cut short (``["/tags/3", "/note"]``).
@@ -301,6 +323,7 @@ class GenerationResult(msgspec.Struct, kw_only=True):
     timings: Timings
     warnings: list[str]
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     closed_by_budget: bool = False
     shortened: list[str] = msgspec.field(default_factory=list)
 
@@ -368,6 +391,7 @@ class GenerationStream:
         parts: list[str] = []
         token_ids: list[int] = []
         logprobs: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
         first_at: float | None = None
         last_at = self.arrival
         final = None
@@ -407,7 +431,10 @@ class GenerationStream:
                     lp = list(out.new_logprobs) if self.params.logprobs else None
                     if lp:
                         logprobs.extend(lp)
-                    yield GenerationDelta(out.new_text, list(out.new_token_ids), lp)
+                    top = list(out.new_top_logprobs) if self.params.top_logprobs else None
+                    if top:
+                        tops.extend(top)
+                    yield GenerationDelta(out.new_text, list(out.new_token_ids), lp, top)
                 if out.finished:
                     final = out
                     break
@@ -417,6 +444,8 @@ class GenerationStream:
         if final is None:
             raise GenerationFailed(f"request {self.request_id} ended without a final output")
         self.result = self._finish(final, "".join(parts), token_ids, logprobs, first_at)
+        if self.params.top_logprobs:
+            self.result.top_logprobs = tops
         yield self.result
 
     def _finish(self, out, text: str, token_ids: list[int], logprobs: list[float],

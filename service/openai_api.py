@@ -1,18 +1,25 @@
-"""OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
+"""OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
+(the Responses API is ``service.responses_api``; both are mounted on one ``/v1`` router here).
 
 They translate OpenAI's wire types (``schemas/openai.py``) to the shared generation core
 (``service/generation.py``) and back, so limits, grammar, validation and metrics are those of
-``POST /generate``. Errors raised under ``/v1`` use OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}`` (the router's own exception handler); the
-status codes are the ones ``service.errors.to_problem`` gives every route.
+``POST /generate``. Every error under ``/v1``, an unknown route included, uses OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``.
 
-``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object: schema
-``{"type": "object"}``), ``json_schema`` (``{name, schema, strict}``; ``strict: false`` lets
-the grammar ignore keywords it cannot enforce, otherwise they are refused with 400). Tools:
-see ``service/tools.py``. ``n`` choices are independent requests with seeds ``seed, seed+1,
-...``. Streams are server-sent events ending ``data: [DONE]``. As in OpenAI's API,
-``temperature`` defaults to 1 here (``POST /generate`` defaults to greedy). Legacy ``logprobs``
-with ``echo`` cover the generated tokens only.
+``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object), ``json_schema``
+(``{name, schema, strict}``). As in OpenAI's API, ``strict`` omitted or false means: enforce
+everything the grammar can enforce exactly, relax only the keywords it cannot (named in the
+answer's ``warnings`` and the ``X-Stencil-Warnings`` header), then check the answer with
+jsonschema and say so in each choice's ``valid``; ``strict: true`` refuses such keywords with a
+400 (``POST /generate`` keeps that fail-closed default). Tools: see ``service/tools.py``;
+streamed calls arrive as OpenAI's deltas, the name first, then the arguments as they are
+written. ``n`` choices are independent requests with seeds ``seed, seed+1, ...``. Streams are
+server-sent events ending ``data: [DONE]``. ``temperature`` defaults to 1 here (``POST
+/generate`` defaults to greedy). ``logit_bias``, ``presence_penalty``, ``frequency_penalty`` and
+the ``repetition_penalty`` extension are applied with the grammar mask
+(``engine.logits_process``); logprobs are those of the distribution tokens are drawn from
+(masked, penalized, biased, temperature 1). Legacy ``logprobs`` with ``echo`` cover the
+generated tokens only.
 
 Register with ``create_app(..., route_handlers=openai_route_handlers)``; the handlers take the
 dependency ``svc: ServiceState`` that ``service.app`` provides.
@@ -20,158 +27,89 @@ dependency ``svc: ServiceState`` that ``service.app`` provides.
 
 from __future__ import annotations
 
-import asyncio
-import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 from litestar import Request, Response, Router, get, post
 from litestar.di import Provide
-from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 
-from grammar.base import GrammarSpec
 from schemas.openai import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChoiceDelta,
-    ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, ErrorBody,
-    ErrorResponse, Model, ModelList, ResponseFormat, TokenLogprob, Tool, ToolCallDelta, Usage,
+    ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
+    ErrorResponse, FunctionCall, FunctionCallDelta, Model, ModelList, ResponseFormat, ToolCall, ToolCallDelta,
+    ToolChoiceFunction, Usage,
 )
 from service import generation as gen
-from service.errors import ClientDisconnected, GenerationFailed, InputError, ServiceError, Unavailable, to_problem
+from service.errors import InputError, Unavailable
+from service.openai_common import (
+    GENERATION_ERRORS, SSE_HEADERS, Constraint, check_model, constraint, error_fields, logit_bias_ids, merged,
+    openai_exception_handler, refuse_unserved, relaxed, run_all, sse, start_all, token_bytes, token_logprobs,
+    token_text, verdict, vocab_size, warnings_header,
+)
 from service.openapi_docs import StreamableOperation, error_responses
 from service.state import ServiceState
-from service.tools import (
-    CALL_OPEN, ToolError, ToolPlan, arguments_schema, parse_tool_output, plan_tools, template_messages,
-    template_supports_tools, tool_regex,
-)
-from service.validation import check_schema
+from service.tool_parser import ToolCallParser, ToolEvent
+from service.tools import ToolPlan, new_call_id, plan_tools, template_messages, template_supports_tools
+from service.wire import strict_body
+
+log = logging.getLogger("stencil.openai")
 
 MAX_N = 16  # choices per request; each is a full request in the engine
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy endpoint
+MAX_LEGACY_LOGPROBS = 5  # OpenAI's limit for the legacy endpoint
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
-_FIELD_PARAM = {"response_schema": "response_format", "regex": "tools"}
-# Statuses each route can answer with, in OpenAI's error shape (``openai_exception_handler``);
-# body validation errors are 400 here, as in OpenAI's API.
-_GENERATION_ERRORS = error_responses(ErrorResponse, "application/json", (400, 401, 404, 413, 429, 500, 503, 504))
 _LIST_ERRORS = error_responses(ErrorResponse, "application/json", (401, 503))
 _LOOKUP_ERRORS = error_responses(ErrorResponse, "application/json", (400, 401, 404, 503))
 
-
-class NotFound(ServiceError):
-    status = 404
-    title = "Not Found"
-
-
-# -- errors --------------------------------------------------------------------------------------
-
-
-def openai_error(status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> Response:
-    """An OpenAI-shaped error response."""
-    body = ErrorResponse(ErrorBody(message=message, type=_ERROR_TYPES.get(status, "server_error"),
-                                   param=param, code=code))
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json",
-                    headers=headers or {})
-
-
-def openai_exception_handler(request: Request, exc: Exception) -> Response:
-    """Map any exception raised under ``/v1`` to OpenAI's error shape (status as ``to_problem``)."""
-    if isinstance(exc, ExceptionGroup):  # a TaskGroup of n choices: report the first failure
-        exc = exc.exceptions[0]
-    if isinstance(exc, ToolError):
-        return openai_error(400, str(exc), exc.param)
-    if isinstance(exc, ValidationException):
-        extra = exc.extra if isinstance(exc.extra, list) else []
-        details = "; ".join(f"{e.get('key', '')}: {e.get('message', '')}" if isinstance(e, dict) else str(e)
-                            for e in extra)
-        return openai_error(400, f"{exc.detail}{': ' + details if details else ''}")
-    if isinstance(exc, HTTPException) and not isinstance(exc, ServiceError):
-        return openai_error(exc.status_code, str(exc.detail), headers=exc.headers)
-    from service.app import service_state
-
-    state = service_state(request.app)
-    problem, headers = to_problem(exc, request.scope.get("state", {}).get("request_id"),
-                                  state.config.retry_after_s if state is not None else 1)
-    param = _FIELD_PARAM.get(problem.field or "", problem.field)
-    code = problem.keyword if problem.keyword is not None else None
-    message = problem.detail if problem.path is None or problem.path in problem.detail else \
-        f"{problem.detail} (at {problem.path})"
-    return openai_error(problem.status, message, param, code, headers)
+# Chat fields of OpenAI's reference that Stencil does not serve: (neutral values, why).
+UNSERVED_CHAT: dict[str, tuple[tuple, str]] = {
+    "audio": ((), "Stencil generates text only"),
+    "modalities": ((["text"],), "Stencil generates text only"),
+    "prediction": ((), "predicted outputs are not served (Stencil drafts from the prompt by itself)"),
+    "functions": ((), "the deprecated functions API is not served; use tools"),
+    "function_call": ((), "the deprecated functions API is not served; use tool_choice"),
+    "reasoning_effort": (("none",), "the served model does not reason"),
+    "verbosity": ((), "the served model has no verbosity control"),
+    "web_search_options": ((), "Stencil has no web search"),
+    "moderation": ((), "Stencil runs no moderation"),
+    "prompt_cache_options": ((), "the prefix cache is automatic and takes no options"),
+    "prompt_cache_retention": ((), "the prefix cache is automatic and takes no options"),
+    "store": ((False,), "Stencil is stateless and stores nothing"),
+    "service_tier": (("auto", "default"), "Stencil has one service tier"),
+}
 
 
-# -- request translation ---------------------------------------------------------------------------
-
-
-def _check_model(svc: ServiceState, model: str | None) -> str:
-    if model is not None and model != svc.model_name:
-        raise NotFound(f"the model {model!r} does not exist; this server serves {svc.model_name!r}",
-                       field="model")
-    return svc.model_name
-
-
-def _check_common(n: int, presence: float | None, frequency: float | None, stream: bool,
-                  stream_options: Any) -> None:
-    if not 1 <= n <= MAX_N:
-        raise InputError(f"n must be between 1 and {MAX_N}, got {n}", field="n")
-    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
-        if value not in (None, 0, 0.0):
-            raise InputError(f"{name} is not supported (only 0)", field=name)
-    if stream_options is not None and not stream:
-        raise InputError("stream_options is only allowed with stream: true", field="stream_options")
-
-
-def _format_schema(fmt: ResponseFormat | None) -> tuple[Any, bool]:
-    """(JSON Schema or None, strict) of a ``response_format``."""
+def format_schema(fmt: ResponseFormat | None) -> tuple[Any, bool]:
+    """(JSON Schema or None, strict) of a ``response_format`` (``strict`` only when true)."""
     if fmt is None or fmt.type == "text":
         return None, True
     if fmt.type == "json_object":
         return {"type": "object"}, True
     if fmt.json_schema is None or fmt.json_schema.schema is None:
         raise InputError("response_format of type 'json_schema' needs json_schema.schema", field="response_format")
-    return fmt.json_schema.schema, fmt.json_schema.strict is not False
+    return fmt.json_schema.schema, fmt.json_schema.strict is True
 
 
-async def _spec(svc: ServiceState, fmt: ResponseFormat | None, plan: ToolPlan,
-                tools: list[Tool] | None) -> GrammarSpec | None:
-    """The grammar of the whole output: the response format's, or the tool-call regex."""
-    schema, strict = _format_schema(fmt)
-    if not plan.active:
-        return gen.grammar_spec(svc.config, response_schema=schema, strict=strict)
-    cfg = svc.config
-    for i, tool in enumerate(tools or []):
-        params = tool.function.parameters
-        if params is not None:
-            try:
-                check_schema(params, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
-            except InputError as e:
-                e.field = f"tools[{i}].function.parameters"
-                raise
-    if schema is not None:
-        check_schema(schema, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
-    from grammar.json_schema import schema_to_regex
-
-    def build() -> str:
-        text = schema_to_regex(schema, strict=strict)[0] if schema is not None else None
-        return tool_regex(plan, lambda s: schema_to_regex(s, strict=plan.strict)[0], text)
-
-    # A large schema can take a while to translate; keep the event loop serving others.
-    return GrammarSpec("regex", await asyncio.to_thread(build))
+def _check_common(n: int, stream: bool, stream_options: Any) -> None:
+    if not 1 <= n <= MAX_N:
+        raise InputError(f"n must be between 1 and {MAX_N}, got {n}", field="n")
+    if stream_options is not None and not stream:
+        raise InputError("stream_options is only allowed with stream: true", field="stream_options")
+    if stream_options is not None and stream_options.include_obfuscation:
+        raise InputError("stream_options.include_obfuscation is not supported: Stencil pads no events",
+                         field="stream_options")
 
 
-def _max_tokens(*values: int | None) -> int | None:
-    for v in values:
-        if v is not None:
-            return v
-    return None
+def _or(value, default):
+    return default if value is None else value
 
 
 def _seeds(seed: int | None, n: int) -> list[int | None]:
@@ -179,49 +117,38 @@ def _seeds(seed: int | None, n: int) -> list[int | None]:
 
 
 def _usage(results: list[gen.GenerationResult], prompt_counts: list[int]) -> Usage:
+    """Totals; ``prompt_counts`` has one entry per distinct prompt (``n`` choices of one prompt
+    count it once, as OpenAI does)."""
     prompt = sum(prompt_counts)
     completion = sum(r.usage.completion_tokens for r in results)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-# -- logprobs ------------------------------------------------------------------------------------
+def _log_identity(rid: str, data: Any) -> None:
+    """``user`` / ``safety_identifier`` / ``metadata`` are the caller's labels: logged with the id."""
+    labels = {k: getattr(data, k, None) for k in ("user", "safety_identifier", "metadata", "prompt_cache_key")}
+    labels = {k: v for k, v in labels.items() if v is not None}
+    if labels:
+        log.info("request labels", extra={"request_id": rid, **labels})
 
 
-def _token_bytes(svc: ServiceState, token_id: int) -> bytes:
-    vocab = getattr(getattr(svc.engine.engine, "grammar", None), "vocab", None)
-    raw = vocab.token_bytes.get(token_id) if vocab is not None else None
-    if raw is None:
-        raw = svc.engine.tokenizer.decode([token_id]).encode()
-    return raw
+def chat_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[float] | None,
+                  tops: list[list[tuple[int, float]]] | None = None) -> ChoiceLogprobs | None:
+    """OpenAI chat logprobs of the chosen tokens (with ``top_logprobs`` when asked)."""
+    items = token_logprobs(svc, token_ids, logprobs, tops)
+    return None if items is None else ChoiceLogprobs(content=items)
 
 
-def _token_text(raw: bytes) -> str:
-    try:
-        return raw.decode()
-    except UnicodeDecodeError:  # part of a multi-byte character: OpenAI's "bytes:" form
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-def chat_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[float] | None) -> ChoiceLogprobs | None:
-    """OpenAI chat logprobs of the chosen tokens (``top_logprobs`` always empty)."""
-    if logprobs is None:
-        return None
-    items = []
-    for t, lp in zip(token_ids, logprobs):
-        raw = _token_bytes(svc, t)
-        items.append(TokenLogprob(token=_token_text(raw), logprob=lp, bytes=list(raw)))
-    return ChoiceLogprobs(content=items)
-
-
-def completion_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[float] | None,
-                        offset: int) -> CompletionLogprobs | None:
-    """Legacy logprobs; ``text_offset`` counts characters from ``offset`` (the echoed prompt)."""
+def completion_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[float] | None, offset: int,
+                        tops: list[list[tuple[int, float]]] | None = None) -> CompletionLogprobs | None:
+    """Legacy logprobs; ``text_offset`` counts characters from ``offset`` (the echoed prompt);
+    ``top_logprobs`` maps each alternative's text to its logprob."""
     if logprobs is None:
         return None
     tokens, offsets, pos, pending = [], [], offset, b""
     for t in token_ids:
-        raw = _token_bytes(svc, t)
-        tokens.append(_token_text(raw))
+        raw = token_bytes(svc, t)
+        tokens.append(token_text(raw))
         offsets.append(pos)
         pending += raw
         try:  # characters are only counted once their last byte arrives
@@ -229,7 +156,10 @@ def completion_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[
             pending = b""
         except UnicodeDecodeError:
             pass
-    return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), text_offset=offsets)
+    top = None
+    if tops is not None:
+        top = [{token_text(token_bytes(svc, a)): lp for a, lp in row} for row in tops]
+    return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), text_offset=offsets, top_logprobs=top)
 
 
 # -- chat ----------------------------------------------------------------------------------------
@@ -240,219 +170,176 @@ class _ChatJob:
     """A validated chat request, ready to run: one ``params`` entry per choice."""
 
     model: str
-    plan: ToolPlan
+    constraint: Constraint
     prompt_ids: list[int]
     params: list[Any]
-    spec: GrammarSpec | None
+
+    @property
+    def plan(self) -> ToolPlan:
+        return self.constraint.plan
 
 
 async def _prepare_chat(svc: ServiceState, data: ChatCompletionRequest) -> _ChatJob:
-    model = _check_model(svc, data.model)
-    _check_common(data.n, data.presence_penalty, data.frequency_penalty, data.stream, data.stream_options)
-    if data.top_logprobs not in (None, 0):
-        raise InputError("top_logprobs > 0 is not supported: only the chosen token's logprob is reported",
-                         field="top_logprobs")
-    plan = plan_tools(data.tools, data.tool_choice, data.parallel_tool_calls)
-    tok = svc.engine.tokenizer
-    native = template_supports_tools(getattr(tok, "chat_template", None))
+    model = check_model(svc, data.model)
+    refuse_unserved(data, UNSERVED_CHAT)
+    n = 1 if data.n is None else data.n
+    _check_common(n, bool(data.stream), data.stream_options)
+    if data.top_logprobs and not data.logprobs:
+        raise InputError("top_logprobs needs logprobs: true", field="top_logprobs")
+    named = data.tool_choice.function.name if isinstance(data.tool_choice, ToolChoiceFunction) else None
+    choice = None if isinstance(data.tool_choice, ToolChoiceFunction) else data.tool_choice
+    plan = plan_tools([t.function for t in data.tools or []], choice, named, data.parallel_tool_calls)
+    native = template_supports_tools(getattr(svc.engine.tokenizer, "chat_template", None))
     messages, tools_arg = template_messages(data.messages, plan, native)
     prompt_ids = await gen.tokenize(svc, messages=messages, tools=tools_arg)
-    spec = await _spec(svc, data.response_format, plan, data.tools)
-    temperature = 1.0 if data.temperature is None else data.temperature
-    params = [gen.sampling_params(svc.config, max_tokens=_max_tokens(data.max_completion_tokens, data.max_tokens),
-                                  temperature=temperature, top_p=1.0 if data.top_p is None else data.top_p,
-                                  top_k=data.top_k or 0, seed=s, stop=data.stop, logprobs=data.logprobs)
-              for s in _seeds(data.seed, data.n)]
-    return _ChatJob(model, plan, prompt_ids, params, spec)
+    schema, strict = format_schema(data.response_format)
+    c = await constraint(svc, schema, strict, plan)
+    max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
+    bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
+    params = [gen.sampling_params(svc.config, max_tokens=max_tokens,
+                                  temperature=1.0 if data.temperature is None else data.temperature,
+                                  top_p=1.0 if data.top_p is None else data.top_p, top_k=data.top_k or 0, seed=s,
+                                  stop=data.stop, logprobs=bool(data.logprobs),
+                                  top_logprobs=data.top_logprobs or 0 if data.logprobs else 0, logit_bias=bias,
+                                  presence_penalty=data.presence_penalty or 0.0,
+                                  frequency_penalty=data.frequency_penalty or 0.0,
+                                  repetition_penalty=_or(data.repetition_penalty, 1.0),
+                                  vocab_size=vocab_size(svc))
+              for s in _seeds(data.seed, n)]
+    return _ChatJob(model, c, prompt_ids, params)
 
 
-def _chat_choice(svc: ServiceState, job: _ChatJob, index: int, r: gen.GenerationResult) -> ChatChoice:
-    content, calls, finish = _split(svc, job.plan, r)
-    msg = AssistantMessage(content=content)
-    if calls:
-        msg.tool_calls = calls
-    return ChatChoice(index=index, message=msg, finish_reason=finish,
-                      logprobs=chat_logprobs(svc, r.token_ids, r.logprobs))
+def _tool_calls(calls) -> list[ToolCall]:
+    return [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
 
-def _split(svc: ServiceState, plan: ToolPlan, r: gen.GenerationResult):
-    """(content, tool_calls, finish_reason) of one finished choice.
-
-    Output cut short (``length``, or a stop string inside a call) comes back as plain text.
-
-    Raises:
-        GenerationFailed: a call's arguments fail their schema although the grammar was strict
-            (a grammar defect: refuse rather than hand the client a bad call).
-    """
-    if not plan.active or r.finish_reason != "stop":
-        return r.text, [], r.finish_reason
-    try:
-        content, calls = parse_tool_output(r.text, plan)
-    except ValueError:
-        return r.text, [], r.finish_reason
-    if not calls:
-        return content, [], r.finish_reason
-    by_name = {fn.name: fn for fn in plan.functions}
-    for c in calls:  # jsonschema confirms what the grammar enforced, as an independent oracle
-        schema = arguments_schema(by_name[c.function.name])
-        errors = list(svc.checker.validator(json.dumps(schema)).iter_errors(json.loads(c.function.arguments)))
-        if errors and plan.strict:
-            raise GenerationFailed(f"tool call arguments for {c.function.name!r} fail their schema: "
-                                   f"{errors[0].message}")
-    return None, calls, "tool_calls"
+def _chat_choice(svc: ServiceState, job: _ChatJob, index: int, r: gen.GenerationResult,
+                 relaxed_warnings: list[str]) -> tuple[ChatChoice, list[str]]:
+    v = verdict(svc, job.constraint, r, relaxed_warnings)
+    msg = AssistantMessage(content=v.text)
+    if v.calls:
+        msg.tool_calls = _tool_calls(v.calls)
+    choice = ChatChoice(index=index, message=msg, finish_reason=v.finish_reason,
+                        logprobs=chat_logprobs(svc, r.token_ids, r.logprobs, r.top_logprobs),
+                        valid=msgspec.UNSET if v.valid is None else v.valid)
+    return choice, v.problems
 
 
-async def _run_all(svc: ServiceState, jobs: list[tuple[list[int], Any]], spec: GrammarSpec | None, base_id: str,
-                   receive) -> list[gen.GenerationResult]:
-    """Run one request per ``(prompt_ids, params)`` to the end, together.
+@dataclass(slots=True)
+class _Pending:
+    """Logprobs of tokens whose text has not been sent yet (held back by the tool parser)."""
 
-    All are admitted first, so a refusal (400/429) comes before any work. A failure of one
-    cancels the rest (raised as an ``ExceptionGroup``); the client hanging up (``http.disconnect``
-    on the ASGI ``receive``) aborts all and raises ``ClientDisconnected``.
-    """
-    streams = await gen.start_many(svc, jobs, spec, base_id)
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = field(default_factory=list)
+    asked: bool = False
 
-    async def results() -> list[gen.GenerationResult]:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(gen.collect(s)) for s in streams]
-        return [t.result() for t in tasks]
+    def add(self, d: gen.GenerationDelta) -> None:
+        self.ids += d.token_ids
+        if d.logprobs is not None:
+            self.asked = True
+            self.logprobs += d.logprobs
+        self.tops += d.top_logprobs or []
 
-    async def disconnected() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(results()), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (work, watch):
-            t.cancel()  # cancelling ``work`` unwinds every stream, which aborts its engine request
-        await asyncio.gather(work, watch, return_exceptions=True)
-    if work.cancelled():
-        raise ClientDisconnected(f"client closed the connection; {base_id} aborted")
-    return work.result()
+    def take(self, svc: ServiceState) -> ChoiceLogprobs | None:
+        if not self.asked or not self.ids:
+            return None
+        out = chat_logprobs(svc, self.ids, self.logprobs, self.tops)
+        self.ids, self.logprobs, self.tops = [], [], []
+        return out
 
 
-async def _merged(streams: list[gen.GenerationStream]) -> AsyncIterator[tuple[int, Any]]:
-    """Items of several streams as ``(index, item)``, in arrival order; exceptions re-raised."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, s: gen.GenerationStream) -> None:
-        try:
-            async for item in s:
-                await queue.put((i, item))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()  # client gone or a failure: the streams abort their engine requests
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-# The content type is repeated as a header: Litestar otherwise sends the route's default
-# (application/json) even for a Stream whose media_type says text/event-stream.
-_SSE_HEADERS = {"Cache-Control": "no-cache", "Content-Type": "text/event-stream; charset=utf-8"}
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
-
-
-def _sse_error(exc: BaseException) -> bytes:
-    problem, _ = to_problem(exc)
-    body = ErrorBody(message=problem.detail, type=_ERROR_TYPES.get(problem.status, "server_error"),
-                     param=_FIELD_PARAM.get(problem.field or "", problem.field))
-    return _sse(ErrorResponse(body))
+def _event_delta(ev: ToolEvent, ids: dict[int, str]) -> ChoiceDelta | None:
+    if ev.kind == "text":
+        return ChoiceDelta(content=ev.text) if ev.text else None
+    if ev.kind == "start":
+        ids[ev.index] = new_call_id()
+        return ChoiceDelta(tool_calls=[ToolCallDelta(index=ev.index, id=ids[ev.index], type="function",
+                                                     function=FunctionCallDelta(name=ev.name, arguments=""))])
+    if ev.kind == "arguments":
+        return ChoiceDelta(tool_calls=[ToolCallDelta(index=ev.index, function=FunctionCallDelta(arguments=ev.text))])
+    return None
 
 
 async def _chat_events(svc: ServiceState, job: _ChatJob, streams: list[gen.GenerationStream], rid: str,
-                       include_usage: bool) -> AsyncIterator[bytes]:
+                       include_usage: bool, relaxed_warnings: list[str]) -> AsyncIterator[bytes]:
     created = int(time.time())
     usage_field: Any = None if include_usage else msgspec.UNSET
 
-    def chunk(index: int, delta: ChoiceDelta, finish: str | None = None, logprobs=None) -> bytes:
-        return _sse(ChatCompletionChunk(id=rid, created=created, model=job.model, usage=usage_field,
-                                        choices=[ChunkChoice(index, delta, finish, logprobs)]))
+    def chunk(index: int, delta: ChoiceDelta, finish: str | None = None, logprobs=None, **extra) -> bytes:
+        return sse(ChatCompletionChunk(id=rid, created=created, model=job.model, usage=usage_field,
+                                       choices=[ChunkChoice(index, delta, finish, logprobs, **extra)]))
 
-    # Under tools a choice is held back while it could still become a call (its text is a prefix
-    # of the marker), then either streamed as text or sent as whole calls at its end.
-    held: list[list[tuple[str, list[int], list[float] | None]]] = [[] for _ in streams]
-    is_text = [not job.plan.active for _ in streams]
+    # Under tools, text is held back while it could still be the start of a call; calls stream
+    # as the parser reads them: the name, then the arguments as they are written.
+    plan = job.plan
+    parsers = [ToolCallParser(plan.mode == "auto") if plan.active else None for _ in streams]
+    call_ids: list[dict[int, str]] = [{} for _ in streams]
+    pending = [_Pending() for _ in streams]
     results: list[gen.GenerationResult | None] = [None] * len(streams)
     for i in range(len(streams)):
         yield chunk(i, ChoiceDelta(role="assistant", content=""))
     try:
-        async for i, item in _merged(streams):
-            if isinstance(item, gen.GenerationResult):
-                results[i] = item
-                if is_text[i]:
-                    yield chunk(i, ChoiceDelta(), item.finish_reason)
+        async for i, item in merged(streams):
+            p = parsers[i]
+            if isinstance(item, gen.GenerationDelta):
+                pending[i].add(item)
+                if p is None:
+                    if item.text or item.token_ids:
+                        yield chunk(i, ChoiceDelta(content=item.text), logprobs=pending[i].take(svc))
                     continue
-                content, calls, finish = _split(svc, job.plan, item)
-                if calls:
-                    deltas = [ToolCallDelta(index=k, id=c.id, type="function", function=c.function)
-                              for k, c in enumerate(calls)]
-                    yield chunk(i, ChoiceDelta(tool_calls=deltas),
-                                logprobs=chat_logprobs(svc, item.token_ids, item.logprobs))
-                elif content:
-                    yield chunk(i, ChoiceDelta(content=content),
-                                logprobs=chat_logprobs(svc, item.token_ids, item.logprobs))
-                yield chunk(i, ChoiceDelta(), finish)
+                for ev in p.feed(item.text):
+                    delta = _event_delta(ev, call_ids[i])
+                    if delta is not None:
+                        yield chunk(i, delta, logprobs=pending[i].take(svc))
                 continue
-            if is_text[i]:
-                if item.text or item.token_ids:
-                    yield chunk(i, ChoiceDelta(content=item.text),
-                                logprobs=chat_logprobs(svc, item.token_ids, item.logprobs))
-                continue
-            held[i].append((item.text, item.token_ids, item.logprobs))
-            so_far = "".join(t for t, _, _ in held[i])
-            if job.plan.mode == "auto" and not CALL_OPEN.startswith(so_far[:len(CALL_OPEN)]):
-                is_text[i] = True
-                ids = [t for _, ts, _ in held[i] for t in ts]
-                lps = None if item.logprobs is None else [x for _, _, ls in held[i] for x in (ls or [])]
-                held[i] = []
-                yield chunk(i, ChoiceDelta(content=so_far), logprobs=chat_logprobs(svc, ids, lps))
+            results[i] = item
+            for ev in (p.finish() if p is not None else []):
+                delta = _event_delta(ev, call_ids[i])
+                if delta is not None:
+                    yield chunk(i, delta, logprobs=pending[i].take(svc))
+            v = verdict(svc, job.constraint, item, relaxed_warnings)
+            extra: dict[str, Any] = {}
+            if v.valid is not None:
+                extra["valid"] = v.valid
+            if v.problems:
+                extra["warnings"] = v.problems
+            yield chunk(i, ChoiceDelta(), v.finish_reason, logprobs=pending[i].take(svc), **extra)
         if include_usage:
             done = [r for r in results if r is not None]
-            yield _sse(ChatCompletionChunk(id=rid, created=created, model=job.model, choices=[],
-                                           usage=_usage(done, [len(job.prompt_ids)])))
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=job.model, choices=[],
+                                          usage=_usage(done, [len(job.prompt_ids)])))
     except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
-        yield _sse_error(e)
+        yield sse({"error": msgspec.to_builtins(error_fields(e))})
     yield b"data: [DONE]\n\n"
 
 
 @post("/chat/completions", status_code=200, summary="OpenAI-compatible chat completion",
       responses={200: ResponseSpec(ChatCompletion, description="the completion, or its chunks as server-sent "
-                                   "events with `\"stream\": true`"), **_GENERATION_ERRORS},
-      operation_class=StreamableOperation)
+                                   "events with `\"stream\": true`"), **GENERATION_ERRORS},
+      operation_class=StreamableOperation, guards=[strict_body(ChatCompletionRequest)])
 async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, request: Request) -> Any:
     """Create a chat completion (OpenAI ``POST /v1/chat/completions``), whole or streamed."""
     job = await _prepare_chat(svc, data)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    _log_identity(rid, data)
+    streams = await start_all(svc, [(job.prompt_ids, p) for p in job.params], job.constraint.spec, rid)
+    relaxed_warnings = relaxed(job.constraint, streams[0])
+    headers = warnings_header(relaxed_warnings)
     if data.stream:
-        streams = await gen.start_many(svc, [(job.prompt_ids, p) for p in job.params], job.spec, rid)
         include = bool(data.stream_options and data.stream_options.include_usage)
-        return Stream(_chat_events(svc, job, streams, rid, include), media_type="text/event-stream",
-                      headers=_SSE_HEADERS)
-    results = await _run_all(svc, [(job.prompt_ids, p) for p in job.params], job.spec, rid, request.receive)
-    choices = [_chat_choice(svc, job, i, r) for i, r in enumerate(results)]
-    return ChatCompletion(id=rid, created=int(time.time()), model=job.model, choices=choices,
-                          usage=_usage(results, [len(job.prompt_ids)]))
+        return Stream(_chat_events(svc, job, streams, rid, include, relaxed_warnings), media_type="text/event-stream",
+                      headers={**SSE_HEADERS, **headers})
+    results = await run_all(streams, rid, request.receive)
+    choices, warnings = [], list(relaxed_warnings)
+    for i, r in enumerate(results):
+        choice, problems = _chat_choice(svc, job, i, r, relaxed_warnings)
+        choices.append(choice)
+        warnings += [f"choice {i}: {w}" for w in problems]
+    body = ChatCompletion(id=rid, created=int(time.time()), model=job.model, choices=choices,
+                          usage=_usage(results, [len(job.prompt_ids)]),
+                          service_tier=data.service_tier and "default", warnings=warnings or msgspec.UNSET)
+    return Response(body, headers=headers)
 
 
 # -- completions ---------------------------------------------------------------------------------
@@ -466,73 +353,110 @@ async def _completion_events(svc: ServiceState, model: str, streams: list[gen.Ge
     offsets = [len(prompts[i // n]) if echo else 0 for i in range(len(streams))]
     results: list[gen.GenerationResult] = []
 
-    def chunk(index: int, text: str, finish: str | None = None, lps=None) -> bytes:
-        return _sse(Completion(id=rid, created=created, model=model, usage=usage_field,
-                               choices=[CompletionChoice(index, text, finish, lps)]))
+    def chunk(index: int, text: str, finish: str | None = None, lps=None, **extra) -> bytes:
+        return sse(Completion(id=rid, created=created, model=model, usage=usage_field,
+                              choices=[CompletionChoice(index, text, finish, lps, **extra)]))
 
     try:
         if echo:
             for i in range(len(streams)):
                 yield chunk(i, prompts[i // n])
-        async for i, item in _merged(streams):
+        async for i, item in merged(streams):
             if isinstance(item, gen.GenerationResult):
                 results.append(item)
-                yield chunk(i, "", item.finish_reason)
+                extra = {"valid": item.valid} if streams[i].spec is not None else {}
+                yield chunk(i, "", item.finish_reason, **extra)
                 continue
-            lps = completion_logprobs(svc, item.token_ids, item.logprobs, offsets[i]) if want_logprobs else None
+            lps = completion_logprobs(svc, item.token_ids, item.logprobs, offsets[i],
+                                      item.top_logprobs) if want_logprobs else None
             offsets[i] += len(item.text)
             yield chunk(i, item.text, None, lps)
         if include_usage:
-            yield _sse(Completion(id=rid, created=created, model=model, choices=[],
-                                  usage=_usage(results, prompt_counts)))
+            yield sse(Completion(id=rid, created=created, model=model, choices=[],
+                                 usage=_usage(results, prompt_counts)))
     except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
-        yield _sse_error(e)
+        yield sse({"error": msgspec.to_builtins(error_fields(e))})
     yield b"data: [DONE]\n\n"
+
+
+def _prompts(svc: ServiceState, prompt: Any) -> list[str | list[int]]:
+    """One string or token-id list per choice group (OpenAI's four shapes of ``prompt``)."""
+    if isinstance(prompt, str):
+        groups: list = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        groups = [list(prompt)]
+    elif all(isinstance(t, str) for t in prompt) or all(isinstance(t, list) for t in prompt):
+        groups = list(prompt)
+    else:
+        raise InputError("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
+                         field="prompt")
+    if not groups or any(not g for g in groups if isinstance(g, list)):
+        raise InputError("prompt is empty", field="prompt")
+    vocab = vocab_size(svc)
+    for g in groups:
+        if isinstance(g, list) and any(not 0 <= t < vocab for t in g):
+            raise InputError(f"prompt: token ids must be in 0..{vocab - 1}", field="prompt")
+    return groups
 
 
 @post("/completions", status_code=200, summary="OpenAI-compatible text completion (legacy)",
       responses={200: ResponseSpec(Completion, description="the completion, or its chunks as server-sent "
-                                   "events with `\"stream\": true`"), **_GENERATION_ERRORS},
-      operation_class=StreamableOperation)
+                                   "events with `\"stream\": true`"), **GENERATION_ERRORS},
+      operation_class=StreamableOperation, guards=[strict_body(CompletionRequest)])
 async def completions(data: CompletionRequest, svc: ServiceState, request: Request) -> Any:
     """Create a text completion (OpenAI ``POST /v1/completions``), whole or streamed."""
-    model = _check_model(svc, data.model)
-    _check_common(data.n, data.presence_penalty, data.frequency_penalty, data.stream, data.stream_options)
-    if data.logprobs not in (None, 0):
-        raise InputError("logprobs > 0 is not supported: only the chosen token's logprob is reported "
-                         "(use logprobs: 0)", field="logprobs")
+    model = check_model(svc, data.model)
+    n = 1 if data.n is None else data.n
+    _check_common(n, bool(data.stream), data.stream_options)
+    if data.logprobs is not None and not 0 <= data.logprobs <= MAX_LEGACY_LOGPROBS:
+        raise InputError(f"logprobs must be between 0 and {MAX_LEGACY_LOGPROBS}, got {data.logprobs}",
+                         field="logprobs")
     if data.suffix:
-        raise InputError("suffix is not supported", field="suffix")
+        raise InputError("suffix is not supported: the served model does not fill in the middle", field="suffix")
     if data.best_of not in (None, 1):
-        raise InputError("best_of is not supported (only 1)", field="best_of")
-    prompts = [data.prompt] if isinstance(data.prompt, str) else list(data.prompt)
-    if not prompts:
-        raise InputError("prompt is empty", field="prompt")
-    schema, strict = _format_schema(data.response_format)
+        raise InputError("best_of is not supported (only 1); ask n choices instead", field="best_of")
+    groups = _prompts(svc, data.prompt)
+    schema, strict = format_schema(data.response_format)
     spec = gen.grammar_spec(svc.config, response_schema=schema, strict=strict)
     want_logprobs = data.logprobs is not None
-    params = [gen.sampling_params(svc.config, max_tokens=_max_tokens(data.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS),
+    bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
+    params = [gen.sampling_params(svc.config, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None
+                                  else data.max_tokens,
                                   temperature=1.0 if data.temperature is None else data.temperature,
                                   top_p=1.0 if data.top_p is None else data.top_p, top_k=data.top_k or 0,
-                                  seed=s, stop=data.stop, logprobs=want_logprobs)
-              for s in _seeds(data.seed, data.n)]
-    prompt_ids = [await gen.tokenize(svc, prompt=p) for p in prompts]
+                                  seed=s, stop=data.stop, logprobs=want_logprobs, top_logprobs=data.logprobs or 0,
+                                  logit_bias=bias, presence_penalty=data.presence_penalty or 0.0,
+                                  frequency_penalty=data.frequency_penalty or 0.0,
+                                  repetition_penalty=_or(data.repetition_penalty, 1.0),
+                                  vocab_size=vocab_size(svc))
+              for s in _seeds(data.seed, n)]
+    prompt_ids = [g if isinstance(g, list) else await gen.tokenize(svc, prompt=g) for g in groups]
+    prompts = [g if isinstance(g, str) else svc.engine.tokenizer.decode(g) for g in groups]
     rid = f"cmpl-{uuid.uuid4().hex}"
+    _log_identity(rid, data)
     jobs = [(ids, p) for ids in prompt_ids for p in params]
     counts = [len(ids) for ids in prompt_ids]
+    streams = await start_all(svc, jobs, spec, rid)
+    relaxed_warnings = [str(w) for w in (getattr(streams[0].compiled, "warnings", None) or ())]
+    headers = warnings_header(relaxed_warnings)
+    echo = bool(data.echo)
     if data.stream:
-        streams = await gen.start_many(svc, jobs, spec, rid)
         include = bool(data.stream_options and data.stream_options.include_usage)
-        return Stream(_completion_events(svc, model, streams, prompts, counts, data.n, data.echo, rid, include,
+        return Stream(_completion_events(svc, model, streams, prompts, counts, n, echo, rid, include,
                                          want_logprobs),
-                      media_type="text/event-stream", headers=_SSE_HEADERS)
-    results = await _run_all(svc, jobs, spec, rid, request.receive)
-    choices = []
+                      media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    results = await run_all(streams, rid, request.receive)
+    choices, warnings = [], list(relaxed_warnings)
     for k, r in enumerate(results):
-        prefix = prompts[k // data.n] if data.echo else ""
+        prefix = prompts[k // n] if echo else ""
         choices.append(CompletionChoice(index=k, text=prefix + r.text, finish_reason=r.finish_reason,
-                                        logprobs=completion_logprobs(svc, r.token_ids, r.logprobs, len(prefix))))
-    return Completion(id=rid, created=int(time.time()), model=model, choices=choices, usage=_usage(results, counts))
+                                        logprobs=completion_logprobs(svc, r.token_ids, r.logprobs, len(prefix),
+                                                                     r.top_logprobs if want_logprobs else None),
+                                        valid=r.valid if spec is not None else msgspec.UNSET))
+        warnings += [f"choice {k}: {w}" for w in r.warnings if w not in relaxed_warnings]
+    body = Completion(id=rid, created=int(time.time()), model=model, choices=choices, usage=_usage(results, counts),
+                      warnings=warnings or msgspec.UNSET)
+    return Response(body, headers=headers)
 
 
 # -- models --------------------------------------------------------------------------------------
@@ -556,7 +480,7 @@ async def list_models(svc: ServiceState) -> ModelList:
 @get("/models/{model_id:path}", summary="One model (OpenAI-compatible)", responses=_LOOKUP_ERRORS)
 async def get_model(model_id: str, svc: ServiceState) -> Model:
     """The served model by id; 404 for any other id."""
-    _check_model(svc, model_id.lstrip("/"))
+    check_model(svc, model_id.lstrip("/"))
     return _model(svc)
 
 
@@ -574,8 +498,14 @@ def _provide_svc(request: Request) -> ServiceState:
     return st
 
 
-openai_router = Router(path="/v1", route_handlers=[chat_completions, completions, list_models, get_model],
-                       dependencies={"svc": Provide(_provide_svc, sync_to_thread=False)},
-                       exception_handlers={Exception: openai_exception_handler}, tags=["openai"])
+def _router() -> Router:
+    from service.responses_api import responses_route_handlers
 
+    return Router(path="/v1", route_handlers=[chat_completions, completions, list_models, get_model,
+                                              *responses_route_handlers],
+                  dependencies={"svc": Provide(_provide_svc, sync_to_thread=False)},
+                  exception_handlers={Exception: openai_exception_handler}, tags=["openai"])
+
+
+openai_router = _router()
 openai_route_handlers: list = [openai_router]

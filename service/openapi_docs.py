@@ -21,6 +21,7 @@ ERROR_DESCRIPTIONS = {
     401: "missing or wrong API key",
     404: "unknown model",
     413: "request body too large",
+    415: "body not sent as JSON (Content-Type must be application/json)",
     422: "body does not match the request type",
     429: "waiting queue full; see Retry-After",
     500: "internal error (request id in the body)",

@@ -1,29 +1,34 @@
-"""Tool calls for the OpenAI-compatible chat endpoint: the grammar, the prompt, the parse.
+"""Tool calls for the OpenAI-compatible endpoints: the plan, the grammar, the parse, the prompt.
 
 Wire format the model writes (the Hermes / Qwen convention, compact JSON inside):
 
     <tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>
 
 With ``parallel_tool_calls`` (OpenAI's default) one or more such blocks follow each other
-directly. (With a newline allowed between blocks, SmolLM2-135M chose the newline over EOS and
-repeated its call until ``max_tokens``; right after ``</tool_call>`` it prefers EOS to ``<``.)
-Each block's JSON is constrained by a JSON Schema that is an
-``anyOf`` over the allowed functions, each branch ``{"name": {"const": f}, "arguments":
-<f's parameters>}`` — disjoint by the ``name`` constant. A function without ``parameters``
-takes ``{}`` exactly.
+directly (at most ``max_calls`` when given); with ``parallel_tool_calls: false`` exactly one.
+(With a newline allowed between blocks, SmolLM2-135M chose the newline over EOS and repeated its
+call until ``max_tokens``; right after ``</tool_call>`` it prefers EOS to ``<``.)
+
+Each block is the regex alternation over the allowed functions of
+``{"name":"<f>","arguments":`` + the regex of ``f``'s ``parameters`` + ``}``, disjoint by the name.
+Each function's parameters are compiled as a schema document of their own, so their ``$defs``,
+``$ref``s (``#/$defs/Role``, ``#``) and ``$id``s resolve exactly as in the document the client
+wrote (pydantic writes ``$defs`` for every nested model and Enum). A function without
+``parameters`` takes ``{}`` exactly. ``strict: true`` on a function fails closed on keywords the
+grammar cannot enforce; omitted or false (OpenAI's default) relaxes only those, names them in
+the warnings, and the arguments are checked with jsonschema afterwards.
 
 ``tool_choice``:
 - ``"none"``: no call; tools are left out of the prompt and the output is unconstrained by them.
 - ``"required"``: the whole output is one (or, in parallel, several) call blocks.
-- ``{"type": "function", "function": {"name": f}}``: exactly one block calling ``f``.
+- a named function: exactly one block calling it.
 - ``"auto"`` (default when tools are given): either call blocks, or a text answer, which is any
   text not starting with ``<tool_call>`` (or, with a JSON ``response_format``, that JSON). The
   grammar is the regex alternation of both, so the model picks with its first tokens.
 
-The regex for the JSON comes from the grammar's JSON Schema compiler (``schema_to_regex``);
-the result is a ``GrammarSpec`` of kind ``"regex"``. Tools reach the prompt through the chat
-template's ``tools=`` argument when the template uses it, else through a system message
-written here.
+Reading calls back (whole or streamed) is ``service.tool_parser``. Tools reach the prompt
+through the chat template's ``tools=`` argument when the template uses it, else through a
+system message written here.
 """
 
 from __future__ import annotations
@@ -31,20 +36,20 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from schemas.openai import ChatMessage, FunctionCall, FunctionDefinition, Tool, ToolCall, ToolChoiceFunction
+from schemas.openai import ChatMessage, FunctionCall, FunctionDefinition, ToolCall
+from service.tool_parser import CALL_CLOSE, CALL_OPEN, parse_answer
 
-CALL_OPEN = "<tool_call>"
-CALL_CLOSE = "</tool_call>"
 CALL_SEP = ""
 ANY_TEXT = r"[\s\S]*"
 
 NO_ARGUMENTS: dict = {"type": "object", "properties": {}, "additionalProperties": False}
+NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
-SchemaToRegex = Callable[[dict], str]
+ArgumentsRegex = Callable[[FunctionDefinition], str]
 
 
 class ToolError(ValueError):
@@ -67,70 +72,74 @@ class ToolPlan:
         mode: "none" (no call possible), "auto" (text or calls), "required" (calls only).
         functions: the functions a call may name (one, for a named ``tool_choice``).
         parallel: several calls allowed in one answer.
+        max_calls: most calls in one answer when ``parallel`` (None: no limit).
     """
 
     mode: Literal["none", "auto", "required"]
     functions: tuple[FunctionDefinition, ...]
     parallel: bool
+    max_calls: int | None = None
 
     @property
     def active(self) -> bool:
         return self.mode != "none"
 
-    @property
-    def strict(self) -> bool:
-        """Refuse parameter keywords the grammar cannot enforce, unless every function opts out
-        with ``strict: false`` (then they are ignored, as OpenAI's non-strict mode allows)."""
-        return not self.functions or any(fn.strict is not False for fn in self.functions)
+    def function(self, name: str) -> FunctionDefinition | None:
+        return next((fn for fn in self.functions if fn.name == name), None)
 
 
-def plan_tools(tools: list[Tool] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan:
+def is_strict(fn: FunctionDefinition) -> bool:
+    """OpenAI's meaning: only ``strict: true`` fails closed (omitted = false)."""
+    return fn.strict is True
+
+
+def plan_tools(functions: Sequence[FunctionDefinition], tool_choice: str | None, named: str | None = None,
+               parallel_tool_calls: bool | None = None, max_calls: int | None = None,
+               param: str = "tools") -> ToolPlan:
     """Resolve OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` into a plan.
 
+    Args:
+        functions: the request's function tools, in order.
+        tool_choice: "none", "auto", "required", or ``None`` (auto with tools, else none);
+            ignored when ``named`` is given.
+        named: the function a named ``tool_choice`` asks for.
+        parallel_tool_calls: ``None`` = true (OpenAI's default).
+        max_calls: most calls per answer (the Responses API's ``max_tool_calls``).
+        param: how the request calls its tool list (for errors).
+
     Raises:
-        ToolError: duplicate function names, an unknown named function, or ``tool_choice``
-            other than ``none`` without tools.
+        ToolError: duplicate or malformed function names, an unknown named function, a
+            ``tool_choice`` other than ``none`` without tools, ``max_calls`` below 1.
     """
-    tools = tools or []
-    names = [t.function.name for t in tools]
+    names = [fn.name for fn in functions]
+    for i, n in enumerate(names):
+        if not NAME_PATTERN.match(n):
+            raise ToolError(f"{param}[{i}]: function name {n!r} must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                            param)
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ToolError(f"function names must be unique; repeated: {', '.join(dupes)}", "tools")
+        raise ToolError(f"function names must be unique; repeated: {', '.join(dupes)}", param)
+    if max_calls is not None and max_calls < 1:
+        raise ToolError(f"max_tool_calls must be at least 1, got {max_calls}", "max_tool_calls")
+    if named is not None:
+        chosen = [fn for fn in functions if fn.name == named]
+        if not chosen:
+            raise ToolError(f"tool_choice names function {named!r}, which is not among the tools "
+                            f"({', '.join(names) or 'none given'})", "tool_choice")
+        return ToolPlan("required", (chosen[0],), False)
     if tool_choice is None:
-        tool_choice = "auto" if tools else "none"
+        tool_choice = "auto" if functions else "none"
     if tool_choice == "none":
         return ToolPlan("none", (), False)
-    if not tools:
-        raise ToolError(f"tool_choice {_choice_text(tool_choice)} needs at least one tool in 'tools'", "tool_choice")
-    if isinstance(tool_choice, ToolChoiceFunction):
-        wanted = tool_choice.function.name
-        chosen = [t.function for t in tools if t.function.name == wanted]
-        if not chosen:
-            raise ToolError(f"tool_choice names function {wanted!r}, which is not among the tools "
-                            f"({', '.join(names)})", "tool_choice")
-        return ToolPlan("required", (chosen[0],), False)
-    parallel = True if parallel_tool_calls is None else parallel_tool_calls
-    return ToolPlan(tool_choice, tuple(t.function for t in tools), parallel)
-
-
-def _choice_text(choice: Any) -> str:
-    return repr(choice) if isinstance(choice, str) else repr(choice.function.name)
+    if not functions:
+        raise ToolError(f"tool_choice {tool_choice!r} needs at least one tool in '{param}'", "tool_choice")
+    parallel = (True if parallel_tool_calls is None else parallel_tool_calls) and max_calls != 1
+    return ToolPlan(tool_choice, tuple(functions), parallel, max_calls if parallel else None)  # type: ignore[arg-type]
 
 
 def arguments_schema(fn: FunctionDefinition) -> dict:
     """The JSON Schema a call's ``arguments`` must satisfy (``{}`` only, without parameters)."""
     return fn.parameters if fn.parameters else NO_ARGUMENTS
-
-
-def call_schema(functions: tuple[FunctionDefinition, ...]) -> dict:
-    """JSON Schema of one call object: ``anyOf`` over functions, disjoint by the ``name`` const."""
-    branches = [{
-        "type": "object",
-        "properties": {"name": {"const": fn.name}, "arguments": arguments_schema(fn)},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    } for fn in functions]
-    return branches[0] if len(branches) == 1 else {"anyOf": branches}
 
 
 def literal(text: str) -> str:
@@ -161,53 +170,62 @@ def not_starting_with(marker: str) -> str:
     return f"(?:(?:{diverge}){ANY_TEXT}|{prefixes})"
 
 
-def tool_regex(plan: ToolPlan, schema_to_regex: SchemaToRegex, text_regex: str | None) -> str:
+def call_regex(fn: FunctionDefinition, arguments_regex: str) -> str:
+    """Regex of one call object of ``fn``: ``{"name":"<fn>","arguments":<arguments>}``."""
+    head = '{"name":' + json.dumps(fn.name) + ',"arguments":'
+    return literal(head) + "(?:" + arguments_regex + ")" + literal("}")
+
+
+def tool_regex(plan: ToolPlan, arguments_regex: ArgumentsRegex, text_regex: str | None) -> str:
     """The regex the whole assistant output must match under ``plan`` (mode not "none").
 
     Args:
         plan: an active plan.
-        schema_to_regex: JSON Schema → regex of its compact JSON (the grammar's compiler).
+        arguments_regex: a function → the regex of its arguments' compact JSON (the grammar's
+            compiler run on ``arguments_schema(fn)`` as a document of its own).
         text_regex: what a text answer must match in "auto" mode (``None``: any text not
             starting with ``<tool_call>``).
 
     Raises:
-        grammar.base.GrammarError: from ``schema_to_regex`` on a schema it cannot enforce.
+        grammar.base.GrammarError: from ``arguments_regex`` on a schema it cannot enforce.
     """
-    one = literal(CALL_OPEN) + "(?:" + schema_to_regex(call_schema(plan.functions)) + ")" + literal(CALL_CLOSE)
-    calls = f"{one}(?:{literal(CALL_SEP)}{one})*" if plan.parallel else one
+    branches = [call_regex(fn, arguments_regex(fn)) for fn in plan.functions]
+    one = literal(CALL_OPEN) + "(?:" + "|".join(branches) + ")" + literal(CALL_CLOSE)
+    if not plan.parallel:
+        calls = one
+    elif plan.max_calls is None:
+        calls = f"{one}(?:{literal(CALL_SEP)}{one})*"
+    else:
+        calls = f"{one}(?:{literal(CALL_SEP)}{one}){{0,{plan.max_calls - 1}}}"
     if plan.mode == "required":
         return calls
     text = text_regex if text_regex is not None else not_starting_with(CALL_OPEN)
     return f"(?:{calls}|{text})"
 
 
-_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def parse_tool_output(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolCall]]:
     """Split a finished output into ``(content, tool_calls)``.
 
     Output that starts with ``<tool_call>`` is read as call blocks (``content`` is ``None``);
-    anything else is a text answer with no calls. Arguments come back as compact JSON text,
-    as OpenAI sends them.
+    anything else is a text answer with no calls. Arguments are the model's own JSON text
+    (compact, as the grammar wrote it), as streamed.
 
     Raises:
-        ValueError: a call block whose JSON does not parse or lacks ``name`` / ``arguments``
-            (only possible when generation was cut short).
+        ValueError: output that starts a call but is not complete call blocks (only possible
+            when generation was cut short).
     """
-    if not plan.active or not text.startswith(CALL_OPEN):
+    if not plan.active:
         return text, []
-    calls = []
-    for body in _BLOCK.findall(text):
-        obj = json.loads(body)
-        if not isinstance(obj, dict) or "name" not in obj or "arguments" not in obj:
-            raise ValueError(f"tool call block is not {{name, arguments}}: {body[:200]!r}")
-        args = json.dumps(obj["arguments"], separators=(",", ":"), ensure_ascii=False)
-        calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
-                              function=FunctionCall(name=str(obj["name"]), arguments=args)))
-    if not calls:
-        raise ValueError(f"output starts a tool call but holds no complete block: {text[:200]!r}")
-    return None, calls
+    parsed = parse_answer(text, plan.mode == "auto")
+    if parsed is None:
+        raise ValueError(f"output starts a tool call but holds no complete blocks: {text[:200]!r}")
+    content, calls = parsed
+    return content, [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                     for c in calls]
 
 
 # -- prompt --------------------------------------------------------------------------------------

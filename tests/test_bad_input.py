@@ -81,11 +81,16 @@ SELF_CYCLE = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
     (b'{"prompt": "\xff\xfe"}', "UTF-8"),
     (b'{"pr\xc3\x28mpt": "x"}', "UTF-8"),
     (b'{"prompt": "x", "response_schema": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}", "too deeply"),
-    (b'{"prompt": "x", "stop": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "too deeply"),
 ])
 def test_undecodable_bodies(client, raw, needle):
     p = _problem(client.post("/generate", content=raw, headers={"content-type": "application/json"}), 400)
     assert needle in p["detail"], p
+
+
+def test_deep_nesting_of_a_typed_field_is_refused_at_its_first_wrong_level(client):
+    raw = b'{"prompt": "x", "stop": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    p = _problem(client.post("/generate", content=raw, headers={"content-type": "application/json"}), 422)
+    assert p["field"] == "stop[0]" and "Expected `str`" in p["detail"], p
 
 
 @pytest.mark.parametrize("body, needle, field", [
@@ -99,10 +104,29 @@ def test_undecodable_bodies(client, raw, needle):
     ({"prompt": "x", "respose_schema": {}}, "unknown field `respose_schema`", "respose_schema"),
     ({"prompt": "x", "max_tokens": -3}, ">= 1", "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, ">= 1", "max_tokens"),
+    # strict types: msgspec's lenient mode (Litestar's default) would have taken these
+    ({"prompt": "x", "max_tokens": "5"}, "Expected `int | null`, got `str`", "max_tokens"),
+    ({"prompt": "x", "stream": "true"}, "Expected `bool`, got `str`", "stream"),
+    ({"prompt": "x", "temperature": "0.5"}, "Expected `float`, got `str`", "temperature"),
+    ({"prompt": "x", "max_tokens": True}, "Expected `int | null`, got `bool`", "max_tokens"),
+    ({"messages": [{"role": "user", "content": 5}]}, "Expected `str`, got `int`", "messages[0].content"),
 ])
 def test_wrong_types_and_unknown_fields_name_the_field(client, body, needle, field):
     p = _problem(client.post("/generate", json=body), 422)
     assert needle in p["detail"] and p["field"] == field, p
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_body_not_sent_as_json_is_415(client, ctype):
+    for path in ("/generate", "/v1/chat/completions"):
+        r = client.post(path, content=b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}',
+                        headers={"content-type": ctype})
+        assert r.status_code == 415, r.text
+        message = r.json()["detail"] if path == "/generate" else r.json()["error"]["message"]
+        assert "application/json" in message and ctype in message
+    for ctype in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        r = client.post("/generate", content=b'{"prompt": "x", "max_tokens": 1}', headers={"content-type": ctype})
+        assert r.status_code == 200, r.text
 
 
 def test_json_that_is_not_an_object(client):
@@ -299,7 +323,10 @@ def test_server_is_clean_after_bad_input(client):
 
 @pytest.mark.parametrize("raw, needle", [
     (b'{"model": "x", "messages": [{"role": "user", "content": "\xff"}]}', "UTF-8"),
-    (b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "too deeply"),
+    # a typed field is refused at its first wrong level, before any depth limit
+    (b'{"messages": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "messages[0]: Expected `object`, got `array`"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+     b'"json_schema": {"name": "d", "schema": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}}}", "too deeply"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}],
                  "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CYCLE}}}).encode(),
      "admits no value"),
@@ -314,6 +341,18 @@ def test_openai_routes_name_the_problem(client, raw, needle):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error", err
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"stream": "true"}, "stream"),
+    ({"n": 1.5}, "n"),
+    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+])
+def test_openai_routes_take_strict_types(client, body, param):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and "Expected" in r.json()["error"]["message"]
 
 
 # -- isolation -----------------------------------------------------------------------------------------

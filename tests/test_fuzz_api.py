@@ -39,9 +39,12 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
 
 import schemas.generate
 import schemas.openai
+import schemas.responses
 from engine.config import EngineConfig
 from schemas.generate import StreamDelta, StreamError, StreamFinal
 from schemas.openai import ChatCompletionChunk, Completion, ErrorResponse
+from service.openai_api import UNSERVED_CHAT
+from service.responses_api import UNSERVED as UNSERVED_RESPONSES
 from service.state import ServiceConfig
 from service_live import LiveServer
 
@@ -50,11 +53,17 @@ DERANDOMIZE = os.environ.get("STENCIL_FUZZ_RANDOM", "") != "1"
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection]
 OPERATIONS = [("/generate", "POST"), ("/health", "GET"), ("/metrics", "GET"), ("/v1/chat/completions", "POST"),
-              ("/v1/completions", "POST"), ("/v1/models", "GET"), ("/v1/models/{model_id}", "GET")]
+              ("/v1/completions", "POST"), ("/v1/responses", "POST"), ("/v1/models", "GET"),
+              ("/v1/models/{model_id}", "GET")]
 _GENERATE_EVENT = msgspec.json.Decoder(StreamDelta | StreamFinal | StreamError)
 _STREAM_TYPES = {"/v1/chat/completions": msgspec.json.Decoder(ChatCompletionChunk),
                  "/v1/completions": msgspec.json.Decoder(Completion)}
 _OPENAI_ERROR = msgspec.json.Decoder(ErrorResponse)
+_RESPONSE_EVENTS = {"response.created", "response.in_progress", "response.output_item.added",
+                    "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                    "response.content_part.done", "response.output_item.done",
+                    "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                    "response.completed", "response.incomplete", "response.failed", "error"}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +83,7 @@ def _declare_forbidden_unknown_fields(doc: dict) -> None:
     negative case tries one.
     """
     components = doc.get("components", {}).get("schemas", {})
-    for module in (schemas.generate, schemas.openai):
+    for module in (schemas.generate, schemas.openai, schemas.responses):
         for name, obj in vars(module).items():
             if (isinstance(obj, type) and issubclass(obj, msgspec.Struct)
                     and obj.__struct_config__.forbid_unknown_fields and name in components):
@@ -118,6 +127,10 @@ def _check_beyond_schema(path: str, response) -> None:
                 event = _GENERATE_EVENT.decode(payload)
                 if isinstance(event, StreamError):
                     assert event.error.status < 500, event
+            elif path == "/v1/responses":
+                event = msgspec.json.decode(payload)
+                assert event["type"] in _RESPONSE_EVENTS, event
+                assert event["type"] != "error" or event["code"] != "server_error", event
             elif '"error"' in payload[:10]:
                 assert _OPENAI_ERROR.decode(payload).error.type != "server_error", payload
             else:
@@ -159,9 +172,9 @@ def _servable(path: str):
         if not isinstance(body, dict):
             return case
         body.pop("model", None)
-        for key in ("presence_penalty", "frequency_penalty", "best_of", "suffix"):
+        for key in ("best_of", "suffix", *UNSERVED_CHAT, *UNSERVED_RESPONSES):
             body.pop(key, None)  # refused by design (400), which the other tests already reach
-        for key, top in (("max_tokens", 8), ("max_completion_tokens", 8), ("n", 2)):
+        for key, top in (("max_tokens", 8), ("max_completion_tokens", 8), ("max_output_tokens", 8), ("n", 2)):
             value = body.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e300:
                 body[key] = 1 + int(abs(value)) % top
@@ -172,13 +185,15 @@ def _servable(path: str):
                 body.pop(key)
         elif path == "/v1/chat/completions":
             body["messages"] = [{"role": "user", "content": "fuzz"}]
+        elif path == "/v1/responses":
+            body["input"] = "fuzz"
         else:
             body["prompt"] = "fuzz"
         return case
     return fix
 
 
-@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses"])
 def test_fuzz_servable_bodies(api, server, path):
     _run(api, server, path, "POST",
          lambda op: op.as_strategy(generation_mode=GenerationMode.POSITIVE).map(_servable(path)))

@@ -142,13 +142,18 @@ def test_named_function_without_parameters_gets_empty_arguments(client):
     assert [(c.function.name, c.function.arguments) for c in calls] == [("now", "{}")]
 
 
-def test_named_function_streams_one_whole_call(client):
+def test_named_function_streams_as_it_is_written(client):
     kw = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER],
               tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=60, seed=2)
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
     chunks = list(client.chat.completions.create(stream=True, **kw))
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(c.function.name, c.function.arguments) for c in calls] == \
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    first, rest = deltas[0], deltas[1:]
+    assert (first.index, first.type, first.function.name, first.function.arguments) == \
+        (0, "function", "get_weather", "") and first.id.startswith("call_")
+    assert all(d.id is None and d.function.name is None and d.index == 0 for d in rest)
+    assert len(rest) >= 3  # the arguments arrive as they are written, not in one piece
+    assert [(first.function.name, "".join(d.function.arguments for d in rest))] == \
         [(c.function.name, c.function.arguments) for c in whole]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
@@ -174,6 +179,8 @@ def test_n_choices_use_consecutive_seeds(client):
     assert [c.index for c in both.choices] == [0, 1]
     assert [c.message.content for c in both.choices] == [first, second]
     assert both.usage.completion_tokens == 12  # no EOS is likely in 6 random tokens, so assert it
+    one = client.chat.completions.create(seed=20, **kw).usage.prompt_tokens
+    assert both.usage.prompt_tokens == one  # the prompt is counted once, as OpenAI does
     assert all(c.finish_reason == "length" for c in both.choices)
 
 
@@ -193,7 +200,7 @@ def test_logprobs_cover_each_token(client):
     items = c.logprobs.content
     assert len(items) == r.usage.completion_tokens
     assert bytes(b for it in items for b in it.bytes).decode() == c.message.content
-    assert all(it.logprob <= 0 and it.top_logprobs == [] for it in items)
+    assert all(it.logprob <= 0 and it.top_logprobs == [] for it in items)  # none asked
 
 
 def test_completions_echo_and_logprobs(client):
@@ -232,8 +239,8 @@ def test_errors_use_openai_shape(client, server):
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert e.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, logprobs=True, top_logprobs=3)
-    assert e.value.body["param"] == "top_logprobs"
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, top_logprobs=3)
+    assert e.value.body["param"] == "top_logprobs" and "logprobs: true" in e.value.message
     for bad, param in (({"n": 0}, "n"), ({"stream_options": {"include_usage": True}}, "stream_options"),
                        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
                        ({"tools": [WEATHER, WEATHER]}, "tools")):

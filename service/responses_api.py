@@ -1,0 +1,401 @@
+"""OpenAI's Responses API for what Stencil does: ``POST /v1/responses``, whole or streamed.
+
+The request becomes a chat (``instructions`` as the first system message, ``input`` items as
+messages, past ``function_call`` / ``function_call_output`` items as the assistant's calls and
+the tool's results), then runs through the same constraint, engine and checks as chat
+completions (``service.openai_common``): ``text.format`` is ``response_format`` (``strict``
+omitted or false relaxes only what the grammar cannot enforce, reported in ``warnings``, the
+``X-Stencil-Warnings`` header and ``valid``); function ``tools`` are the chat endpoint's tools,
+``max_tool_calls`` bounds the calls in the grammar itself.
+
+Stateless: nothing is stored (``store`` true is refused, an omitted ``store`` means false), so
+``previous_response_id``, ``conversation`` and ``GET /v1/responses/{id}`` get clear errors.
+Streams are typed events (``response.created``, ``response.in_progress``,
+``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta``
+/ ``.done``, ``response.function_call_arguments.delta`` / ``.done``,
+``response.output_item.done``, then ``response.completed`` or ``response.incomplete``; ``error``
+and ``response.failed`` when the request fails after the stream began), each with a
+``sequence_number``; a call's arguments stream as they are written.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, get, post
+from litestar.openapi import ResponseSpec
+from litestar.response import Stream
+
+from schemas.openai import ChatMessage, FunctionCall, FunctionDefinition, ToolCall
+from schemas.responses import (
+    FunctionCallItem, FunctionTool, IncompleteDetails, InputContent, InputTokensDetails, NamedFunction, OutputItem,
+    OutputLogprob, OutputMessage, OutputText, Response as ResponseObject, ResponseError, ResponsesRequest,
+    ResponseUsage, TextConfig, TextFormat, TopLogprob,
+)
+from service import generation as gen
+from service.errors import InputError
+from service.openai_common import (
+    GENERATION_ERRORS, SSE_HEADERS, Constraint, NotFound, check_model, constraint, error_fields, refuse_unserved,
+    relaxed, run_all, sse, start_all, token_bytes, token_text, verdict, warnings_header,
+)
+from service.openapi_docs import StreamableOperation
+from service.state import ServiceState
+from service.tool_parser import ToolCallParser, ToolEvent
+from service.tools import plan_tools, template_messages, template_supports_tools
+from service.wire import strict_body
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+UNSERVED: dict[str, tuple[tuple, str]] = {
+    "previous_response_id": ((), "Stencil stores no responses; send the whole conversation as input"),
+    "conversation": ((), "Stencil stores no conversations; send the whole conversation as input"),
+    "background": ((False,), "responses run in the foreground only"),
+    "background_options": ((), "responses run in the foreground only"),
+    "reasoning": ((), "the served model does not reason"),
+    "prompt": ((), "stored prompt templates are not served"),
+    "prompt_cache_options": ((), "the prefix cache is automatic and takes no options"),
+    "prompt_cache_retention": ((), "the prefix cache is automatic and takes no options"),
+    "context_management": ((), "the conversation is used as sent"),
+    "moderation": ((), "Stencil runs no moderation"),
+    "image": ((), "Stencil generates text only"),
+    "access_programs": ((), "not served"),
+    "store": ((False,), "Stencil is stateless and stores nothing"),
+    "service_tier": (("auto", "default"), "Stencil has one service tier"),
+    "truncation": (("disabled",), "the conversation is used as sent (a prompt too long is a 400)"),
+}
+
+
+# -- the request ---------------------------------------------------------------------------------
+
+
+def _text(content: str | list[InputContent] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, part in enumerate(content):
+        if part.type in _TEXT_PARTS and part.text is not None:
+            parts.append(part.text)
+        elif part.type == "refusal" and part.refusal is not None:
+            parts.append(part.refusal)
+        else:
+            raise InputError(f"{where}[{j}]: content of type {part.type!r} is not supported (only text)",
+                             field=f"{where}[{j}].type")
+    return "".join(parts)
+
+
+def input_messages(data: ResponsesRequest) -> list[ChatMessage]:
+    """``instructions`` + ``input`` as chat messages (past calls and their outputs included).
+
+    Raises:
+        InputError: an item type Stencil does not serve (``reasoning``, ``item_reference``,
+            built-in tools' calls), or content that is not text; the field names the item.
+    """
+    out: list[ChatMessage] = []
+    if data.instructions:
+        out.append(ChatMessage(role="system", content=data.instructions))
+    if isinstance(data.input, str):
+        out.append(ChatMessage(role="user", content=data.input))
+        return out
+    for i, item in enumerate(data.input):
+        kind = item.type or "message"
+        if kind == "message":
+            if item.role is None:
+                raise InputError(f"input[{i}]: a message needs a role", field=f"input[{i}].role")
+            out.append(ChatMessage(role=item.role, content=_text(item.content, f"input[{i}].content")))
+        elif kind == "function_call":
+            if item.call_id is None or item.name is None:
+                raise InputError(f"input[{i}]: a function_call needs call_id and name", field=f"input[{i}]")
+            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments or "{}"))
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant" and last.tool_calls and not last.content:
+                last.tool_calls.append(call)  # parallel calls of one turn
+            else:
+                out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            if item.call_id is None:
+                raise InputError(f"input[{i}]: a function_call_output needs call_id", field=f"input[{i}].call_id")
+            out.append(ChatMessage(role="tool", tool_call_id=item.call_id,
+                                   content=_text(item.output, f"input[{i}].output")))
+        else:
+            raise InputError(f"input[{i}]: items of type {kind!r} are not supported (message, function_call and "
+                             "function_call_output are)", field=f"input[{i}].type")
+    return out
+
+
+def _format(text: TextConfig | None) -> tuple[Any, bool]:
+    fmt = text.format if text is not None else None
+    if text is not None and text.verbosity not in (None, "medium"):
+        raise InputError("text.verbosity is not supported: the served model has no verbosity control",
+                         field="text.verbosity")
+    if fmt is None or fmt.type == "text":
+        return None, True
+    if fmt.type == "json_object":
+        return {"type": "object"}, True
+    if fmt.schema is None:
+        raise InputError("text.format of type 'json_schema' needs a schema", field="text.format.schema")
+    return fmt.schema, fmt.strict is True
+
+
+@dataclass(slots=True)
+class _Job:
+    rid: str
+    model: str
+    constraint: Constraint
+    prompt_ids: list[int]
+    params: Any
+    want_logprobs: bool
+    data: ResponsesRequest
+
+
+async def _prepare(svc: ServiceState, data: ResponsesRequest) -> _Job:
+    model = check_model(svc, data.model)
+    refuse_unserved(data, UNSERVED)
+    if data.stream_options is not None and data.stream_options.include_obfuscation:
+        raise InputError("stream_options.include_obfuscation is not supported: Stencil pads no events",
+                         field="stream_options")
+    include = list(data.include or [])
+    unknown = [x for x in include if x != LOGPROBS_INCLUDE]
+    if unknown:
+        raise InputError(f"include {unknown[0]!r} is not supported (only {LOGPROBS_INCLUDE!r})", field="include")
+    functions = [FunctionDefinition(name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)
+                 for t in data.tools or []]
+    named = data.tool_choice.name if isinstance(data.tool_choice, NamedFunction) else None
+    choice = None if named is not None else data.tool_choice
+    plan = plan_tools(functions, choice, named, data.parallel_tool_calls, data.max_tool_calls)
+    native = template_supports_tools(getattr(svc.engine.tokenizer, "chat_template", None))
+    messages, tools_arg = template_messages(input_messages(data), plan, native)
+    prompt_ids = await gen.tokenize(svc, messages=messages, tools=tools_arg)
+    schema, strict = _format(data.text)
+    c = await constraint(svc, schema, strict, plan, parameters_field="tools[{i}].parameters",
+                         format_field="text.format")
+    want_logprobs = LOGPROBS_INCLUDE in include or bool(data.top_logprobs)
+    params = gen.sampling_params(svc.config, max_tokens=data.max_output_tokens,
+                                 temperature=1.0 if data.temperature is None else data.temperature,
+                                 top_p=1.0 if data.top_p is None else data.top_p, top_k=data.top_k or 0,
+                                 seed=data.seed, logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0)
+    return _Job(f"resp_{uuid.uuid4().hex}", model, c, prompt_ids, params, want_logprobs, data)
+
+
+# -- the output ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Output:
+    """The response's output items, built from the answer's text as it arrives.
+
+    ``feed`` / ``finish`` return the stream events due (dicts without ``sequence_number``);
+    a whole answer is fed at once and the events dropped.
+    """
+
+    svc: ServiceState
+    parser: ToolCallParser | None
+    items: list[OutputItem] = field(default_factory=list)
+    message: OutputMessage | None = None  # the text answer, while it is being written
+    calls: dict[int, FunctionCallItem] = field(default_factory=dict)
+    pending: list[OutputLogprob] = field(default_factory=list)
+
+    def feed(self, text: str, logprobs: list[OutputLogprob]) -> list[dict]:
+        self.pending += logprobs
+        if self.parser is None:
+            return self._text(text) if text else []
+        events: list[dict] = []
+        for ev in self.parser.feed(text):
+            events += self._event(ev)
+        return events
+
+    def finish(self, status: str) -> list[dict]:
+        events: list[dict] = []
+        for ev in (self.parser.finish() if self.parser is not None else []):
+            events += self._event(ev)
+        if self.message is None and not self.items:
+            events += self._open_message()  # an empty answer is still a message
+        if self.message is not None:
+            events += self._close_message(status)
+        for index in sorted(self.calls):
+            events += self._close_call(index, status)
+        return events
+
+    def _event(self, ev: ToolEvent) -> list[dict]:
+        if ev.kind == "text":
+            return self._text(ev.text) if ev.text else []
+        if ev.kind == "start":
+            item = FunctionCallItem(id=f"fc_{uuid.uuid4().hex}", call_id=f"call_{uuid.uuid4().hex[:24]}",
+                                    name=ev.name, arguments="", status="in_progress")
+            self.calls[ev.index] = item
+            self.items.append(item)
+            return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": item}]
+        if ev.kind == "arguments":
+            item = self.calls[ev.index]
+            item.arguments += ev.text
+            return [{"type": "response.function_call_arguments.delta", "item_id": item.id,
+                     "output_index": self.items.index(item), "delta": ev.text}]
+        return self._close_call(ev.index, "completed")
+
+    def _open_message(self) -> list[dict]:
+        self.message = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[OutputText("")])
+        self.items.append(self.message)
+        index = len(self.items) - 1
+        return [{"type": "response.output_item.added", "output_index": index, "item": self.message},
+                {"type": "response.content_part.added", "item_id": self.message.id, "output_index": index,
+                 "content_index": 0, "part": OutputText("")}]
+
+    def _text(self, text: str) -> list[dict]:
+        events = self._open_message() if self.message is None else []
+        part = self.message.content[0]
+        part.text += text
+        lps, self.pending = self.pending, []
+        part.logprobs += lps
+        events.append({"type": "response.output_text.delta", "item_id": self.message.id,
+                       "output_index": self.items.index(self.message), "content_index": 0, "delta": text,
+                       "logprobs": lps})
+        return events
+
+    def _close_message(self, status: str) -> list[dict]:
+        msg, self.message = self.message, None
+        part = msg.content[0]
+        part.logprobs += self.pending
+        self.pending = []
+        msg.status = "completed" if status == "completed" else "incomplete"
+        index = self.items.index(msg)
+        return [{"type": "response.output_text.done", "item_id": msg.id, "output_index": index, "content_index": 0,
+                 "text": part.text, "logprobs": part.logprobs},
+                {"type": "response.content_part.done", "item_id": msg.id, "output_index": index, "content_index": 0,
+                 "part": part},
+                {"type": "response.output_item.done", "output_index": index, "item": msg}]
+
+    def _close_call(self, key: int, status: str) -> list[dict]:
+        item = self.calls.pop(key, None)
+        if item is None:
+            return []
+        item.status = "completed" if status == "completed" else "incomplete"
+        index = self.items.index(item)
+        return [{"type": "response.function_call_arguments.done", "item_id": item.id, "output_index": index,
+                 "arguments": item.arguments, "name": item.name},
+                {"type": "response.output_item.done", "output_index": index, "item": item}]
+
+    def logprob_items(self, ids: list[int], lps: list[float] | None,
+                      tops: list[list[tuple[int, float]]] | None) -> list[OutputLogprob]:
+        """Logprob entries of ``output_text`` for these tokens (``[]`` when not asked)."""
+        if lps is None:
+            return []
+        out = []
+        for k, (t, lp) in enumerate(zip(ids, lps)):
+            raw = token_bytes(self.svc, t)
+            alts = [TopLogprob(token=token_text(token_bytes(self.svc, a)), logprob=alp,
+                               bytes=list(token_bytes(self.svc, a))) for a, alp in (tops[k] if tops else [])]
+            out.append(OutputLogprob(token=token_text(raw), logprob=lp, bytes=list(raw), top_logprobs=alts))
+        return out
+
+
+def _tools(data: ResponsesRequest) -> list[FunctionTool]:
+    return list(data.tools or [])
+
+
+def _response(job: _Job, status: str, output: list[OutputItem], created: float, *, usage: ResponseUsage | None = None,
+              incomplete: bool = False, error: ResponseError | None = None, valid: bool | None = None,
+              warnings: list[str] | None = None) -> ResponseObject:
+    d = job.data
+    tool_choice = d.tool_choice if d.tool_choice is not None else ("auto" if d.tools else "none")
+    text = d.text if d.text is not None else TextConfig(format=TextFormat(type="text"))
+    return ResponseObject(
+        id=job.rid, created_at=created, model=job.model, status=status, output=output,  # type: ignore[arg-type]
+        parallel_tool_calls=d.parallel_tool_calls is not False,
+        tool_choice=tool_choice, tools=_tools(d), instructions=d.instructions, max_output_tokens=d.max_output_tokens,
+        max_tool_calls=d.max_tool_calls, temperature=1.0 if d.temperature is None else d.temperature,
+        top_p=1.0 if d.top_p is None else d.top_p, top_logprobs=d.top_logprobs, text=text, metadata=d.metadata,
+        user=d.user, safety_identifier=d.safety_identifier, prompt_cache_key=d.prompt_cache_key, usage=usage,
+        incomplete_details=IncompleteDetails("max_output_tokens") if incomplete else None, error=error,
+        completed_at=time.time() if status in ("completed", "incomplete") else None,
+        valid=msgspec.UNSET if valid is None else valid, warnings=warnings or msgspec.UNSET)
+
+
+def _usage(job: _Job, r: gen.GenerationResult) -> ResponseUsage:
+    return ResponseUsage(input_tokens=len(job.prompt_ids), output_tokens=r.usage.completion_tokens,
+                         total_tokens=len(job.prompt_ids) + r.usage.completion_tokens,
+                         input_tokens_details=InputTokensDetails(cached_tokens=r.usage.cached_tokens))
+
+
+def _final(svc: ServiceState, job: _Job, out: _Output, r: gen.GenerationResult, relaxed_warnings: list[str],
+           created: float) -> tuple[ResponseObject, list[dict]]:
+    """The finished response and the events that close its items."""
+    v = verdict(svc, job.constraint, r, relaxed_warnings)
+    status = "incomplete" if r.finish_reason == "length" else "completed"
+    events = out.finish(status)
+    warnings = list(relaxed_warnings) + v.problems
+    body = _response(job, status, out.items, created, usage=_usage(job, r), incomplete=status == "incomplete",
+                     valid=v.valid, warnings=warnings)
+    return body, events
+
+
+# -- the routes ----------------------------------------------------------------------------------
+
+
+async def _events(svc: ServiceState, job: _Job, stream: gen.GenerationStream, relaxed_warnings: list[str],
+                  created: float) -> AsyncIterator[bytes]:
+    seq = 0
+
+    def emit(event: dict) -> bytes:
+        nonlocal seq
+        event["sequence_number"] = seq
+        seq += 1
+        return sse(event, event["type"])
+
+    out = _Output(svc, ToolCallParser(job.constraint.plan.mode == "auto") if job.constraint.plan.active else None)
+    started = _response(job, "in_progress", [], created)
+    yield emit({"type": "response.created", "response": started})
+    yield emit({"type": "response.in_progress", "response": started})
+    try:
+        async for item in stream:
+            if isinstance(item, gen.GenerationDelta):
+                lps = out.logprob_items(item.token_ids, item.logprobs, item.top_logprobs)
+                for ev in out.feed(item.text, lps):
+                    yield emit(ev)
+                continue
+            body, closing = _final(svc, job, out, item, relaxed_warnings, created)
+            for ev in closing:
+                yield emit(ev)
+            yield emit({"type": f"response.{body.status}", "response": body})
+    except Exception as e:  # noqa: BLE001 - the stream has begun: report in-band
+        err = error_fields(e)
+        yield emit({"type": "error", "code": err.code or err.type, "message": err.message, "param": err.param})
+        yield emit({"type": "response.failed",
+                    "response": _response(job, "failed", out.items, created,
+                                          error=ResponseError(code=err.type, message=err.message))})
+
+
+@post("/responses", status_code=200, summary="OpenAI-compatible response (Responses API)",
+      responses={200: ResponseSpec(ResponseObject, description="the response, or its typed events as server-sent "
+                                   "events with `\"stream\": true`"), **GENERATION_ERRORS},
+      operation_class=StreamableOperation, guards=[strict_body(ResponsesRequest)])
+async def create_response(data: ResponsesRequest, svc: ServiceState, request: Request) -> Any:
+    """Create a model response (OpenAI ``POST /v1/responses``), whole or streamed."""
+    job = await _prepare(svc, data)
+    created = time.time()
+    stream = (await start_all(svc, [(job.prompt_ids, job.params)], job.constraint.spec, job.rid, "text.format"))[0]
+    relaxed_warnings = relaxed(job.constraint, stream)
+    headers = warnings_header(relaxed_warnings)
+    if data.stream:
+        return Stream(_events(svc, job, stream, relaxed_warnings, created), media_type="text/event-stream",
+                      headers={**SSE_HEADERS, **headers})
+    r = (await run_all([stream], job.rid, request.receive))[0]
+    out = _Output(svc, ToolCallParser(job.constraint.plan.mode == "auto") if job.constraint.plan.active else None)
+    out.feed(r.text, out.logprob_items(r.token_ids, r.logprobs, r.top_logprobs))
+    body, _ = _final(svc, job, out, r, relaxed_warnings, created)
+    return Response(body, headers=headers)
+
+
+@get("/responses/{response_id:str}", summary="Retrieve a response (not served: Stencil stores none)",
+     include_in_schema=False)
+async def get_response(response_id: str) -> None:
+    """Always 404: Stencil is stateless and keeps no responses."""
+    raise NotFound(f"response {response_id!r} was not stored: Stencil is stateless (store is always false)",
+                   field="response_id")
+
+
+responses_route_handlers = [create_response, get_response]
