@@ -181,8 +181,10 @@ def _stretch(times: list[float], n: int) -> list[float]:
     return [times[min(int(k * len(times) / n), len(times) - 1)] for k in range(n)]
 
 
-async def warm(root: str, model: str, jobs: list[Job], api_key: str, timeout: float) -> None:
-    """One short request per distinct schema, so cached grammar compiles are not timed."""
+async def warm(root: str, model: str, jobs: list[Job], api_key: str, timeout: float, max_tokens: int) -> None:
+    """One request per distinct schema, so cached grammar compiles are not timed. It asks for the
+    run's ``max_tokens``: a constrained request with less room than its shortest answer is refused
+    (Stencil's budget check)."""
     seen: set[str] = set()
     async with httpx.AsyncClient(timeout=timeout, headers={"Authorization": f"Bearer {api_key}"}) as http:
         for job in jobs:
@@ -190,7 +192,7 @@ async def warm(root: str, model: str, jobs: list[Job], api_key: str, timeout: fl
             if key in seen:
                 continue
             seen.add(key)
-            r = await http.post(root + "/chat/completions", json=request_body(job, model, 1, stream=False))
+            r = await http.post(root + "/chat/completions", json=request_body(job, model, max_tokens, stream=False))
             if r.status_code != 200:
                 raise RuntimeError(f"{root}: warm-up request refused with HTTP {r.status_code}: {r.text[:300]}")
 
@@ -242,7 +244,7 @@ def main(args: argparse.Namespace) -> int:
     jobs = [Job(it.messages(), it.schema) for it in items]
     levels = [int(c) for c in args.concurrency.split(",")]
     for root, model in zip(roots, models):
-        asyncio.run(warm(root, model, jobs, args.api_key, args.timeout))
+        asyncio.run(warm(root, model, jobs, args.api_key, args.timeout, args.max_tokens))
     rows = []
     for c in levels:
         row: dict = {"concurrency": c, "results": {}}

@@ -28,7 +28,15 @@ MAX_TEMPERATURE = 1e6  # far beyond any useful value (logits / 1e6 is uniform), 
 
 
 class EngineError(ValueError):
-    """A request the engine cannot take (too long, bad parameters); the message names the field."""
+    """A request the engine cannot take (too long, bad parameters); the message names the field.
+
+    Attributes:
+        field: the request field at fault, when one is (``"max_tokens"``), else None.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class EngineOverloaded(RuntimeError):
@@ -186,7 +194,8 @@ class LLMEngine:
         need = grammar.min_output_tokens(params.max_tokens)
         if need is not None:
             raise EngineError(f"max_tokens {params.max_tokens} is below the shortest output this grammar "
-                              f"admits: it needs at least {need} tokens (or set close_on_budget false)")
+                              f"admits: it needs at least {need} tokens (or set close_on_budget false)",
+                              field="max_tokens")
 
     @property
     def kernels(self) -> dict[str, str]:

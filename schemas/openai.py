@@ -6,8 +6,9 @@ nothing is accepted and ignored: a field Stencil serves is honoured; a field it 
 refused with a 400 naming it when it is set to anything but its neutral value (the handlers'
 ``service.openai_fields`` table says which and why); a field the reference does not have is
 refused as unknown (``forbid_unknown_fields``), so a typo or another server's extension is
-never silently dropped. Stencil's own extensions: ``top_k``, ``repetition_penalty``; answers
-carry ``valid`` (per choice) and ``warnings``.
+never silently dropped. Stencil's own extensions: ``top_k``, ``repetition_penalty``,
+``close_on_budget``, ``soft_limits``; answers carry ``valid`` and ``closed_by_budget`` (per choice)
+and ``warnings``.
 """
 
 from __future__ import annotations
@@ -144,6 +145,10 @@ class ChatCompletionRequest(Struct, forbid_unknown_fields=True):
     # Stencil extensions (as in vLLM): the k most likely tokens only (0 = all); CTRL's penalty.
     top_k: int | None = None
     repetition_penalty: float | None = None
+    # Stencil extension: close a constrained answer within max tokens (False: cut it there, as
+    # OpenAI does), and the run-on guard's bounds (grammar.budget.SoftLimits; False: off).
+    close_on_budget: bool | None = None
+    soft_limits: dict[str, int] | bool | None = None
     # In the reference, not served: refused unless absent/null (or their neutral value).
     audio: Any = None
     modalities: list[str] | None = None
@@ -187,6 +192,10 @@ class CompletionRequest(Struct, forbid_unknown_fields=True):
     response_format: ResponseFormat | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
+    # Stencil extension: close a constrained answer within max tokens (False: cut it there, as
+    # OpenAI does), and the run-on guard's bounds (grammar.budget.SoftLimits; False: off).
+    close_on_budget: bool | None = None
+    soft_limits: dict[str, int] | bool | None = None
 
 
 # -- responses -----------------------------------------------------------------------------------
@@ -239,6 +248,7 @@ class ChatChoice(Struct):
     finish_reason: str | None
     logprobs: ChoiceLogprobs | None = None
     valid: bool | UnsetType = UNSET
+    closed_by_budget: bool | UnsetType = UNSET
 
 
 class ChatCompletion(Struct):
@@ -321,6 +331,7 @@ class CompletionChoice(Struct):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     valid: bool | UnsetType = UNSET
+    closed_by_budget: bool | UnsetType = UNSET
 
 
 class Completion(Struct):

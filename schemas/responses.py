@@ -119,6 +119,8 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True):
     truncation: str | None = None
     seed: int | None = None
     top_k: int | None = None
+    close_on_budget: bool | None = None  # Stencil extension (see schemas.openai)
+    soft_limits: dict[str, int] | bool | None = None
     # In the reference, not served.
     previous_response_id: str | None = None
     conversation: Any = None
@@ -244,4 +246,5 @@ class Response(Struct):
     service_tier: str = "default"
     background: bool = False
     valid: bool | UnsetType = UNSET
+    closed_by_budget: bool | UnsetType = UNSET
     warnings: list[str] | UnsetType = UNSET

@@ -128,7 +128,7 @@ def to_problem(exc: BaseException, request_id: str | None = None,
         headers["Retry-After"] = str(retry_after)
         p = Problem(title="Too Many Requests", status=429, detail=str(exc))
     elif isinstance(exc, EngineError):
-        p = Problem(title="Bad Request", status=400, detail=str(exc))
+        p = Problem(title="Bad Request", status=400, detail=str(exc), field=getattr(exc, "field", None))
     elif isinstance(exc, EngineDeadError):
         p = Problem(title="Service Unavailable", status=503, detail=str(exc))
     elif isinstance(exc, (asyncio.TimeoutError, TimeoutError)):

@@ -204,7 +204,8 @@ async def _prepare_chat(svc: ServiceState, data: ChatCompletionRequest) -> _Chat
                                   presence_penalty=data.presence_penalty or 0.0,
                                   frequency_penalty=data.frequency_penalty or 0.0,
                                   repetition_penalty=_or(data.repetition_penalty, 1.0),
-                                  vocab_size=vocab_size(svc))
+                                  vocab_size=vocab_size(svc), close_on_budget=data.close_on_budget is not False,
+                                  soft_limits=data.soft_limits)
               for s in _seeds(data.seed, n)]
     return _ChatJob(model, c, prompt_ids, params)
 
@@ -221,7 +222,8 @@ def _chat_choice(svc: ServiceState, job: _ChatJob, index: int, r: gen.Generation
         msg.tool_calls = _tool_calls(v.calls)
     choice = ChatChoice(index=index, message=msg, finish_reason=v.finish_reason,
                         logprobs=chat_logprobs(svc, r.token_ids, r.logprobs, r.top_logprobs),
-                        valid=msgspec.UNSET if v.valid is None else v.valid)
+                        valid=msgspec.UNSET if v.valid is None else v.valid,
+                        closed_by_budget=True if r.closed_by_budget else msgspec.UNSET)
     return choice, v.problems
 
 
@@ -428,7 +430,8 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
                                   logit_bias=bias, presence_penalty=data.presence_penalty or 0.0,
                                   frequency_penalty=data.frequency_penalty or 0.0,
                                   repetition_penalty=_or(data.repetition_penalty, 1.0),
-                                  vocab_size=vocab_size(svc))
+                                  vocab_size=vocab_size(svc), close_on_budget=data.close_on_budget is not False,
+                                  soft_limits=data.soft_limits)
               for s in _seeds(data.seed, n)]
     prompt_ids = [g if isinstance(g, list) else await gen.tokenize(svc, prompt=g) for g in groups]
     prompts = [g if isinstance(g, str) else svc.engine.tokenizer.decode(g) for g in groups]
@@ -452,7 +455,8 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
         choices.append(CompletionChoice(index=k, text=prefix + r.text, finish_reason=r.finish_reason,
                                         logprobs=completion_logprobs(svc, r.token_ids, r.logprobs, len(prefix),
                                                                      r.top_logprobs if want_logprobs else None),
-                                        valid=r.valid if spec is not None else msgspec.UNSET))
+                                        valid=r.valid if spec is not None else msgspec.UNSET,
+                                        closed_by_budget=True if r.closed_by_budget else msgspec.UNSET))
         warnings += [f"choice {k}: {w}" for w in r.warnings if w not in relaxed_warnings]
     body = Completion(id=rid, created=int(time.time()), model=model, choices=choices, usage=_usage(results, counts),
                       warnings=warnings or msgspec.UNSET)

@@ -140,7 +140,7 @@ def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int,
 
 
 def vocab_size(svc: ServiceState) -> int:
-    return svc.engine.engine.runner.vocab_size
+    return svc.engine.engine.grammar.vocab.model_vocab_size  # also on a cluster's ingress (no runner)
 
 
 # -- the constraint of an answer -----------------------------------------------------------------

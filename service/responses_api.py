@@ -178,7 +178,8 @@ async def _prepare(svc: ServiceState, data: ResponsesRequest) -> _Job:
     params = gen.sampling_params(svc.config, max_tokens=data.max_output_tokens,
                                  temperature=1.0 if data.temperature is None else data.temperature,
                                  top_p=1.0 if data.top_p is None else data.top_p, top_k=data.top_k or 0,
-                                 seed=data.seed, logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0)
+                                 seed=data.seed, logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0,
+                                 close_on_budget=data.close_on_budget is not False, soft_limits=data.soft_limits)
     return _Job(f"resp_{uuid.uuid4().hex}", model, c, prompt_ids, params, want_logprobs, data)
 
 
@@ -299,7 +300,7 @@ def _tools(data: ResponsesRequest) -> list[FunctionTool]:
 
 def _response(job: _Job, status: str, output: list[OutputItem], created: float, *, usage: ResponseUsage | None = None,
               incomplete: bool = False, error: ResponseError | None = None, valid: bool | None = None,
-              warnings: list[str] | None = None) -> ResponseObject:
+              warnings: list[str] | None = None, closed_by_budget: bool = False) -> ResponseObject:
     d = job.data
     tool_choice = d.tool_choice if d.tool_choice is not None else ("auto" if d.tools else "none")
     text = d.text if d.text is not None else TextConfig(format=TextFormat(type="text"))
@@ -312,7 +313,8 @@ def _response(job: _Job, status: str, output: list[OutputItem], created: float, 
         user=d.user, safety_identifier=d.safety_identifier, prompt_cache_key=d.prompt_cache_key, usage=usage,
         incomplete_details=IncompleteDetails("max_output_tokens") if incomplete else None, error=error,
         completed_at=time.time() if status in ("completed", "incomplete") else None,
-        valid=msgspec.UNSET if valid is None else valid, warnings=warnings or msgspec.UNSET)
+        valid=msgspec.UNSET if valid is None else valid, warnings=warnings or msgspec.UNSET,
+        closed_by_budget=True if closed_by_budget else msgspec.UNSET)
 
 
 def _usage(job: _Job, r: gen.GenerationResult) -> ResponseUsage:
@@ -329,7 +331,7 @@ def _final(svc: ServiceState, job: _Job, out: _Output, r: gen.GenerationResult, 
     events = out.finish(status)
     warnings = list(relaxed_warnings) + v.problems
     body = _response(job, status, out.items, created, usage=_usage(job, r), incomplete=status == "incomplete",
-                     valid=v.valid, warnings=warnings)
+                     valid=v.valid, warnings=warnings, closed_by_budget=r.closed_by_budget)
     return body, events
 
 

@@ -46,7 +46,7 @@ def main(model: str) -> dict:
         started = threading.Event()
 
         def stream() -> None:
-            body = {"prompt": "go", "regex": "[ab]{1200}", "max_tokens": 1300, "stream": True}
+            body = {"prompt": "go", "regex": "[ab]{1200}", "max_tokens": 1300, "stream": True, "close_on_budget": False}
             with httpx.stream("POST", url + "/generate", json=body, timeout=120) as r:
                 long["status"] = r.status_code
                 for line in r.iter_lines():

@@ -28,7 +28,7 @@ def _args(tmp_path, urls, **kw) -> argparse.Namespace:
     serve.add_arguments(p)
     argv = [x for u in urls for x in ("--base-url", u)] + ["--json", str(tmp_path / "serve.json"),
                                                            "--requests", "4", "--concurrency", "1,2",
-                                                           "--max-tokens", "24"]
+                                                           "--max-tokens", "48"]
     for k, v in kw.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     return p.parse_args(argv)
@@ -46,7 +46,7 @@ def test_reports_the_throughput_keys_for_two_servers(server, tmp_path):
                     "itl_ms_p99", "valid_fraction", "errors"} <= set(s)
             assert s["requests"] == 4 and s["errors"] == 0
             # a random model is often cut at max_tokens, but a finished answer is always valid
-            assert 0 < s["output_tokens"] <= 4 * 24 and s["output_tokens_per_s"] > 0
+            assert 0 < s["output_tokens"] <= 4 * 48 and s["output_tokens_per_s"] > 0
             assert s["ttft_ms_p50"] > 0 and s["itl_ms_p50"] >= 0
     assert args.json.with_suffix(".png").stat().st_size > 0
 

@@ -22,7 +22,7 @@ from service.state import ServiceConfig
 from service_live import LiveServer
 
 RUNNING, WAITING = 2, 4
-LONG = {"prompt": "load", "regex": "[ab]{2000}", "max_tokens": 600}  # seconds per request on the tiny model
+LONG = {"prompt": "load", "regex": "[ab]{2000}", "max_tokens": 600, "close_on_budget": False}  # seconds per request on the tiny model
 
 
 @pytest.fixture(scope="module")

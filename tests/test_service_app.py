@@ -69,7 +69,11 @@ def test_schema_request_returns_valid_json(client):
 def test_choice_and_cut_short_outputs(client):
     r = client.post("/generate", json={"prompt": "Answer:", "choice": ["alpha", "beta"]}).json()
     assert r["text"] in ("alpha", "beta") and r["output"] == r["text"] and r["valid"]
-    r = client.post("/generate", json={"prompt": "x", "response_schema": PERSON, "max_tokens": 2}).json()
+    # Below the schema's shortest output: refused before any token, naming max_tokens and the minimum.
+    p = client.post("/generate", json={"prompt": "x", "response_schema": PERSON, "max_tokens": 2})
+    assert p.status_code == 400 and p.json()["field"] == "max_tokens" and "at least" in p.json()["detail"], p.text
+    r = client.post("/generate", json={"prompt": "x", "response_schema": PERSON, "max_tokens": 2,
+                                       "close_on_budget": False}).json()
     assert r["finish_reason"] == "length" and r["output"] is None and r["valid"] is False
     assert r["usage"]["completion_tokens"] == 2
 
@@ -123,7 +127,8 @@ def test_concurrent_requests_are_batched(client):
         transport = httpx.ASGITransport(app=client.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://stencil", timeout=60) as ac:
             return await asyncio.gather(*(
-                ac.post("/generate", json={"prompt": f"item {i}", "regex": "[ab]{400}", "max_tokens": 12})
+                ac.post("/generate", json={"prompt": f"item {i}", "regex": "[ab]{400}", "max_tokens": 12,
+                                              "close_on_budget": False})
                 for i in range(8)))
 
     responses = client.blocking_portal.call(fire)
@@ -138,7 +143,7 @@ def test_concurrent_requests_are_batched(client):
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 5, 64])
 def test_stream_equals_non_stream(client, max_tokens):
     body = {"prompt": "Describe a person.", "response_schema": PERSON, "max_tokens": max_tokens,
-            "temperature": 0.8, "seed": 1234}
+            "temperature": 0.8, "seed": 1234, "close_on_budget": max_tokens == 64}
     plain = client.post("/generate", json=body).json()
     r = client.post("/generate", json={**body, "stream": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -218,7 +223,8 @@ def test_metrics_track_requests(client):
         return out
 
     before = scrape()
-    body = client.post("/generate", json={"prompt": "count", "regex": "[ab]{30}", "max_tokens": 6}).json()
+    body = client.post("/generate", json={"prompt": "count", "regex": "[ab]{30}", "max_tokens": 6,
+                                                 "close_on_budget": False}).json()
     after = scrape()
     assert after["stencil_completion_tokens_total"] - before["stencil_completion_tokens_total"] == 6
     assert (after["stencil_prompt_tokens_total"] - before["stencil_prompt_tokens_total"]

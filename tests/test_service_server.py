@@ -18,10 +18,10 @@ from service.state import ServiceConfig
 from service_live import LiveServer
 
 ROOT = Path(__file__).resolve().parents[1]
-LONG = {"prompt": "go", "regex": "[ab]{4000}", "max_tokens": 1000}  # can only end by length or abort
+LONG = {"prompt": "go", "regex": "[ab]{4000}", "max_tokens": 1000, "close_on_budget": False}  # can only end by length or abort
 # 2,000 tokens (the a/b tokens average 2.1 characters): seconds of decoding even on the tiny model,
 # so a loaded machine's client still finds it running when it reads its first delta.
-LONGER = {"prompt": "go", "regex": "[ab]{6000}", "max_tokens": 2000}
+LONGER = {"prompt": "go", "regex": "[ab]{6000}", "max_tokens": 2000, "close_on_budget": False}
 
 
 def _wait(pred, timeout_s: float = 10.0, step: float = 0.02) -> bool:

@@ -111,6 +111,10 @@ class IngressEngineView:
         copies of the engine's rules."""
         return None
 
+    def check_budget(self, grammar, params: SamplingParams) -> None:
+        """The replica checks ``max_tokens`` against the grammar when it admits the request."""
+        return None
+
     def stats(self) -> dict:
         """The replicas' ``LLMEngine.stats()`` summed (hit rate and KV usage recomputed), plus the
         ingress's ``retries`` and ``replays`` (requests re-sent after a replica failed, and of
@@ -204,8 +208,10 @@ class ClusterEngine:
         return True
 
     # -- requests -------------------------------------------------------------------------------
-    async def compile_grammar(self, spec: GrammarSpec) -> RemoteGrammar:
-        """Replicas compile grammars (their vocabulary, their cache); errors come at admission."""
+    async def compile_grammar(self, spec: GrammarSpec, backend: str | None = None,
+                              client: str | None = None) -> RemoteGrammar:
+        """Replicas compile grammars (their vocabulary, their cache, their default backend);
+        errors come at admission, and so does the budget check (``LLMEngine.check_budget``)."""
         return RemoteGrammar(spec)
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, grammar: RemoteGrammar | None = None,

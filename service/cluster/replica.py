@@ -84,6 +84,8 @@ class EngineReplica:
                 raise EngineDeadError(f"engine is not running: {aeng.error!r}")
             aeng.engine.check_request(request.prompt_token_ids, request.params)
             compiled = await aeng.compile_grammar(request.grammar) if request.grammar is not None else None
+            if compiled is not None:
+                aeng.engine.check_budget(compiled, request.params)
         except (GrammarError, EngineError, EngineOverloaded, EngineDeadError) as e:
             yield Refusal.of(e, self.replica_id)
             return
