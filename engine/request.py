@@ -123,7 +123,7 @@ class Request:
         self.finish_reason_detail: str | None = None
         self.arrival_index = 0
         self.output_logprobs: list[float] = []
-        self.spec_state = None  # adaptive speculation state (engine.spec_decode)
+        self.spec_state = None  # its speculation settings and record (engine.spec.state.SpecState)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -156,7 +156,7 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
         stop: a stop string or a list of them (not included in the output).
         logprobs: return each chosen token's log-probability.
         speculative: ``True``/``False`` switches n-gram speculation on/off; a dict gives its
-            settings (``engine.spec_decode.SpecConfig`` fields); ``None`` = the server default.
+            settings (``engine.spec.SpecConfig`` fields); ``None`` = the server default.
 
     Raises:
         InputError: naming the field that is out of range.

@@ -62,12 +62,18 @@ def test_second_pass_hits_prefix_cache_and_matches(tiny_model_dir, prompts, refe
     assert eng.kv.prefix_hits - hits_before == expected_hits
 
 
+def flat_cost(shape) -> float:
+    """Every decode step costs the same, drafts or not (rows are free): drafting never loses,
+    so whether drafts ride does not hang on this machine's speed (``LLMEngine(cost_model=)``)."""
+    return 10.0
+
+
 def test_speculation_keeps_greedy_outputs(tiny_model_dir, prompts, reference):
     ref, params = reference
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
             "max_batch_size": 64, "min_acceptance": 0.0}
     eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, speculative=spec,
-                                 max_prefill_chunk=16, max_num_batched_tokens=64))
+                                 max_prefill_chunk=16, max_num_batched_tokens=64), cost_model=flat_cost)
     results = eng.generate(prompts, params)
     assert [r["token_ids"] for r in results] == ref
     drafted = sum(r["output"].num_draft_tokens for r in results)
@@ -153,7 +159,7 @@ def test_constrained_speculation_and_forcing_keep_greedy_outputs(tiny_model_dir,
         "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 99},
         "tags": {"type": "array", "items": {"enum": ["a", "bb", "ccc"]}, "maxItems": 3},
         "ok": {"type": "boolean"}}, "required": ["name", "age", "tags", "ok"]}
-    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128))
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128), cost_model=flat_cost)
     specs = [GrammarSpec.json_schema(schema), GrammarSpec("regex", r"(ab|cd){2,4}-[0-9]{3}"),
              GrammarSpec("choice", '["alpha", "beta", "gamma delta"]')]
     grammars = [eng.grammar.compile(specs[i % 3]) for i in range(len(prompts))]
