@@ -80,7 +80,6 @@ class LLMEngine:
         # Whether drafting pays, from what decode steps cost with and without it.
         self.goodput = Goodput()
         self.cost_model = cost_model
-        self._clock = time.perf_counter
         self._proposed = 0  # requests the proposers ran for, for the next step
         self._propose_ms = 0.0  # ... and the time that took
         self.num_steps = 0
@@ -207,7 +206,7 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, mask, run, update, propose; return outputs of every request that changed."""
-        start = self._clock()
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not sched.is_empty:
@@ -249,7 +248,7 @@ class LLMEngine:
                           tokens=sum(len(o.new_token_ids) for o in outputs),
                           accepted=sum(len(t) - 1 for sr, t in zip(verified, sampled) if sr.num_drafts),
                           proposed=proposed)
-        ms = self.cost_model(shape) if self.cost_model is not None else (self._clock() - start) * 1e3 + propose_ms
+        ms = self.cost_model(shape) if self.cost_model is not None else (time.perf_counter() - start) * 1e3 + propose_ms
         self.goodput.observe(shape, ms)
 
     def _propose(self) -> None:
@@ -263,14 +262,14 @@ class LLMEngine:
         plan = self.goodput.plan(pending_rows(running), measurable=not self.scheduler.prefill_pending())
         if not plan.draft:
             return
-        t0 = self._clock()
-        drafts = self.drafter.propose(list(running), DraftBudget(plan.threshold, self.row_tile))
+        t0 = time.perf_counter()
+        drafts = self.drafter.propose(running, DraftBudget(plan.threshold, self.row_tile, plan.max_drafts))
         for req, exc in drafts.failed:
             self._fail(req, "proposing draft tokens", exc)
         for req in running:
             req.draft_token_ids = drafts.tokens.get(req.request_id, [])
         self._proposed = drafts.proposed
-        self._propose_ms = (self._clock() - t0) * 1e3
+        self._propose_ms = (time.perf_counter() - t0) * 1e3
 
     def _fail(self, req: Request, stage: str, exc: BaseException) -> None:
         """Finish one request with an error (its blocks freed); the batch goes on without it."""

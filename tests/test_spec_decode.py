@@ -154,7 +154,7 @@ def drive(g: Goodput, cost, steps: int, *, base: int = 8, p: float = 0.8, k: int
         plan = g.plan(base)
         plans.append(plan)
         if plan.draft:
-            per = sum(1 for j in range(1, k + 1) if p ** j >= plan.threshold)
+            per = min(sum(1 for j in range(1, k + 1) if p ** j >= plan.threshold), plan.max_drafts or k)
             accepted = round(base * sum(p ** j for j in range(1, per + 1)))
             shape = StepShape(base, per * base, base + accepted, accepted, proposed=base)
         else:
@@ -171,15 +171,18 @@ def test_goodput_keeps_drafting_where_rows_are_cheap_and_prices_them():
     g = Goodput()
     plans = drive(g, cost_of(30.0, 0.5, 0.3, 0.05), 400)
     assert g.stops == 0 and all(pl.reason != "off" for pl in plans)
-    # A one-step probe every second drafting step until the baseline has 3 plain steps, then
-    # every 48 drafting steps, since the gain is past 1.25 (16 while it is not).
-    assert [pl.reason for pl in plans[:9]] == ["draft", "draft", "probe"] * 3
+    # A one-step probe every second drafting step until the baseline has 3 plain steps; one
+    # unpriced draft per request until 4 drafting steps have priced a row; then every 48
+    # drafting steps a probe, since the gain is past 1.25 (16 while it is not).
+    assert [pl.reason for pl in plans[:13]] == ["explore", "explore", "probe"] * 3 + ["explore"] * 4
+    assert all(pl.max_drafts == 1 and pl.threshold == 0 for pl in plans[:13] if pl.draft)
+    assert all(pl.max_drafts is None for pl in plans[13:])
     probes = [i for i, pl in enumerate(plans) if pl.reason == "probe"]
     assert len(probes) == 3 + (400 - 9) // 49 and all(b - a == 49 for a, b in zip(probes[2:], probes[3:]))
     # tokens/s with drafts over without: 8 + 19 tokens in 43.6 ms against 8 in 34 ms
     assert g.gain == pytest.approx((27 / 43.6) / (8 / 34.0), rel=0.02)
-    # a draft row costs 0.3 ms (its share of proposing too), a plain token 34 / 8 ms
-    assert plans[-1].threshold == pytest.approx((0.3 + 0.05 / 4) / (34.0 / 8), rel=0.05)
+    # a draft row costs 0.3 ms, a plain token 34 / 8 ms
+    assert plans[-1].threshold == pytest.approx(0.3 / (34.0 / 8), rel=0.05)
 
 
 def test_goodput_stops_drafting_where_it_loses_and_backs_off_longer_each_failed_trial():
@@ -187,10 +190,10 @@ def test_goodput_stops_drafting_where_it_loses_and_backs_off_longer_each_failed_
     # Rows dear: 6 ms a draft row against 34 ms for a plain step of 8 (4.25 ms a token), and
     # proposing costs 0.3 ms a request, so even priced drafting loses.
     plans = drive(g, cost_of(30.0, 0.5, 6.0, 0.3), 700, p=0.6)
-    assert g.stops >= 3 and g.trials == g.stops - 1 or g.trials == g.stops
+    assert g.stops >= 5 and g.trials in (g.stops - 1, g.stops)  # a trial after each stretch off
     reasons = [pl.reason for pl in plans]
     # The off stretches: 16, 32, 64, 128, 256, 256 plain steps, then a trial each time.
-    runs, n, cur = [], 0, None
+    runs, n = [], 0
     for r in reasons:
         if r == "off":
             n += 1
@@ -231,6 +234,28 @@ def test_goodput_recovers_when_rows_get_cheap_and_stops_when_they_get_dear():
     plans = drive(g, Shifting(cheap, dear, 300), 400, p=0.8)
     assert all(pl.reason != "off" for pl in plans[:300])
     assert any(pl.reason == "off" for pl in plans[300:340])  # found within a few dozen steps
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_goodput_holds_up_when_step_times_are_noisy(seed):
+    """Every step time off by a random factor (lognormal, sigma 0.35: a machine shared with
+    other work). Where drafting wins 2.6x it keeps nearly all of it; where even priced drafting
+    loses (rows dearer than the tokens they bring), what the trials cost stays under 7%."""
+    rng = np.random.default_rng(seed)
+
+    def realized(cost, p):
+        g, made, spent = Goodput(), [], []
+
+        def noisy(shape):
+            made.append(shape.tokens)
+            spent.append(cost(shape))  # the true cost, to score the decisions by
+            return spent[-1] * float(np.exp(rng.normal(0.0, 0.35)))
+
+        drive(g, noisy, 1000, p=p)
+        return (sum(made) / sum(spent)) / (8 / cost(StepShape(8)))  # over plain decoding's rate
+
+    assert realized(cost_of(30.0, 0.5, 0.3, 0.05), 0.8) > 2.5
+    assert realized(cost_of(30.0, 0.5, 6.0, 0.3), 0.6) > 0.93
 
 
 # -- Drafter.propose: the step's rows shared by expected value, priced -----------------------------

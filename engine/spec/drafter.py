@@ -37,10 +37,12 @@ class DraftBudget:
             requests whose settings are ``cost_aware``.
         tile: rows the model's matmul kernel multiplies together (1: no tiles); a request's
             ``row_tile`` setting overrides it.
+        max_drafts: most drafts per request (None: its ``num_speculative_tokens``).
     """
 
     threshold: float = 0.0
     tile: int = 1
+    max_drafts: int | None = None
 
 
 @dataclass(slots=True)
@@ -110,7 +112,7 @@ class Drafter:
                 continue
             spec = st.config
             room = min(spec.num_speculative_tokens, req.params.max_tokens - req.num_output_tokens - 1,
-                       self.max_model_len - req.num_tokens - 1)
+                       self.max_model_len - req.num_tokens - 1, budget.max_drafts or spec.num_speculative_tokens)
             if room <= 0:
                 continue
             out.proposed += 1

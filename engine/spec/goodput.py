@@ -22,12 +22,14 @@ rests on outcomes, measured online:
   at which a draft pays (``threshold``). The proposer applies it per request and per draft
   position (the j-th draft of a request whose drafts are accepted with chance p is accepted
   with chance p^j), so a request whose drafts fail stops paying for rows even while the batch
-  gains.
+  gains. Until the price is measured (at start, and when a trial begins, where the old price
+  stays as a prior worth a few steps), each request drafts one token unpriced, its likeliest:
+  that measures a row's price at a small fraction of what unpriced full drafts would risk.
 
 Time comes from the engine: the wall clock in production, an injected cost model in tests
 (``LLMEngine(cost_model=...)``), so every decision can be tested without reading a clock.
 SmartSpec (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large Language
-Models Using Goodput") picks draft lengths from modelled goodput; here the model only prices
+Models Using Goodput", arXiv 2406.14066) picks draft lengths from modelled goodput; here the model only prices
 rows, and the measured outcome has the last word.
 """
 
@@ -48,8 +50,14 @@ class LinearFit:
         self.reset()
 
     def reset(self) -> None:
-        self.count = 0  # pairs seen since the last reset
+        self.count = 0  # pairs seen since the last reset or shrink
         self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def shrink(self, keep: float) -> None:
+        """Keep the fit but weigh it as ``keep`` times as many pairs: new pairs then move it
+        faster (a prior that the next measurements may overrule)."""
+        self._w, self._x, self._y, self._xx, self._xy = (v * keep for v in (self._w, self._x, self._y, self._xx, self._xy))
+        self.count = 0
 
     def observe(self, x: float, y: float) -> None:
         d = self.decay
@@ -67,7 +75,7 @@ class LinearFit:
         the weighted mean (``b = 0``), or with ``flat_through_origin`` the ray through it
         (``a = 0``, all of ``y`` put on ``x``: the cautious reading of a cost).
         """
-        if self.count == 0:
+        if self._w <= 0.0:
             return None
         mx, my = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mx * mx
@@ -115,13 +123,17 @@ class DraftPlan:
     Attributes:
         draft: whether to run the proposers at all.
         threshold: least chance of acceptance at which a draft is worth its row (0: all are).
-        reason: "draft", "probe" (a plain step to refresh the baseline) or "off" (drafting
-            measurably lost; a trial follows after the backoff).
+        max_drafts: most drafts per request (None: as many as pay).
+        reason: "draft" (priced), "explore" (the price of a row is not measured yet: one
+            unpriced draft per request, the likeliest, measures it cheaply), "probe" (a plain
+            step to refresh the baseline) or "off" (drafting measurably lost; a trial follows
+            after the backoff).
     """
 
     draft: bool
     threshold: float
     reason: str
+    max_drafts: int | None = None
 
 
 class Goodput:
@@ -141,20 +153,21 @@ class Goodput:
         backoff / max_backoff: steps off after the first failed trial / at most.
         min_baseline: plain steps measured before drafting steps are judged (until then a
             probe follows every second drafting step).
-        min_priced: drafting steps measured with every draft kept, to price a row, before the
-            price applies.
+        min_priced: drafting steps measured with one unpriced draft per request, to price a
+            row, before the price applies.
         gain_decay / baseline_decay / price_decay: weight the past keeps at each step.
     """
 
     def __init__(self, *, min_gain: float = 1.0, min_steps: int = 8, settle_steps: int = 64,
                  probe_every: int = 16, probe_every_winning: int = 48, winning_gain: float = 1.25,
                  backoff: int = 16, max_backoff: int = 256, min_baseline: int = 3, min_priced: int = 4,
-                 gain_decay: float = 0.95, baseline_decay: float = 0.8, price_decay: float = 0.95) -> None:
+                 gain_decay: float = 0.95, baseline_decay: float = 0.9, price_decay: float = 0.95) -> None:
         self.min_gain, self.min_steps, self.settle_steps = min_gain, min_steps, settle_steps
         self.probe_every, self.probe_every_winning, self.winning_gain = probe_every, probe_every_winning, winning_gain
         self.min_backoff, self.max_backoff = backoff, max_backoff
         self.min_baseline, self.min_priced = min_baseline, min_priced
         self.gain_decay = gain_decay
+        self.prior_weight = 0.25  # share of its weight the price keeps when a trial begins
         self.baseline = LinearFit(baseline_decay)  # plain step ms against base rows
         self.excess = LinearFit(price_decay)  # drafting step ms above the baseline, against draft rows
         self._saved_ms = self._spent_ms = 0.0  # decayed: plain-equivalent ms of the tokens made, ms taken
@@ -176,12 +189,19 @@ class Goodput:
             return DraftPlan(False, 0.0, "off")
         if measurable and self.since_plain >= self._probe_interval():
             return DraftPlan(False, 0.0, "probe")
+        if not self.priced:
+            return DraftPlan(True, 0.0, "explore", max_drafts=1)
         return DraftPlan(True, self.threshold(base_rows), "draft")
+
+    @property
+    def priced(self) -> bool:
+        """Whether the baseline and the price of a draft row are measured (since the trial began)."""
+        return self.baseline.count >= self.min_baseline and self.excess.count >= self.min_priced
 
     def threshold(self, base_rows: int) -> float:
         """Least chance of acceptance at which a draft row pays, in a step of ``base_rows``
         other rows: ms per draft row over ms per token of a plain step (0 while unmeasured)."""
-        if self.baseline.count < self.min_baseline or self.excess.count < self.min_priced or base_rows <= 0:
+        if not self.priced or base_rows <= 0:
             return 0.0
         plain = self.baseline.at(base_rows)
         _, per_row = self.excess.line(flat_through_origin=True)
@@ -194,7 +214,7 @@ class Goodput:
 
     def stats(self) -> dict:
         """For /health: the gain, the price of a draft row (ms), whether drafting is on."""
-        price = self.excess.line(flat_through_origin=True) if self.excess.count >= self.min_priced else None
+        price = self.excess.line(flat_through_origin=True) if self.priced else None
         return {"drafting": self.off_left == 0, "gain": self.gain,
                 "draft_row_ms": price[1] if price else None, "trials": self.trials, "stops": self.stops}
 
@@ -222,7 +242,7 @@ class Goodput:
         plain = self.baseline.at(shape.base_rows)
         self.excess.observe(shape.draft_rows, ms - plain)
         if self.excess.count <= self.min_priced:
-            return  # planned before the price was known: it measured the price, not the outcome
+            return  # explored before the price was known: it measured the price, not the outcome
         d = self.gain_decay
         plain_tokens = max(shape.tokens - shape.accepted, 1)
         self._saved_ms = self._saved_ms * d + plain * shape.tokens / plain_tokens
@@ -237,8 +257,9 @@ class Goodput:
             self.backoff = self.min_backoff
 
     def _begin_trial(self) -> None:
-        """Measure afresh: the row price and the gain may be different now."""
-        self.excess.reset()
+        """Measure afresh: the row price and the gain may be different now. The old price stays
+        as a prior worth a few steps (under load one step's time is noisy; four alone mislead)."""
+        self.excess.shrink(self.prior_weight)
         self._saved_ms = self._spent_ms = 0.0
         self.priced_steps = 0
         self.since_plain = 0
