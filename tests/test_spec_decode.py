@@ -172,13 +172,14 @@ def test_goodput_keeps_drafting_where_rows_are_cheap_and_prices_them():
     plans = drive(g, cost_of(30.0, 0.5, 0.3, 0.05), 400)
     assert g.stops == 0 and all(pl.reason != "off" for pl in plans)
     # A one-step probe every second drafting step until the baseline has 3 plain steps; one
-    # unpriced draft per request until 4 drafting steps have priced a row; then every 48
-    # drafting steps a probe, since the gain is past 1.25 (16 while it is not).
+    # unpriced draft per request until 4 drafting steps have priced a row; then a probe spaced
+    # to cost 2% of the throughput: (gain - 1) / gain / 0.02 drafting steps apart.
     assert [pl.reason for pl in plans[:13]] == ["explore", "explore", "probe"] * 3 + ["explore"] * 4
     assert all(pl.max_drafts == 1 and pl.threshold == 0 for pl in plans[:13] if pl.draft)
     assert all(pl.max_drafts is None for pl in plans[13:])
     probes = [i for i, pl in enumerate(plans) if pl.reason == "probe"]
-    assert len(probes) == 3 + (400 - 9) // 49 and all(b - a == 49 for a, b in zip(probes[2:], probes[3:]))
+    spacing = int((g.gain - 1) / g.gain / 0.02)
+    assert spacing == 30 and all(b - a == spacing + 1 for a, b in zip(probes[-6:], probes[-5:]))
     # tokens/s with drafts over without: 8 + 19 tokens in 43.6 ms against 8 in 34 ms
     assert g.gain == pytest.approx((27 / 43.6) / (8 / 34.0), rel=0.02)
     # a draft row costs 0.3 ms, a plain token 34 / 8 ms

@@ -6,9 +6,11 @@ verifies drafts can take twice as long as one that does not (issue 22: 0.84x at 
 with drafts priced by a wall-clock model of step time that nothing checked). So the decision
 rests on outcomes, measured online:
 
-- **Baseline.** Decode steps without drafting (a one-step probe every so often while drafting,
-  every step while it is off) give the time of a plain step against its rows: a ``LinearFit``
-  of ms over rows, which only interpolates between rows it has seen.
+- **Baseline.** Decode steps without drafting (a one-step probe every 4 to 48 drafting steps,
+  often where the gain is small and a probe costs little, rarely where it is large; every step
+  while drafting is off) give the time of a plain step against its rows: a ``LinearFit`` of ms
+  over rows, which only interpolates between rows it has seen, and forgets fast (a machine's
+  load drifts).
 - **Outcome.** A drafting step made ``tokens`` tokens in ``ms``; plain decoding would have made
   ``tokens - accepted`` in ``plain(rows)``, so the same tokens would have taken
   ``plain(rows) * tokens / (tokens - accepted)`` ms. The decayed sum of that over the decayed
@@ -56,7 +58,8 @@ class LinearFit:
     def shrink(self, keep: float) -> None:
         """Keep the fit but weigh it as ``keep`` times as many pairs: new pairs then move it
         faster (a prior that the next measurements may overrule)."""
-        self._w, self._x, self._y, self._xx, self._xy = (v * keep for v in (self._w, self._x, self._y, self._xx, self._xy))
+        sums = (self._w, self._x, self._y, self._xx, self._xy)
+        self._w, self._x, self._y, self._xx, self._xy = (v * keep for v in sums)
         self.count = 0
 
     def observe(self, x: float, y: float) -> None:
@@ -146,10 +149,9 @@ class Goodput:
         min_gain: drafting goes on while its measured gain is at least this.
         min_steps: priced drafting steps a trial needs before it can fail.
         settle_steps: priced steps after which a trial counts as held (backoff reset).
-        probe_every: drafting steps between probes while the gain is under ``winning_gain``.
-        probe_every_winning: drafting steps between probes while it is above (a probe then
-            costs more and the baseline's exact value matters less).
-        winning_gain: see ``probe_every_winning``.
+        probe_cost: share of the throughput probes may cost; spaces them
+            (``(gain - 1) / gain / probe_cost`` drafting steps apart).
+        min_probe_every / max_probe_every: bounds of that spacing.
         backoff / max_backoff: steps off after the first failed trial / at most.
         min_baseline: plain steps measured before drafting steps are judged (until then a
             probe follows every second drafting step).
@@ -159,11 +161,11 @@ class Goodput:
     """
 
     def __init__(self, *, min_gain: float = 1.0, min_steps: int = 8, settle_steps: int = 64,
-                 probe_every: int = 16, probe_every_winning: int = 48, winning_gain: float = 1.25,
+                 probe_cost: float = 0.02, min_probe_every: int = 4, max_probe_every: int = 48,
                  backoff: int = 16, max_backoff: int = 256, min_baseline: int = 3, min_priced: int = 4,
-                 gain_decay: float = 0.95, baseline_decay: float = 0.9, price_decay: float = 0.95) -> None:
+                 gain_decay: float = 0.95, baseline_decay: float = 0.7, price_decay: float = 0.95) -> None:
         self.min_gain, self.min_steps, self.settle_steps = min_gain, min_steps, settle_steps
-        self.probe_every, self.probe_every_winning, self.winning_gain = probe_every, probe_every_winning, winning_gain
+        self.probe_cost, self.min_probe_every, self.max_probe_every = probe_cost, min_probe_every, max_probe_every
         self.min_backoff, self.max_backoff = backoff, max_backoff
         self.min_baseline, self.min_priced = min_baseline, min_priced
         self.gain_decay = gain_decay
@@ -219,10 +221,17 @@ class Goodput:
                 "draft_row_ms": price[1] if price else None, "trials": self.trials, "stops": self.stops}
 
     def _probe_interval(self) -> int:
+        """Drafting steps between probes. A probe gives up what drafting gains on one step, so
+        probes are spaced to cost about ``probe_cost`` of the throughput: every few steps while
+        the gain is near 1 (a probe then costs next to nothing, and the decision needs a baseline
+        taken under the same load), rarely while drafting wins by far."""
         if self.baseline.count < self.min_baseline:
             return 2
         gain = self.gain
-        return self.probe_every_winning if gain is not None and gain >= self.winning_gain else self.probe_every
+        if gain is None:
+            return self.min_probe_every
+        spacing = (gain - 1.0) / gain / self.probe_cost
+        return int(min(max(spacing, self.min_probe_every), self.max_probe_every))
 
     # -- evidence ------------------------------------------------------------------------------
     def observe(self, shape: StepShape, ms: float) -> None:
