@@ -1,4 +1,4 @@
-"""The synchronous engine: add requests, step, collect outputs (schedule → run → update)."""
+"""The synchronous engine: add requests, step, collect outputs (schedule → mask → run → update → propose)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import logging
 import time
 import uuid
 from concurrent.futures import Future
+from typing import Callable
 
-import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -18,8 +18,8 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, make_matcher
-from engine.spec_decode import (SpecConfig, SpecState, StepCost, TokenSplits, propose_ngram, propose_text,
-                                 propose_value, span_end)
+from engine.spec import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape
+from engine.spec.drafter import pending_rows
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,16 @@ class LLMEngine:
     """One model, one paged KV cache, one scheduler; ``step()`` advances every running request.
 
     Not thread-safe: ``engine.async_engine.AsyncEngine`` runs it on a thread of its own.
+
+    Args:
+        config: the engine's settings.
+        cost_model: what a decode step costs, in ms, given its ``StepShape``; None (the
+            default) measures it on the wall clock. Speculation decides from these costs
+            (``engine.spec.goodput``); tests inject one so their decisions never depend on the
+            machine's speed or load.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, *, cost_model: Callable[[StepShape], float] | None = None):
         from transformers import AutoTokenizer
 
         from grammar.compiler import GrammarCompiler
@@ -73,18 +80,18 @@ class LLMEngine:
         self.default_spec = SpecConfig.from_dict(config.speculative)
         from engine.models.quant import Int4Linear
 
-        # How the model spells grammar-forced text, learned from its choices over drafts.
-        self.splits = TokenSplits(self.tokenizer.decode,
-                                  lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         int4 = [m for m in self.runner.model.modules() if isinstance(m, Int4Linear)]
         self._int4_gemm = "none" if not int4 else "native" if all(m.native is not None for m in int4) else "torch"
         # Rows torch's CPU int4 kernel multiplies together (4): speculation sizes drafts to it.
         # The native kernel (kernels/native.py) has no such tile.
         self.row_tile = 4 if self._int4_gemm == "torch" else 1
-        # Decode-step time against rows, for sizing drafts to what they save (``StepCost``).
-        self.step_cost = StepCost()
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._spec: dict[str, SpecConfig | None] = {}
+        self.drafter = Drafter(self.tokenizer, self._output_text, self.scheduler.may_draft, self.max_model_len)
+        # Whether drafting pays, from what decode steps cost with and without it.
+        self.goodput = Goodput()
+        self.cost_model = cost_model
+        self._proposed = 0  # requests the proposers ran for, for the next step
+        self._propose_ms = 0.0  # ... and the time that took
         self.num_steps = 0
         self.load_time_s = time.perf_counter() - t0
         log.info("engine ready: %s, %d KV blocks (%.2f GiB), max_model_len %d, kernels %s, %.1f s",
@@ -122,8 +129,7 @@ class LLMEngine:
             matcher = make_matcher(grammar, params)
         req = Request(request_id, prompt_token_ids, params, self.eos_token_id, matcher, future)
         if spec is not None:
-            req.spec_state = SpecState()
-        self._spec[request_id] = spec
+            req.spec_state = SpecState(spec)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(req)
         return request_id
@@ -224,6 +230,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "speculation": self.goodput.stats(),
         }
 
     def abort(self, request_id: str) -> bool:
@@ -239,53 +246,72 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, update requests; return outputs of every request that changed."""
+        """Schedule, mask, run, update, propose; return outputs of every request that changed."""
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
-        reported: set[str] = set()  # requests whose final output is already in ``outputs``
         if not sched.is_empty:
             self.num_steps += 1
             failed: list[tuple[Request, BaseException]] = []
-            t0 = time.perf_counter()
-            prefill = any(sr.request.num_computed_tokens < sr.request.num_prompt_tokens for sr in sched.scheduled)
             bitmask = self._grammar_bitmask(sched, failed)
             result = self.runner.execute(sched, bitmask)
             # Finished only now: the forward above still reads their block tables.
             for req, exc in failed:
                 self._fail(req, "computing its grammar mask", exc)
-            self._learn_splits(sched, result.sampled)
-            for req, new in self.scheduler.update(sched, result.sampled, result.logprobs,
-                                                   result.top_logprobs):
-                out = self._output(req, new)
-                outputs.append(out)
-                if out.finished:
-                    reported.add(req.request_id)
-            if not prefill:  # mask, forward, sampling and bookkeeping of a decode step
-                rows = sum(sr.num_new_tokens for sr in sched.scheduled)
-                self.step_cost.observe(rows, (time.perf_counter() - t0) * 1e3)
-            self._propose_drafts()  # may fail a request that already had an (unfinished) output
+            outputs = self._update(sched, result)
+            self._account(sched, result.sampled, outputs, start)
+            self._propose()  # may fail a request that already had an (unfinished) output
+        reported = {out.request_id for out in outputs if out.finished}
         for req in self.scheduler.drain_finished():
             if req.request_id not in reported:
                 outputs.append(self._output(req, []))
         return outputs
 
-    def _learn_splits(self, sched: SchedulerOutput, sampled: list[list[int]]) -> None:
-        """Teach each request's ``TokenSplits`` what the model chose over its drafts."""
-        k = 0
-        for sr in sched.scheduled:
-            if not sr.sample:
-                continue
-            tokens = sampled[k]
-            k += 1
-            st = sr.request.spec_state
-            if st is None or st.splits is None or not tokens:
-                continue
-            if len(tokens) <= sr.num_drafts:  # the last token replaced draft len(tokens) - 1
-                st.splits.learn(sr.request.draft_token_ids[len(tokens) - 1], tokens[-1])
-            elif st.dropped is not None and st.dropped_at == sr.num_drafts:
-                # Every draft taken: the bonus token stands where the dropped one would have.
-                st.splits.learn(st.dropped, tokens[-1], dropped=True)
-            st.dropped = None
+    def _update(self, sched: SchedulerOutput, result) -> list[RequestOutput]:
+        """Apply the step's sampled tokens; an output per request that gained tokens."""
+        self.drafter.learn(sched, result.sampled)
+        return [self._output(req, new) for req, new in self.scheduler.update(sched, result.sampled, result.logprobs,
+                                                                             result.top_logprobs)]
+
+    def _account(self, sched: SchedulerOutput, sampled: list[list[int]], outputs: list[RequestOutput],
+                 start: float) -> None:
+        """Tell ``self.goodput`` what a decode step (no prompt rows) made and what it cost.
+
+        Its cost runs from the schedule to the end of the update, plus the proposing of its
+        drafts at the end of the step before; with a cost model, whatever the model says.
+        """
+        proposed, propose_ms = self._proposed, self._propose_ms
+        self._proposed, self._propose_ms = 0, 0.0
+        if any(sr.start < sr.request.num_prompt_tokens for sr in sched.scheduled):
+            return  # prompt rows: the step's time says nothing about drafts
+        drafts = sum(sr.num_drafts for sr in sched.scheduled)
+        verified = [sr for sr in sched.scheduled if sr.sample]
+        shape = StepShape(base_rows=sched.num_batched_tokens - drafts, draft_rows=drafts,
+                          tokens=sum(len(o.new_token_ids) for o in outputs),
+                          accepted=sum(len(t) - 1 for sr, t in zip(verified, sampled) if sr.num_drafts),
+                          proposed=proposed)
+        ms = self.cost_model(shape) if self.cost_model is not None else (time.perf_counter() - start) * 1e3 + propose_ms
+        self.goodput.observe(shape, ms)
+
+    def _propose(self) -> None:
+        """Give each running request that may speculate its draft tokens for the next step,
+        as far as ``self.goodput`` finds that drafting pays."""
+        running = self.scheduler.running
+        for req in running:
+            req.draft_token_ids = []
+        if not any(r.spec_state is not None for r in running):
+            return
+        plan = self.goodput.plan(pending_rows(running), measurable=not self.scheduler.prefill_pending())
+        if not plan.draft:
+            return
+        t0 = time.perf_counter()
+        drafts = self.drafter.propose(running, DraftBudget(plan.threshold, self.row_tile, plan.max_drafts))
+        for req, exc in drafts.failed:
+            self._fail(req, "proposing draft tokens", exc)
+        for req in running:
+            req.draft_token_ids = drafts.tokens.get(req.request_id, [])
+        self._proposed = drafts.proposed
+        self._propose_ms = (time.perf_counter() - t0) * 1e3
 
     def _fail(self, req: Request, stage: str, exc: BaseException) -> None:
         """Finish one request with an error (its blocks freed); the batch goes on without it."""
@@ -335,150 +361,10 @@ class LLMEngine:
         if accepted:
             m.rollback(accepted)
 
-    def _propose_drafts(self) -> None:
-        """Give each running request that may speculate its draft tokens for the next step.
-
-        Rows are shared: the step's rows without drafts (a decode row, plus any grammar-forced
-        tokens, per request) count against ``max_draft_tokens_per_step`` beyond the first.
-        Drafts of grammar-forced text come first (nearly always right), whole. The n-gram and
-        prompt-lookup drafts then get the rest of the budget by expected value, best first: under
-        the geometric model the j-th draft of a request is accepted with chance ``p ** j``
-        (``p``: the request's per-token acceptance), so a request that keeps being right gets
-        long drafts and one that keeps being wrong gets few, wherever it stands in the batch.
-        With ``cost_aware``, a draft whose chance is below ``StepCost.threshold`` of the step's
-        other rows is not worth its row and is dropped. Last, with torch's int4 kernel, drafts
-        are trimmed so the step does not open a row tile for a row or two (``_trim_to_tile``).
-        """
-        running = self.scheduler.running
-        base = sum(max(r.num_tokens - r.num_computed_tokens, 1) for r in running)
-        used = base - 1  # rows beyond the first count against the draft budget
-        fixed = base  # rows that stay whatever the tile
-        threshold = self.step_cost.threshold(base)
-        # (-chance of acceptance, order, request, its config, its proposed drafts) per n-gram draft
-        candidates: list[tuple[float, int, Request, SpecConfig, list[int]]] = []
-        for req in list(running):  # a copy: a request that fails here leaves ``running``
-            spec = self._spec.get(req.request_id)
-            st = req.spec_state
-            if spec is None or st is None or not self.scheduler.may_draft(req):
-                continue
-            if len(running) > spec.max_batch_size:
-                continue
-            room = min(spec.num_speculative_tokens,
-                       req.params.max_tokens - req.num_output_tokens - 1,
-                       self.max_model_len - req.num_tokens - 1)
-            if room <= 0:
-                continue
-            try:
-                drafts = self._drafts(req, spec, room)
-            except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
-                self._fail(req, "proposing draft tokens", e)
-                continue
-            req.draft_token_ids = []
-            if st.from_grammar:
-                take = max(0, min(len(drafts), spec.max_draft_tokens_per_step - used))
-                req.draft_token_ids = drafts[:take]
-                used += take
-                fixed += take
-                continue
-            p, chance = st.token_acceptance(), 1.0
-            for _ in drafts:
-                chance *= p
-                if spec.cost_aware and chance < threshold:
-                    break
-                candidates.append((-chance, len(candidates), req, spec, drafts))
-        drafted: dict[str, Request] = {}
-        tile = 1
-        for _, _, req, spec, drafts in sorted(candidates, key=lambda c: (c[0], c[1])):
-            if used >= spec.max_draft_tokens_per_step:
-                continue
-            req.draft_token_ids = drafts[:len(req.draft_token_ids) + 1]
-            used += 1
-            drafted[req.request_id] = req
-            tile = max(tile, spec.row_tile or self.row_tile)
-        if drafted and tile > 1:
-            _trim_to_tile(list(drafted.values()), fixed, tile)
-
-    def _drafts(self, req: Request, spec: SpecConfig, room: int) -> list[int]:
-        """Up to ``room`` draft tokens, trimmed by the grammar.
-
-        Grammar drafts first: the text the grammar forces next (``","age":``), spelled as the
-        model spells it (``_forced_drafts``). Without forced text, and unless the recent
-        acceptance switched lookup off: prompt lookup on characters (the output's end, or a
-        value just begun, found in the document: ``_span_drafts``), else on token n-grams, except
-        right after JSON punctuation, where a token n-gram only matches the previous key's
-        punctuation and proposes the previous value.
-        """
-        st = req.spec_state
-        st.from_grammar = False
-        if spec.grammar_drafts and req.matcher is not None:
-            forced = req.matcher.forced_text(64)
-            if forced:
-                drafts = self._forced_drafts(forced.decode("utf-8", errors="ignore"), st)[:room]
-                if drafts:
-                    st.from_grammar = True
-                    return drafts[:req.matcher.validate_tokens(drafts)]
-        if st.backoff > 0:
-            st.backoff -= 1
-            return []
-        if st.proposed >= spec.min_evidence and st.rate < spec.min_acceptance:
-            # n-gram drafts keep failing here: stop paying for their verification for a while.
-            st.backoff, st.proposed, st.accepted = spec.backoff_steps, 0.0, 0.0
-            return []
-        drafts: list[int] = []
+    def _output_text(self, req: Request) -> str:
+        """The request's output text so far ("" before any, or without a detokenizer)."""
         detok = self._detok.get(req.request_id)
-        if spec.text_lookup and detok is not None and detok.text:
-            if st.prompt_text is None:
-                st.prompt_text = self.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=True)
-            text = propose_text(st.prompt_text, detok.text) or propose_value(st.prompt_text, detok.text)
-            if text:
-                drafts = self._span_drafts(req, text)[:room]
-        just_opened = (req.matcher is not None and detok is not None and bool(detok.text)
-                       and _JSON_PUNCT.issuperset(detok.text[-3:]))
-        if not drafts and not just_opened:
-            tokens = np.asarray(req.all_token_ids, dtype=np.int64)
-            drafts = propose_ngram(tokens, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        if drafts and req.matcher is not None:
-            drafts = drafts[:req.matcher.validate_tokens(drafts)]
-        return drafts
-
-    def _forced_drafts(self, text: str, st: SpecState) -> list[int]:
-        """Tokens for ``text``, which ends where the grammar stops forcing: spelled as the model
-        spells it (``self.splits``), minus the last token unless a learned split made it (a
-        piece the model writes on its own, like the lone quote that opens a string)."""
-        if st.splits is None:
-            st.splits = self.splits.child()
-        tokens, last_split = st.splits.tokenize(text)
-        if last_split or not tokens:
-            return tokens
-        st.dropped, st.dropped_at = tokens[-1], len(tokens) - 1
-        return tokens[:-1]
-
-    def _span_drafts(self, req: Request, text: str) -> list[int]:
-        """Draft tokens for ``text``, the document text that follows what the output just copied.
-
-        A copied value usually ends where the prose pauses (``Wirth, who joined...``) or where
-        the grammar stops admitting it (``INV-22773 was issued`` for an ``INV-[0-9]{5}``
-        pattern). Where the grammar lets the value close there (a quote for a string, a comma
-        or brace after a number), the draft is the span, the closer and the text the grammar
-        then forces (``Wirth","age":``), so one verification can take a value's end and the
-        next key together. Otherwise the looked-up text itself, minus its last token: it ends at
-        an arbitrary character, so that token is likely a fragment of the one the model picks.
-        """
-        encode = self.tokenizer.encode
-        tokens = encode(text, add_special_tokens=False)
-        m = req.matcher
-        if m is not None:
-            cuts = [span_end(text)]  # the prose's pause first, then where the grammar stops
-            valid = m.validate_tokens(tokens)
-            if valid < len(tokens):
-                cuts.append(len(self.tokenizer.decode(tokens[:valid])))
-            for cut in [c for i, c in enumerate(cuts) if c < len(text) and c not in cuts[:i]]:
-                for closer in _CLOSERS:
-                    closed = text[:cut] + closer
-                    forced = m.forced_text_after(encode(closed, add_special_tokens=False))
-                    if forced is not None:
-                        return self._forced_drafts(closed + forced.decode("utf-8", errors="ignore"), req.spec_state)
-        return tokens[:-1]
+        return detok.text if detok is not None else ""
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         detok = self._detok.get(req.request_id)
@@ -502,7 +388,6 @@ class LLMEngine:
         finished = req.is_finished
         if finished:
             self._detok.pop(req.request_id, None)
-            self._spec.pop(req.request_id, None)
         m = req.metrics
         return RequestOutput(
             request_id=req.request_id, new_token_ids=new, new_text=text, finished=finished,
@@ -550,27 +435,3 @@ class LLMEngine:
                     r["finish_reason"] = out.finish_reason
                     r["error"] = out.error
         return [results[rid] for rid in ids]
-
-
-_JSON_PUNCT = frozenset('"{}[]:, ')
-_CLOSERS = ('"', ",", "}")  # what may end a value copied into JSON: a string, a number
-
-
-def _trim_to_tile(drafted: list[Request], base_rows: int, tile: int) -> None:
-    """Drop draft tokens so a step of ``base_rows`` rows plus the drafts does not spill one or
-    two rows into a new tile of ``tile`` rows.
-
-    torch's CPU int4 kernel multiplies activations in tiles of 4 rows: one sequence's step costs
-    13.9 ms with 1 row, 19.7 ms with 4 and 25.9 ms with 5 (SmolLM2-135M, one thread), so a fifth
-    row costs three times a fourth. A spill of at most ``tile // 2`` rows is removed, longest
-    draft lists first (their last drafts are the least likely to be accepted).
-    """
-    rows = base_rows + sum(len(r.draft_token_ids) for r in drafted)
-    spill = rows % tile
-    if rows <= tile or spill == 0 or spill > tile // 2:
-        return
-    for _ in range(spill):
-        longest = max(drafted, key=lambda r: len(r.draft_token_ids))
-        if not longest.draft_token_ids:
-            break
-        longest.draft_token_ids = longest.draft_token_ids[:-1]

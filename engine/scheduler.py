@@ -210,6 +210,14 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         return True
 
+    def prefill_pending(self) -> bool:
+        """Whether the next step will likely read prompt tokens: a running request has some left,
+        or a waiting one (its grammar ready) could be admitted."""
+        if any(r.num_computed_tokens < r.num_prompt_tokens for r in self.running):
+            return True
+        return len(self.running) < self.config.max_num_seqs and any(
+            r.status != RequestStatus.WAITING_FOR_GRAMMAR for r in self.waiting)
+
     def may_draft(self, req: Request) -> bool:
         """Whether draft tokens may follow ``req``'s uncomputed tokens this step: its prompt is
         in the cache and what is left are at most a sampled token and the grammar-forced tokens

@@ -62,12 +62,18 @@ def test_second_pass_hits_prefix_cache_and_matches(tiny_model_dir, prompts, refe
     assert eng.kv.prefix_hits - hits_before == expected_hits
 
 
+def flat_cost(shape) -> float:
+    """Every decode step costs the same, drafts or not (rows are free): drafting never loses,
+    so whether drafts ride does not hang on this machine's speed (``LLMEngine(cost_model=)``)."""
+    return 10.0
+
+
 def test_speculation_keeps_greedy_outputs(tiny_model_dir, prompts, reference):
     ref, params = reference
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
             "max_batch_size": 64, "min_acceptance": 0.0}
     eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, speculative=spec,
-                                 max_prefill_chunk=16, max_num_batched_tokens=64))
+                                 max_prefill_chunk=16, max_num_batched_tokens=64), cost_model=flat_cost)
     results = eng.generate(prompts, params)
     assert [r["token_ids"] for r in results] == ref
     drafted = sum(r["output"].num_draft_tokens for r in results)
@@ -170,7 +176,8 @@ def _constrained_specs(backend: str):
 def test_constrained_speculation_and_forcing_keep_greedy_outputs(tiny_model_dir, prompts, backend):
     """Grammar drafts + n-gram drafts + forced tokens vs all off, on constrained requests, on each
     grammar backend."""
-    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, grammar_backend=backend))
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, grammar_backend=backend),
+                    cost_model=flat_cost)
     specs = _constrained_specs(backend)
     grammars = [eng.grammar.compile(specs[i % len(specs)]) for i in range(len(prompts))]
     spec = {"method": "ngram", "num_speculative_tokens": 6, "max_batch_size": 64, "min_acceptance": 0.0}
@@ -209,7 +216,8 @@ def test_greedy_outputs_are_the_same_on_either_backend(tiny_model_dir, prompts):
     greedy outputs, batched and with speculation."""
     outs = {}
     for backend in ("eager", "lazy"):
-        eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, grammar_backend=backend))
+        eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, grammar_backend=backend),
+                        cost_model=flat_cost)
         specs = _constrained_specs("eager")
         grammars = [eng.grammar.compile(specs[i % len(specs)]) for i in range(len(prompts))]
         assert all(g.backend == backend for g in grammars)

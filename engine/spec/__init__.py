@@ -1,0 +1,20 @@
+"""Speculative decoding: draft proposal, its price and its off-switch (DESIGN.md §2).
+
+- ``config``: ``SpecConfig``, the settings (server default, per request).
+- ``lookup``: prompt lookup on token ids and on text; where a copied span ends.
+- ``splits``: ``TokenSplits``, how the model spells grammar-forced text.
+- ``state``: ``SpecState``, one request's acceptance record and drafts in flight.
+- ``drafter``: ``Drafter.propose(requests, budget) -> Drafts``, the engine's one call.
+- ``goodput``: ``Goodput``, whether drafting pays, from measured step times.
+
+Verification (greedy argmax or rejection sampling) lives in ``engine.sampler``.
+"""
+
+from engine.spec.config import SpecConfig
+from engine.spec.drafter import DraftBudget, Drafter, Drafts
+from engine.spec.goodput import DraftPlan, Goodput, StepShape
+from engine.spec.splits import TokenSplits
+from engine.spec.state import Acceptance, SpecState
+
+__all__ = ["Acceptance", "DraftBudget", "DraftPlan", "Drafter", "Drafts", "Goodput", "SpecConfig", "SpecState",
+           "StepShape", "TokenSplits"]
