@@ -99,6 +99,17 @@ class ResponseFormat(Struct):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(Struct, forbid_unknown_fields=True):
+    """Stencil (and vLLM) extension: a constraint other than a response format. Exactly one of
+    ``json`` (a JSON Schema, failed closed), ``regex``, ``choice`` or ``grammar`` (Lark,
+    llguidance's dialect; a bad grammar is a 400 naming line and column)."""
+
+    json: dict[str, Any] | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class StreamOptions(Struct, forbid_unknown_fields=True):
     """``include_usage``: a last chunk with the totals. ``include_obfuscation`` pads events
     against size side channels; Stencil sends none (true is refused)."""
@@ -149,6 +160,7 @@ class ChatCompletionRequest(Struct, forbid_unknown_fields=True):
     # OpenAI does), and the run-on guard's bounds (grammar.budget.SoftLimits; False: off).
     close_on_budget: bool | None = None
     soft_limits: dict[str, int] | bool | None = None
+    structured_outputs: StructuredOutputs | None = None
     # In the reference, not served: refused unless absent/null (or their neutral value).
     audio: Any = None
     modalities: list[str] | None = None
@@ -196,6 +208,7 @@ class CompletionRequest(Struct, forbid_unknown_fields=True):
     # OpenAI does), and the run-on guard's bounds (grammar.budget.SoftLimits; False: off).
     close_on_budget: bool | None = None
     soft_limits: dict[str, int] | bool | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 # -- responses -----------------------------------------------------------------------------------

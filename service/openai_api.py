@@ -50,7 +50,8 @@ from schemas.openai import (
 from service import generation as gen
 from service.errors import InputError, Unavailable
 from service.openai_common import (
-    GENERATION_ERRORS, SSE_HEADERS, Constraint, check_model, constraint, error_fields, logit_bias_ids, merged,
+    GENERATION_ERRORS, SSE_HEADERS, Constraint, check_model, constraint, error_fields, grammar_field, logit_bias_ids,
+    merged,
     openai_exception_handler, refuse_unserved, relaxed, run_all, sse, start_all, token_bytes, token_logprobs,
     token_text, verdict, vocab_size, warnings_header,
 )
@@ -192,8 +193,8 @@ async def _prepare_chat(svc: ServiceState, data: ChatCompletionRequest) -> _Chat
     native = template_supports_tools(getattr(svc.engine.tokenizer, "chat_template", None))
     messages, tools_arg = template_messages(data.messages, plan, native)
     prompt_ids = await gen.tokenize(svc, messages=messages, tools=tools_arg)
-    schema, strict = format_schema(data.response_format)
-    c = await constraint(svc, schema, strict, plan)
+    c = await _structured_outputs(svc, data.structured_outputs, data.response_format, plan) \
+        if data.structured_outputs is not None else await constraint(svc, *format_schema(data.response_format), plan)
     max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
     bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
     params = [gen.sampling_params(svc.config, max_tokens=max_tokens,
@@ -208,6 +209,26 @@ async def _prepare_chat(svc: ServiceState, data: ChatCompletionRequest) -> _Chat
                                   soft_limits=data.soft_limits)
               for s in _seeds(data.seed, n)]
     return _ChatJob(model, c, prompt_ids, params)
+
+
+async def _structured_outputs(svc: ServiceState, so, response_format, plan) -> Constraint:
+    """The constraint of ``structured_outputs`` (json, regex, choice or Lark grammar).
+
+    Raises:
+        InputError: together with a response format or tools, or not exactly one key given.
+    """
+    if response_format is not None and response_format.type != "text":
+        raise InputError("give either response_format or structured_outputs, not both", field="structured_outputs")
+    if plan is not None and plan.active:
+        raise InputError("structured_outputs cannot be combined with tools", field="structured_outputs")
+    given = [k for k in ("json", "regex", "choice", "grammar") if getattr(so, k) is not None]
+    if len(given) != 1:
+        raise InputError("structured_outputs takes exactly one of json, regex, choice and grammar",
+                         field="structured_outputs")
+    with grammar_field("structured_outputs"):
+        spec = gen.grammar_spec(svc.config, response_schema=so.json, regex=so.regex, choice=so.choice,
+                                grammar=so.grammar)
+    return Constraint(spec, so.json, plan if plan is not None else ToolPlan("none", (), False))
 
 
 def _tool_calls(calls) -> list[ToolCall]:
@@ -420,6 +441,9 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
     groups = _prompts(svc, data.prompt)
     schema, strict = format_schema(data.response_format)
     spec = gen.grammar_spec(svc.config, response_schema=schema, strict=strict)
+    if data.structured_outputs is not None:
+        c = await _structured_outputs(svc, data.structured_outputs, data.response_format, None)
+        spec, schema = c.spec, c.schema
     want_logprobs = data.logprobs is not None
     bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
     params = [gen.sampling_params(svc.config, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None
