@@ -225,3 +225,30 @@ def test_random_corpus_schemas_close_valid_at_random_budgets(engine, data):
     assert r["finish_reason"] == "stop", (budget, r["text"][:200])
     validator = jsonschema.validators.validator_for(schema)(schema, format_checker=jsonschema.FormatChecker())
     assert validator.is_valid(json.loads(r["text"])), r["text"][:300]
+
+
+RUNON = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "runon_cases.json"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_tokens", [24, 128])
+def test_run_on_cases_end_complete_and_valid_on_the_default_model(default_model_dir, max_tokens):
+    """The run-ons of public bug reports (an emoji string, a repeated tag, an endless date-time
+    fraction, repeated keys, a 100-digit number, an endless note): with the default model every
+    one ends with "stop" and output that validates, at max_tokens 24 and 128."""
+    cases = json.loads(RUNON.read_text())
+    eng = LLMEngine(EngineConfig(model=default_model_dir, kv_cache_gib=0.5, max_num_seqs=8))
+    try:
+        tok = eng.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c["prompt"]}],
+                                                      add_generation_prompt=True, tokenize=False),
+                              add_special_tokens=False) for c in cases]
+        grammars = [eng.grammar.compile(GrammarSpec.json_schema(c["schema"])) for c in cases]
+        outs = eng.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0), grammars)
+        for c, r in zip(cases, outs):
+            assert r["finish_reason"] == "stop", (c["name"], r["text"][:200])
+            assert len(r["token_ids"]) <= max_tokens
+            v = jsonschema.validators.validator_for(c["schema"])(c["schema"], format_checker=jsonschema.FormatChecker())
+            assert v.is_valid(json.loads(r["text"])), (c["name"], r["text"][:300])
+    finally:
+        eng.grammar.close()
