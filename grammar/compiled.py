@@ -99,7 +99,12 @@ class CompiledGrammar:
     def _build_closing(self):
         from grammar.closing import ClosingAutomaton
 
-        return ClosingAutomaton(self.program, self.vocab)
+        program = self.program
+        if program.kind == "lark" and program.root is None:  # written by hand: read through lark
+            from grammar.lark_closing import lark_program
+
+            program = lark_program(program.text)
+        return ClosingAutomaton(program, self.vocab)
 
     def min_output_tokens(self, max_tokens: int) -> int | None:
         """The fewest tokens an output needs, when that is more than ``max_tokens`` (``None``:

@@ -252,3 +252,15 @@ def test_run_on_cases_end_complete_and_valid_on_the_default_model(default_model_
             assert v.is_valid(json.loads(r["text"])), (c["name"], r["text"][:300])
     finally:
         eng.grammar.close()
+
+
+def test_hand_written_lark_grammars_close_within_the_budget(engine):
+    """A recursive grammar written by hand (nested parentheses) under a tight budget: the answer
+    is complete, with balanced parentheses, and within max_tokens."""
+    g = engine.grammar.compile(GrammarSpec.grammar('start: "(" start ")" | "x"'))
+    outs = engine.generate([[5, 40, 40, 40]] * 3, [SamplingParams(max_tokens=b, temperature=0) for b in (3, 9, 30)],
+                           [g] * 3)
+    for b, r in zip((3, 9, 30), outs):
+        t = r["text"]
+        assert r["finish_reason"] == "stop" and len(r["token_ids"]) <= b, (b, t)
+        assert t.strip("()") == "x" and t.count("(") == t.count(")") and t.index("x") == t.count("("), t

@@ -1,0 +1,65 @@
+"""A hand-written Lark grammar as the closing automaton's input (``grammar.closing``).
+
+The ``lark`` library (lark-parser, MIT) compiles the grammar text into BNF rules and terminal
+regexes; each rule becomes regex text whose symbols are rule and terminal references
+(``grammar.json_schema.rules``), and an ``%ignore`` terminal may appear between any two symbols,
+as between lexemes. Grammars that use llguidance's extensions to Lark (``%llguidance``,
+``%json``, special tokens, ``{m,n}`` on rules) do not load here: they are served without the
+budget rule.
+"""
+
+from __future__ import annotations
+
+from grammar.base import Program
+from grammar.closing import ClosingUnsupported
+from grammar.json_schema.rules import ref, term_ref
+
+
+def lark_program(text: str) -> Program:
+    """``text`` as a program the closing automaton reads (``root``, ``rules``, ``terminals``).
+
+    Raises:
+        ClosingUnsupported: the grammar does not load in the ``lark`` library.
+    """
+    try:
+        from lark.load_grammar import load_grammar
+
+        grammar, _ = load_grammar(text, "<request>", [], False)
+        terminals, rules, ignore = grammar.compile(["start"], set())
+    except Exception as e:  # noqa: BLE001 - any Lark error: no budget for this grammar
+        raise ClosingUnsupported(f"the grammar does not load in lark: {type(e).__name__}") from None
+    term_ids = {t.name: k for k, t in enumerate(terminals)}
+    term_texts = [t.pattern.to_regexp() for t in terminals]
+    names = sorted({r.origin.name for r in rules})
+    rule_ids = {name: k for k, name in enumerate(names)}
+    skip = ""
+    if ignore:
+        skip = "(?:" + "|".join(term_ref(term_ids[n]) for n in ignore if n in term_ids) + ")*"
+    bodies: dict[int, list[str]] = {k: [] for k in rule_ids.values()}
+    tails: dict[int, list[str]] = {k: [] for k in rule_ids.values()}  # A -> A tail (left recursion)
+    for r in rules:
+        parts = []
+        expansion = list(r.expansion)
+        left = bool(expansion) and expansion[0].name == r.origin.name
+        if left:  # lark writes repetitions as A -> A x: read as A -> (others) (x)*
+            expansion = expansion[1:]
+        for sym in expansion:
+            name = sym.name
+            if name in term_ids:
+                parts.append(term_ref(term_ids[name]))
+            elif name in rule_ids:
+                parts.append(ref(rule_ids[name]))
+            else:
+                raise ClosingUnsupported(f"unknown symbol {name}")
+        (tails if left else bodies)[rule_ids[r.origin.name]].append(skip.join(parts))
+    if "start" not in rule_ids:
+        raise ClosingUnsupported("no start rule")
+    def body(k: int) -> str:
+        head = "(?:" + "|".join(f"(?:{b})" for b in bodies[k]) + ")"
+        if not tails[k]:
+            return head
+        return head + "(?:" + skip + "(?:" + "|".join(f"(?:{t})" for t in tails[k]) + "))*"
+
+    rule_texts = tuple((k, body(k)) for k in bodies)
+    root = skip + ref(rule_ids["start"]) + skip
+    return Program("lark", text, (), tuple(term_texts), root, rule_texts)
