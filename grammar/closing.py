@@ -20,9 +20,10 @@ budgets use are in *tokens*: the length of the least tokenization of the witness
 over the vocabulary's byte trie), which is a real token sequence that the grammar accepts, and so a
 true upper bound for every vocabulary kind.
 
-Not covered (``ClosingUnsupported``): intersections (``&``, pattern with length bounds), user Lark
-grammars, and automata above ``MAX_NFA_STATES``; such grammars are served without budget-aware
-masks.
+Intersections (``&``: a pattern with length bounds or a format) are product automata of their two
+operands, built when the grammar's automaton is; above ``_MAX_PRODUCT`` pairs (a URI format under a
+long ``maxLength``) the grammar is not modelled (``ClosingUnsupported``), nor above
+``MAX_NFA_STATES``: such grammars are served without budget-aware masks.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from grammar.base import Program
 from grammar.vocab import TokenVocabulary
 
 MAX_NFA_STATES = 400_000
+_MAX_PRODUCT = 100_000  # pairs of an intersection's product (more: no budget rule)
 MAX_STACK = 64  # deeper configurations are dropped (a subset: distances stay upper bounds)
 INF = 1 << 30
 
@@ -122,9 +124,56 @@ class _Net:
 class _Builder:
     """Thompson construction over ``re._parser`` trees; references are calls."""
 
-    def __init__(self, net: _Net, machine_of_ref: dict[tuple[str, int], int]):
+    def __init__(self, net: _Net, machine_of_ref: dict[tuple[str, int], int], terminals=()):
         self.net = net
         self.refs = machine_of_ref  # ("rule"|"term", number) → machine
+        self.terminals = terminals
+
+    def _product(self, left: str, right: str) -> tuple[int, int]:
+        """The intersection of two regexes (no rule references) as a product NFA over bytes: each
+        operand built alone (terminals written out), then the pairs of states reachable from the
+        pair of starts, a byte edge where both sides have one on overlapping ranges."""
+        sides = []
+        for text in (left, right):
+            if "\ue000" in text:
+                raise ClosingUnsupported("a rule inside an intersection")
+            scratch = _Net()
+            scratch.new_machine()
+            b = _Builder(scratch, {}, self.terminals)
+            scratch._machine = 0
+            b.machine(0, _expand_terms(text, self.terminals))
+            sides.append(scratch)
+        x, y = sides
+        net = self.net
+        ids: dict[tuple[int, int], int] = {}
+        todo = [(x.starts[0], y.starts[0])]
+        ids[todo[0]] = net.state()
+        while todo:
+            p, q = todo.pop()
+            here = ids[(p, q)]
+            succ: list[tuple[str, int, int, tuple[int, int]]] = []
+            succ += [("eps", 0, 0, (t, q)) for t in x.eps[p]]
+            succ += [("eps", 0, 0, (p, t)) for t in y.eps[q]]
+            for lo1, hi1, t1 in x.byte_edges[p]:
+                for lo2, hi2, t2 in y.byte_edges[q]:
+                    lo, hi = max(lo1, lo2), min(hi1, hi2)
+                    if lo <= hi:
+                        succ.append(("byte", lo, hi, (t1, t2)))
+            for kind, lo, hi, pair in succ:
+                if pair not in ids:
+                    if len(ids) > _MAX_PRODUCT:
+                        raise ClosingUnsupported("an intersection too large to model")
+                    ids[pair] = net.state()
+                    todo.append(pair)
+                if kind == "eps":
+                    net.eps[here].append(ids[pair])
+                else:
+                    net.byte_edges[here].append((lo, hi, ids[pair]))
+        final = (x.finals[0], y.finals[0])
+        end = net.state()
+        if final in ids:
+            net.eps[ids[final]].append(end)
+        return ids[(x.starts[0], y.starts[0])], end
 
     def machine(self, machine: int, text: str) -> None:
         net = self.net
@@ -181,6 +230,8 @@ class _Builder:
             name = groups.get(gid)
             if name is not None:
                 kind, number = names[name]
+                if kind == "and":
+                    return self._product(*number)
                 callee = self.refs.get((kind, number))
                 if callee is None:
                     raise ClosingUnsupported(f"unknown {kind} {number}")
@@ -215,11 +266,34 @@ class _Builder:
         raise ClosingUnsupported(f"regex construct {op} is not modelled")
 
 
-def _mark(text: str) -> tuple[str, dict[str, tuple[str, int]]]:
-    """``text`` with each reference as a uniquely named empty group ``(?P<nK>)``."""
+def _mark(text: str) -> tuple[str, dict[str, tuple]]:
+    """``text`` with each reference, and each outermost intersection, as a uniquely named empty
+    group ``(?P<nK>)``; ``names[nK]`` says what it stands for."""
+    names: dict[str, tuple] = {}
     if "\ue004" in text:
-        raise ClosingUnsupported("intersections (&) are not modelled")
-    names: dict[str, tuple[str, int]] = {}
+        out, i = [], 0
+        while True:
+            j = text.find("\ue004", i)
+            if j < 0:
+                out.append(text[i:])
+                break
+            depth, k, mid = 0, j, -1
+            while True:
+                c = text[k]
+                if c == "\ue004":
+                    depth += 1
+                elif c == "\ue005" and depth == 1:
+                    mid = k
+                elif c == "\ue006":
+                    depth -= 1
+                    if depth == 0:
+                        break
+                k += 1
+            name = f"n{len(names)}"
+            names[name] = ("and", (text[j + 1:mid], text[mid + 1:k]))
+            out.append(text[i:j] + f"(?P<{name}>)")
+            i = k + 1
+        text = "".join(out)
 
     def sub(kind: str):
         def f(m: re.Match) -> str:
@@ -231,6 +305,19 @@ def _mark(text: str) -> tuple[str, dict[str, tuple[str, int]]]:
     text = _REF.sub(sub("rule"), text)
     text = _TERM.sub(sub("term"), text)
     return text, names
+
+
+def _expand_terms(text: str, terminals) -> str:
+    """``text`` with terminal references written out (grouped)."""
+    seen: dict[int, str] = {}
+
+    def sub(m: re.Match) -> str:
+        n = int(m.group(1))
+        if n not in seen:
+            seen[n] = "(?:" + _TERM.sub(sub, terminals[n]) + ")"
+        return seen[n]
+
+    return _TERM.sub(sub, text)
 
 
 _ASCII_DIGIT = [(48, 57)]
@@ -308,7 +395,7 @@ class ClosingAutomaton:
         for n, text in (rules or {}).items():
             refs[("rule", n)] = net.new_machine()
             texts.append((refs[("rule", n)], text))
-        builder = _Builder(net, refs)
+        builder = _Builder(net, refs, program.terminals)
         for machine, text in texts:
             builder.machine(machine, text)
         self._distances()

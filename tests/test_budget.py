@@ -264,3 +264,16 @@ def test_hand_written_lark_grammars_close_within_the_budget(engine):
         t = r["text"]
         assert r["finish_reason"] == "stop" and len(r["token_ids"]) <= b, (b, t)
         assert t.strip("()") == "x" and t.count("(") == t.count(")") and t.index("x") == t.count("("), t
+
+
+def test_a_pattern_with_length_bounds_closes_within_the_budget(engine):
+    """An intersection (pattern ∩ length) is a product automaton: budgets still close it."""
+    schema = {"type": "object", "properties": {"slug": {"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$",
+                                                        "minLength": 3, "maxLength": 12}}, "required": ["slug"]}
+    g = engine.grammar.compile(GrammarSpec.json_schema(schema))
+    automaton = g.closing().result()
+    need = automaton.token_distance(automaton.start)
+    outs = engine.generate([[7, 8, 9]] * 3, [SamplingParams(max_tokens=b, temperature=0) for b in (need, need + 3, 40)],
+                           [g] * 3)
+    for r in outs:
+        assert r["finish_reason"] == "stop" and _validate(schema, r["text"]), r["text"]
