@@ -62,10 +62,15 @@ class Anchor:
 @functools.cache
 def _unicode_sets() -> dict[str, cs.CharSet]:
     """Python ``re``'s exact ``\\d`` and ``\\s`` sets (str patterns), computed once."""
-    def collect(pred) -> cs.CharSet:
-        return cs.charset(*((c, c) for c in range(cs.MAX_CP + 1)
-                            if not 0xD800 <= c <= 0xDFFF and pred(chr(c))))
-    return {"d": collect(str.isdecimal), "s": collect(str.isspace)}
+    import re
+
+    # Every code point but the surrogates, scanned by ``re`` itself (C speed, ~0.1 s, against
+    # ~1.3 s for a Python loop over 1.1 M code points).
+    every = "".join(map(chr, range(0xD800))) + "".join(map(chr, range(0xE000, cs.MAX_CP + 1)))
+
+    def collect(pattern: str) -> cs.CharSet:
+        return cs.charset(*((ord(m.group()[0]), ord(m.group()[-1])) for m in re.finditer(pattern, every)))
+    return {"d": collect(r"\d+"), "s": collect(r"\s+")}
 
 
 _ASCII_WORD = cs.charset((48, 57), (65, 90), (95, 95), (97, 122))
