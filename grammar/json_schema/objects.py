@@ -171,7 +171,7 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
                 c.unsupported("propertyNames", path, "property names overlap declared ones")
                 return None
         else:
-            key = excluded_keys_regex(declared) if declared else _ANY_KEY
+            key = c._share(excluded_keys_regex(declared)) if declared else _ANY_KEY
         value = c.sub(addl, f"{path}/additionalProperties")
         parts.append(seq(key, colon, value))
     return alt(parts)

@@ -333,8 +333,10 @@ class _Writer:
             self.defs.append(f"T{n}: {self.terminal(_parse(body, self.cache), body)}")
         return f"T{n}"
 
-    def _lexeme(self, text: str, node: _Node | None = None) -> str:
-        """One lexeme for the rule-free ``text``: a regex, or a named terminal when it uses terminals."""
+    def _lexeme(self, src: str, node: _Node) -> str:
+        """One lexeme for the rule-free ``node`` of ``src``: a regex, or a named terminal when it
+        uses terminals (written from the parse tree at hand, never parsed again)."""
+        text = src[node.start:node.end]
         if not text:
             return ""
         if TERM_OPEN not in text and AND_OPEN not in text:
@@ -342,18 +344,22 @@ class _Writer:
         name = self.pieces.get(text)
         if name is None:
             name = self.pieces[text] = f"L{len(self.pieces)}"
-            tree = node if node is not None else _parse(text, self.cache)
-            self.defs.append(f"{name}: {self.terminal(tree, text)}")
+            self.defs.append(f"{name}: {self.terminal(node, src)}")
         return name
+
+    @staticmethod
+    def _run(run: list[_Node]) -> _Node:
+        """Rule-free neighbours of a sequence as one node (spans into the same text)."""
+        if len(run) == 1:
+            return run[0]
+        return _Node("seq", run[0].start, run[-1].end, run, has_term=any(n.has_term for n in run))
 
     def _rule(self, node: _Node, text: str, depth: int = 0) -> str:
         if depth > _MAX_NESTING and node.has_ref and node.kind in ("group", "alt", "rep"):
             return self._deep_name("rule", text[node.start:node.end], lambda: self._rule(node, text))
         depth += 1
         if not node.has_ref:
-            if node.start == 0 and node.end == len(text):
-                return self._lexeme(text, node)
-            return self._lexeme(text[node.start:node.end])
+            return self._lexeme(text, node)
         if node.kind == "ref":
             return f"r{node.number}"
         if node.kind == "group":
@@ -364,13 +370,13 @@ class _Writer:
             for child in node.children:  # rule-free neighbours stay one lexeme
                 if child.has_ref:
                     if run:
-                        parts.append(self._lexeme(text[run[0].start:run[-1].end]))
+                        parts.append(self._lexeme(text, self._run(run)))
                         run = []
                     parts.append(self._rule(child, text, depth))
                 else:
                     run.append(child)
             if run:
-                parts.append(self._lexeme(text[run[0].start:run[-1].end]))
+                parts.append(self._lexeme(text, self._run(run)))
             return " ".join(p for p in parts if p)
         if node.kind == "alt":
             branches = [self._rule(b, text, depth) for b in node.children]
