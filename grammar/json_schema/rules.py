@@ -114,13 +114,18 @@ class _Node:
 # A run of characters that are atoms on their own (no metacharacter, class, escape or mark).
 
 
-def _parse(text: str, cache: dict | None = None) -> "_Node":
-    """The parse tree of ``text``, from ``cache`` (text → tree) when it is there."""
+def _parse(text: str, cache: dict | None = None, shallow: bool = False) -> "_Node":
+    """The parse tree of ``text``, from ``cache`` (text → tree) when it is there.
+
+    ``shallow``: a group without references is one childless node (what :func:`to_lark` and
+    :func:`is_empty` need: they write such a group verbatim), not parsed inside; a cache holds
+    shallow and full trees under different keys."""
     if cache is None:
-        return _Parser(text).parse()
-    tree = cache.get(text)
+        return _Parser(text, shallow).parse()
+    key = (text, True) if shallow else text
+    tree = cache.get(key)
     if tree is None:
-        tree = cache[text] = _Parser(text).parse()
+        tree = cache[key] = _Parser(text, shallow).parse()
     return tree
 
 
@@ -136,6 +141,13 @@ _TOKEN = re.compile(
     r"|(?P<and>\ue004)|(?P<mid>\ue005)|(?P<end>\ue006)", re.S)
 
 
+_ATOM = (r"(?:[^\\()|?*+{\[" + _MARK_CHARS + r"]|\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)"
+         r"|\[\^?\]?(?:\\.|[^\]\\])*\])")
+# Shallow parses: a run of atoms no quantifier applies to is one token (its last atom is not
+# followed by a quantifier; a quantified atom is matched alone by _TOKEN's alternatives).
+_TOKEN_SHALLOW = re.compile(r"(?P<lit>" + _ATOM + r"*" + _ATOM + r"(?![?*+{]))|" + _TOKEN.pattern, re.S)
+
+
 class _Parser:
     """A parser for the compiler's regex dialect: ``(?:...)``, ``|``, quantifiers ``? * + {m}
     {m,} {m,n}``, classes ``[...]``, escapes ``\\c``/``\\xHH``/``\\uHHHH``, references.
@@ -143,11 +155,11 @@ class _Parser:
     The text is cut into tokens first (one C-level scan; a run of literal characters is one
     token, split before a quantifier so that it binds to the last character only)."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, shallow: bool = False):
         self.s = text
         toks: list[tuple[str, int, int]] = []
         pos = 0
-        for m in _TOKEN.finditer(text):
+        for m in (_TOKEN_SHALLOW if shallow else _TOKEN).finditer(text):
             if m.start() != pos:
                 raise ValueError(f"unexpected {text[pos]!r} at {pos}")
             kind = m.lastgroup
@@ -161,6 +173,21 @@ class _Parser:
             raise ValueError(f"unexpected {text[pos]!r} at {pos}")
         self.toks = toks
         self.k = 0
+        # shallow: open token → its close token, for groups with no reference or intersection
+        self.skip: dict[int, int] = {}
+        if shallow:
+            stack: list[list[int]] = []  # [open index, marks inside]
+            for i, (kind, _, _) in enumerate(toks):
+                if kind == "open":
+                    stack.append([i, 0])
+                elif kind == "close" and stack:
+                    j, marks = stack.pop()
+                    if marks == 0:
+                        self.skip[j] = i
+                    elif stack:
+                        stack[-1][1] += marks
+                elif kind in _MARK_KINDS and stack:
+                    stack[-1][1] += 1
 
     def _peek(self) -> str | None:
         return self.toks[self.k][0] if self.k < len(self.toks) else None
@@ -213,12 +240,16 @@ class _Parser:
             raise ValueError("unexpected end of regex")
         kind, a, b = self.toks[self.k]
         self.k += 1
-        if kind in ("plain", "esc", "cls"):
+        if kind in ("plain", "esc", "cls", "lit"):
             return _Node("atom", a, b)
         if kind in ("ref", "term"):
             rule = kind == "ref"
             return _Node(kind, a, b, number=int(self.s[a + 1:b - 1]), has_ref=rule, has_term=not rule)
         if kind == "open":
+            close = self.skip.get(self.k - 1)
+            if close is not None:
+                self.k = close + 1
+                return _Node("group", a, self.toks[close][2])
             inner = self._alt()
             if self._peek() != "close":
                 raise ValueError(f"unclosed group at {a}")
@@ -240,13 +271,14 @@ class _Parser:
 
 
 _SEQ_STOP = frozenset({None, "bar", "close", "mid", "end"})
+_MARK_KINDS = frozenset({"ref", "term", "and", "mid", "end"})
 
 
 def is_empty(root: str, rules: dict[int, str], cache: dict | None = None) -> bool:
     """Whether the grammar admits no finite document (every derivation of ``root`` recurses
     forever): the usual fixpoint of productive rules (Hopcroft and Ullman 1979, §4.4).
     ``cache``: text → parse tree, shared with :func:`to_lark`."""
-    trees = {n: _parse(body, cache) for n, body in rules.items()}
+    trees = {n: _parse(body, cache, True) for n, body in rules.items()}
     productive: set[int] = set()
 
     def derives(node: _Node) -> bool:
@@ -269,7 +301,7 @@ def is_empty(root: str, rules: dict[int, str], cache: dict | None = None) -> boo
             if n not in productive and derives(tree):
                 productive.add(n)
                 changed = True
-    return not derives(_parse(root, cache))
+    return not derives(_parse(root, cache, True))
 
 
 def to_lark(root: str, rules: dict[int, str], terminals: list[str] | tuple[str, ...] = (),
@@ -282,7 +314,7 @@ def to_lark(root: str, rules: dict[int, str], terminals: list[str] | tuple[str, 
     """
     w = _Writer(terminals, {} if cache is None else cache)
     if not rules and not has_refs(root):
-        lines = ["start: MAIN", f"MAIN: {w.terminal(_parse(root, w.cache), root) or chr(34) * 2}"]
+        lines = ["start: MAIN", f"MAIN: {w.terminal(_parse(root, w.cache, True), root) or chr(34) * 2}"]
     else:
         lines = [f"start: {w.rule(root)}"]
         lines += [f"r{n}: {w.rule(rules[n])}" for n in sorted(rules)]
@@ -324,13 +356,13 @@ class _Writer:
         return name
 
     def rule(self, text: str) -> str:
-        return self._rule(_parse(text, self.cache), text) or '""'
+        return self._rule(_parse(text, self.cache, True), text) or '""'
 
     def _name_terminal(self, n: int) -> str:
         if n not in self.named:
             self.named.add(n)
             body = self.terminals[n]
-            self.defs.append(f"T{n}: {self.terminal(_parse(body, self.cache), body)}")
+            self.defs.append(f"T{n}: {self.terminal(_parse(body, self.cache, True), body)}")
         return f"T{n}"
 
     def _lexeme(self, src: str, node: _Node) -> str:
