@@ -302,10 +302,50 @@ def test_not_and_unsupported_keywords_fail_closed():
         with pytest.raises(GrammarError) as e:
             schema_to_regex(schema)
         assert e.value.keyword == keyword and e.value.path == "#"
-    regex, warnings = schema_to_regex({"type": "array", "uniqueItems": True, "items": {"type": "null"}},
+    regex, warnings = schema_to_regex({"type": "array", "uniqueItems": True, "items": {"type": "string"}},
                                       strict=False)
     assert any("uniqueItems" in w and "#" in w for w in warnings)
-    assert re.fullmatch(regex, "[null,null]")
+    assert re.fullmatch(regex, '["a","a"]')
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True},
+    {"type": "array", "items": {"enum": ["a", "b", "c", 1, 1.0, 2]}, "uniqueItems": True,
+     "minItems": 2, "maxItems": 3},
+    {"type": "array", "items": {"type": "boolean"}, "uniqueItems": True},
+    {"type": "array", "items": {"type": ["boolean", "null"]}, "uniqueItems": True, "minItems": 3},
+    {"type": "array", "items": {"enum": [{"x": 1}, [1, 2], "q"]}, "uniqueItems": True, "maxItems": 2},
+    {"type": "array", "items": {"$ref": "#/$defs/c"}, "uniqueItems": True, "minItems": 2,
+     "$defs": {"c": {"enum": ["r", "g", "b"]}}},
+])
+@pytest.mark.parametrize("grammar", [False, True])
+def test_unique_items_over_a_finite_set_exact(schema, grammar):
+    """Every array of up to 4 items from the set: accepted exactly when jsonschema says valid."""
+    import itertools
+
+    from grammar.base import GrammarSpec
+    from grammar.frontend import to_program
+    from grammar.json_schema.canonical import canonical_json
+
+    regex = re.compile(to_program(GrammarSpec.json_schema(schema), grammar=grammar).regex())
+    validator = jsonschema.Draft202012Validator(schema)
+    items = schema["items"]
+    pool = items.get("enum") or schema.get("$defs", {}).get("c", {}).get("enum") or [True, False, None]
+    seen = 0
+    for n in range(5):
+        for combo in itertools.product(pool, repeat=n):
+            text = canonical_json(list(combo))
+            want = validator.is_valid(json.loads(text))
+            assert (regex.fullmatch(text) is not None) == want, text
+            seen += want
+    assert seen > 0
+
+
+def test_unique_items_too_many_orders_is_refused():
+    big = {"type": "array", "items": {"enum": list(range(20))}, "uniqueItems": True}
+    with pytest.raises(GrammarError) as e:
+        schema_to_regex(big)
+    assert e.value.keyword == "uniqueItems" and "orders" in str(e.value)
 
 
 

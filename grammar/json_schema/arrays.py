@@ -47,7 +47,13 @@ def compile_array(c: "SchemaCompiler", s: dict, path: str) -> Rx:
     if hi is not None and hi < lo:
         return None
     if s.get("uniqueItems") is True and (hi is None or hi > 1):
-        c.unsupported("uniqueItems", path)
+        if not prefix and "contains" not in s:
+            out = _unique(c, rest_schema, rest_path, lo, hi, path)
+            if out is not _IGNORED:
+                return out
+        else:
+            c.unsupported("uniqueItems", path, "uniqueItems with tuple items or contains cannot be "
+                                               "enforced exactly")
     if "contains" in s:
         return _contains(c, s, path, prefix, rest, lo, hi, ws, comma)
     prefix = prefix[:hi] if hi is not None else prefix
@@ -86,3 +92,101 @@ def _contains(c, s, path, prefix, rest, lo, hi, ws, comma) -> Rx:
     else:
         body = seq(repeat(seq(rest, comma), 0, None), hit, repeat(seq(comma, rest), 0, None))
     return seq("\\[", ws, alt([body]), ws, "\\]")
+
+
+_IGNORED = object()  # _unique could not enforce uniqueItems and warned (strict off): arrays as usual
+MAX_UNIQUE_BRANCHES = 4096  # (remaining set, next value) pairs of a uniqueItems array (grammar mode)
+MAX_UNIQUE_SEQUENCES = 2048  # distinct sequences written out in plain-regex mode
+
+
+def _unique(c: "SchemaCompiler", items: object, items_path: str, lo: int, hi: int | None,
+            path: str) -> Rx:
+    """Arrays of distinct values drawn from the finite set ``items`` admits (``enum``/``const``,
+    booleans, null), exactly: after each value the rest of the array may use only the values
+    not used yet, so a state is the set still unused (how many were used is its complement's
+    size, which decides whether the array may end or go on). Each state is one shared terminal
+    in grammar mode (2^k states at most, bounded by ``MAX_UNIQUE_BRANCHES``); a plain regex
+    writes every order out (bounded by ``MAX_UNIQUE_SEQUENCES``).
+
+    Returns ``_IGNORED`` when it cannot and strict mode is off (a warning was recorded).
+
+    Raises:
+        GrammarError: (strict) the items are not a finite set, or too many orders.
+    """
+    values = _finite_item_values(c, items, items_path)
+    if values is None:
+        c.unsupported("uniqueItems", path, "uniqueItems cannot be enforced exactly unless the items "
+                                           "come from a finite set (enum, const, boolean, null)")
+        return _IGNORED
+    k = len(values)
+    top = k if hi is None else min(hi, k)
+    if lo > top:
+        return None
+    ws, comma = c.ws, c.ws + "," + c.ws
+    if top == 0:
+        return seq("\\[", ws, ws, "\\]")
+    from math import comb, perm
+    if c.opts.grammar:
+        cost = sum(comb(k, u) * (k - u) for u in range(top))
+        limit = MAX_UNIQUE_BRANCHES
+    else:
+        cost = sum(perm(k, u) for u in range(1, top + 1))
+        limit = MAX_UNIQUE_SEQUENCES
+    if cost > limit:
+        c.unsupported("uniqueItems", path, f"uniqueItems over {k} values up to {top} items has more "
+                                           f"than {limit} orders to write out")
+        return _IGNORED
+    lits = [c._literal(v) for v in values]
+    memo: dict[int, Rx] = {}
+
+    def rest(unused: int) -> Rx:
+        """Nonempty runs of distinct values from the set ``unused`` (a bit per value)."""
+        if unused in memo:
+            return memo[unused]
+        used = k - bin(unused).count("1")
+        branches = []
+        for i in range(k):
+            if not unused >> i & 1:
+                continue
+            left = unused & ~(1 << i)
+            more = seq(comma, rest(left)) if used + 1 < top and left else None
+            if used + 1 >= lo:
+                branches.append(seq(lits[i], "" if more is None else "(?:" + more + ")?"))
+            elif more is not None:
+                branches.append(seq(lits[i], more))
+        out = c._share(alt(branches)) if branches else None
+        memo[unused] = out
+        return out
+
+    body = rest((1 << k) - 1)
+    if lo == 0:
+        body = "" if body is None else "(?:" + body + ")?"
+    elif body is None:
+        return None
+    return seq("\\[", ws, body, ws, "\\]")
+
+
+def _finite_item_values(c: "SchemaCompiler", items: object, path: str) -> list | None:
+    """The distinct JSON values (by JSON equality) ``items`` admits, when finitely many."""
+    from grammar.json_schema.merge import json_key
+
+    schema = c._deref(items, path)
+    if schema is False:
+        return []
+    if not isinstance(schema, dict):
+        return None
+    values = c._finite_values_deep(schema, path)
+    if values is None:
+        types = schema.get("type")
+        types = [types] if isinstance(types, str) else types
+        if not isinstance(types, list) or not types or not set(types) <= {"boolean", "null"}:
+            return None
+        values = ([True, False] if "boolean" in types else []) + ([None] if "null" in types else [])
+    out, seen = [], set()
+    for v in values:
+        key = json_key(v)
+        if key not in seen and c.value_valid(v, schema):
+            seen.add(key)
+            out.append(v)
+    return out
+
