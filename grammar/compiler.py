@@ -33,7 +33,7 @@ from typing import Any
 from grammar.backends import registry
 from grammar.base import CompileStats, GrammarError, GrammarSpec, GrammarTimeout, Program
 from grammar.compiled import CompiledGrammar
-from grammar.frontend import to_program
+from grammar.frontend import to_program, warm_up
 from grammar.vocab import TokenVocabulary, build_vocabulary
 
 _FORMAT = "stencil-grammar-2"  # bump when the front end's output changes meaning
@@ -111,8 +111,8 @@ class GrammarCompiler:
                                            self._closing_pool)
         if backend != "eager":
             self.backend("lazy")  # its tokenizer trie takes ~0.6 s for 49 k tokens: pay it up front
-        # Python's Unicode \d / \s sets (pattern translation) take ~0.3 s once: not on a request.
-        self._pool.submit(_warm_pattern_tables)
+        # One-time translation costs (Unicode \d / \s sets, first imports): not on a request.
+        self._pool.submit(warm_up)
 
     # -- public -------------------------------------------------------------------------------
 
@@ -395,12 +395,6 @@ class GrammarCompiler:
             del self._failures[key]
             return None
         return error.copy()
-
-
-def _warm_pattern_tables() -> None:
-    from grammar.json_schema.pattern import _unicode_sets
-
-    _unicode_sets()
 
 
 def _done(result=None, exc: BaseException | None = None) -> Future:

@@ -16,6 +16,8 @@ string languages comparable (enum exclusion, ``oneOf`` disjointness) and keeps a
 
 from __future__ import annotations
 
+import functools
+
 MAX_CP = 0x10FFFF
 CharSet = tuple[tuple[int, int], ...]
 
@@ -132,6 +134,7 @@ def class_regex(s: CharSet) -> str | None:
 _ESCAPED: CharSet = charset((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
 
 
+@functools.lru_cache(maxsize=8192)
 def json_char(s: CharSet) -> str | None:
     """Regex for one decoded character of ``s`` written canonically inside a JSON string.
 

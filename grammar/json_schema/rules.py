@@ -143,9 +143,11 @@ _TOKEN = re.compile(
 
 _ATOM = (r"(?:[^\\()|?*+{\[" + _MARK_CHARS + r"]|\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)"
          r"|\[\^?\]?(?:\\.|[^\]\\])*\])")
-# Shallow parses: a run of atoms no quantifier applies to is one token (its last atom is not
-# followed by a quantifier; a quantified atom is matched alone by _TOKEN's alternatives).
-_TOKEN_SHALLOW = re.compile(r"(?P<lit>" + _ATOM + r"*" + _ATOM + r"(?![?*+{]))|" + _TOKEN.pattern, re.S)
+# Shallow parses: a run of atoms and their quantifiers (no group, bar or reference) is one
+# token, starting at an atom so that a quantifier after a group stays the group's.
+_TOKEN_SHALLOW = re.compile(
+    r"(?P<lit>" + _ATOM + r"(?:[^\\()|{\[" + _MARK_CHARS + r"]++|\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)"
+    r"|\[\^?\]?(?:\\.|[^\]\\])*+\]|\{\d+(?:,\d*)?\})*+)|" + _TOKEN.pattern, re.S)
 
 
 class _Parser:

@@ -6,6 +6,8 @@ one character. Returns the regex of the whole literal, quotes included.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 from grammar.json_schema import charset as cs
@@ -140,6 +142,11 @@ def string_regex(spec: StringSpec) -> Rx:
 
 def excluded_keys_regex(names: list[str]) -> Rx:
     """String literals whose decoded value is *not* one of ``names`` (a trie complement)."""
+    return _excluded_keys(tuple(dict.fromkeys(names)))
+
+
+@functools.lru_cache(maxsize=256)
+def _excluded_keys(names: tuple[str, ...]) -> Rx:
     trie: dict = {}
     for name in names:
         node = trie
