@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.logits_process import LogitsParamError, check_logits_params
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, ModelRunnerOutput
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, make_matcher
@@ -267,7 +267,7 @@ class LLMEngine:
                 outputs.append(self._output(req, []))
         return outputs
 
-    def _update(self, sched: SchedulerOutput, result) -> list[RequestOutput]:
+    def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Apply the step's sampled tokens; an output per request that gained tokens."""
         self.drafter.learn(sched, result.sampled)
         return [self._output(req, new) for req, new in self.scheduler.update(sched, result.sampled, result.logprobs,
@@ -290,7 +290,10 @@ class LLMEngine:
                           tokens=sum(len(o.new_token_ids) for o in outputs),
                           accepted=sum(len(t) - 1 for sr, t in zip(verified, sampled) if sr.num_drafts),
                           proposed=proposed)
-        ms = self.cost_model(shape) if self.cost_model is not None else (time.perf_counter() - start) * 1e3 + propose_ms
+        if self.cost_model is not None:
+            ms = self.cost_model(shape)
+        else:
+            ms = (time.perf_counter() - start) * 1e3 + propose_ms
         self.goodput.observe(shape, ms)
 
     def _propose(self) -> None:

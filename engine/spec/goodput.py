@@ -13,9 +13,10 @@ rests on outcomes, measured online:
   load drifts).
 - **Outcome.** A drafting step made ``tokens`` tokens in ``ms``; plain decoding would have made
   ``tokens - accepted`` in ``plain(rows)``, so the same tokens would have taken
-  ``plain(rows) * tokens / (tokens - accepted)`` ms. The decayed sum of that over the decayed
-  sum of the steps' ms is the *gain*: tokens per second with drafting over tokens per second
-  without, for the batch. Below ``min_gain`` the whole batch stops drafting for ``backoff``
+  ``plain(rows) * tokens / (tokens - accepted)`` ms. Summed over the latest drafting steps
+  (``window``, the recent ones weighing most) and divided by their ms, that is the *gain*:
+  tokens per second with drafting over tokens per second without, for the batch. Each step is
+  judged by the baseline as it is now, so a probe that finds the machine slower re-prices them. Below ``min_gain`` the whole batch stops drafting for ``backoff``
   steps (doubled each time a trial fails, up to ``max_backoff``; reset once drafting has held
   up for ``settle_steps``), then a trial measures again: load from another process, or a batch
   that changed, can turn a loss into a gain and back.
@@ -37,6 +38,7 @@ rows, and the measured outcome has the last word.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -158,12 +160,14 @@ class Goodput:
         min_priced: drafting steps measured with one unpriced draft per request, to price a
             row, before the price applies.
         gain_decay / baseline_decay / price_decay: weight the past keeps at each step.
+        window: priced drafting steps the gain is measured over.
     """
 
     def __init__(self, *, min_gain: float = 1.0, min_steps: int = 8, settle_steps: int = 64,
                  probe_cost: float = 0.02, min_probe_every: int = 4, max_probe_every: int = 48,
                  backoff: int = 16, max_backoff: int = 256, min_baseline: int = 3, min_priced: int = 4,
-                 gain_decay: float = 0.95, baseline_decay: float = 0.7, price_decay: float = 0.95) -> None:
+                 gain_decay: float = 0.95, baseline_decay: float = 0.8, price_decay: float = 0.95,
+                 window: int = 48) -> None:
         self.min_gain, self.min_steps, self.settle_steps = min_gain, min_steps, settle_steps
         self.probe_cost, self.min_probe_every, self.max_probe_every = probe_cost, min_probe_every, max_probe_every
         self.min_backoff, self.max_backoff = backoff, max_backoff
@@ -172,7 +176,9 @@ class Goodput:
         self.prior_weight = 0.25  # share of its weight the price keeps when a trial begins
         self.baseline = LinearFit(baseline_decay)  # plain step ms against base rows
         self.excess = LinearFit(price_decay)  # drafting step ms above the baseline, against draft rows
-        self._saved_ms = self._spent_ms = 0.0  # decayed: plain-equivalent ms of the tokens made, ms taken
+        # The latest priced drafting steps, (base rows, tokens, accepted, ms), judged against the
+        # baseline as it is now: a probe that shows the machine got slower re-prices them all.
+        self._recent: deque[tuple[int, int, int, float]] = deque(maxlen=window)
         self.priced_steps = 0  # priced drafting steps since the trial began
         self.since_plain = 0  # drafting steps since the last plain step
         self.off_left = 0  # plain steps still to go before the next trial
@@ -211,8 +217,18 @@ class Goodput:
 
     @property
     def gain(self) -> float | None:
-        """Measured tokens/s with drafting over tokens/s without, or None before evidence."""
-        return self._saved_ms / self._spent_ms if self.priced_steps and self._spent_ms > 0 else None
+        """Measured tokens/s with drafting over tokens/s without, or None before evidence: over
+        the latest ``window`` priced drafting steps (the most recent weigh most), each against
+        the time a plain step of its rows takes by the current baseline."""
+        if not self._recent:
+            return None
+        saved = spent = 0.0
+        w = 1.0
+        for rows, tokens, accepted, ms in reversed(self._recent):
+            saved += w * self.baseline.at(rows) * tokens / max(tokens - accepted, 1)
+            spent += w * ms
+            w *= self.gain_decay
+        return saved / spent if spent > 0 else None
 
     def stats(self) -> dict:
         """For /health: the gain, the price of a draft row (ms), whether drafting is on."""
@@ -252,10 +268,7 @@ class Goodput:
         self.excess.observe(shape.draft_rows, ms - plain)
         if self.excess.count <= self.min_priced:
             return  # explored before the price was known: it measured the price, not the outcome
-        d = self.gain_decay
-        plain_tokens = max(shape.tokens - shape.accepted, 1)
-        self._saved_ms = self._saved_ms * d + plain * shape.tokens / plain_tokens
-        self._spent_ms = self._spent_ms * d + ms
+        self._recent.append((shape.base_rows, shape.tokens, shape.accepted, ms))
         self.priced_steps += 1
         if self.priced_steps < self.min_steps:
             return
@@ -269,7 +282,7 @@ class Goodput:
         """Measure afresh: the row price and the gain may be different now. The old price stays
         as a prior worth a few steps (under load one step's time is noisy; four alone mislead)."""
         self.excess.shrink(self.prior_weight)
-        self._saved_ms = self._spent_ms = 0.0
+        self._recent.clear()
         self.priced_steps = 0
         self.since_plain = 0
         self.trials += 1
