@@ -20,6 +20,7 @@ from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, make_matcher
 from engine.spec import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape
 from engine.spec.drafter import pending_rows
+from engine.step_timing import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class LLMEngine:
         self._proposed = 0  # requests the proposers ran for, for the next step
         self._propose_ms = 0.0  # ... and the time that took
         self.num_steps = 0
+        self.timer = StepTimer()  # phases of the last step (ms), for ``stencil bench overhead``
         self.load_time_s = time.perf_counter() - t0
         log.info("engine ready: %s, %d KV blocks (%.2f GiB), max_model_len %d, kernels %s, %.1f s",
                  config.model, self.runner.num_blocks,
@@ -248,30 +250,39 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, mask, run, update, propose; return outputs of every request that changed."""
         start = time.perf_counter()
+        timer = self.timer
+        timer.start()
         sched = self.scheduler.schedule()
+        timer.mark("schedule")
         outputs: list[RequestOutput] = []
         if not sched.is_empty:
             self.num_steps += 1
             failed: list[tuple[Request, BaseException]] = []
             bitmask = self._grammar_bitmask(sched, failed)
-            result = self.runner.execute(sched, bitmask)
+            timer.mark("mask")
+            result = self.runner.execute(sched, bitmask, timer)
             # Finished only now: the forward above still reads their block tables.
             for req, exc in failed:
                 self._fail(req, "computing its grammar mask", exc)
             outputs = self._update(sched, result)
             self._account(sched, result.sampled, outputs, start)
             self._propose()  # may fail a request that already had an (unfinished) output
+            timer.mark("propose")
         reported = {out.request_id for out in outputs if out.finished}
         for req in self.scheduler.drain_finished():
             if req.request_id not in reported:
                 outputs.append(self._output(req, []))
+        timer.mark("outputs")
         return outputs
 
     def _update(self, sched: SchedulerOutput, result) -> list[RequestOutput]:
         """Apply the step's sampled tokens; an output per request that gained tokens."""
         self.drafter.learn(sched, result.sampled)
-        return [self._output(req, new) for req, new in self.scheduler.update(sched, result.sampled, result.logprobs,
-                                                                             result.top_logprobs)]
+        updates = self.scheduler.update(sched, result.sampled, result.logprobs, result.top_logprobs)
+        self.timer.mark("update")
+        outputs = [self._output(req, new) for req, new in updates]
+        self.timer.mark("outputs")
+        return outputs
 
     def _account(self, sched: SchedulerOutput, sampled: list[list[int]], outputs: list[RequestOutput],
                  start: float) -> None:

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "budget": "structured answers at 25-150% of their natural length: closed in time, valid",
     "cluster": "replicas on Ray Serve: prefix-affinity vs round-robin routing, and a replica kill",
     "serve": "the throughput workload over HTTP against one or two OpenAI-compatible servers (loopback)",
+    "overhead": "CPU time around the model per decode step, by phase, at several numbers of running requests",
 }
 
 
