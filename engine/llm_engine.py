@@ -341,8 +341,11 @@ class LLMEngine:
         if not any(sr.sample and sr.request.matcher is not None for sr in sched.scheduled):
             return None
         from grammar.bitmask import allocate_bitmask
+        from grammar.prefetch import prefetch_masks
 
         rows = sum(sr.num_logits for sr in sched.scheduled)
+        # Every pending mask in one parallel call; the loop below then copies rows.
+        prefetch_masks([sr.request.matcher for sr in sched.scheduled if sr.sample and sr.request.matcher is not None])
         bitmask = allocate_bitmask(rows, self.runner.vocab_size)
         row = 0
         for sr in sched.scheduled:
