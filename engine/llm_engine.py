@@ -95,6 +95,7 @@ class LLMEngine:
         self._propose_ms = 0.0  # ... and the time that took
         self.num_steps = 0
         self.timer = StepTimer()  # phases of the last step (ms), for ``stencil bench overhead``
+        self.started: list[str] = []  # ids of the requests the last step scheduled for the first time
         self.load_time_s = time.perf_counter() - t0
         log.info("engine ready: %s, %d KV blocks (%.2f GiB), max_model_len %d, kernels %s, %.1f s",
                  config.model, self.runner.num_blocks,
@@ -248,11 +249,13 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, mask, run, update, propose; return outputs of every request that changed."""
+        """Schedule, mask, run, update, propose; return outputs of every request that changed
+        (``self.started`` then lists the requests this step scheduled for the first time)."""
         start = time.perf_counter()
         timer = self.timer
         timer.start()
         sched = self.scheduler.schedule()
+        self.started = self.scheduler.drain_started()
         timer.mark("schedule")
         outputs: list[RequestOutput] = []
         if not sched.is_empty:

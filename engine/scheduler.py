@@ -83,6 +83,7 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.newly_finished: list[Request] = []  # finished since the engine last drained them
+        self.newly_started: list[str] = []  # ids first scheduled since the engine last drained them
         self.enable_forced_tokens = True
         self.max_forced_tokens = 16
 
@@ -113,6 +114,11 @@ class Scheduler:
 
     def drain_finished(self) -> list[Request]:
         out, self.newly_finished = self.newly_finished, []
+        return out
+
+    def drain_started(self) -> list[str]:
+        """Ids of the requests scheduled for the first time since the last call."""
+        out, self.newly_started = self.newly_started, []
         return out
 
     def _preempt(self, request: Request) -> None:
@@ -181,6 +187,7 @@ class Scheduler:
             self.kv.record_lookup(req.num_tokens, num_cached)
             if req.metrics.first_scheduled_time is None:
                 req.metrics.num_cached_tokens = num_cached
+                self.newly_started.append(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._make(req, num_new))

@@ -237,7 +237,8 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
                                    choice=data.choice, whitespace=data.whitespace, strict=data.strict,
                                    grammar=data.grammar.lark if data.grammar is not None else None)
     gen = await generation.start(service, prompt_ids, params, spec, rid, arrival, data.grammar_backend,
-                                 generation.client_id(request.headers, request.client))
+                                 generation.client_id(request.headers, request.client), receive=request.receive,
+                                 queue_timeout_s=data.queue_timeout)
     if data.stream:
         # The content-type header is explicit: for streams Litestar prefers the route's JSON media type.
         headers = {"cache-control": "no-cache", "content-type": "text/event-stream; charset=utf-8"}

@@ -325,7 +325,8 @@ async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, reque
     job = await _prepare_chat(svc, data)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     _log_identity(rid, data)
-    streams = await start_all(svc, [(job.prompt_ids, p) for p in job.params], job.constraint.spec, rid)
+    streams = await start_all(svc, [(job.prompt_ids, p) for p in job.params], job.constraint.spec, rid,
+                              receive=request.receive)
     relaxed_warnings = relaxed(job.constraint, streams[0])
     headers = warnings_header(relaxed_warnings)
     if data.stream:
@@ -439,7 +440,7 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
     _log_identity(rid, data)
     jobs = [(ids, p) for ids in prompt_ids for p in params]
     counts = [len(ids) for ids in prompt_ids]
-    streams = await start_all(svc, jobs, spec, rid)
+    streams = await start_all(svc, jobs, spec, rid, receive=request.receive)
     relaxed_warnings = [str(w) for w in (getattr(streams[0].compiled, "warnings", None) or ())]
     headers = warnings_header(relaxed_warnings)
     echo = bool(data.echo)

@@ -231,15 +231,19 @@ def grammar_field(name: str) -> Iterator[None]:
 
 
 async def start_all(svc: ServiceState, jobs: list[tuple[list[int], Any]], spec: GrammarSpec | None, rid: str,
-                    format_field: str = "response_format") -> list[gen.GenerationStream]:
-    """Admit every choice (grammar compiled) before any runs, so a refusal (400/429) comes first;
-    all or none: if one is refused, those already admitted are given up (``aclose``: on a cluster
-    their replicas abort them) before the error is raised."""
+                    format_field: str = "response_format", receive=None) -> list[gen.GenerationStream]:
+    """Admit every choice (grammar compiled) before any runs, so a refusal (400/429) comes first,
+    then wait for each to be scheduled (``GenerationStream.wait_started``: a request that waits
+    past its deadline is a 429; ``receive`` notices a client leaving meanwhile); all or none:
+    if one is refused, those already admitted are given up (``aclose``: on a cluster their
+    replicas abort them) before the error is raised."""
     streams: list[gen.GenerationStream] = []
     with grammar_field(format_field):
         try:
             for k, (ids, p) in enumerate(jobs):
-                streams.append(await gen.start(svc, ids, p, spec, f"{rid}-{k}" if len(jobs) > 1 else rid))
+                streams.append(await gen.start(svc, ids, p, spec, f"{rid}-{k}" if len(jobs) > 1 else rid, wait=False))
+            for s in streams:
+                await s.wait_started(receive)
         except BaseException:
             for st in streams:
                 await st.aclose()
