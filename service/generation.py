@@ -40,13 +40,16 @@ from schemas.common import Timings, Usage
 from service.errors import (ClientDisconnected, GenerationFailed, GenerationTimeout, InputError, QueueTimeout,
                             Unavailable)
 from service.state import ServiceConfig, ServiceState
-from service.validation import check_schema
+from service.validation import SchemaChecks, check_schema
 
 log = logging.getLogger("stencil.generation")
 
 # Tokenizing a few kB takes well under a millisecond; beyond this many characters it moves to a
 # worker thread so one huge prompt cannot stall every other request's stream.
 _THREAD_TOKENIZE_CHARS = 16_384
+# Parsing and validating an output of this many characters or more (json + jsonschema, pure
+# Python for the schema) moves to a worker thread too.
+_THREAD_CHECK_CHARS = 16_384
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -137,7 +140,9 @@ async def tokenize(state: ServiceState, prompt: str | None = None, messages: lis
         field = "messages" if messages is not None else "prompt"
         raise InputError(f"{field} has {size} characters; the limit is {cfg.max_prompt_chars}", field=field)
     tok = state.engine.tokenizer
-    if size > _THREAD_TOKENIZE_CHARS:
+    # A chat template is Jinja (pure Python, its cost grows with the messages and tools):
+    # always off the loop. A short plain prompt tokenizes in microseconds (Rust): inline.
+    if messages is not None or size > _THREAD_TOKENIZE_CHARS:
         return await asyncio.to_thread(encode_prompt, tok, prompt, messages, tools)
     return encode_prompt(tok, prompt, messages, tools)
 
@@ -215,7 +220,8 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
 
 def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str | None = None,
                  choice: list[str] | None = None, whitespace: str = "compact",
-                 strict: bool = True, grammar: str | None = None) -> GrammarSpec | None:
+                 strict: bool = True, grammar: str | None = None,
+                 schemas: SchemaChecks | None = None) -> GrammarSpec | None:
     """The constraint a request asks for, checked against the service's limits.
 
     Args:
@@ -226,6 +232,7 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
         whitespace: JSON only: "compact" or "flexible".
         strict: JSON only: refuse keywords that cannot be enforced (True) or ignore them with a
             warning in the response (False).
+        schemas: the app's record of schemas already checked (``None``: check every time).
 
     Returns:
         ``None`` when no constraint is given.
@@ -243,7 +250,8 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
     if whitespace not in ("compact", "flexible"):
         raise InputError(f"whitespace must be 'compact' or 'flexible', got {whitespace!r}", field="whitespace")
     if response_schema is not None:
-        check_schema(response_schema, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
+        check = schemas.check if schemas is not None else check_schema
+        check(response_schema, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
         return GrammarSpec.json_schema(response_schema, whitespace=whitespace, strict=strict)
     if regex is not None:
         if not regex:
@@ -269,6 +277,31 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
                              field="grammar")
         return GrammarSpec.grammar(grammar)
     return None
+
+
+async def checked_grammar_spec(state: ServiceState, **fields) -> GrammarSpec | None:
+    """``grammar_spec`` for a handler on the event loop: a schema seen before is checked from
+    the app's record (µs); a new one is checked in a worker thread, since jsonschema takes up
+    to hundreds of ms over a large schema and the loop must keep serving every other client.
+
+    Args:
+        fields: the keyword arguments of ``grammar_spec``.
+    """
+    cfg = state.config
+    schema = fields.get("response_schema")
+    if schema is not None and not state.schemas.known(schema, max_bytes=cfg.max_schema_bytes,
+                                                      max_depth=cfg.max_schema_depth):
+        return await asyncio.to_thread(grammar_spec, cfg, schemas=state.schemas, **fields)
+    return grammar_spec(cfg, schemas=state.schemas, **fields)
+
+
+async def check_schema_off_loop(state: ServiceState, schema: Any) -> None:
+    """``check_schema`` under the service's limits, as ``checked_grammar_spec`` does it."""
+    cfg = state.config
+    kw = dict(max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
+    if state.schemas.known(schema, **kw):
+        return
+    await asyncio.to_thread(state.schemas.check, schema, **kw)
 
 
 # -- results ---------------------------------------------------------------------------------------
@@ -490,7 +523,11 @@ class GenerationStream:
             await agen.aclose()
         if final is None:
             raise GenerationFailed(f"request {self.request_id} ended without a final output")
-        self.result = self._finish(final, "".join(parts), token_ids, logprobs, first_at)
+        text = "".join(parts)
+        if len(text) >= _THREAD_CHECK_CHARS:
+            self.result = await asyncio.to_thread(self._finish, final, text, token_ids, logprobs, first_at)
+        else:
+            self.result = self._finish(final, text, token_ids, logprobs, first_at)
         if self.params.top_logprobs:
             self.result.top_logprobs = tops
         yield self.result

@@ -420,7 +420,7 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
         raise InputError("best_of is not supported (only 1); ask n choices instead", field="best_of")
     groups = _prompts(svc, data.prompt)
     schema, strict = format_schema(data.response_format)
-    spec = gen.grammar_spec(svc.config, response_schema=schema, strict=strict)
+    spec = await gen.checked_grammar_spec(svc, response_schema=schema, strict=strict)
     want_logprobs = data.logprobs is not None
     bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
     params = [gen.sampling_params(svc.config, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None
