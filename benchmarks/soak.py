@@ -56,12 +56,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="server to load (loopback only); default: start one")
     p.add_argument("--model", default=None, help="model directory, or 'tiny' (default: the default model)")
     p.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens of a request")
-    p.add_argument("--max-waiting", type=int, default=64, help="waiting-queue limit of the started server")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="waiting-queue limit of the started server (default: the server's)")
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="running-request limit of the started server (default: the concurrency, 8..64)")
-    p.add_argument("--num-kv-blocks", type=int, default=1024, help="KV blocks of the started server")
+                   help="running-request limit of the started server (default: the server's)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks of the started server "
+                   "(default: the server's)")
     p.add_argument("--disconnect-rate", type=float, default=0.08, help="share of clients that hang up")
     p.add_argument("--timeout-rate", type=float, default=0.07, help="share of clients that give up early")
+    p.add_argument("--queue-timeout-rate", type=float, default=0.05,
+                   help="share of /generate requests that may wait only 1-10 s for a running slot "
+                        "(queue_timeout; past it: 429)")
+    p.add_argument("--ramp", type=float, default=None,
+                   help="seconds over which the clients start (default: min(10, duration / 10))")
+    p.add_argument("--max-health-ms", type=float, default=250.0,
+                   help="bound on the p99 of /health and /metrics during the load (ms; 0: not checked)")
+    p.add_argument("--min-answered-share", type=float, default=0.5,
+                   help="least share of the sent requests answered 200 (0: not checked)")
     p.add_argument("--max-rss-growth-mb", type=float, default=256.0,
                    help="allowed server RSS growth from the end of warm-up to the end (MiB)")
     p.add_argument("--seed", type=int, default=0)
@@ -111,11 +122,14 @@ class OwnServer:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
-               "--port", str(self.port), "--num-kv-blocks", str(args.num_kv_blocks),
-               "--max-num-seqs", str(args.max_num_seqs or max(8, min(64, args.concurrency))),
-               "--max-waiting", str(args.max_waiting),
-               "--max-tokens-cap", str(max(args.max_tokens, 16)), "--log-level", "warning",
-               "--shutdown-grace", "20"]
+               "--port", str(self.port), "--max-tokens-cap", str(max(args.max_tokens, 16)),
+               "--log-level", "warning", "--shutdown-grace", "20"]
+        # Unless told otherwise the server runs on its own defaults: they must make 200-or-429
+        # the normal outcome under any number of clients.
+        for flag, value in (("--num-kv-blocks", args.num_kv_blocks), ("--max-num-seqs", args.max_num_seqs),
+                            ("--max-waiting", args.max_waiting)):
+            if value is not None:
+                cmd += [flag, str(value)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         # The log goes to a file, not a pipe: nobody reads a pipe during the run, and a full one
         # would block the server.
@@ -160,18 +174,18 @@ class Tally:
     """Outcome counts and the latencies of answered requests (ms)."""
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("sent", "answered", "aborted", "rejected_429", "errors_4xx", "errors_5xx", "errors_transport"), 0))
+        ("sent", "answered", "aborted", "rejected_429", "errors_4xx", "errors_5xx", "transport_errors"), 0))
     latencies_ms: list[float] = field(default_factory=list)
     kinds: dict[str, int] = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)  # first few unexpected outcomes, for the report
 
     def note(self, outcome: str, detail: str = "") -> None:
         self.counts[outcome] += 1
-        if outcome in ("errors_4xx", "errors_5xx", "errors_transport") and len(self.examples) < 10:
+        if outcome in ("errors_4xx", "errors_5xx", "transport_errors") and len(self.examples) < 10:
             self.examples.append(f"{outcome}: {detail[:300]}")
 
 
-def _request(rng: random.Random, max_tokens: int) -> tuple[str, dict, str]:
+def _request(rng: random.Random, max_tokens: int, queue_timeout_rate: float = 0.0) -> tuple[str, dict, str]:
     """(path, body, constraint kind) of one random request."""
     kind = rng.choice(["none", "none", "schema", "regex", "choice"])
     n = rng.randint(1, max_tokens)
@@ -189,6 +203,8 @@ def _request(rng: random.Random, max_tokens: int) -> tuple[str, dict, str]:
             body["regex"] = DATE
         elif kind == "choice":
             body["choice"] = COLORS
+        if rng.random() < queue_timeout_rate:
+            body["queue_timeout"] = round(rng.uniform(1.0, 10.0), 2)
         return "/generate", body, kind
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "stream": stream}
     if kind == "schema":
@@ -212,7 +228,7 @@ def _stream_failed(line: str) -> int | None:
 
 async def _one(ac: httpx.AsyncClient, rng: random.Random, args, tally: Tally) -> float:
     """Send one request and record its outcome; return a pause to take before the next (s)."""
-    path, body, kind = _request(rng, args.max_tokens)
+    path, body, kind = _request(rng, args.max_tokens, args.queue_timeout_rate)
     behaviour = rng.random()
     hang_up = behaviour < args.disconnect_rate
     give_up = not hang_up and behaviour < args.disconnect_rate + args.timeout_rate
@@ -220,7 +236,9 @@ async def _one(ac: httpx.AsyncClient, rng: random.Random, args, tally: Tally) ->
     tally.kinds[key] = tally.kinds.get(key, 0) + 1
     tally.counts["sent"] += 1
     t0 = time.perf_counter()
-    timeout = httpx.Timeout(rng.uniform(0.02, 0.3) if give_up else 300.0, connect=10.0)
+    # A behaving client waits as long as the server may keep it queued (its request timeout,
+    # 300 s) and more: the server answers first.
+    timeout = httpx.Timeout(rng.uniform(0.02, 0.3) if give_up else 900.0, connect=30.0)
     try:
         async with ac.stream("POST", path, json=body, timeout=timeout) as r:
             if r.status_code == 429:
@@ -249,23 +267,31 @@ async def _one(ac: httpx.AsyncClient, rng: random.Random, args, tally: Tally) ->
                 tally.note("answered")
                 tally.latencies_ms.append((time.perf_counter() - t0) * 1e3)
             else:
-                tally.note("errors_transport", f"stream ended without [DONE] for {body}")
+                tally.note("transport_errors", f"stream ended without [DONE] for {body}")
     except httpx.TimeoutException:
-        tally.note("aborted" if give_up else "errors_transport", f"timeout for {body}")
+        tally.note("aborted" if give_up else "transport_errors", f"timeout for {body}")
     except httpx.TransportError as e:
-        tally.note("errors_transport", f"{type(e).__name__}: {e}")
+        tally.note("transport_errors", f"{type(e).__name__}: {e}")
     return 0.0
 
 
 async def _load(url: str, args, tally: Tally, on_tick) -> float:
-    """Run the workers until the deadline; return the wall time (s)."""
+    """Run the workers until the deadline (each finishes the request it has in flight); return
+    the wall time (s). Worker ``i`` starts ``i / C`` of the way through the ramp."""
+    import ssl
+
     start = time.monotonic()
     deadline = start + args.duration
-    limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency)
+    ramp = args.ramp if args.ramp is not None else min(10.0, args.duration / 10)
+    # One connection per client, as a browser tab or a script would hold; one TLS context for
+    # all (loopback is plain HTTP, but httpx builds a context per client, loading the CA store).
+    limits = httpx.Limits(max_connections=2, max_keepalive_connections=1)
+    tls = ssl.create_default_context()
 
     async def worker(i: int) -> None:
+        await asyncio.sleep(ramp * i / max(args.concurrency, 1))
         rng = random.Random(args.seed * 10_007 + i)
-        async with httpx.AsyncClient(base_url=url, limits=limits) as ac:
+        async with httpx.AsyncClient(base_url=url, limits=limits, verify=tls) as ac:
             while time.monotonic() < deadline:
                 pause = await _one(ac, rng, args, tally)
                 if pause:
@@ -302,8 +328,55 @@ def _settle(url: str, timeout_s: float = 30.0) -> tuple[dict, dict]:
         time.sleep(0.2)
 
 
+class Probe:
+    """``benchmarks.probe`` in a process of its own: /health and /metrics latencies under load."""
+
+    def __init__(self, url: str, interval_s: float = 0.2):
+        self._out = tempfile.NamedTemporaryFile(suffix=".json", delete=False)
+        self._out.close()
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.probe", url, str(interval_s), self._out.name],
+                                     cwd=Path(__file__).resolve().parents[1])
+
+    def stop(self) -> dict:
+        """End the probing; its ``health_ms``, ``metrics_ms`` lists and ``failures`` count."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+            return json.loads(Path(self._out.name).read_text() or "{}")
+        except (subprocess.TimeoutExpired, ValueError, OSError):
+            self.proc.kill()
+            return {}
+        finally:
+            Path(self._out.name).unlink(missing_ok=True)
+
+
+def _raise_fd_limit(concurrency: int) -> None:
+    """Every client holds a socket here and one in the server: raise the soft open-files limit
+    (inherited by the server started here) to what the run needs, within the hard limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * concurrency + 1024
+    cap = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < need:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, cap), hard))
+    if min(need, cap) < need:
+        print(f"stencil bench soak: only {cap} open files allowed; {need} wanted", file=sys.stderr)
+
+
+def _run_load(url: str, args, tally: Tally, on_tick) -> float:
+    """``_load`` on uvloop when it is installed (less client CPU beside the server)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(_load(url, args, tally, on_tick))
+    return uvloop.run(_load(url, args, tally, on_tick))
+
+
 def main(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _raise_fd_limit(args.concurrency)
     if args.url is not None and httpx.URL(args.url).host not in ("127.0.0.1", "localhost", "::1"):
         print("stencil bench soak: --url must be a loopback address", file=sys.stderr)
         return 2
@@ -336,7 +409,11 @@ def main(args: argparse.Namespace) -> int:
                     rss["warm"] = now
 
         tally = Tally()
-        wall = asyncio.run(_load(url, args, tally, on_tick))
+        probe = Probe(url)
+        try:
+            wall = _run_load(url, args, tally, on_tick)
+        finally:
+            probes = probe.stop()
         health, metrics = _settle(url)
         rss_end = _rss_mb(pid) if pid else None
         if rss_end is not None:
@@ -350,6 +427,9 @@ def main(args: argparse.Namespace) -> int:
     c = tally.counts
     left = e["running"] + e["waiting"]
     growth = rss_end - rss["warm"] if rss_end is not None and rss["warm"] is not None else None
+    health_ms, metrics_ms = probes.get("health_ms", []), probes.get("metrics_ms", [])
+    health_p99 = pct(health_ms, 99)
+    answered_share = c["answered"] / c["sent"] if c["sent"] else 0.0
     invariants = {
         "all_kv_blocks_free": e["kv_blocks_free"] == e["kv_blocks_total"]
                               and metrics.get("stencil_kv_blocks_used", 0.0) == 0.0,
@@ -358,16 +438,25 @@ def main(args: argparse.Namespace) -> int:
                            and metrics.get("stencil_requests_waiting", 0.0) == 0.0,
         "counts_add_up": c["sent"] == sum(v for k, v in c.items() if k != "sent"),
         "no_5xx": c["errors_5xx"] == 0,
-        "no_transport_errors": c["errors_transport"] == 0,
+        "no_transport_errors": c["transport_errors"] == 0,
         "some_answered": c["answered"] > 0,
         "engine_alive": health["status"] == "ok",
         "rss_growth_within_bound": growth is None or growth <= args.max_rss_growth_mb,
         "clean_shutdown": server is None or exit_code == 0,
+        "health_p99_within_bound": not args.max_health_ms or (
+            health_p99 is not None and max(health_p99, pct(metrics_ms, 99) or 0.0) <= args.max_health_ms
+            and not probes.get("failures")),
+        "enough_answered": answered_share >= args.min_answered_share,
     }
     report = {
         **c, "latency_ms_p50": pct(tally.latencies_ms, 50), "latency_ms_p99": pct(tally.latencies_ms, 99),
         "kv_blocks_total": e["kv_blocks_total"], "kv_blocks_free_after": e["kv_blocks_free"],
-        "requests_left_after": left, "peak_rss_mb": rss["peak"], "rss_warm_mb": rss["warm"],
+        "requests_left_after": left, "answered_share": round(answered_share, 4),
+        "health_ms_p50": pct(health_ms, 50), "health_ms_p99": health_p99, "health_ms_max": max(health_ms, default=None),
+        "metrics_ms_p50": pct(metrics_ms, 50), "metrics_ms_p99": pct(metrics_ms, 99),
+        "probes": len(health_ms) + len(metrics_ms), "probe_failures": probes.get("failures"),
+        "queue_timeouts": metrics.get("stencil_queue_timeouts_total"),
+        "peak_rss_mb": rss["peak"], "rss_warm_mb": rss["warm"],
         "rss_end_mb": rss_end, "rss_growth_mb": growth, "rss_growth_bound_mb": args.max_rss_growth_mb,
         "duration_s": round(wall, 1), "concurrency": args.concurrency,
         "model": "url" if args.url else (args.model or "default"), "server_exit_code": exit_code,

@@ -2,8 +2,11 @@
 
 torch releases the GIL inside its kernels, so one engine thread keeps the model busy while the
 event loop parses requests and streams answers. Commands (add, abort) reach the engine thread
-through a queue; outputs come back through each request's ``asyncio.Queue`` via
-``call_soon_threadsafe``.
+through a queue; outputs come back to each request's ``EngineStream``. A step's outputs travel
+together: one ``call_soon_threadsafe`` per event loop per step, not one per request, so 256
+running streams cost the loop one wake-up a step. Besides outputs, a stream learns when its
+request is first scheduled (``EngineStream.started``), so a server can wait for a running slot
+before it sends any header and still answer a request that waited too long with a status code.
 """
 
 from __future__ import annotations
@@ -27,6 +30,59 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; in-flight and new requests fail at once."""
 
 
+_STARTED = object()  # delivered when a request is first scheduled
+
+
+class EngineStream:
+    """One submitted request: an async iterator of its ``RequestOutput`` items, last one finished.
+
+    Attributes:
+        request_id: the engine's id of the request.
+        started: set once the engine has scheduled the request (or it ended, or failed).
+
+    Leaving early (``aclose()``, or ``AsyncEngine.generate``'s generator closed) aborts the
+    request, so its KV blocks are freed at once. Iterate on the loop that submitted it.
+    """
+
+    def __init__(self, aeng: "AsyncEngine", request_id: str):
+        self._aeng = aeng
+        self.request_id = request_id
+        self.started = asyncio.Event()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._finished = False
+        self._closed = False
+
+    def _put(self, item) -> None:
+        """On the stream's loop: one item from the engine thread."""
+        self.started.set()
+        if item is not _STARTED:
+            self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "EngineStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
+        if item.finished:
+            self._finished = True
+            self._aeng._unregister(self.request_id)
+        return item
+
+    async def aclose(self) -> None:
+        """Stop listening; abort the request unless it finished."""
+        if self._closed:
+            return
+        self._closed = True
+        self._aeng._unregister(self.request_id)
+        if not self._finished:
+            self._aeng.abort(self.request_id)
+
+
 class AsyncEngine:
     """Asyncio front of an ``LLMEngine`` running on its own thread."""
 
@@ -34,7 +90,7 @@ class AsyncEngine:
         self.engine = engine if engine is not None else LLMEngine(config)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, EngineStream]] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -78,12 +134,31 @@ class AsyncEngine:
         """
         return await asyncio.wrap_future(self.engine.grammar.submit(spec, backend, client=client))
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None,
-                       request_id: str | None = None, *, admitted: bool = False) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs until it finishes.
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None,
+               request_id: str | None = None, *, admitted: bool = False) -> EngineStream:
+        """Queue a request for the engine thread; return its stream (call on an event loop).
 
         ``admitted=True``: the caller already passed ``engine.check_request`` (admission); the
         waiting-queue limit is not checked again, here or on the engine thread.
+
+        Raises:
+            EngineError / EngineOverloaded: refused here; later refusals (on the engine
+                thread) come out of the stream.
+            EngineDeadError: the engine loop died.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        self.engine.check_request(prompt_token_ids, params, admission=not admitted)
+        stream = EngineStream(self, request_id or uuid.uuid4().hex)
+        with self._lock:
+            self._streams[stream.request_id] = (asyncio.get_running_loop(), stream)
+        self._inbox.put(("add", stream.request_id, prompt_token_ids, params, grammar))
+        self._wake.set()
+        return stream
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None,
+                       request_id: str | None = None, *, admitted: bool = False) -> AsyncIterator[RequestOutput]:
+        """Submit a request (``submit``) and yield its outputs until it finishes.
 
         Leaving the iteration early (client gone, timeout, cancellation) aborts the request, so
         its KV blocks are freed at once.
@@ -92,30 +167,22 @@ class AsyncEngine:
             EngineError / EngineOverloaded: before anything is yielded.
             EngineDeadError: the engine loop died.
         """
-        if not self.is_alive:
-            raise EngineDeadError(f"engine is not running: {self.error!r}")
-        self.engine.check_request(prompt_token_ids, params, admission=not admitted)
-        rid = request_id or uuid.uuid4().hex
-        q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._inbox.put(("add", rid, prompt_token_ids, params, grammar))
-        self._wake.set()
-        finished = False
+        stream = self.submit(prompt_token_ids, params, grammar, request_id, admitted=admitted)
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in stream:
                 yield item
-                if item.finished:
-                    finished = True
-                    return
         finally:
-            with self._lock:
-                self._streams.pop(rid, None)
-            if not finished:
-                self.abort(rid)
+            await stream.aclose()
+
+    def is_waiting(self, request_id: str) -> bool:
+        """Whether the request is still queued, not yet scheduled (read without a lock: a
+        snapshot that the engine thread may change the next moment)."""
+        req = self.engine.scheduler.requests.get(request_id)
+        return req is not None and req.metrics.first_scheduled_time is None
+
+    def _unregister(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -123,12 +190,19 @@ class AsyncEngine:
 
     # -- the loop --------------------------------------------------------------------------------
     def _deliver(self, rid: str, item) -> None:
+        self._deliver_all([(rid, item)])
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """Hand ``(request id, item)`` pairs to their streams: one callback per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[EngineStream, object]]] = {}
         with self._lock:
-            target = self._streams.get(rid)
-        if target is not None:
-            loop, q = target
+            for rid, item in items:
+                target = self._streams.get(rid)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
+                loop.call_soon_threadsafe(_dispatch, batch)
             except RuntimeError:
                 pass  # the caller's loop is closed
 
@@ -163,15 +237,16 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = eng.step()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                started = eng.started
+                if outputs or started:
+                    self._deliver_all([(rid, _STARTED) for rid in started]
+                                      + [(out.request_id, out) for out in outputs])
                 if not outputs and not eng.scheduler.running:
                     self._wake.wait(0.002)  # only requests waiting for their grammar: don't spin
                     self._wake.clear()
             for rid in list(eng.scheduler.requests):
                 eng.abort(rid)
-            for out in eng.step():
-                self._deliver(out.request_id, out)
+            self._deliver_all([(out.request_id, out) for out in eng.step()])
             self._fail_all(EngineDeadError("engine is shutting down"))
         except BaseException as e:  # noqa: BLE001 - the loop must report any death
             log.exception("engine loop died")
@@ -183,5 +258,10 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             rids = list(self._streams)
-        for rid in rids:
-            self._deliver(rid, exc)
+        self._deliver_all([(rid, exc) for rid in rids])
+
+
+def _dispatch(batch: list[tuple[EngineStream, object]]) -> None:
+    """On a stream's event loop: put each item in its stream."""
+    for stream, item in batch:
+        stream._put(item)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.scheduler import SchedulerOutput
@@ -32,50 +33,68 @@ class StepInputs:
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
-    """Lay out the scheduled tokens as one flat batch (slot = block_id * block_size + offset)."""
+    """Lay out the scheduled tokens as one flat batch (slot = block_id * block_size + offset).
+
+    One Python pass gathers each request's few scalars and token ids; positions, slots, the
+    block table and the logits rows are then numpy operations over the whole batch, so a
+    256-request decode step costs tens of microseconds per request less than a loop per token
+    and block would.
+    """
+    scheduled = out.scheduled
+    b = len(scheduled)
     input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    qsl = [0]
-    seq_lens: list[int] = []
-    logits_idx: list[int] = []
-    prompt_lens: list[int] = []
-    bs = block_size
-    max_blocks = 1
-    for sr in out.scheduled:
+    starts = np.empty(b, dtype=np.int64)
+    counts = np.empty(b, dtype=np.int64)
+    n_logits = np.empty(b, dtype=np.int64)
+    prompt_lens = np.empty(b, dtype=np.int64)
+    n_blocks = np.empty(b, dtype=np.int64)
+    blocks: list[int] = []
+    for i, sr in enumerate(scheduled):
         req = sr.request
-        end = sr.start + sr.num_new_tokens
-        input_ids.extend(req.tokens_range(sr.start, end))
-        positions.extend(range(sr.start, end))
-        prompt_lens.extend([req.num_prompt_tokens] * sr.num_new_tokens)
-        blocks = req.block_ids
-        slots.extend(blocks[p // bs] * bs + p % bs for p in range(sr.start, end))
-        qsl.append(qsl[-1] + sr.num_new_tokens)
-        seq_lens.append(end)
-        max_blocks = max(max_blocks, len(blocks))
-        if sr.sample:
-            logits_idx.extend(range(qsl[-1] - sr.num_logits, qsl[-1]))
-    table = torch.zeros((len(out.scheduled), max_blocks), dtype=torch.int32)
-    for i, sr in enumerate(out.scheduled):
-        ids = sr.request.block_ids
-        table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        input_ids.extend(req.tokens_range(sr.start, sr.start + sr.num_new_tokens))
+        starts[i] = sr.start
+        counts[i] = sr.num_new_tokens
+        n_logits[i] = sr.num_logits
+        prompt_lens[i] = len(req.prompt_token_ids)
+        ids = req.block_ids
+        n_blocks[i] = len(ids)
+        blocks.extend(ids)
+    seq_lens = starts + counts
+    qsl = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(counts, out=qsl[1:])
+    total = int(qsl[-1])
+    seq_of = np.repeat(np.arange(b), counts)  # [T]: which request each token belongs to
+    positions = starts[seq_of] + (np.arange(total) - qsl[:-1][seq_of])
+    max_blocks = max(int(n_blocks.max()) if b else 1, 1)
+    table = np.zeros((b, max_blocks), dtype=np.int32)
+    if blocks:
+        block_start = np.zeros(b, dtype=np.int64)
+        np.cumsum(n_blocks[:-1], out=block_start[1:])
+        rows = np.repeat(np.arange(b), n_blocks)
+        table[rows, np.arange(len(blocks)) - block_start[rows]] = blocks
+    slots = table[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    # The last num_logits tokens of each sampled request.
+    ends = qsl[1:]
+    logits_idx = np.repeat(ends - n_logits, n_logits) + (np.arange(int(n_logits.sum()))
+                                                         - np.repeat(np.cumsum(n_logits) - n_logits, n_logits))
+    qsl_list = qsl.tolist()
+    seq_list = seq_lens.tolist()
     meta = AttentionMetadata(
-        query_start_loc=_to(torch.tensor(qsl, dtype=torch.int32), device),
-        seq_lens=_to(torch.tensor(seq_lens, dtype=torch.int32), device),
-        block_tables=_to(table, device),
-        slot_mapping=_to(torch.tensor(slots, dtype=torch.int64), device),
-        max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(seq_lens))),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
+        query_start_loc=_to(torch.from_numpy(qsl.astype(np.int32)), device),
+        seq_lens=_to(torch.from_numpy(seq_lens.astype(np.int32)), device),
+        block_tables=_to(torch.from_numpy(table), device),
+        slot_mapping=_to(torch.from_numpy(slots), device),
+        max_query_len=int(counts.max()) if b else 0,
+        max_seq_len=max(seq_list) if b else 0,
+        query_start_loc_cpu=qsl_list,
+        seq_lens_cpu=seq_list,
     )
-    pos = torch.tensor(positions, dtype=torch.long)
     return StepInputs(
         input_ids=_to(torch.tensor(input_ids, dtype=torch.long), device),
-        positions=_to(pos, device),
+        positions=_to(torch.from_numpy(positions), device),
         meta=meta,
-        logits_indices=_to(torch.tensor(logits_idx, dtype=torch.long), device),
-        prompt_mask=_to(pos < torch.tensor(prompt_lens, dtype=torch.long), device),
+        logits_indices=_to(torch.from_numpy(logits_idx.astype(np.int64)), device),
+        prompt_mask=_to(torch.from_numpy(positions < prompt_lens[seq_of]), device),
     )
 
 

@@ -20,6 +20,7 @@ from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, make_matcher
 from engine.spec import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape
 from engine.spec.drafter import pending_rows
+from engine.step_timing import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class LLMEngine:
         self._proposed = 0  # requests the proposers ran for, for the next step
         self._propose_ms = 0.0  # ... and the time that took
         self.num_steps = 0
+        self.timer = StepTimer()  # phases of the last step (ms), for ``stencil bench overhead``
+        self.started: list[str] = []  # ids of the requests the last step scheduled for the first time
         self.load_time_s = time.perf_counter() - t0
         log.info("engine ready: %s, %d KV blocks (%.2f GiB), max_model_len %d, kernels %s, %.1f s",
                  config.model, self.runner.num_blocks,
@@ -246,32 +249,43 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, mask, run, update, propose; return outputs of every request that changed."""
+        """Schedule, mask, run, update, propose; return outputs of every request that changed
+        (``self.started`` then lists the requests this step scheduled for the first time)."""
         start = time.perf_counter()
+        timer = self.timer
+        timer.start()
         sched = self.scheduler.schedule()
+        self.started = self.scheduler.drain_started()
+        timer.mark("schedule")
         outputs: list[RequestOutput] = []
         if not sched.is_empty:
             self.num_steps += 1
             failed: list[tuple[Request, BaseException]] = []
             bitmask = self._grammar_bitmask(sched, failed)
-            result = self.runner.execute(sched, bitmask)
+            timer.mark("mask")
+            result = self.runner.execute(sched, bitmask, timer)
             # Finished only now: the forward above still reads their block tables.
             for req, exc in failed:
                 self._fail(req, "computing its grammar mask", exc)
             outputs = self._update(sched, result)
             self._account(sched, result.sampled, outputs, start)
             self._propose()  # may fail a request that already had an (unfinished) output
+            timer.mark("propose")
         reported = {out.request_id for out in outputs if out.finished}
         for req in self.scheduler.drain_finished():
             if req.request_id not in reported:
                 outputs.append(self._output(req, []))
+        timer.mark("outputs")
         return outputs
 
     def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Apply the step's sampled tokens; an output per request that gained tokens."""
         self.drafter.learn(sched, result.sampled)
-        return [self._output(req, new) for req, new in self.scheduler.update(sched, result.sampled, result.logprobs,
-                                                                             result.top_logprobs)]
+        updates = self.scheduler.update(sched, result.sampled, result.logprobs, result.top_logprobs)
+        self.timer.mark("update")
+        outputs = [self._output(req, new) for req, new in updates]
+        self.timer.mark("outputs")
+        return outputs
 
     def _account(self, sched: SchedulerOutput, sampled: list[list[int]], outputs: list[RequestOutput],
                  start: float) -> None:
@@ -333,8 +347,11 @@ class LLMEngine:
         if not any(sr.sample and sr.request.matcher is not None for sr in sched.scheduled):
             return None
         from grammar.bitmask import allocate_bitmask
+        from grammar.prefetch import prefetch_masks
 
         rows = sum(sr.num_logits for sr in sched.scheduled)
+        # Every pending mask in one parallel call; the loop below then copies rows.
+        prefetch_masks([sr.request.matcher for sr in sched.scheduled if sr.sample and sr.request.matcher is not None])
         bitmask = allocate_bitmask(rows, self.runner.vocab_size)
         row = 0
         for sr in sched.scheduled:

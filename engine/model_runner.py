@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.input_batch import build_step_inputs
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from engine.step_timing import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -94,23 +95,31 @@ class ModelRunner:
         return max(total // self.bytes_per_block, 1)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, bitmask: torch.Tensor | None) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput, bitmask: torch.Tensor | None,
+                timer: StepTimer | None = None) -> ModelRunnerOutput:
         """Run one step.
 
         Args:
             out: the schedule (requests in batch order).
             bitmask: int32 ``[num_logits_rows, ceil(V / 32)]`` or None when no request is constrained.
+            timer: marks the phases inputs, forward, logits and sample (``engine.step_timing``).
         """
+        timer = timer or StepTimer()
         inp = build_step_inputs(out, self.block_size, self.device)
+        timer.mark("inputs")
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend,
                             prompt_mask=inp.prompt_mask)
         if inp.logits_indices.numel() == 0:
+            timer.mark("forward")
             return ModelRunnerOutput([], None)
         rows = hidden[inp.logits_indices]
+        timer.mark("forward")  # on CUDA the kernels may still run: "logits" waits for both
         if bitmask is not None and hasattr(self.model.lm_head, "forward_columns"):
             logits = masked_logits(self.model.lm_head, rows, bitmask, self.vocab_size)
         else:
             logits = self.model.compute_logits(rows).float()
+        _sync(logits)
+        timer.mark("logits")
         if bitmask is not None:
             from grammar.bitmask import apply_bitmask_
 
@@ -119,7 +128,14 @@ class ModelRunner:
         drafts = [sr.request.draft_token_ids[:sr.num_drafts] for sr in out.scheduled if sr.sample]
         want_lp = any(r.params.logprobs or r.params.top_logprobs for r in sampled_reqs)
         tokens, lps, tops = self.sampler(logits.cpu(), sampled_reqs, drafts, want_logprobs=want_lp)
+        timer.mark("sample")
         return ModelRunnerOutput(tokens, lps, tops)
+
+
+def _sync(t: torch.Tensor) -> None:
+    """Wait for ``t``'s device work (CUDA only), so a phase's time is its own; free on CPU."""
+    if t.device.type == "cuda":
+        torch.cuda.current_stream(t.device).synchronize()
 
 
 SPARSE_BLOCKS = 96  # rows allowing tokens in at most this many 64-token blocks: sparse LM head

@@ -83,6 +83,7 @@ class Scheduler:
         self._arrivals = 0
         self.num_preemptions = 0
         self.newly_finished: list[Request] = []  # finished since the engine last drained them
+        self.newly_started: list[str] = []  # ids first scheduled since the engine last drained them
         self.enable_forced_tokens = True
         self.max_forced_tokens = 16
 
@@ -113,6 +114,11 @@ class Scheduler:
 
     def drain_finished(self) -> list[Request]:
         out, self.newly_finished = self.newly_finished, []
+        return out
+
+    def drain_started(self) -> list[str]:
+        """Ids of the requests scheduled for the first time since the last call."""
+        out, self.newly_started = self.newly_started, []
         return out
 
     def _preempt(self, request: Request) -> None:
@@ -181,6 +187,7 @@ class Scheduler:
             self.kv.record_lookup(req.num_tokens, num_cached)
             if req.metrics.first_scheduled_time is None:
                 req.metrics.num_cached_tokens = num_cached
+                self.newly_started.append(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._make(req, num_new))
@@ -256,7 +263,7 @@ class Scheduler:
             drafts and grammar-forced tokens), in batch order. Requests finished here are freed.
         """
         now = time.perf_counter()
-        updates: list[tuple[Request, list[int]]] = []
+        updates: list[tuple[Request, list[int], list[float] | None, list | None]] = []
         k = 0
         for sr in out.scheduled:
             req = sr.request
@@ -271,19 +278,36 @@ class Scheduler:
             k += 1
             if req.is_finished:
                 continue  # aborted (or failed) while the step ran
+            new: list[int] = []
             try:
                 new = self._apply(sr, tokens, lps, now, tops)
             except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
-                log.error("request %s failed while appending its tokens", req.request_id, exc_info=e)
-                req.error = f"internal error while appending tokens ({type(e).__name__}); see the server log"
-                self.finish(req, RequestStatus.FINISHED_ERROR)
-                new = []
-            updates.append((req, new))
-        return updates
+                self._failed(req, e)
+            updates.append((req, new, lps, tops))
+        # Forced tokens read each matcher's mask of its new state: compute them all at once.
+        if self.enable_forced_tokens:
+            from grammar.prefetch import prefetch_masks
+
+            prefetch_masks([req.matcher for req, *_ in updates if req.matcher is not None and not req.is_finished])
+        out_updates: list[tuple[Request, list[int]]] = []
+        for req, new, lps, tops in updates:
+            if not req.is_finished:
+                try:
+                    new = new + self._apply_forced(req, lps, tops)
+                except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
+                    self._failed(req, e)
+            out_updates.append((req, new))
+        return out_updates
+
+    def _failed(self, req: Request, e: Exception) -> None:
+        log.error("request %s failed while appending its tokens", req.request_id, exc_info=e)
+        req.error = f"internal error while appending tokens ({type(e).__name__}); see the server log"
+        self.finish(req, RequestStatus.FINISHED_ERROR)
 
     def _apply(self, sr: ScheduledRequest, tokens: list[int], lps: list[float] | None, now: float,
                tops: list[list[tuple[int, float]]] | None = None) -> list[int]:
-        """Record one sampled request's accepted drafts and new tokens (then forced ones); return them."""
+        """Record one sampled request's accepted drafts and new tokens; return them (the forced
+        tokens after them come in ``_apply_forced``, once every request has its new state)."""
         req = sr.request
         num_rejected = sr.num_drafts - (len(tokens) - 1)
         req.num_computed_tokens = sr.start + sr.num_new_tokens - num_rejected
@@ -296,15 +320,18 @@ class Scheduler:
         req.draft_token_ids = []
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        new = self._append(req, tokens, lps, tops)
-        if not req.is_finished and self.enable_forced_tokens and req.matcher is not None:
+        return self._append(req, tokens, lps, tops)
+
+    def _apply_forced(self, req: Request, lps: list[float] | None, tops: list | None) -> list[int]:
+        """Append the grammar-forced tokens after a request's new tokens; register its full blocks."""
+        new: list[int] = []
+        if self.enable_forced_tokens and req.matcher is not None:
             forced = req.matcher.forced_tokens(self.max_forced_tokens)
             if forced:
-                n_before = len(new)
                 # The grammar allows a forced token alone: probability 1, the only alternative.
-                new += self._append(req, forced, [0.0] * len(forced) if lps is not None else None,
-                                    [[(t, 0.0)] for t in forced] if tops else None)
-                req.metrics.num_forced_tokens += len(new) - n_before
+                new = self._append(req, forced, [0.0] * len(forced) if lps is not None else None,
+                                   [[(t, 0.0)] for t in forced] if tops else None)
+                req.metrics.num_forced_tokens += len(new)
         if not req.is_finished:
             self.kv.cache_full_blocks(req)
         return new

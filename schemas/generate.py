@@ -70,6 +70,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         soft_limits: the run-on guard of JSON outputs: ``{"string_chars": 300, "number_digits":
             40, "array_items": 64}`` (the defaults; raised to what the schema allows); a value past
             a bound may only move toward its end, and a warning says so; false turns it off.
+        queue_timeout: most seconds to wait for a running slot (absent: the server's request
+            timeout). A request still queued then is answered 429 with ``Retry-After``; nothing
+            was generated. Admission is first come, first served.
     """
 
     prompt: str | None = None
@@ -92,6 +95,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: bool = False
     close_on_budget: bool = True
     soft_limits: dict[str, int] | bool | None = None
+    queue_timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
 
 
 class GenerateResponse(msgspec.Struct, kw_only=True):

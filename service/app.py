@@ -233,11 +233,12 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
                                         logprobs=data.logprobs, speculative=data.speculative,
                                         close_on_budget=data.close_on_budget,
                                         soft_limits=data.soft_limits)
-    spec = generation.grammar_spec(cfg, response_schema=data.response_schema, regex=data.regex,
-                                   choice=data.choice, whitespace=data.whitespace, strict=data.strict,
-                                   grammar=data.grammar.lark if data.grammar is not None else None)
+    spec = await generation.checked_grammar_spec(service, response_schema=data.response_schema, regex=data.regex,
+                                                 choice=data.choice, whitespace=data.whitespace, strict=data.strict,
+                                                 grammar=data.grammar.lark if data.grammar is not None else None)
     gen = await generation.start(service, prompt_ids, params, spec, rid, arrival, data.grammar_backend,
-                                 generation.client_id(request.headers, request.client))
+                                 generation.client_id(request.headers, request.client), receive=request.receive,
+                                 queue_timeout_s=data.queue_timeout)
     if data.stream:
         # The content-type header is explicit: for streams Litestar prefers the route's JSON media type.
         headers = {"cache-control": "no-cache", "content-type": "text/event-stream; charset=utf-8"}

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "budget": "structured answers at 25-150% of their natural length: closed in time, valid",
     "cluster": "replicas on Ray Serve: prefix-affinity vs round-robin routing, and a replica kill",
     "serve": "the throughput workload over HTTP against one or two OpenAI-compatible servers (loopback)",
+    "overhead": "CPU time around the model per decode step, by phase, at several numbers of running requests",
 }
 
 
@@ -50,10 +51,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="K/V cache dtype (auto: --dtype); bfloat16 halves the cache and its memory traffic")
     g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB (default: from free memory)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gib)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in one engine step")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one engine step")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
-    g.add_argument("--max-waiting", type=int, default=256, help="waiting requests before new ones get 429")
+    g.add_argument("--max-waiting", type=int, default=4096, help="waiting requests before new ones get 429")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--speculative", choices=["off", "ngram"], default="off",
                    help="server-default speculation (requests may override)")

@@ -64,6 +64,12 @@ class Overloaded(ServiceError):
         self.retry_after = retry_after
 
 
+class QueueTimeout(Overloaded):
+    """The request waited past its deadline without a running slot: it was taken off the queue
+    (never started, nothing was generated); retry after ``retry_after`` seconds. A 429, like
+    any refusal for load: the server was too busy, the request itself is fine."""
+
+
 class Unavailable(ServiceError):
     """The service is draining for shutdown or its engine is dead."""
 

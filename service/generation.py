@@ -37,15 +37,19 @@ from engine.logits_process import LogitsParamError, check_logits_params
 from engine.request import SamplingParams
 from grammar.base import GrammarSpec
 from schemas.common import Timings, Usage
-from service.errors import ClientDisconnected, GenerationFailed, GenerationTimeout, InputError, Unavailable
+from service.errors import (ClientDisconnected, GenerationFailed, GenerationTimeout, InputError, QueueTimeout,
+                            Unavailable)
 from service.state import ServiceConfig, ServiceState
-from service.validation import check_schema
+from service.validation import SchemaChecks, check_schema
 
 log = logging.getLogger("stencil.generation")
 
 # Tokenizing a few kB takes well under a millisecond; beyond this many characters it moves to a
 # worker thread so one huge prompt cannot stall every other request's stream.
 _THREAD_TOKENIZE_CHARS = 16_384
+# Parsing and validating an output of this many characters or more (json + jsonschema, pure
+# Python for the schema) moves to a worker thread too.
+_THREAD_CHECK_CHARS = 16_384
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -136,7 +140,9 @@ async def tokenize(state: ServiceState, prompt: str | None = None, messages: lis
         field = "messages" if messages is not None else "prompt"
         raise InputError(f"{field} has {size} characters; the limit is {cfg.max_prompt_chars}", field=field)
     tok = state.engine.tokenizer
-    if size > _THREAD_TOKENIZE_CHARS:
+    # A chat template is Jinja (pure Python, its cost grows with the messages and tools):
+    # always off the loop. A short plain prompt tokenizes in microseconds (Rust): inline.
+    if messages is not None or size > _THREAD_TOKENIZE_CHARS:
         return await asyncio.to_thread(encode_prompt, tok, prompt, messages, tools)
     return encode_prompt(tok, prompt, messages, tools)
 
@@ -214,7 +220,8 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
 
 def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str | None = None,
                  choice: list[str] | None = None, whitespace: str = "compact",
-                 strict: bool = True, grammar: str | None = None) -> GrammarSpec | None:
+                 strict: bool = True, grammar: str | None = None,
+                 schemas: SchemaChecks | None = None) -> GrammarSpec | None:
     """The constraint a request asks for, checked against the service's limits.
 
     Args:
@@ -225,6 +232,7 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
         whitespace: JSON only: "compact" or "flexible".
         strict: JSON only: refuse keywords that cannot be enforced (True) or ignore them with a
             warning in the response (False).
+        schemas: the app's record of schemas already checked (``None``: check every time).
 
     Returns:
         ``None`` when no constraint is given.
@@ -242,7 +250,8 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
     if whitespace not in ("compact", "flexible"):
         raise InputError(f"whitespace must be 'compact' or 'flexible', got {whitespace!r}", field="whitespace")
     if response_schema is not None:
-        check_schema(response_schema, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
+        check = schemas.check if schemas is not None else check_schema
+        check(response_schema, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
         return GrammarSpec.json_schema(response_schema, whitespace=whitespace, strict=strict)
     if regex is not None:
         if not regex:
@@ -268,6 +277,31 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
                              field="grammar")
         return GrammarSpec.grammar(grammar)
     return None
+
+
+async def checked_grammar_spec(state: ServiceState, **fields) -> GrammarSpec | None:
+    """``grammar_spec`` for a handler on the event loop: a schema seen before is checked from
+    the app's record (µs); a new one is checked in a worker thread, since jsonschema takes up
+    to hundreds of ms over a large schema and the loop must keep serving every other client.
+
+    Args:
+        fields: the keyword arguments of ``grammar_spec``.
+    """
+    cfg = state.config
+    schema = fields.get("response_schema")
+    if schema is not None and not state.schemas.known(schema, max_bytes=cfg.max_schema_bytes,
+                                                      max_depth=cfg.max_schema_depth):
+        return await asyncio.to_thread(grammar_spec, cfg, schemas=state.schemas, **fields)
+    return grammar_spec(cfg, schemas=state.schemas, **fields)
+
+
+async def check_schema_off_loop(state: ServiceState, schema: Any) -> None:
+    """``check_schema`` under the service's limits, as ``checked_grammar_spec`` does it."""
+    cfg = state.config
+    kw = dict(max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
+    if state.schemas.known(schema, **kw):
+        return
+    await asyncio.to_thread(state.schemas.check, schema, **kw)
 
 
 # -- results ---------------------------------------------------------------------------------------
@@ -339,8 +373,12 @@ class GenerationStream:
 
     def __init__(self, state: ServiceState, prompt_ids: list[int], params: SamplingParams,
                  spec: GrammarSpec | None, compiled: Any, request_id: str, arrival: float,
-                 grammar_ms: float):
+                 grammar_ms: float, queue_timeout_s: float | None = None):
         self.state = state
+        # Latest moment the request may still be waiting for a running slot (perf_counter s).
+        wait = state.config.request_timeout_s if queue_timeout_s is None else min(
+            queue_timeout_s, state.config.request_timeout_s)
+        self.queue_deadline = arrival + wait
         self.prompt_ids = prompt_ids
         self.params = params
         self.spec = spec
@@ -360,6 +398,10 @@ class GenerationStream:
         """
         st = self.state
         # start() admitted the request (429 before any header); don't decide again mid-stream.
+        submit = getattr(st.engine, "submit", None)
+        if submit is not None:
+            self._agen = submit(self.prompt_ids, self.params, self.compiled, self.request_id, admitted=True)
+            return
         self._agen = st.engine.generate(self.prompt_ids, self.params, self.compiled, self.request_id, admitted=True)
         admit = getattr(self._agen, "admit", None)
         if admit is not None:
@@ -368,6 +410,44 @@ class GenerationStream:
             except BaseException:
                 await self._agen.aclose()
                 raise
+
+    async def wait_started(self, receive=None) -> None:
+        """Wait until the engine schedules the request (a running slot is its own), before any
+        byte of the answer is sent, so that a request that cannot start in time still gets a
+        status code.
+
+        Args:
+            receive: the ASGI ``receive`` of the HTTP request (its body read); a client that
+                hangs up while queued is noticed here. ``None`` = do not watch.
+
+        Raises:
+            QueueTimeout (429): still queued at ``queue_deadline``; it was taken off the queue.
+            ClientDisconnected: the client left while queued; the request was aborted.
+        """
+        started = getattr(self._agen, "started", None)
+        if started is None or started.is_set():
+            return  # an engine without the notion (a cluster replica admits on its own)
+        st = self.state
+        waiter = asyncio.ensure_future(started.wait())
+        watch = asyncio.ensure_future(_until_disconnect(receive)) if receive is not None else None
+        try:
+            done, _ = await asyncio.wait({t for t in (waiter, watch) if t is not None},
+                                         timeout=max(0.0, self.queue_deadline - time.perf_counter()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (waiter, watch):
+                if t is not None and not t.done():
+                    t.cancel()
+        st.metrics.queue_wait.observe(time.perf_counter() - self.arrival)
+        if started.is_set():
+            return
+        await self._agen.aclose()  # off the queue: its place goes to the next request
+        if watch is not None and watch in done:
+            raise ClientDisconnected(f"client closed the connection; request {self.request_id} aborted while queued")
+        st.metrics.queue_timeouts.inc()
+        raise QueueTimeout(f"request {self.request_id} waited {time.perf_counter() - self.arrival:.1f} s for a "
+                           "running slot, past its deadline; nothing was generated, retry later",
+                           retry_after=st.config.retry_after_s)
 
     @property
     def replica(self) -> str | None:
@@ -443,7 +523,11 @@ class GenerationStream:
             await agen.aclose()
         if final is None:
             raise GenerationFailed(f"request {self.request_id} ended without a final output")
-        self.result = self._finish(final, "".join(parts), token_ids, logprobs, first_at)
+        text = "".join(parts)
+        if len(text) >= _THREAD_CHECK_CHARS:
+            self.result = await asyncio.to_thread(self._finish, final, text, token_ids, logprobs, first_at)
+        else:
+            self.result = self._finish(final, text, token_ids, logprobs, first_at)
         if self.params.top_logprobs:
             self.result.top_logprobs = tops
         yield self.result
@@ -500,8 +584,10 @@ def client_id(headers, peer) -> str:
 
 async def start(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
                 spec: GrammarSpec | None, request_id: str, arrival: float | None = None,
-                grammar_backend: str | None = None, client: str | None = None) -> GenerationStream:
-    """Admit a request: check it, compile its grammar (on the compiler's pool), return its stream.
+                grammar_backend: str | None = None, client: str | None = None, *, receive=None,
+                queue_timeout_s: float | None = None, wait: bool = True) -> GenerationStream:
+    """Admit a request: check it, compile its grammar (on the compiler's pool), submit it, and
+    wait until it is scheduled (``GenerationStream.wait_started``); return its stream.
 
     Args:
         state: the app's injected state.
@@ -513,12 +599,17 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
             deadline count from it.
         grammar_backend: "auto", "eager" or "lazy" for this request (``None``: the server's).
         client: who asks (``client_id``): its grammar compiles share the workers fairly.
+        receive: the ASGI ``receive`` of the HTTP request, to notice a client that leaves while
+            its request is queued (``None``: not watched).
+        queue_timeout_s: most seconds to wait for a running slot (``None``: the request timeout).
+        wait: False submits without waiting (the caller awaits ``wait_started`` itself).
 
     Raises:
         Unavailable: the service is draining or the engine is dead.
         EngineError / EngineOverloaded: the engine refuses the request (too long prompt, full
             waiting queue).
         GrammarError: the constraint cannot be compiled exactly (or compiling timed out).
+        QueueTimeout / ClientDisconnected: see ``GenerationStream.wait_started``.
     """
     arrival = time.perf_counter() if arrival is None else arrival
     if state.draining:
@@ -534,22 +625,28 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
         state.engine.engine.check_budget(compiled, params)  # a 400 naming max_tokens
         grammar_ms = (time.perf_counter() - t) * 1e3
         state.metrics.grammar_wait.observe(grammar_ms / 1e3)
-    gen = GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms)
+    gen = GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms,
+                           queue_timeout_s)
     await gen.open()
+    if wait:
+        await gen.wait_started(receive)
     return gen
 
 
 async def start_many(state: ServiceState, jobs: list[tuple[list[int], SamplingParams]], spec: GrammarSpec | None,
-                     base_id: str, arrival: float | None = None) -> list[GenerationStream]:
+                     base_id: str, arrival: float | None = None, receive=None) -> list[GenerationStream]:
     """``start`` each ``(prompt_ids, params)`` job (ids ``{base_id}-{k}``); all or none.
 
-    If one fails to start, those already admitted are given up (``aclose``: on a cluster their
-    replicas abort them) before the error is raised (errors as in ``start``).
+    All are submitted before any is waited for, so they queue side by side. If one fails to
+    start, those already admitted are given up (``aclose``: on a cluster their replicas abort
+    them) before the error is raised (errors as in ``start``).
     """
     streams: list[GenerationStream] = []
     try:
         for k, (ids, params) in enumerate(jobs):
-            streams.append(await start(state, ids, params, spec, f"{base_id}-{k}", arrival))
+            streams.append(await start(state, ids, params, spec, f"{base_id}-{k}", arrival, wait=False))
+        for s in streams:
+            await s.wait_started(receive)
     except BaseException:
         for s in streams:
             await s.aclose()

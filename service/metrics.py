@@ -138,6 +138,8 @@ class Metrics:
         ttft / itl: time to first token / inter-token latency histograms (seconds).
         grammar_wait: time a request waited for its grammar (seconds; near 0 on a cache hit).
         timeouts: requests aborted at their deadline.
+        queue_timeouts / queue_wait: requests that waited past their deadline for a running slot
+            (answered 429), and how long requests wait for one (seconds).
     """
 
     def __init__(self, engine_source: Callable[[], object | None]):
@@ -157,6 +159,10 @@ class Metrics:
         self.outputs = Counter("stencil_constrained_outputs", "constrained outputs by validity",
                                ["valid"], registry=r)
         self.timeouts = Counter("stencil_request_timeouts", "requests aborted at their deadline", registry=r)
+        self.queue_timeouts = Counter("stencil_queue_timeouts", "requests answered 429 after waiting past their "
+                                      "deadline for a running slot", registry=r)
+        self.queue_wait = Histogram("stencil_queue_wait_seconds", "arrival to first scheduled (or given up)",
+                                    buckets=_TTFT_BUCKETS + (120.0, 300.0), registry=r)
         self.ttft = Histogram("stencil_time_to_first_token_seconds", "arrival to first output token",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("stencil_inter_token_latency_seconds", "time between output tokens",

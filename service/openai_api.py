@@ -226,8 +226,8 @@ async def _structured_outputs(svc: ServiceState, so, response_format, plan) -> C
         raise InputError("structured_outputs takes exactly one of json, regex, choice and grammar",
                          field="structured_outputs")
     with grammar_field("structured_outputs"):
-        spec = gen.grammar_spec(svc.config, response_schema=so.json, regex=so.regex, choice=so.choice,
-                                grammar=so.grammar)
+        spec = await gen.checked_grammar_spec(svc, response_schema=so.json, regex=so.regex, choice=so.choice,
+                                              grammar=so.grammar)
     return Constraint(spec, so.json, plan if plan is not None else ToolPlan("none", (), False))
 
 
@@ -346,7 +346,8 @@ async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, reque
     job = await _prepare_chat(svc, data)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     _log_identity(rid, data)
-    streams = await start_all(svc, [(job.prompt_ids, p) for p in job.params], job.constraint.spec, rid)
+    streams = await start_all(svc, [(job.prompt_ids, p) for p in job.params], job.constraint.spec, rid,
+                              receive=request.receive)
     relaxed_warnings = relaxed(job.constraint, streams[0])
     headers = warnings_header(relaxed_warnings)
     if data.stream:
@@ -440,7 +441,7 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
         raise InputError("best_of is not supported (only 1); ask n choices instead", field="best_of")
     groups = _prompts(svc, data.prompt)
     schema, strict = format_schema(data.response_format)
-    spec = gen.grammar_spec(svc.config, response_schema=schema, strict=strict)
+    spec = await gen.checked_grammar_spec(svc, response_schema=schema, strict=strict)
     if data.structured_outputs is not None:
         c = await _structured_outputs(svc, data.structured_outputs, data.response_format, None)
         spec, schema = c.spec, c.schema
@@ -463,7 +464,7 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
     _log_identity(rid, data)
     jobs = [(ids, p) for ids in prompt_ids for p in params]
     counts = [len(ids) for ids in prompt_ids]
-    streams = await start_all(svc, jobs, spec, rid)
+    streams = await start_all(svc, jobs, spec, rid, receive=request.receive)
     relaxed_warnings = [str(w) for w in (getattr(streams[0].compiled, "warnings", None) or ())]
     headers = warnings_header(relaxed_warnings)
     echo = bool(data.echo)

@@ -29,7 +29,6 @@ from service.errors import ClientDisconnected, GenerationFailed, InputError, Ser
 from service.state import ServiceState
 from service.tool_parser import ParsedCall, parse_answer
 from service.tools import ToolError, ToolPlan, arguments_schema, is_strict, tool_regex
-from service.validation import check_schema
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -185,18 +184,17 @@ async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPla
         InputError: a schema or parameters over the limits or invalid (param names the tool).
         grammar.base.GrammarError: a keyword of a strict schema that cannot be enforced.
     """
-    cfg = svc.config
     if not plan.active:
-        return Constraint(gen.grammar_spec(cfg, response_schema=schema, strict=strict), schema, plan)
+        return Constraint(await gen.checked_grammar_spec(svc, response_schema=schema, strict=strict), schema, plan)
     for i, fn in enumerate(plan.functions):
         if fn.parameters is not None:
             try:
-                check_schema(fn.parameters, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
+                await gen.check_schema_off_loop(svc, fn.parameters)
             except InputError as e:
                 e.field = parameters_field.format(i=i)
                 raise
     if schema is not None:
-        check_schema(schema, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
+        await gen.check_schema_off_loop(svc, schema)
     from grammar.json_schema import schema_to_regex
 
     warnings: list[str] = []
@@ -231,15 +229,19 @@ def grammar_field(name: str) -> Iterator[None]:
 
 
 async def start_all(svc: ServiceState, jobs: list[tuple[list[int], Any]], spec: GrammarSpec | None, rid: str,
-                    format_field: str = "response_format") -> list[gen.GenerationStream]:
-    """Admit every choice (grammar compiled) before any runs, so a refusal (400/429) comes first;
-    all or none: if one is refused, those already admitted are given up (``aclose``: on a cluster
-    their replicas abort them) before the error is raised."""
+                    format_field: str = "response_format", receive=None) -> list[gen.GenerationStream]:
+    """Admit every choice (grammar compiled) before any runs, so a refusal (400/429) comes first,
+    then wait for each to be scheduled (``GenerationStream.wait_started``: a request that waits
+    past its deadline is a 429; ``receive`` notices a client leaving meanwhile); all or none:
+    if one is refused, those already admitted are given up (``aclose``: on a cluster their
+    replicas abort them) before the error is raised."""
     streams: list[gen.GenerationStream] = []
     with grammar_field(format_field):
         try:
             for k, (ids, p) in enumerate(jobs):
-                streams.append(await gen.start(svc, ids, p, spec, f"{rid}-{k}" if len(jobs) > 1 else rid))
+                streams.append(await gen.start(svc, ids, p, spec, f"{rid}-{k}" if len(jobs) > 1 else rid, wait=False))
+            for s in streams:
+                await s.wait_started(receive)
         except BaseException:
             for st in streams:
                 await st.aclose()

@@ -379,7 +379,8 @@ async def create_response(data: ResponsesRequest, svc: ServiceState, request: Re
     """Create a model response (OpenAI ``POST /v1/responses``), whole or streamed."""
     job = await _prepare(svc, data)
     created = time.time()
-    stream = (await start_all(svc, [(job.prompt_ids, job.params)], job.constraint.spec, job.rid, "text.format"))[0]
+    stream = (await start_all(svc, [(job.prompt_ids, job.params)], job.constraint.spec, job.rid, "text.format",
+                                receive=request.receive))[0]
     relaxed_warnings = relaxed(job.constraint, stream)
     headers = warnings_header(relaxed_warnings)
     if data.stream:

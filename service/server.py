@@ -5,11 +5,17 @@
   the lifespan stops the engine. Exit status 0.
 * Engine loop death: in-flight requests have already failed (``AsyncEngine`` fails them); the
   server is told to exit and the process ends with status 1, so a supervisor restarts it.
+
+Thousands of clients: the listen backlog is 4096 (uvicorn's default 2048 would drop the SYNs
+of a burst of 2,000 new connections once the loop falls behind accepting them; the kernel caps
+it at ``net.core.somaxconn``), and the soft limit on open files is raised to the hard one at
+start, since every connection is a file descriptor (the usual soft limit is 1024).
 """
 
 from __future__ import annotations
 
 import logging
+import resource
 import socket
 
 import uvicorn
@@ -63,7 +69,7 @@ class ServerRunner:
             self.server.should_exit = True  # uvicorn's main loop polls this flag every 0.1 s
 
     def run(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 30.0,
-            sock: socket.socket | None = None, log_level: str = "info") -> int:
+            sock: socket.socket | None = None, log_level: str = "info", backlog: int = 4096) -> int:
         """Serve until a stop signal or engine death; return the process exit status.
 
         Args:
@@ -72,13 +78,30 @@ class ServerRunner:
             grace_s: how long in-flight requests may run after a stop signal (seconds).
             sock: an already bound socket (tests use port 0).
             log_level: uvicorn's log level.
+            backlog: pending connections the listening socket holds.
         """
         self.app = app
+        raise_open_files_limit()
         config = uvicorn.Config(app, host=host, port=port, lifespan="on", log_config=None,
                                 log_level=log_level, timeout_graceful_shutdown=grace_s,
-                                access_log=False)
+                                access_log=False, backlog=backlog)
         self.server = _Server(config, self)
         self.server.run(sockets=[sock] if sock is not None else None)
         if not self.server.started and self.exit_code == 0:
             self.exit_code = 1  # startup failed (model not found, port in use): not a clean stop
         return self.exit_code
+
+
+def raise_open_files_limit(want: int | None = None) -> int:
+    """Raise this process's soft limit on open files to ``want`` (default: the hard limit);
+    return the soft limit now in force (unchanged where the platform refuses)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cap = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # Linux's default nr_open
+    target = cap if want is None else min(want, cap)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            log.warning("could not raise the open-files limit from %d to %s", soft, target)
+    return soft

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.async_engine import AsyncEngine
 from engine.config import ConfigError
 from service.metrics import Metrics
-from service.validation import OutputChecker
+from service.validation import OutputChecker, SchemaChecks
 
 
 @dataclass(slots=True)
@@ -89,6 +89,7 @@ class ServiceState:
         metrics: this app's Prometheus registry and series.
         checker: cached output validators.
         model_name: the served model's id.
+        schemas: request schemas already checked against their meta-schema.
         draining: set on shutdown; new generation requests get 503.
         inflight: generation requests now being served.
     """
@@ -98,5 +99,6 @@ class ServiceState:
     metrics: Metrics
     checker: OutputChecker
     model_name: str
+    schemas: SchemaChecks = field(default_factory=SchemaChecks)
     draining: bool = False
     inflight: int = field(default=0)

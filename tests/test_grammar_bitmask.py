@@ -56,6 +56,35 @@ def test_apply_sets_exactly_the_disallowed_logits_to_minus_inf():
                 assert logits[r, t].item() == float("-inf"), (r, t)
 
 
+@pytest.mark.parametrize("extra_words", [0, 2])
+def test_apply_mixed_rows_matches_reference(extra_words):
+    """Rows that allow few tokens, forbid few, allow one, allow none, allow all, and bits set past
+    the vocabulary: each row comes out as the per-bit reference says (the CPU path writes the
+    smaller side of each row)."""
+    vocab = 1000  # not a multiple of 32: the last word has bits past the vocabulary
+    words = (vocab + 31) // 32 + extra_words
+    g = torch.Generator().manual_seed(5)
+    bm = torch.full((8, words), -1, dtype=torch.int32)
+    bm[0] = 0
+    bm[0, 3], bm[0, 30] = 0x00010001, -2**31  # few allowed (token 3*32, 3*32+16, 991)
+    bm[1, 7] = 0x7FFFFFFF  # one forbidden (token 7*32+31)
+    bm[2] = 0
+    bm[2, 31] = 1 << 7  # one allowed: token 999
+    bm[3] = 0  # nothing allowed
+    # row 4 stays all-allowed (an unconstrained request)
+    bm[5] = torch.randint(-2**31, 2**31 - 1, (words,), generator=g, dtype=torch.int32)
+    bm[6] = 0
+    bm[6, :4] = -1  # the first 128 tokens
+    bm[7] = -1
+    bm[7, 31] = 0  # bits past the vocabulary cleared, last 8 tokens forbidden
+    logits = torch.randn(8, vocab, generator=g)
+    original = logits.clone()
+    apply_bitmask_(logits, bm)
+    ref = torch.tensor(reference_bool(bm, vocab))
+    assert torch.equal(logits[ref], original[ref])
+    assert (logits[~ref] == float("-inf")).all()
+
+
 def test_apply_with_all_bits_set_changes_nothing():
     logits = torch.randn(3, 64)
     before = logits.clone()

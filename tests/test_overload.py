@@ -93,3 +93,41 @@ def test_burst_beyond_the_queue_gets_429_and_admitted_requests_complete(server):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
     # Once the queue drains, new requests are admitted again.
     assert httpx.post(server.url + "/generate", json={"prompt": "x", "max_tokens": 2}, timeout=30).status_code == 200
+
+
+def test_a_request_queued_past_its_deadline_gets_429_and_leaves_the_queue(server):
+    """With both running slots busy, requests that may wait 0.5 s for one (plain and streamed)
+    are answered 429 + Retry-After when the wait runs out, never a started stream, and leave the
+    queue; a client that hangs up while queued takes its request off the queue."""
+    eng = service_state(server.app).engine.engine
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
+            busy = [asyncio.ensure_future(ac.post("/generate", json=LONG)) for _ in range(RUNNING)]
+            assert await asyncio.to_thread(_wait, lambda: eng.stats()["running"] == RUNNING), eng.stats()
+            quick = {**LONG, "queue_timeout": 0.5}
+            plain, streamed = await asyncio.gather(ac.post("/generate", json=quick),
+                                                   ac.post("/generate", json={**quick, "stream": True}))
+            # Their aborts reach the engine thread between two steps.
+            emptied = await asyncio.to_thread(_wait, lambda: eng.stats()["waiting"] == 0)
+            # A client that gives up while queued: its request must leave the queue.
+            gone = asyncio.ensure_future(ac.post("/generate", json={**LONG, "prompt": "gone"}))
+            assert await asyncio.to_thread(_wait, lambda: eng.stats()["waiting"] == 1), eng.stats()
+            gone.cancel()
+            left = await asyncio.to_thread(_wait, lambda: eng.stats()["waiting"] == 0)
+            for b in busy:
+                b.cancel()
+            await asyncio.gather(*busy, return_exceptions=True)
+            return plain, streamed, emptied, left
+
+    plain, streamed, emptied, left = asyncio.run(scenario())
+    for r in (plain, streamed):
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "2"
+        assert "waited" in r.json()["detail"] and "retry later" in r.json()["detail"]
+        assert "text/event-stream" not in r.headers.get("content-type", "")
+    assert emptied, "the timed-out requests stayed queued"
+    assert left, "a request whose client hung up stayed queued"
+    assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
+    stats = eng.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats

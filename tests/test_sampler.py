@@ -101,3 +101,41 @@ def test_default_seed_is_stable_across_processes():
     assert default_seed(3, "req-abc") != default_seed(3, "req-abd")
     assert default_seed(3, "req-abc") != default_seed(4, "req-abc")
     assert 0 <= default_seed(3, "req-abc") < 2 ** 63
+
+
+def test_sampled_rows_draw_the_same_alone_and_in_a_batch():
+    """The batched path (one softmax, one inverse-CDF draw per request) gives each request the
+    tokens it would get alone, step after step, whatever its neighbours ask for."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 500
+    logits = torch.randn(6, vocab, generator=g) * 2
+    logits[2, 100:] = float("-inf")  # a grammar-masked row
+    kinds = [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=1.0, top_k=5),
+             dict(temperature=1.3, top_p=0.8), dict(temperature=0.9, top_k=40, top_p=0.95), dict(temperature=2.0)]
+
+    def fresh():
+        return [Request(f"q{i}", [1], SamplingParams(seed=100 + i, **kw), eos_token_id=None)
+                for i, kw in enumerate(kinds)]
+
+    sampler = Sampler()
+    alone = fresh()
+    together = fresh()
+    for _ in range(20):
+        one = [sampler(logits[i:i + 1].clone(), [alone[i]], [[]])[0][0] for i in range(6)]
+        many = sampler(logits.clone(), together, [[]] * 6)[0]
+        assert many == one
+        assert many[2][0] < 100  # never a masked token
+        assert many[0] == [int(torch.argmax(logits[0]))]
+
+
+def test_inverse_cdf_picks_only_tokens_with_mass_and_handles_u_near_one():
+    from engine.sampler import _inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0]])
+    u = torch.tensor([0.0, 0.0])
+    assert _inverse_cdf(probs, u).tolist() == [1, 2]
+    u = torch.tensor([0.4999, 0.99999994])  # the largest float32 below 1
+    assert _inverse_cdf(probs, u).tolist() == [1, 2]
+    u = torch.tensor([0.5, 0.5])
+    assert _inverse_cdf(probs, u).tolist() == [3, 2]
+    assert _inverse_cdf(probs, torch.tensor([0.99999994, 0.0])).tolist() == [3, 2]

@@ -287,33 +287,41 @@ class LazyMatcher:
                 vocabulary cannot spell what the grammar requires next).
         """
         if not self._mask_valid:
-            mask = self._mask
-            self._m.unsafe_compute_mask_ptr(mask.data_ptr(), self._words * 4)
-            self._check()
-            view = mask[0].numpy().view(np.uint32)
-            accepting = self._m.is_accepting()
-            if self._m.is_stopped():  # nothing can follow: llguidance's mask is then a stand-in
-                if not accepting:
-                    raise _dead_end()
-                view[:] = 0
-            elif not accepting:
-                nz = np.flatnonzero(view)
-                word = int(view[nz[0]]) if nz.size == 1 else 0
-                if nz.size == 0 or (word and word & (word - 1) == 0):
-                    # With no token allowed llguidance 1.9 returns a one-token stand-in mask.
-                    t = int(nz[0]) * 32 + word.bit_length() - 1 if nz.size else -1
-                    if t < 0 or self._m.validate_tokens([t]) == 0:
-                        raise _dead_end()
-            for e in self._eos:
-                if accepting:
-                    view[e >> 5] |= np.uint32(1 << (e & 31))
-                else:
-                    view[e >> 5] &= np.uint32(~(1 << (e & 31)) & 0xFFFFFFFF)
-            if not accepting and not view.any():
-                raise RuntimeError("no token can continue the output here: the vocabulary cannot "
-                                   "spell what the grammar requires next")
-            self._mask_valid = True
+            self._m.unsafe_compute_mask_ptr(self._mask.data_ptr(), self._words * 4)
+            self._finish_mask()
         return self._mask
+
+    @property
+    def needs_mask(self) -> bool:
+        """Whether the current state's mask is still to be computed (``prefetch_masks``)."""
+        return not self._mask_valid and not self._terminated
+
+    def _finish_mask(self) -> None:
+        """Check llguidance's raw mask in ``self._mask`` and set the EOS bits; mark it valid."""
+        self._check()
+        view = self._mask[0].numpy().view(np.uint32)
+        accepting = self._m.is_accepting()
+        if self._m.is_stopped():  # nothing can follow: llguidance's mask is then a stand-in
+            if not accepting:
+                raise _dead_end()
+            view[:] = 0
+        elif not accepting:
+            nz = np.flatnonzero(view)
+            word = int(view[nz[0]]) if nz.size == 1 else 0
+            if nz.size == 0 or (word and word & (word - 1) == 0):
+                # With no token allowed llguidance 1.9 returns a one-token stand-in mask.
+                t = int(nz[0]) * 32 + word.bit_length() - 1 if nz.size else -1
+                if t < 0 or self._m.validate_tokens([t]) == 0:
+                    raise _dead_end()
+        for e in self._eos:
+            if accepting:
+                view[e >> 5] |= np.uint32(1 << (e & 31))
+            else:
+                view[e >> 5] &= np.uint32(~(1 << (e & 31)) & 0xFFFFFFFF)
+        if not accepting and not view.any():
+            raise RuntimeError("no token can continue the output here: the vocabulary cannot "
+                               "spell what the grammar requires next")
+        self._mask_valid = True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed-token bits of the current state into ``bitmask[row]``.
@@ -391,6 +399,44 @@ class LazyMatcher:
             return bytes(self._m.compute_ff_bytes())[:max_bytes]
         finally:
             self._m.rollback(len(token_ids))
+
+
+def prefetch_masks(matchers: list[LazyMatcher], executor) -> list[tuple[LazyMatcher, Exception]]:
+    """Compute the current masks of many lazy matchers in one call, in parallel.
+
+    llguidance's ``LLExecutor`` fills every matcher's row on its own thread pool, without the
+    GIL, where one ``unsafe_compute_mask_ptr`` per matcher would run them one by one (vLLM
+    batches them the same way past 128 rows). Each matcher keeps its row as its cached mask,
+    so its next ``fill_bitmask`` or ``forced_tokens`` costs a copy. Matchers whose mask is
+    already valid (or that ended) are skipped.
+
+    Args:
+        matchers: lazy matchers of one vocabulary, owned by the calling thread.
+        executor: ``LazyBackend.executor()``.
+
+    Returns:
+        ``(matcher, error)`` for each matcher whose mask could not be made (its next call
+        raises it again, so its request fails alone); the others' masks are valid.
+    """
+    todo = [m for m in matchers if m.needs_mask]
+    if not todo:
+        return []
+    words = todo[0]._words
+    rows = torch.empty((len(todo), words), dtype=torch.int32)
+    try:
+        executor.unsafe_compute_mask_ptr([(m._m, k) for k, m in enumerate(todo)], rows.data_ptr(), words * 4,
+                                         len(todo))
+    except Exception:  # noqa: BLE001 - each matcher computes (and reports) its own mask instead
+        return []
+    failed = []
+    for k, m in enumerate(todo):
+        m._mask = rows[k:k + 1]
+        try:
+            m._finish_mask()
+        except Exception as e:  # noqa: BLE001 - reported to the caller, request by request
+            m._mask = torch.zeros((1, words), dtype=torch.int32)
+            failed.append((m, e))
+    return failed
 
 
 def _dead_end() -> RuntimeError:
