@@ -27,6 +27,8 @@ BENCHMARKS = {
     "budget": "structured answers at 25-150% of their natural length: closed in time, valid",
     "cluster": "replicas on Ray Serve: prefix-affinity vs round-robin routing, and a replica kill",
     "serve": "the throughput workload over HTTP against one or two OpenAI-compatible servers (loopback)",
+    "latency": "one request end to end over HTTP, phase by phase, with and without a grammar",
+    "accuracy": "field-level accuracy of extractions: compact vs flexible JSON vs unconstrained, and servers",
 }
 
 
@@ -118,18 +120,24 @@ def engine_config_from_args(args: argparse.Namespace):
     ).validate()
 
 
+def service_config_from_args(args: argparse.Namespace):
+    """``ServiceConfig`` from parsed ``stencil serve`` arguments."""
+    from service.state import ServiceConfig
+
+    return ServiceConfig(api_key=args.api_key, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
+                         default_max_tokens=min(256, args.max_tokens_cap), max_body_bytes=args.max_body_bytes,
+                         request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace).validate()
+
+
 # -- commands --------------------------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.app import create_app
     from service.logs import configure_logging
     from service.server import ServerRunner
-    from service.state import ServiceConfig
 
     configure_logging(args.log_level, args.log_format)
-    scfg = ServiceConfig(api_key=args.api_key, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
-                         default_max_tokens=min(256, args.max_tokens_cap), max_body_bytes=args.max_body_bytes,
-                         request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace).validate()
+    scfg = service_config_from_args(args)
     if args.replicas is not None:
         return _serve_cluster(args, scfg)
     runner = ServerRunner()
