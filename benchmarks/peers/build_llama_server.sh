@@ -18,7 +18,7 @@ JOBS="${JOBS:-$(nproc)}"
 SRC="$PEERS_DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BUILD="$PEERS_DIR/build-$VERSION"
 BIN="$BUILD/bin/llama-server"
-PIP="${PIP:-pip}"
+read -r -a PIP_CMD <<< "${PIP:-pip}"  # e.g. PIP="python -m pip"
 
 if [[ -x "$BIN" ]]; then
     echo "$BIN"
@@ -28,7 +28,7 @@ mkdir -p "$PEERS_DIR"
 SDIST="$PEERS_DIR/llama_cpp_python-$VERSION.tar.gz"
 if [[ ! -f "$SDIST" ]]; then
     echo "[peers] fetching the llama-cpp-python $VERSION sdist" >&2
-    "$PIP" download --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$PEERS_DIR" >&2
+    "${PIP_CMD[@]}" download --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$PEERS_DIR" >&2
 fi
 if [[ ! -f "$SRC/CMakeLists.txt" ]]; then
     tar xzf "$SDIST" -C "$PEERS_DIR"
