@@ -29,6 +29,7 @@ class Trace:
     accepted_tokens: int = 0
     verify_steps: int = 0
     forced_tokens: int = 0
+    done: float | None = None  # when the whole answer had arrived
 
     def add(self, now: float, n_tokens: int) -> None:
         if n_tokens and self.first is None:

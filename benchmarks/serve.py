@@ -7,10 +7,13 @@ tokens, a JSON Schema each) is sent as OpenAI chat requests, ``response_format: 
 (``strict: true``), greedy, streamed, to a running server — Stencil (``stencil serve``),
 llama.cpp's ``llama-server``, vLLM — closed loop at each concurrency (``C`` requests in
 flight), and reported with the keys of ``bench throughput``: output tokens/s, requests/s, TTFT
-and ITL p50/p99 (ms), valid fraction (jsonschema on each answer), plus errors. Given two
-``--base-url``s, both run the same workload in this one run (alternating per concurrency level)
-and the report gives the ratio of the first's output tokens/s to the second's. A PNG goes next
-to the JSON.
+and ITL p50/p99 (ms), the whole request's latency p50/p99 (ms, send to the end of the stream),
+valid fraction (jsonschema on each answer), plus errors. Given two ``--base-url``s, both run
+the same workload in this one run (alternating per concurrency level) and the report gives the
+ratios of the first's output tokens/s and requests/s to the second's. A PNG goes next to the
+JSON. ``--workload person`` sends one-sentence name/age/city chats of about 40 prompt tokens
+instead (``benchmarks.workload.person_items``), the interactive case of
+``benchmarks/peers/run.sh``.
 
 Measured from the client: TTFT from sending the request to the first content chunk (HTTP,
 templating, tokenizing and the grammar compile included, which ``bench throughput``, timing
@@ -38,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import Trace, is_valid, make_validator, summarize
+from benchmarks.common import Trace, is_valid, make_validator, pct, summarize
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -54,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--api-key", default="none", help="sent as a bearer token")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
+    p.add_argument("--workload", choices=("extraction", "person"), default="extraction",
+                   help="extraction: documents of 150-400 tokens, four schemas; person: one-sentence "
+                        "name/age/city chats of about 40 tokens (the peers comparison)")
 
 
 class NotLoopback(ValueError):
@@ -102,7 +108,8 @@ def request_body(job: Job, model: str, max_tokens: int, stream: bool = True) -> 
 
 
 async def one_request(http: httpx.AsyncClient, root: str, body: dict) -> tuple[Trace, int | None, str | None]:
-    """Send one streamed request; (its trace with the text, usage's completion tokens, error)."""
+    """Send one streamed request; (its trace with the text, usage's completion tokens, error).
+    The trace's ``done`` is when the stream ended (``[DONE]`` or the connection's end)."""
     trace = Trace(submit=time.perf_counter())
     usage = None
     async with http.stream("POST", root + "/chat/completions", json=body) as resp:
@@ -132,6 +139,7 @@ async def one_request(http: httpx.AsyncClient, root: str, body: dict) -> tuple[T
                 trace.text += text
                 if choice.get("finish_reason"):
                     trace.finish_reason = choice["finish_reason"]
+    trace.done = time.perf_counter()
     return trace, usage, None
 
 
@@ -170,6 +178,8 @@ async def run_level(root: str, model: str, jobs: list[Job], concurrency: int, ma
             t.token_times = _stretch(t.token_times, u)
             t.token_ids = [0] * u
     out = summarize(traces, wall, valid)  # type: ignore[arg-type]
+    latencies = [(t.done - t.submit) * 1e3 for t in traces if t is not None and t.done is not None]
+    out["latency_ms_p50"], out["latency_ms_p99"] = pct(latencies, 50), pct(latencies, 99)
     out["errors"] = len(errors)
     if errors:
         out["first_error"] = errors[0]
@@ -228,8 +238,18 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def workload_jobs(name: str, n: int) -> tuple[list[Job], str]:
+    """``n`` jobs of the named workload, and how the report names it."""
+    from benchmarks.workload import extraction_items, person_items
+
+    if name == "person":
+        return [Job(it.messages(), it.schema) for it in person_items(n, seed=1)], \
+            "benchmarks.workload.person_items(seed=1)"
+    return [Job(it.messages(), it.schema) for it in extraction_items(n, seed=1)], \
+        "benchmarks.workload.extraction_items(seed=1)"
+
+
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.workload import extraction_items
 
     try:
         roots = [v1_root(u) for u in args.base_url]
@@ -240,8 +260,7 @@ def main(args: argparse.Namespace) -> int:
         print("stencil bench serve: give one or two --base-url")
         return 2
     models = [args.model or served_model(r, args.api_key) for r in roots]
-    items = extraction_items(args.requests, seed=1)
-    jobs = [Job(it.messages(), it.schema) for it in items]
+    jobs, workload = workload_jobs(args.workload, args.requests)
     levels = [int(c) for c in args.concurrency.split(",")]
     for root, model in zip(roots, models):
         asyncio.run(warm(root, model, jobs, args.api_key, args.timeout, args.max_tokens))
@@ -253,14 +272,17 @@ def main(args: argparse.Namespace) -> int:
             s = asyncio.run(run_level(root, model, level_jobs, c, args.max_tokens, args.api_key, args.timeout))
             row["results"][url] = s
             print(f"[serve] {url} c={c} {s['output_tokens_per_s']:.1f} tok/s, {s['requests_per_s']:.2f} req/s, "
+                  f"latency p50 {s['latency_ms_p50'] or 0:.0f} ms, "
                   f"TTFT p50 {s['ttft_ms_p50'] or 0:.0f} ms, ITL p50 {s['itl_ms_p50'] or 0:.1f} ms, "
                   f"valid {s['valid_fraction']:.2f}, errors {s['errors']}", flush=True)
         if len(roots) == 2:
             a, b = (row["results"][u]["output_tokens_per_s"] for u in args.base_url)
             row["ratio_output_tokens_per_s"] = a / b if a and b else None
+            a, b = (row["results"][u]["requests_per_s"] for u in args.base_url)
+            row["ratio_requests_per_s"] = a / b if a and b else None
         rows.append(row)
     report = {"base_urls": list(args.base_url), "models": models, "requests": args.requests,
-              "max_tokens": args.max_tokens, "workload": "benchmarks.workload.extraction_items(seed=1)",
+              "max_tokens": args.max_tokens, "workload": workload,
               "throughput": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))

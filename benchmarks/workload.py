@@ -4,7 +4,9 @@ Each item is a document of roughly 150-400 tokens (SmolLM2 tokenizer) built from
 random generator, a JSON Schema, and the chat messages asking the model to extract the
 schema's fields from the document. The answers are spans of the document (names, dates,
 cities, amounts), so the workload is copy-heavy like real extraction; ``invention_items`` is
-the opposite (the answer is not in the prompt), for measuring speculation with no copying.
+the opposite (the answer is not in the prompt), for measuring speculation with no copying;
+``person_items`` are one-sentence chat requests of about 40 tokens (name, age, city), the
+interactive case that ``bench latency`` and the peers comparison time.
 """
 
 from __future__ import annotations
@@ -98,14 +100,45 @@ SHIPMENT_SCHEMA = {
 }
 
 
+PERSON_SHORT_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["name", "age", "city"],
+}
+PERSON_SENTENCES = [
+    "{name} is {age} years old and lives in {city}.",
+    "{name}, aged {age}, lives in {city}.",
+    "{first} {last} lives in {city} and turned {age} this year.",
+    "Born {age} years ago, {name} now lives in {city}.",
+    "{name} ({age}) has lived in {city} for a long time.",
+    "Our new neighbour in {city} is {name}; {first} is {age}.",
+]
+PERSON_INSTRUCTION = "Extract the name, age and city of the person as JSON."
+
+
 @dataclass(slots=True)
 class WorkItem:
+    """One extraction request and its known answer.
+
+    Attributes:
+        kind: what is extracted ("person", "invoice", ...).
+        document: the text the facts are planted in.
+        schema: the JSON Schema of the answer.
+        answer: the planted facts, field by field (what a correct extraction returns); empty
+            for items with no right answer (``invention_items``).
+        instruction: a system message asking for the answer; ``None``: the fixed extraction
+            system message and a user message naming the fields.
+    """
+
     kind: str
     document: str
     schema: dict
-    answer: dict  # the facts planted in the document
+    answer: dict
+    instruction: str | None = None
 
     def messages(self) -> list[dict]:
+        if self.instruction is not None:
+            return [{"role": "system", "content": self.instruction}, {"role": "user", "content": self.document}]
         return [
             {"role": "system", "content": "You extract facts from documents and answer with JSON only."},
             {"role": "user", "content": f"Document:\n{self.document}\n\nExtract the {self.kind} described in the "
@@ -180,6 +213,21 @@ def extraction_items(n: int, seed: int = 0) -> list[WorkItem]:
     """``n`` copy-heavy extraction items (documents ~150-400 tokens), deterministic in ``seed``."""
     rng = random.Random(seed)
     return [KINDS[i % len(KINDS)](rng) for i in range(n)]
+
+
+def person_items(n: int, seed: int = 0) -> list[WorkItem]:
+    """``n`` one-sentence person extractions (about 40 prompt tokens with SmolLM2's template:
+    a system instruction, one sentence), schema name/age/city; deterministic in ``seed``."""
+    rng = random.Random(seed + 104729)
+    items = []
+    for i in range(n):
+        first, last = rng.choice(FIRST), rng.choice(LAST)
+        name, age, city = f"{first} {last}", rng.randrange(19, 90), rng.choice(CITIES)
+        sentence = PERSON_SENTENCES[i % len(PERSON_SENTENCES)].format(name=name, first=first, last=last,
+                                                                       age=age, city=city)
+        items.append(WorkItem("person", sentence, PERSON_SHORT_SCHEMA, {"name": name, "age": age, "city": city},
+                              instruction=PERSON_INSTRUCTION))
+    return items
 
 
 def invention_items(n: int, seed: int = 0) -> list[WorkItem]:

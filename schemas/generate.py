@@ -61,7 +61,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         stream: answer with server-sent events.
         strict: refuse schema keywords that cannot be enforced exactly (False: ignore them and
             report a warning).
-        whitespace: JSON layout: "compact" (no free whitespace) or "flexible".
+        whitespace: JSON layout: "flexible" (line breaks and indents, or spaces, between
+            the tokens of the JSON, bounded: the pretty-printed JSON models write) or "compact"
+            (no free whitespace); absent: the server's ``--json-whitespace`` (flexible).
         speculative: n-gram speculation on/off, or its settings; absent = server default.
         logprobs: return each output token's log-probability.
         close_on_budget: under a constraint, keep the output closable within ``max_tokens`` so it
@@ -90,7 +92,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop: str | list[str] | None = None
     stream: bool = False
     strict: bool = True
-    whitespace: Literal["compact", "flexible"] = "compact"
+    whitespace: Literal["compact", "flexible"] | None = None
     speculative: bool | dict[str, Any] | None = None
     logprobs: bool = False
     close_on_budget: bool = True

@@ -28,6 +28,8 @@ BENCHMARKS = {
     "cluster": "replicas on Ray Serve: prefix-affinity vs round-robin routing, and a replica kill",
     "serve": "the throughput workload over HTTP against one or two OpenAI-compatible servers (loopback)",
     "overhead": "CPU time around the model per decode step, by phase, at several numbers of running requests",
+    "latency": "one request end to end over HTTP, phase by phase, with and without a grammar",
+    "accuracy": "field-level accuracy of extractions: compact vs flexible JSON vs unconstrained, and servers",
 }
 
 
@@ -76,6 +78,11 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (bytes)")
     g.add_argument("--request-timeout", type=float, default=300.0, help="per-request deadline (s)")
     g.add_argument("--shutdown-grace", type=float, default=30.0, help="in-flight time allowed after SIGTERM (s)")
+    g.add_argument("--json-whitespace", default="flexible", choices=["flexible", "compact"],
+                   help="layout of JSON Schema answers when a request does not choose (/generate's "
+                        "whitespace; the OpenAI routes always): flexible lets the model pretty-print "
+                        "(more fields right on small models, a few more tokens); compact has no free "
+                        "whitespace")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--log-format", default="json", choices=["json", "text"])
 
@@ -119,18 +126,25 @@ def engine_config_from_args(args: argparse.Namespace):
     ).validate()
 
 
+def service_config_from_args(args: argparse.Namespace):
+    """``ServiceConfig`` from parsed ``stencil serve`` arguments."""
+    from service.state import ServiceConfig
+
+    return ServiceConfig(api_key=args.api_key, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
+                         default_max_tokens=min(256, args.max_tokens_cap), max_body_bytes=args.max_body_bytes,
+                         request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
+                         json_whitespace=args.json_whitespace).validate()
+
+
 # -- commands --------------------------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.app import create_app
     from service.logs import configure_logging
     from service.server import ServerRunner
-    from service.state import ServiceConfig
 
     configure_logging(args.log_level, args.log_format)
-    scfg = ServiceConfig(api_key=args.api_key, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
-                         default_max_tokens=min(256, args.max_tokens_cap), max_body_bytes=args.max_body_bytes,
-                         request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace).validate()
+    scfg = service_config_from_args(args)
     if args.replicas is not None:
         return _serve_cluster(args, scfg)
     runner = ServerRunner()

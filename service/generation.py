@@ -219,7 +219,7 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
 
 
 def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str | None = None,
-                 choice: list[str] | None = None, whitespace: str = "compact",
+                 choice: list[str] | None = None, whitespace: str | None = None,
                  strict: bool = True, grammar: str | None = None,
                  schemas: SchemaChecks | None = None) -> GrammarSpec | None:
     """The constraint a request asks for, checked against the service's limits.
@@ -229,7 +229,8 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
         regex: a pattern the whole output must match, or ``None``.
         choice: the output must be exactly one of these strings, or ``None``.
         grammar: a Lark grammar the output must be in, or ``None``.
-        whitespace: JSON only: "compact" or "flexible".
+        whitespace: JSON only: "compact" or "flexible"; ``None``: the server's
+            ``json_whitespace``.
         strict: JSON only: refuse keywords that cannot be enforced (True) or ignore them with a
             warning in the response (False).
         schemas: the app's record of schemas already checked (``None``: check every time).
@@ -247,6 +248,8 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
     if len(given) > 1:
         raise InputError(f"give at most one of response_schema, regex, choice and grammar "
                          f"(got {', '.join(given)})", field=given[1])
+    if whitespace is None:
+        whitespace = cfg.json_whitespace
     if whitespace not in ("compact", "flexible"):
         raise InputError(f"whitespace must be 'compact' or 'flexible', got {whitespace!r}", field="whitespace")
     if response_schema is not None:

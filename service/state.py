@@ -33,6 +33,9 @@ class ServiceConfig:
         request_timeout_s: deadline of one request from arrival (seconds); past it → 504.
         shutdown_grace_s: how long in-flight requests may run after SIGTERM (seconds).
         retry_after_s: ``Retry-After`` sent with 429 (seconds).
+        json_whitespace: the layout JSON Schema answers may take when a request does not say:
+            "flexible" (a line break and an indent, or a space, around structural characters:
+            the pretty-printed JSON models write; README, "JSON layout") or "compact".
     """
 
     api_key: str | None = None
@@ -53,6 +56,7 @@ class ServiceConfig:
     request_timeout_s: float = 300.0
     shutdown_grace_s: float = 30.0
     retry_after_s: int = 1
+    json_whitespace: str = "flexible"
 
     def validate(self) -> "ServiceConfig":
         """Resolve the API key from the environment and check ranges; return self.
@@ -72,6 +76,8 @@ class ServiceConfig:
         if self.default_max_tokens > self.max_tokens_cap:
             raise ConfigError(f"default_max_tokens ({self.default_max_tokens}) exceeds max_tokens_cap "
                               f"({self.max_tokens_cap})")
+        if self.json_whitespace not in ("compact", "flexible"):
+            raise ConfigError(f"json_whitespace must be compact or flexible, got {self.json_whitespace!r}")
         if self.request_timeout_s <= 0 or self.shutdown_grace_s < 0:
             raise ConfigError("request_timeout_s must be > 0 and shutdown_grace_s >= 0")
         return self

@@ -41,14 +41,27 @@ def test_reports_the_throughput_keys_for_two_servers(server, tmp_path):
     assert report["models"] == ["tiny", "tiny"] and [r["concurrency"] for r in report["throughput"]] == [1, 2]
     for row in report["throughput"]:
         assert set(row["results"]) == {server.url, server.url + "/v1"} and row["ratio_output_tokens_per_s"] > 0
+        assert row["ratio_requests_per_s"] > 0
         for s in row["results"].values():
             assert {"output_tokens_per_s", "requests_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50",
-                    "itl_ms_p99", "valid_fraction", "errors"} <= set(s)
+                    "itl_ms_p99", "valid_fraction", "errors", "latency_ms_p50", "latency_ms_p99"} <= set(s)
+            assert s["latency_ms_p99"] >= s["latency_ms_p50"] >= s["ttft_ms_p50"] > 0
             assert s["requests"] == 4 and s["errors"] == 0
             # a random model is often cut at max_tokens, but a finished answer is always valid
             assert 0 < s["output_tokens"] <= 4 * 48 and s["output_tokens_per_s"] > 0
             assert s["ttft_ms_p50"] > 0 and s["itl_ms_p50"] >= 0
     assert args.json.with_suffix(".png").stat().st_size > 0
+
+
+def test_person_workload_sends_the_short_name_age_city_chats(server, tmp_path):
+    args = _args(tmp_path, [server.url], workload="person", concurrency="2")
+    assert serve.main(args) == 0
+    report = json.loads(args.json.read_text())
+    assert report["workload"] == "benchmarks.workload.person_items(seed=1)"
+    jobs, _ = serve.workload_jobs("person", 4)
+    assert [set(j.schema["properties"]) for j in jobs] == [{"name", "age", "city"}] * 4
+    assert all(j.messages[0]["role"] == "system" and len(j.messages) == 2 for j in jobs)
+    assert report["throughput"][0]["results"][server.url]["errors"] == 0
 
 
 def test_counts_each_token_of_a_chunk(server):

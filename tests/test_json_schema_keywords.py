@@ -371,3 +371,16 @@ def test_flexible_whitespace_is_bounded():
     schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
               "required": ["a"]}
     _check(schema, ['{ "a" : [1, 2] }', '{\n "a":[ 1 ,2 ]\n}'], ['{   "a":[]}', '{"a":[1,   2]}'], whitespace="flexible")
+
+
+def test_flexible_whitespace_admits_pretty_printed_json_up_to_a_bounded_indent():
+    """json.dumps(indent=2) and indent=4 layouts (and CRLF line ends) pass; a line break with an
+    indent of more than 20 columns, two line breaks, or any run in compact mode do not."""
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "array", "items": {"type": "integer"}}}, "required": ["b"]}}, "required": ["a"]}
+    doc = {"a": {"b": [1, 2]}}
+    pretty = [json.dumps(doc, indent=2), json.dumps(doc, indent=4), json.dumps(doc, indent="\t"),
+              json.dumps(doc, indent=2).replace("\n", "\r\n"), '{"a": {"b": [1, 2]}}']
+    deep = '{\n' + " " * 21 + '"a": {"b": []}}'
+    _check(schema, pretty, [deep, '{\n\n  "a": {"b": []}}', '{"a":{"b":[1,2]}}   '], whitespace="flexible")
+    _check(schema, ['{"a":{"b":[1,2]}}'], pretty, whitespace="compact")

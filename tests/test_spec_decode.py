@@ -9,6 +9,7 @@ import pytest
 from engine.request import Request, SamplingParams
 from engine.spec import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape, TokenSplits
 from engine.spec.drafter import trim_to_tile
+from engine.spec.layout import JsonLayout, Position, position
 from engine.spec.goodput import LinearFit
 from engine.spec.lookup import propose_ngram, propose_text, propose_value, span_end
 
@@ -493,3 +494,74 @@ def _children_running(cmd: str) -> list[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and cmd in cmdline:
             found.append(int(proc.name))
     return found
+
+
+# -- the layout of JSON answers (drafts where the grammar leaves whitespace free) -----------------
+
+@pytest.mark.parametrize("text, layout", [
+    ("", JsonLayout()),
+    ('{\n  "a": 1,', JsonLayout(newline=True, indent="  ", colon_space=True)),
+    ('{\n    "a": {\n        "b"', JsonLayout(newline=True, indent="    ", colon_space=True)),
+    ('{\n\t"a":1', JsonLayout(newline=True, indent="\t", colon_space=False)),
+    ('{"a": 1, "b"', JsonLayout(newline=False, colon_space=True, comma_space=True)),
+    ('{"a":"x: {, y","b"', JsonLayout(newline=False, colon_space=False, comma_space=False)),
+])
+def test_json_layout_reads_line_breaks_indent_and_spaces_outside_strings(text, layout):
+    assert JsonLayout.of(text) == layout
+
+
+def test_json_layout_guesses_the_next_whitespace_from_the_position():
+    pretty, compact = JsonLayout(), JsonLayout(newline=False, colon_space=False)
+    assert position('{"a": {"b": "x}"') == Position(False, 2, '"', "")
+    assert position('{"a": "x') .in_string
+    assert position('{\n  ').trailing_ws == "\n  "
+    assert pretty.after(position('{"a": {')) == "\n    "
+    assert pretty.after(position('{\n  "a":')) == " "
+    assert pretty.after(position('{\n  "a": 1,')) == "\n  "
+    assert pretty.after(position('{\n  "a": 1')) == ""
+    assert pretty.before_close(position('{\n  "a": {\n    "b": 1')) == "\n  "
+    assert compact.after(position('{"a":1,')) == "" and compact.before_close(position('{"a":1')) == ""
+    assert pretty.after(position('{"a": "x')) is None and pretty.after(position("")) is None
+
+
+@pytest.fixture(scope="module")
+def person_grammars(tokenizer):
+    from grammar.base import GrammarSpec
+    from grammar.compiler import GrammarCompiler
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "city": {"type": "string"}}, "required": ["name", "age", "city"]}
+    with GrammarCompiler(tokenizer, len(tokenizer), backend="lazy") as c:
+        yield {ws: c.compile(GrammarSpec.json_schema(schema, whitespace=ws)) for ws in ("compact", "flexible")}
+
+
+def _matcher_after(grammar, tokenizer, text):
+    m = grammar.matcher()
+    assert m.accept_tokens(tokenizer.encode(text, add_special_tokens=False)) if text else True
+    return m
+
+
+@pytest.mark.parametrize("written, draft, expected", [
+    ("", "", '{\n  "name": "'),  # before the answer shows a layout: the pretty-printed one
+    ("{", "", '{\n  "name": "'),
+    ('{\n  "name": "Ada",', "", '{\n  "name": "Ada",\n  "age": '),
+    ('{\n  "name": "Ada",\n ', "", '{\n  "name": "Ada",\n  "age": '),  # "\n " already written
+    ('{\n  "name": "Ada",\n  "age": 3', "", '{\n  "name": "Ada",\n  "age": 3'),  # more digits may come
+    ('{\n  "name": "Ada",\n  "age": 3', ",", '{\n  "name": "Ada",\n  "age": 3,\n  "city": "'),
+    ('{\n  "name": "Ada",\n  "age": 3,\n  "city": "Oslo', '"',
+     '{\n  "name": "Ada",\n  "age": 3,\n  "city": "Oslo"\n}'),
+    ('{"name":"Ada",', "", '{"name":"Ada","age":'),  # a compact writer under the flexible grammar
+])
+def test_drafter_forced_text_goes_on_across_free_whitespace_in_the_answers_layout(
+        tokenizer, person_grammars, written, draft, expected):
+    drafter = Drafter(tokenizer, lambda r: "", lambda r: True, 4096)
+    m = _matcher_after(person_grammars["flexible"], tokenizer, written)
+    got = drafter.forced_text(m, written, draft)
+    assert written + got == expected
+
+
+def test_drafter_forced_text_in_compact_json_is_the_grammars_forced_text(tokenizer, person_grammars):
+    drafter = Drafter(tokenizer, lambda r: "", lambda r: True, 4096)
+    m = _matcher_after(person_grammars["compact"], tokenizer, '{"name":"Ada"')
+    assert drafter.forced_text(m, '{"name":"Ada"') == m.forced_text().decode() == ',"age":'
+    assert drafter.forced_text(m, '{"name":"Ada"', "x") is None  # the grammar refuses the draft

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from engine.spec.layout import JsonLayout, position
 from engine.spec.lookup import propose_ngram, propose_text, propose_value, span_end
 from engine.spec.splits import TokenSplits
 from engine.spec.state import SpecState
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 
 _JSON_PUNCT = frozenset('"{}[]:, ')
 _CLOSERS = ('"', ",", "}")  # what may end a value copied into JSON: a string, a number
+_STRUCTURAL = ('"', ":", ",", "}", "]")  # what may follow free whitespace in JSON, besides a value
+_AFTER_VALUE = frozenset('"}]:,{[')  # ends after which a number or literal cannot go on
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +161,9 @@ class Drafter:
         spec = st.config
         st.from_grammar = False
         if spec.grammar_drafts and req.matcher is not None:
-            forced = req.matcher.forced_text(64)
+            forced = self.forced_text(req.matcher, self.text_of(req))
             if forced:
-                drafts = self.forced_drafts(forced.decode("utf-8", errors="ignore"), st)[:room]
+                drafts = self.forced_drafts(forced, st)[:room]
                 if drafts:
                     st.from_grammar = True
                     return drafts[:req.matcher.validate_tokens(drafts)]
@@ -187,6 +190,69 @@ class Drafter:
         if drafts and req.matcher is not None:
             drafts = drafts[:req.matcher.validate_tokens(drafts)]
         return drafts
+
+    def forced_text(self, m, written: str, draft: str = "", max_chars: int = 64) -> str | None:
+        """``draft`` and the text the grammar forces after it, carried on across free whitespace.
+
+        Where the grammar leaves whitespace free (``whitespace="flexible"`` JSON), it forces
+        nothing at a separator; there the answer's own layout (``engine.spec.layout``: a line
+        break and the indent, a space after the colon, as ``written`` shows them) is guessed,
+        and past it the forcing goes on (``",\n  \"age\": "`` instead of ``","``); after a
+        value, the one structural character the grammar allows next (a comma, or a closer
+        after the layout's line break) is taken too. The guess is a draft like any other: the
+        model verifies it.
+
+        Args:
+            m: the request's matcher (``forced_text``, ``forced_text_after``).
+            written: the output text so far.
+            draft: text to draft first (a value looked up in the prompt and its closer).
+
+        Returns:
+            The text, or None when the grammar refuses ``draft``.
+        """
+        encode = self._encode
+        forced = m.forced_text_after(encode(draft)) if draft else m.forced_text(max_chars)
+        if forced is None:
+            return None
+        out = draft + forced.decode("utf-8", errors="ignore")
+        layout = None
+        for _ in range(8):
+            if len(out) - len(draft) >= max_chars or m.forced_text_after(encode(out + " ")) is None:
+                break  # no free whitespace here: a real choice, or compact JSON
+            at = position(written + out)
+            if at.in_string:
+                break
+            layout = layout or JsonLayout.of(written + out)
+            ws = layout.after(at) or ""
+            # A run already begun (the model wrote "\n " as one token): the rest of it.
+            ws = ws[len(at.trailing_ws):] if ws.startswith(at.trailing_ws) else ""
+            if ws:
+                more = m.forced_text_after(encode(out + ws))
+                if more is None:
+                    break
+                out += ws + more.decode("utf-8", errors="ignore")
+                continue
+            # Whitespace written (or none in this layout): the next structural character, if
+            # the grammar allows only one of them (a value's own first character is a choice;
+            # a number may go on with more digits).
+            if not at.trailing_ws and at.last not in _AFTER_VALUE:
+                break
+            options = []
+            for ch in _STRUCTURAL:
+                piece = ch
+                if ch in "}]" and at.last not in "{[":
+                    close = layout.before_close(at)
+                    piece = (close[len(at.trailing_ws):] if close.startswith(at.trailing_ws) else "") + ch
+                more = m.forced_text_after(encode(out + piece))
+                if more is not None:
+                    options.append(piece + more.decode("utf-8", errors="ignore"))
+            if len(options) != 1:
+                break
+            out += options[0]
+        return out
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def forced_drafts(self, text: str, st: SpecState) -> list[int]:
         """Tokens for ``text``, which ends where the grammar stops forcing: spelled as the model
@@ -219,12 +285,13 @@ class Drafter:
             valid = m.validate_tokens(tokens)
             if valid < len(tokens):
                 cuts.append(len(self.tokenizer.decode(tokens[:valid])))
+            written = self.text_of(req)
             for cut in [c for i, c in enumerate(cuts) if c < len(text) and c not in cuts[:i]]:
                 for closer in _CLOSERS:
                     closed = text[:cut] + closer
-                    forced = m.forced_text_after(encode(closed, add_special_tokens=False))
+                    forced = self.forced_text(m, written, closed)
                     if forced is not None:
-                        return self.forced_drafts(closed + forced.decode("utf-8", errors="ignore"), req.spec_state)
+                        return self.forced_drafts(forced, req.spec_state)
         return tokens[:-1]
 
     def learn(self, sched: "SchedulerOutput", sampled: list[list[int]]) -> None:

@@ -1,0 +1,306 @@
+"""``stencil bench latency``: where the time of one request goes, phase by phase, over HTTP.
+
+``stencil bench latency [--requests 12] [--max-tokens 64] [--stream] [--serve-args "--speculative off"] --json PATH``
+
+One ``stencil serve`` app runs in this process (uvicorn on a loopback port, the engine on its
+thread, configured exactly as ``stencil serve`` with ``--serve-args``: its defaults unless
+told otherwise); one client sends the person-extraction
+chat requests of the peers comparison (``benchmarks.workload.person_items``: about 40 prompt
+tokens, name/age/city) to ``POST /v1/chat/completions``, one at a time, first with
+``response_format: json_schema`` (strict), then without a response format. Each request's time,
+from the client's send to its last byte, is cut into consecutive phases by probes that wrap the
+service's and the engine's own functions (the app's code is unchanged; the probes cost about a
+microsecond each):
+
+``http_in`` client send → the ASGI app · ``validate`` body decoding, wire types, request checks
+(→ the template) · ``template_tokenize`` chat template and tokenizer · ``params`` sampling
+parameters, schema checks, grammar spec · ``grammar`` compile or cache lookup (the compiler's
+pool) and the budget check · ``admit`` engine checks, submission to the engine thread ·
+``queue`` → the first engine step · ``prefill`` the first step (the prompt and the first token)
+· ``decode`` every later step · ``loop`` the engine loop between steps (delivery of outputs,
+inbox, waits) · ``deliver`` last step → the service has the whole answer · ``validate_output``
+jsonschema on the answer · ``response`` → the client has the last byte (encoding, HTTP).
+
+Inside the steps, ``steps`` splits the step time into ``schedule``, ``grammar_mask``,
+``forward`` (model, LM head, sampling), ``update`` (append, stop checks, matcher advance),
+``detokenize`` and ``propose`` (drafts), summed over the request's steps, with the number of
+steps and the median decode step. The first request of the run is reported apart as ``cold``
+(first grammar compile, first forward); the rest give ``warm`` medians per phase. Timings are
+wall-clock on a shared machine: compare phases within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import shlex
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+PHASES = ("http_in", "validate", "template_tokenize", "params", "grammar", "admit", "queue", "prefill",
+          "decode", "loop", "deliver", "validate_output", "response")
+STEP_PARTS = ("schedule", "grammar_mask", "forward", "update", "detokenize", "propose")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", type=Path, required=True, help="where to write the report")
+    p.add_argument("--model", type=Path, default=None, help="model directory (default: SmolLM2-135M)")
+    p.add_argument("--requests", type=int, default=12, help="requests per variant (the first is cold)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--stream", action="store_true", help="streamed requests (SSE) instead of whole answers")
+    p.add_argument("--serve-args", default="", help="options of stencil serve for the app, in one string "
+                   "(e.g. \"--speculative off --threads 1\"); host and port are the benchmark's")
+    p.add_argument("--variants", default="json_schema,none", help="comma-separated: json_schema, none")
+
+
+# -- probes ----------------------------------------------------------------------------------------
+
+class Probes:
+    """Wraps named functions so that each call records ``(name, start, end)`` (perf_counter s).
+
+    Calls may come from any thread (list appends are atomic under the GIL). ``restore()``
+    puts every original back.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float, float]] = []
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner: object, attr: str, name: str) -> None:
+        original = getattr(owner, attr)
+        events = self.events
+        if asyncio.iscoroutinefunction(original):
+            @functools.wraps(original)
+            async def timed_async(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return await original(*a, **k)
+                finally:
+                    events.append((name, t, time.perf_counter()))
+            wrapper = timed_async
+        else:
+            @functools.wraps(original)
+            def timed(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return original(*a, **k)
+                finally:
+                    events.append((name, t, time.perf_counter()))
+            wrapper = timed
+        # Only instance or module attributes are set (and later removed or put back).
+        self._undo.append((owner, attr, owner.__dict__.get(attr) if hasattr(owner, "__dict__") else original))
+        setattr(owner, attr, wrapper)
+
+    def mark(self, name: str) -> None:
+        t = time.perf_counter()
+        self.events.append((name, t, t))
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self._undo):
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+        self._undo.clear()
+
+    def take(self) -> list[tuple[str, float, float]]:
+        out, self.events[:] = list(self.events), []
+        return out
+
+
+def install(probes: Probes, state) -> None:
+    """Probe the service's request path and the engine's step (``state``: the app's ServiceState)."""
+    from engine.detokenizer import IncrementalDetokenizer
+    from service import generation
+
+    eng = state.engine.engine
+    probes.wrap(generation, "tokenize", "tokenize")
+    probes.wrap(generation, "sampling_params", "sampling_params")
+    probes.wrap(generation, "grammar_spec", "grammar_spec")
+    probes.wrap(state.engine, "compile_grammar", "compile")
+    probes.wrap(eng, "add_request", "add_request")
+    probes.wrap(eng, "step", "step")
+    probes.wrap(eng.scheduler, "schedule", "schedule")
+    probes.wrap(eng, "_grammar_bitmask", "grammar_mask")
+    probes.wrap(eng.runner, "execute", "forward")
+    probes.wrap(eng, "_update", "update")
+    probes.wrap(eng, "_propose", "propose")
+    probes.wrap(IncrementalDetokenizer, "push", "detokenize")
+    probes.wrap(IncrementalDetokenizer, "finish", "detokenize")
+    probes.wrap(state.checker, "check", "validate_output")
+
+
+def asgi_probe(app, probes: Probes):
+    """The ASGI ``app`` with a mark at each HTTP request's entry (``asgi_in``)."""
+    async def probed(scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/chat", "/generate")):
+            probes.mark("asgi_in")
+        await app(scope, receive, send)
+    return probed
+
+
+# -- one request's timeline ------------------------------------------------------------------------
+
+def phases(events: list[tuple[str, float, float]], sent: float, received: float) -> dict:
+    """Cut ``[sent, received]`` into ``PHASES`` (ms) from one request's probe events; plus
+    ``steps`` (ms per part, summed), ``num_steps`` and ``decode_step_ms_p50``."""
+    first = {}
+    for name, s, e in events:
+        first.setdefault(name, (s, e))
+    steps = sorted((s, e) for n, s, e in events if n == "step")
+    # Steps of this request only: the engine may also step while nothing of ours runs (never at c=1).
+    steps = [(s, e) for s, e in steps if s >= first["add_request"][1]] if "add_request" in first else []
+    check = first.get("validate_output", (received, received))
+    tok = first["tokenize"]
+    add = first["add_request"]
+    compile_ = first.get("compile")
+    bounds = {"http_in": (sent, first["asgi_in"][0]), "validate": (first["asgi_in"][0], tok[0]),
+              "template_tokenize": tok}
+    params_end = compile_[0] if compile_ else add[0]
+    bounds["params"] = (tok[1], params_end)
+    bounds["grammar"] = compile_ if compile_ else (params_end, params_end)
+    bounds["admit"] = (bounds["grammar"][1], add[1])
+    bounds["queue"] = (add[1], steps[0][0] if steps else add[1])
+    out = {k: (e - s) * 1e3 for k, (s, e) in bounds.items()}
+    out["prefill"] = (steps[0][1] - steps[0][0]) * 1e3 if steps else 0.0
+    decode = [(e - s) * 1e3 for s, e in steps[1:]]
+    out["decode"] = sum(decode)
+    out["loop"] = sum((b[0] - a[1]) * 1e3 for a, b in zip(steps, steps[1:]))
+    last = steps[-1][1] if steps else add[1]
+    out["deliver"] = (check[0] - last) * 1e3
+    out["validate_output"] = (check[1] - check[0]) * 1e3
+    out["response"] = (received - check[1]) * 1e3
+    parts = {p: 0.0 for p in STEP_PARTS}
+    if steps:
+        lo, hi = steps[0][0], steps[-1][1]
+        for name, s, e in events:
+            if name in parts and lo <= s and e <= hi:
+                parts[name] += (e - s) * 1e3
+        parts["update"] -= parts["detokenize"]  # detokenizing runs inside the update
+    return {"phases": out, "total_ms": (received - sent) * 1e3, "steps": parts, "num_steps": len(steps),
+            "decode_step_ms_p50": statistics.median(decode) if decode else None}
+
+
+def _medians(rows: list[dict]) -> dict:
+    keys = rows[0]["phases"].keys()
+    return {"phases": {k: statistics.median(r["phases"][k] for r in rows) for k in keys},
+            "steps": {k: statistics.median(r["steps"][k] for r in rows) for k in STEP_PARTS},
+            "total_ms": statistics.median(r["total_ms"] for r in rows),
+            "num_steps": statistics.median(r["num_steps"] for r in rows),
+            "decode_step_ms_p50": statistics.median(r["decode_step_ms_p50"] or 0.0 for r in rows)}
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+def _serve(app, sock: socket.socket) -> tuple[threading.Thread, object]:
+    import uvicorn
+
+    config = uvicorn.Config(app, lifespan="on", log_config=None, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="bench-uvicorn", daemon=True)
+    thread.start()
+    return thread, server
+
+
+def _send(http, url: str, body: dict, stream: bool) -> tuple[float, float, str]:
+    """Send one request; (sent, received last byte, answer text)."""
+    sent = time.perf_counter()
+    if not stream:
+        r = http.post(url, json=body)
+        received = time.perf_counter()
+        r.raise_for_status()
+        return sent, received, r.json()["choices"][0]["message"]["content"] or ""
+    text = ""
+    with http.stream("POST", url, json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                for c in json.loads(line[5:]).get("choices") or []:
+                    text += (c.get("delta") or {}).get("content") or ""
+    return sent, time.perf_counter(), text
+
+
+def run_variant(http, url: str, model: str, probes: Probes, items, variant: str, max_tokens: int,
+                stream: bool) -> dict:
+    """``len(items)`` requests one after the other; the first is the cold one."""
+    from benchmarks.serve import Job, request_body
+
+    rows, texts = [], []
+    for it in items:
+        body = request_body(Job(it.messages(), it.schema), model, max_tokens, stream=False)
+        if variant == "none":
+            del body["response_format"]
+        probes.take()
+        sent, received, text = _send(http, url, body, stream)
+        time.sleep(0.05)  # let the engine thread finish its bookkeeping before reading events
+        rows.append(phases(probes.take(), sent, received))
+        texts.append(text)
+    warm = rows[1:] or rows
+    return {"cold": rows[0], "warm": _medians(warm), "requests": rows, "texts": texts}
+
+
+def main(args: argparse.Namespace) -> int:
+    import httpx
+
+    from benchmarks.workload import person_items
+    from service.app import create_app, service_state
+    from service.cli import build_parser, engine_config_from_args, service_config_from_args
+
+    serve = build_parser().parse_args(["serve", *shlex.split(args.serve_args)])
+    if args.model is not None:
+        serve.model = args.model
+    serve.api_key = ""
+    cfg = engine_config_from_args(serve)
+    model = cfg.model
+    app = create_app(cfg, service_config_from_args(serve))
+    probes = Probes()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    thread, server = _serve(asgi_probe(app, probes), sock)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    report: dict = {"model": str(model), "max_tokens": args.max_tokens, "stream": args.stream,
+                    "serve_args": args.serve_args, "speculative": cfg.speculative, "threads": cfg.num_threads,
+                    "variants": {}}
+    try:
+        deadline = time.monotonic() + 600
+        while service_state(app) is None or not getattr(server, "started", False):
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the app did not start")
+            time.sleep(0.1)
+        install(probes, service_state(app))
+        items = person_items(args.requests, seed=11)
+        with httpx.Client(timeout=600) as http:
+            for variant in [v for v in args.variants.split(",") if v]:
+                r = run_variant(http, url, service_state(app).model_name, probes, items, variant, args.max_tokens,
+                                args.stream)
+                report["variants"][variant] = r
+                _print(variant, r)
+    finally:
+        probes.restore()
+        server.should_exit = True
+        thread.join(60)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    print(f"wrote {args.json}")
+    return 0
+
+
+def _print(variant: str, r: dict) -> None:
+    for label in ("cold", "warm"):
+        x = r[label]
+        ph = ", ".join(f"{k} {v:.1f}" for k, v in x["phases"].items())
+        st = ", ".join(f"{k} {v:.1f}" for k, v in x["steps"].items())
+        print(f"[latency] {variant} {label}: total {x['total_ms']:.1f} ms, {x['num_steps']:.0f} steps "
+              f"(decode p50 {x['decode_step_ms_p50'] or 0:.1f} ms)\n    phases: {ph}\n    steps: {st}", flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    raise SystemExit(main(ap.parse_args()))

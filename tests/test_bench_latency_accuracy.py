@@ -1,0 +1,144 @@
+"""``stencil bench latency`` (phases of one request) and ``stencil bench accuracy`` (field-level
+scoring): the timeline and the scores on exact inputs, and both commands end to end on the tiny
+model (report keys and invariants, never timing values)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import accuracy, latency
+from benchmarks.workload import PERSON_SHORT_SCHEMA, WorkItem, person_items
+
+
+# -- latency: the timeline of one request -----------------------------------------------------------
+
+def _events(t0: float = 100.0) -> list[tuple[str, float, float]]:
+    """A made-up request (seconds): arrival 100.010, template 100.012-100.014, compile
+    100.015-100.020, added 100.021-100.022, steps at 100.023 (prefill, 30 ms) then two decodes."""
+    at = lambda ms: t0 + ms / 1e3  # noqa: E731
+    return [("asgi_in", at(10), at(10)), ("tokenize", at(12), at(14)), ("grammar_spec", at(14), at(14.5)),
+            ("compile", at(15), at(20)), ("add_request", at(21), at(22)),
+            ("step", at(23), at(53)), ("schedule", at(23), at(23.5)), ("forward", at(24), at(50)),
+            ("update", at(50), at(52)), ("detokenize", at(51), at(51.5)),
+            ("step", at(54), at(64)), ("forward", at(54), at(63)),
+            ("step", at(66), at(78)), ("forward", at(66), at(77)), ("grammar_mask", at(77), at(77.5)),
+            ("validate_output", at(80), at(81))]
+
+
+def test_phases_cut_the_request_into_consecutive_spans_that_add_up():
+    r = latency.phases(_events(), sent=100.0, received=100.090)
+    ph = r["phases"]
+    expected = {"http_in": 10, "validate": 2, "template_tokenize": 2, "params": 1, "grammar": 5, "admit": 2,
+                "queue": 1, "prefill": 30, "decode": 22, "loop": 3, "deliver": 2, "validate_output": 1,
+                "response": 9}
+    assert set(ph) == set(latency.PHASES) and ph == pytest.approx(expected)
+    assert sum(ph.values()) == pytest.approx(r["total_ms"]) == pytest.approx(90)
+    assert r["num_steps"] == 3 and r["decode_step_ms_p50"] == pytest.approx(11)
+    assert r["steps"] == pytest.approx({"schedule": 0.5, "grammar_mask": 0.5, "forward": 46, "update": 1.5,
+                                        "detokenize": 0.5, "propose": 0})
+
+
+def test_phases_of_an_unconstrained_request_have_no_grammar_time():
+    events = [e for e in _events() if e[0] != "compile"]
+    ph = latency.phases(events, sent=100.0, received=100.090)["phases"]
+    assert ph["grammar"] == 0 and ph["params"] == pytest.approx(7)  # template end -> add_request
+
+
+def test_probes_record_calls_and_put_everything_back():
+    class Thing:
+        def work(self, x):
+            return x + 1
+
+        async def later(self, x):
+            return x * 2
+
+    import asyncio
+
+    thing, probes = Thing(), latency.Probes()
+    probes.wrap(thing, "work", "w")
+    probes.wrap(thing, "later", "l")
+    assert thing.work(1) == 2 and asyncio.run(thing.later(3)) == 6
+    assert [e[0] for e in probes.take()] == ["w", "l"] and probes.events == []
+    probes.restore()
+    assert "work" not in vars(thing) and "later" not in vars(thing)
+
+
+def test_latency_command_times_both_variants_on_the_tiny_model(tiny_model_dir, tmp_path):
+    p = argparse.ArgumentParser()
+    latency.add_arguments(p)
+    args = p.parse_args(["--json", str(tmp_path / "lat.json"), "--requests", "2", "--max-tokens", "24",
+                         "--serve-args", f"--model {tiny_model_dir} --num-kv-blocks 128 --speculative ngram"])
+    assert latency.main(args) == 0
+    report = json.loads(args.json.read_text())
+    assert report["speculative"] == {"method": "ngram"} and set(report["variants"]) == {"json_schema", "none"}
+    for v in report["variants"].values():
+        assert len(v["requests"]) == 2 and len(v["texts"]) == 2
+        for r in v["requests"]:
+            assert sum(r["phases"].values()) == pytest.approx(r["total_ms"], rel=1e-6)
+            assert all(x >= 0 for x in r["phases"].values()) and r["num_steps"] >= 1
+    assert report["variants"]["json_schema"]["cold"]["phases"]["grammar"] > 0
+    assert report["variants"]["none"]["warm"]["phases"]["grammar"] == 0
+
+
+# -- accuracy: scoring ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, doc", [
+    ('{"a": 1}', {"a": 1}),
+    ('JSON:\n```json\n{\n  "a": [1, {"b": 2}]\n}\n```\nThat is all.', {"a": [1, {"b": 2}]}),
+    ('{broken {"a": "}"} {"z": 0}', {"a": "}"}),
+    ("[1, 2] and no object", None),
+    ("", None),
+])
+def test_first_json_object_reads_the_first_object_in_prose_or_a_fence(text, doc):
+    assert accuracy.first_json_object(text) == doc
+
+
+def test_field_matches_is_exact_by_type():
+    assert accuracy.field_matches("Ada Lovelace", "Ada Lovelace")
+    assert not accuracy.field_matches("ada lovelace", "Ada Lovelace") and not accuracy.field_matches(" Ada", "Ada")
+    assert accuracy.field_matches(42.0, 42) and not accuracy.field_matches("42", 42)
+    assert not accuracy.field_matches(True, 1) and not accuracy.field_matches(1, True)
+    assert accuracy.field_matches(["a", 2], ["a", 2.0]) and not accuracy.field_matches(["a"], ["a", "b"])
+
+
+def test_scores_count_fields_valid_and_exact_answers():
+    item = WorkItem("person", "Ada is 36 and lives in London.", PERSON_SHORT_SCHEMA,
+                    {"name": "Ada", "age": 36, "city": "London"}, instruction="x")
+    texts = ['{"name": "Ada", "age": 36, "city": "London"}', '{"name": "Ada", "age": 37, "city": "London"}',
+             '{"name": "Ada", "age": "36"}', 'Sure! {"name": "Ada", "age": 36, "city": "London"}']
+    strict = accuracy.score([item] * 4, texts, parse_loose=False)
+    assert [s["valid"] for s in strict] == [True, True, False, False]
+    assert [sum(s["fields"].values()) for s in strict] == [3, 2, 1, 0]
+    loose = accuracy.score([item] * 4, texts, parse_loose=True)
+    assert loose[3] == {"parsed": True, "valid": True, "fields": {"name": True, "age": True, "city": True}}
+    s = accuracy.summarize_scores([item] * 4, strict, [{"tokens": 10, "finish_reason": "stop"}] * 4)
+    assert s["field_accuracy"] == pytest.approx(6 / 12) and s["exact_fraction"] == pytest.approx(1 / 4)
+    assert s["valid_fraction"] == 0.5 and s["parsed_fraction"] == 0.75
+    assert s["per_field"] == {"person.age": 0.25, "person.city": 0.5, "person.name": 0.75}
+
+
+def test_person_items_plant_their_answer_in_the_sentence():
+    for it in person_items(12, seed=5):
+        assert set(it.answer) == {"name", "age", "city"} and it.schema is PERSON_SHORT_SCHEMA
+        assert it.answer["name"].split()[0] in it.document and str(it.answer["age"]) in it.document
+        assert it.answer["city"] in it.document
+        assert [m["role"] for m in it.messages()] == ["system", "user"]
+    assert person_items(3, seed=5)[0].document == person_items(3, seed=5)[0].document
+
+
+def test_accuracy_command_reports_each_mode_on_the_tiny_model(tiny_model_dir, tmp_path):
+    p = argparse.ArgumentParser()
+    accuracy.add_arguments(p)
+    args = p.parse_args(["--json", str(tmp_path / "acc.json"), "--items", "2", "--max-tokens", "64",
+                         "--model", str(tiny_model_dir)])
+    assert accuracy.main(args) == 0
+    report = json.loads(args.json.read_text())
+    assert set(report["stencil"]) == {"compact", "flexible", "unconstrained"}
+    for mode, s in report["stencil"].items():
+        assert s["items"] == 4 and set(s["by_workload"]) == {"person", "extraction"}
+        assert 0 <= s["field_accuracy"] <= 1 and s["by_workload"]["person"]["items"] == 2
+        if mode != "unconstrained":  # the grammar closes every answer within its budget
+            assert s["valid_fraction"] == 1.0 and s["cut_at_max_tokens"] == 0
