@@ -42,6 +42,7 @@ from grammar.vocab import TokenVocabulary
 MAX_NFA_STATES = 400_000
 _MAX_PRODUCT = 100_000  # pairs of an intersection's product (more: no budget rule)
 MAX_STACK = 64  # deeper configurations are dropped (a subset: distances stay upper bounds)
+MAX_CONFIGS = 4096  # configurations kept per DFA state, nearest ends first (the same kind of subset)
 INF = 1 << 30
 
 _REF = re.compile("\ue000(\\d+)\ue001")
@@ -524,7 +525,11 @@ class ClosingAutomaton:
             m = net.machine_of[state]
             if state == net.finals[m] and stack:
                 todo.append((stack[-1], stack[:-1]))
-        return frozenset(c for c in out if net.byte_edges[c[0]] or self._accepting_config(c))
+        kept = [c for c in out if net.byte_edges[c[0]] or self._accepting_config(c)]
+        if len(kept) > MAX_CONFIGS:  # an ambiguous grammar: keep the nearest ends (a subset:
+            kept.sort(key=lambda c: self._config_dist(*c))  # distances stay upper bounds)
+            kept = kept[:MAX_CONFIGS]
+        return frozenset(kept)
 
     def _accepting_config(self, c) -> bool:
         state, stack = c

@@ -35,8 +35,8 @@ def lark_program(text: str) -> Program:
     skip = ""
     if ignore:
         skip = "(?:" + "|".join(term_ref(term_ids[n]) for n in ignore if n in term_ids) + ")*"
-    bodies: dict[int, list[str]] = {k: [] for k in rule_ids.values()}
-    tails: dict[int, list[str]] = {k: [] for k in rule_ids.values()}  # A -> A tail (left recursion)
+    bodies: dict[int, list[list[str]]] = {k: [] for k in rule_ids.values()}
+    tails: dict[int, list[list[str]]] = {k: [] for k in rule_ids.values()}  # A -> A tail (left recursion)
     for r in rules:
         parts = []
         expansion = list(r.expansion)
@@ -51,14 +51,37 @@ def lark_program(text: str) -> Program:
                 parts.append(ref(rule_ids[name]))
             else:
                 raise ClosingUnsupported(f"unknown symbol {name}")
-        (tails if left else bodies)[rule_ids[r.origin.name]].append(skip.join(parts))
+        (tails if left else bodies)[rule_ids[r.origin.name]].append(parts)
     if "start" not in rule_ids:
         raise ClosingUnsupported("no start rule")
+    def factored(alts: list[list[str]], lead: str) -> str:
+        # Alternatives sharing a first symbol are written once with their rests inside: lark
+        # expands ``a b?`` into ``a | a b``, and two calls of ``a`` would double the
+        # automaton's stack configurations at every nesting level (2^depth sets).
+        order: list[str | None] = []
+        groups: dict[str | None, list[list[str]]] = {}
+        for a in alts:
+            key = a[0] if a else None
+            if key not in groups:
+                groups[key] = []
+                order.append(key)
+            if a:
+                groups[key].append(a[1:])
+        out = []
+        for key in order:
+            if key is None:
+                out.append("")
+            elif all(not r for r in groups[key]):
+                out.append(lead + key)
+            else:
+                out.append(lead + key + "(?:" + factored(groups[key], skip) + ")")
+        return "|".join(f"(?:{o})" for o in out)
+
     def body(k: int) -> str:
-        head = "(?:" + "|".join(f"(?:{b})" for b in bodies[k]) + ")"
+        head = "(?:" + factored(bodies[k], "") + ")"
         if not tails[k]:
             return head
-        return head + "(?:" + skip + "(?:" + "|".join(f"(?:{t})" for t in tails[k]) + "))*"
+        return head + "(?:" + skip + "(?:" + factored(tails[k], "") + "))*"
 
     rule_texts = tuple((k, body(k)) for k in bodies)
     root = skip + ref(rule_ids["start"]) + skip

@@ -266,6 +266,23 @@ def test_hand_written_lark_grammars_close_within_the_budget(engine):
         assert t.strip("()") == "x" and t.count("(") == t.count(")") and t.index("x") == t.count("("), t
 
 
+def test_lark_alternatives_with_a_shared_prefix_keep_the_closing_automaton_small(engine):
+    """lark expands ``term (op term)*`` into ``term | term tail``; unfactored, both calls of
+    ``term`` are live after every "(" and the stack configurations double per nesting level.
+    Factored, a state holds a handful of configurations at any depth, and distances are exact."""
+    arith = 'start: expr\nexpr: term (("+" | "-") term)*\nterm: NUM | "(" expr ")"\nNUM: /[0-9]{1,3}/\n'
+    a = engine.grammar.compile(GrammarSpec.grammar(arith)).closing().result()
+    sizes = {}
+    for depth in (1, 4, 12):
+        s = a.step(a.start, b"(" * depth + b"1")
+        a.next_token_distances(s)
+        sizes[depth] = len(a._sets[s])
+        witness = a.witness(s)
+        assert witness == b")" * depth and a.accepting(a.step(s, witness))
+    assert sizes[12] == sizes[1] <= 8, sizes
+    assert max(len(x) for x in a._sets) <= 8
+
+
 def test_a_pattern_with_length_bounds_closes_within_the_budget(engine):
     """An intersection (pattern ∩ length) is a product automaton: budgets still close it."""
     schema = {"type": "object", "properties": {"slug": {"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$",
