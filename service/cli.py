@@ -58,8 +58,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
     g.add_argument("--max-waiting", type=int, default=4096, help="waiting requests before new ones get 429")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--speculative", choices=["off", "ngram"], default="off",
-                   help="server-default speculation (requests may override)")
+    g.add_argument("--speculative", choices=["off", "ngram"], default="ngram",
+                   help="server-default speculation (requests may override): n-gram drafts, switched "
+                        "off by the engine wherever they do not raise measured goodput")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--grammar-timeout", type=float, default=10.0, help="longest grammar compile (s)")
     g.add_argument("--grammar-backend", choices=("auto", "eager", "lazy"), default="auto",
