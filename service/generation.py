@@ -345,9 +345,12 @@ class GenerationResult(msgspec.Struct, kw_only=True):
         warnings: why ``valid`` is False, and keywords ignored under ``strict: false``.
         logprobs: per output token, when requested.
         top_logprobs: per output token, its position's alternatives, when requested.
-        closed_by_budget: the budget narrowed the grammar so that the output ended complete
-            within ``max_tokens``.
-        shortened: JSON pointers of the values the budget cut short (``["/tags/3", "/note"]``).
+        closed_by_budget: the budget removed, at least once, a continuation the grammar allowed, so
+            that the output ended complete within ``max_tokens``. It says the choices were narrowed,
+            not that the model would have chosen a removed token: an answer may equal the unbounded
+            one (``stencil bench budget`` reports how often).
+        shortened: JSON pointers of the values being written where the budget narrowed the choices
+            (``["/tags/3", "/note"]``).
     """
 
     id: str
@@ -551,8 +554,9 @@ class GenerationStream:
 
             shortened = shortened_paths(text, out.budget_cuts)
         if out.closed_by_budget:
-            warnings.append("the output was closed early to fit max_tokens"
-                            + (f" (shortened: {', '.join(p or '/' for p in shortened)})" if shortened else ""))
+            warnings.append("max_tokens narrowed the answer: near the end only continuations that close "
+                            "in time were allowed"
+                            + (f" (at: {', '.join(p or '/' for p in shortened)})" if shortened else ""))
         if out.guard_hits:
             from service.json_paths import shortened_paths
 
