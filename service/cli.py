@@ -244,19 +244,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return asyncio.run(_generate_once(args))
 
 
+# Benchmarks whose module is not named after the command.
+BENCHMARK_MODULES = {"maskbench": "maskbench_harness"}
+
+
+def benchmark_module(name: str) -> str:
+    """The module (``benchmarks.X``) that ``stencil bench NAME`` runs."""
+    return f"benchmarks.{BENCHMARK_MODULES.get(name, name)}"
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     name = args.name
     try:
-        module = importlib.import_module(f"benchmarks.{name}")
+        module = importlib.import_module(benchmark_module(name))
     except ModuleNotFoundError as e:
-        if e.name not in (f"benchmarks.{name}", "benchmarks"):
+        if e.name not in (benchmark_module(name), "benchmarks"):
             raise  # the benchmark exists but one of its own imports is missing: show that
         known = ", ".join(sorted(BENCHMARKS))
-        print(f"stencil bench: benchmark {name!r} is not available (no module benchmarks.{name}); "
+        print(f"stencil bench: benchmark {name!r} is not available (no module {benchmark_module(name)}); "
               f"known: {known}", file=sys.stderr)
         return 2
     if not (hasattr(module, "add_arguments") and hasattr(module, "main")):
-        print(f"stencil bench: benchmarks.{name} has no add_arguments/main", file=sys.stderr)
+        print(f"stencil bench: {benchmark_module(name)} has no add_arguments/main", file=sys.stderr)
         return 2
     parser = argparse.ArgumentParser(prog=f"stencil bench {name}",
                                      description=BENCHMARKS.get(name, module.__doc__))

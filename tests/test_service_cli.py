@@ -50,3 +50,15 @@ def test_generate_reports_bad_schema(tiny_model_dir, tmp_path, capsys):
     schema.write_text('{"type": "strin"}')
     rc = cli.main(["generate", "--model", str(tiny_model_dir), "--num-kv-blocks", "64", "--schema", str(schema), "x"])
     assert rc == 2 and "error (400)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(cli.BENCHMARKS))
+def test_every_listed_benchmark_has_its_module(name):
+    """``stencil bench --help`` lists it, so ``stencil bench NAME`` must find a module with the
+    two entry points (read from the source: importing some pulls in Ray)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(cli.benchmark_module(name))
+    assert spec is not None and spec.origin, name
+    source = open(spec.origin, encoding="utf-8").read()
+    assert "def add_arguments(" in source and "def main(" in source, name
