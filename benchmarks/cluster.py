@@ -279,7 +279,7 @@ def run_cluster(args: argparse.Namespace) -> dict:
     from ray import serve
 
     from engine.config import EngineConfig
-    from service.cluster.deploy import ClusterOptions, build_app, start_local_ray
+    from service.cluster.deploy import ClusterOptions, build_app, start_local_ray, start_serve
     from service.state import ServiceConfig
 
     tmp = Path(tempfile.mkdtemp(prefix="stb-", dir="/tmp"))  # short: Ray's socket paths have a limit
@@ -316,7 +316,7 @@ def run_cluster(args: argparse.Namespace) -> dict:
         t0 = time.monotonic()
         start_local_ray(num_cpus=max(args.replicas, os.cpu_count() or 1), temp_dir=str(tmp / "ray"))
         port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        report["serve_start_attempts"] = start_serve("127.0.0.1", port)
         url = f"http://127.0.0.1:{port}"
         report["ray_start_s"] = round(time.monotonic() - t0, 1)
         outputs: dict[str, list[str]] = {}

@@ -235,6 +235,33 @@ def start_local_ray(num_cpus: float | None = None, temp_dir: str | None = None) 
     ray.init(**kwargs)
 
 
+def start_serve(host: str, port: int, attempts: int = 3) -> int:
+    """``serve.start`` on ``host:port``, tried up to ``attempts`` times; returns the attempts used.
+
+    On a machine whose cores are busy, Serve's proxy actor was seen to die while it started
+    (``ActorDiedError`` from ``serve.start``, a fresh-clone test run under load); Serve is shut
+    down and started again after a pause. Any other error, or the last attempt's, is raised.
+    """
+    from ray import exceptions as ray_errors
+    from ray import serve
+
+    for attempt in range(1, attempts + 1):
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            return attempt
+        except (ray_errors.RayActorError, ray_errors.GetTimeoutError) as e:
+            if attempt == attempts:
+                raise
+            log.warning("Serve did not start (attempt %d of %d: %s); starting it again",
+                        attempt, attempts, type(e).__name__)
+            try:
+                serve.shutdown()
+            except Exception:  # noqa: BLE001 - nothing to shut down is fine
+                pass
+            time.sleep(2.0 * attempt)
+    return attempts
+
+
 def _drain(ingress, grace_s: float) -> None:
     """Make every ingress replica refuse new requests, then wait (at most ``grace_s``) until
     none has a request in flight. Serve's own shutdown would close the proxy's connections."""
@@ -276,7 +303,7 @@ def serve_cluster(engine_config: EngineConfig, service_config: ServiceConfig, op
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": host, "port": port})
+        start_serve(host, port)
         serve.run(build_app(engine_config, service_config, opts), name=opts.app_name, route_prefix="/",
                   blocking=False)
         log.info("serving %d replica(s) on http://%s:%d", opts.replicas, host, port)
