@@ -629,7 +629,9 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
     if spec is not None:
         t = time.perf_counter()
         compiled = await state.engine.compile_grammar(spec, grammar_backend, client)
-        state.engine.engine.check_budget(compiled, params)  # a 400 naming max_tokens
+        # a 400 naming max_tokens; off the loop: a small budget may need the closing automaton,
+        # whose build for large counted repeats takes seconds of Python
+        await asyncio.to_thread(state.engine.engine.check_budget, compiled, params)
         grammar_ms = (time.perf_counter() - t) * 1e3
         state.metrics.grammar_wait.observe(grammar_ms / 1e3)
     gen = GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms,
