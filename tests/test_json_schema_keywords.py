@@ -174,6 +174,39 @@ def test_formats_agree_with_the_format_checker(fmt, good, bad):
            [json.dumps(b) for b in bad])
 
 
+def test_regex_format_is_a_subset_of_compilable_patterns():
+    good = ["^[a-zA-Z0-9_]{3,16}$", "", "(a|b)*?c{1,20}\\d+", "^(?:[a-z0-9._%+-]+)@x\\.com$",
+            "[^-]", "x{0,100}|y{7,}", "\\bword\\b", "((a))"]
+    bad = ["*", "\\", "Invalid regex pattern [", "a{3,2}", "[z-a]", "\\b*", "a**", "(a", "[]"]
+    regex = _check({"type": "string", "format": "regex"}, [json.dumps(g) for g in good],
+                   [json.dumps(b) for b in bad])
+    for text in bad:
+        with pytest.raises(re.error):
+            re.compile(text)
+    # Every string of the language compiles (hypothesis walks the regex itself).
+    from hypothesis import HealthCheck, given, settings, strategies as st
+    from grammar.json_schema.formats import format_pattern
+
+    @settings(max_examples=400, deadline=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(st.from_regex(re.compile("(?:" + format_pattern("regex") + ")"), fullmatch=True))
+    def compiles(pattern):
+        re.compile(pattern)
+        assert re.fullmatch(regex, json.dumps(pattern, ensure_ascii=False))
+
+    compiles()
+
+
+def test_integral_float_counts_are_counts():
+    # Draft 6 on: "maxLength": 2.0 is the integer 2 (it used to reach the regex as "{0,2.0}").
+    _check({"type": "string", "maxLength": 2.0, "minLength": 1.0}, ['"a"', '"ab"'], ['""', '"abc"'])
+    _check({"type": "array", "maxItems": 1.0}, ["[]", "[1]"], ["[1,2]"])
+    from grammar.frontend import to_program
+    from grammar.base import GrammarSpec
+    program = to_program(GrammarSpec.json_schema({"type": "string", "maxLength": 2.0}))
+    assert "2.0" not in program.lark()
+
+
 def test_integer_ranges_exact():
     regex = _check({"type": "integer", "minimum": -15, "maximum": 230}, [], [])
     for v in range(-40, 300):
@@ -286,6 +319,25 @@ def test_refs_local_pointer_defs_and_recursion():
             "required": ["x"]}, ['{"x":true}'], ['{"x":1}'])
     with pytest.raises(GrammarError) as e:
         schema_to_regex({"$ref": "https://example.com/schema.json"})
+    assert e.value.keyword == "$ref"
+
+
+def test_the_identifier_keyword_is_the_drafts_own():
+    # 2020-12 (no $schema): "id" is no keyword, so "#/..." still points into the root document.
+    app = {"id": "schema/app", "definitions": {"flag": {"type": "boolean"}},
+           "properties": {"on": {"$ref": "#/definitions/app/definitions/flag"}}, "required": ["on"]}
+    _check({"definitions": {"app": app}, "properties": {"app": {"$ref": "#/definitions/app"}},
+            "required": ["app"]}, ['{"app":{"on":true}}'], ['{"app":{"on":1}}'])
+    # draft-04: "id" sets the base URI and "$id" is no keyword.
+    four = "http://json-schema.org/draft-04/schema#"
+    _check({"$schema": four, "id": "http://x.test/root.json",
+            "definitions": {"n": {"id": "n.json", "type": "integer"}},
+            "properties": {"v": {"$ref": "n.json"}}, "required": ["v"]}, ['{"v":3}'], ['{"v":"3"}'])
+    _check({"$schema": four, "definitions": {"n": {"$id": "/definitions/n", "type": "integer"}},
+            "properties": {"v": {"$ref": "#/definitions/n"}}, "required": ["v"]}, ['{"v":3}'], ['{"v":"3"}'])
+    with pytest.raises(GrammarError) as e:  # under draft-04, "$id" names no resource
+        schema_to_regex({"$schema": four, "definitions": {"n": {"$id": "n.json", "type": "integer"}},
+                         "properties": {"v": {"$ref": "n.json"}}})
     assert e.value.keyword == "$ref"
 
 

@@ -114,8 +114,9 @@ class SchemaCompiler:
     ws: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.resolver = RefResolver(self.root)
         cls = validators.validator_for(self.root, default=jsonschema.Draft202012Validator)
+        ancient = cls in (jsonschema.Draft3Validator, jsonschema.Draft4Validator)
+        self.resolver = RefResolver(self.root, id_keyword="id" if ancient else "$id")
         self.validator = cls(self.root if isinstance(self.root, (dict, bool)) else {},
                              format_checker=cls.FORMAT_CHECKER)
         dialect = self.root.get("$schema", "") if isinstance(self.root, dict) else ""
@@ -741,9 +742,19 @@ def _bounds(s: dict) -> tuple[Decimal | None, bool, Decimal | None, bool]:
     return lo, lo_x, hi, hi_x
 
 
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+           "minContains", "maxContains")
+
+
 def _normalize(schema: dict) -> dict:
-    """Rewrite draft-04 boolean ``exclusiveMinimum``/``exclusiveMaximum`` into the numeric form."""
+    """Rewrite draft-04 boolean ``exclusiveMinimum``/``exclusiveMaximum`` into the numeric form,
+    and integral floats of the count keywords (``"maxLength": 2.0``, valid since draft 6) as ints."""
     out = schema
+    for key in _COUNTS:
+        v = out.get(key)
+        if isinstance(v, float) and v.is_integer():
+            out = dict(out) if out is schema else out
+            out[key] = int(v)
     for ex, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
         if isinstance(out.get(ex), bool):
             out = dict(out)

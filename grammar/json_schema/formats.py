@@ -14,6 +14,14 @@ accepts (jsonschema 4.x with its format extras installed), usually a canonical s
 - uri / uri-reference / iri / iri-reference: RFC 3986 §3 ``scheme ":" hier-part`` with
   registered-name hosts (and relative references for the ``-reference`` kinds).
 - json-pointer: RFC 6901.
+- regex: a regular subset of the patterns ``re.compile`` accepts (the checker's test), in syntax
+  ECMA-262 reads too: literals, escapes of a class (``\\d``, ``\\w``, ``\\s`` and their negations) or
+  of punctuation, ``.``, character classes whose ranges start at the first letter or digit or end
+  at the last (``[a-fA-Z0-9_]``, ``[x-z1-9]``), groups ``(...)`` / ``(?:...)`` nested at most two
+  deep, alternation, the quantifiers ``* + ?``, ``{n}``, ``{n,}`` and ``{n,m}`` (at most three
+  digits, n ≤ m shown by form: n 0 or 1, or of fewer digits than m) with an optional lazy ``?``,
+  and the unquantified anchors ``^ $ \\b \\B``. No named groups, lookaround or backreferences.
+  Kept small, since its automaton is part of every mask computed inside such a string.
 
 Formats that the checker does not know are annotations and constrain nothing (``None`` from
 ``format_pattern`` means "unconstrained"); formats it knows but we do not cover raise
@@ -85,14 +93,37 @@ _RELATIVE = (f"(?://{_AUTHORITY}(?:/{_SEGMENT})*|/(?:{_SEGMENT_NZ}(?:/{_SEGMENT}
 URI_REFERENCE = f"(?:{URI}|{_RELATIVE})"
 JSON_POINTER = "(?:/(?:[^~/]|~[01])*)*"
 
+
+def _regex_format(depth: int = 2) -> str:
+    lit = "[^\\\\^$.|?*+()\\[\\]{}]"
+    esc = "\\\\(?:[dDwWsSntrfv]|[\\\\^$.|?*+()\\[\\]{}/-])"
+    # Ordered ranges without enumerating pairs: from the first symbol of a run ("a-f", "0-7")
+    # or to its last ("x-z", "1-9").
+    ranges = "a-[a-z]|[a-z]-z|A-[A-Z]|[A-Z]-Z|0-[0-9]|1-[1-9]|[0-9]-9"
+    item = f"(?:[^\\\\\\[\\]^-]|{esc}|{ranges})"  # "^" only escaped: "[^]" is no class
+    cls = f"\\[\\^?(?:-|-?{item}*(?:{item}|-))\\]"
+    # {n}, {n,}, and {n,m} with n <= m: n of one digit and m of two or three, n of two and
+    # m of three, n = 0, or n = 1 and m >= 1.
+    bounded = "[0-9],[1-9][0-9]{1,2}|[1-9][0-9],[1-9][0-9]{2}|0,[0-9]{1,3}|1,[1-9][0-9]{0,2}"
+    quant = f"(?:(?:[*+?]|\\{{(?:[0-9]{{1,3}},?|{bounded})\\}})\\??)"
+    anchor = "[$^]|\\\\[bB]"
+    # A sequence of quantified atoms, anchors and bars: "a||b", "|a" and "" all compile, so the
+    # alternation needs no structure of its own and the text grows linearly with the depth.
+    body = ""
+    for _ in range(depth + 1):
+        group = f"|\\((?:\\?:)?{body}\\)" if body else ""
+        atom = f"(?:{lit}|{esc}|\\.|{cls}{group})"
+        body = f"(?:{atom}{quant}?|{anchor}|\\|)*"
+    return body
+
 _PATTERNS = {
     "date": DATE, "time": TIME, "date-time": DATE_TIME, "uuid": UUID, "ipv4": IPV4,
     "ipv6": IPV6, "hostname": HOSTNAME, "email": EMAIL, "idn-email": EMAIL, "uri": URI,
     "iri": URI, "uri-reference": URI_REFERENCE, "iri-reference": URI_REFERENCE,
-    "json-pointer": JSON_POINTER,
+    "json-pointer": JSON_POINTER, "regex": _regex_format(),
 }
 # Known to jsonschema's 2020-12 format checker but not covered here: fail closed.
-_CHECKED_UNSUPPORTED = {"duration", "idn-hostname", "regex", "relative-json-pointer",
+_CHECKED_UNSUPPORTED = {"duration", "idn-hostname", "relative-json-pointer",
                         "uri-template"}
 
 

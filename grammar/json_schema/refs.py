@@ -1,7 +1,9 @@
 """Local ``$ref`` resolution inside one schema document (never fetches anything).
 
 Follows JSON Schema 2020-12 core §8.2 (``$id`` sets a base URI, ``$anchor`` / draft-04..07
-fragment ids name a subschema) and RFC 6901 JSON pointers in the fragment. Any reference
+fragment ids name a subschema) and RFC 6901 JSON pointers in the fragment. The identifier keyword
+is the draft's own, as ``jsonschema`` reads it: ``id`` under draft-03/04, ``$id`` under draft-06
+and later and when ``$schema`` is absent (2020-12); the other spelling is an unknown keyword. Any reference
 whose target document is not the schema itself (or one of its embedded ``$id`` resources)
 is "remote" and raises ``GrammarError`` with keyword ``$ref``.
 """
@@ -37,6 +39,7 @@ class RefResolver:
     """Index of the ``$id``s and anchors of one root schema."""
 
     root: object
+    id_keyword: str = "$id"  # "id" for draft-03/04 roots, where "$id" is no keyword
     resources: dict[str, Target] = field(default_factory=dict)
     anchors: dict[tuple[str, str], Target] = field(default_factory=dict)
     bases: dict[int, str] = field(default_factory=dict)  # id(subschema) -> its base URI
@@ -49,7 +52,7 @@ class RefResolver:
     def _walk(self, node: object, base: str, pointer: str) -> None:
         if not isinstance(node, dict):
             return
-        ident = node.get("$id", node.get("id") if not isinstance(node.get("id"), dict) else None)
+        ident = node.get(self.id_keyword)
         if isinstance(ident, str):
             if ident.startswith("#") and len(ident) > 1:
                 self.anchors[(base, ident[1:])] = Target(node, base, pointer)
