@@ -151,46 +151,50 @@ class LLMEngine:
         """
         n = len(prompt_token_ids)
         if n == 0:
-            raise EngineError("prompt is empty: at least one token is needed")
+            raise EngineError("prompt is empty: at least one token is needed", field="prompt")
         if n >= self.max_model_len:
-            raise EngineError(f"prompt has {n} tokens; this model allows at most {self.max_model_len - 1} "
-                              f"(max_model_len {self.max_model_len} includes at least one output token)")
+            raise EngineError(f"the prompt has {n} tokens; this model allows at most {self.max_model_len - 1} "
+                              f"(max_model_len {self.max_model_len} includes at least one output token)",
+                              field="prompt")
         if -(-(n + 1) // self.config.block_size) > self.kv.num_blocks:
-            raise EngineError(f"prompt of {n} tokens does not fit in the KV cache "
-                              f"({self.kv.num_blocks} blocks of {self.config.block_size} tokens)")
+            raise EngineError(f"the prompt of {n} tokens does not fit in the KV cache "
+                              f"({self.kv.num_blocks} blocks of {self.config.block_size} tokens)", field="prompt")
         if params.max_tokens < 1:
-            raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}")
+            raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}", field="max_tokens")
         if not 0 <= params.temperature <= MAX_TEMPERATURE:
             # Above float32's range the sampler divides -inf (masked) logits by inf: NaN, and
             # torch.multinomial would take the whole engine loop down with it.
-            raise EngineError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {params.temperature}")
+            raise EngineError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {params.temperature}",
+                              field="temperature")
         if not 0 < params.top_p <= 1:
-            raise EngineError(f"top_p must be in (0, 1], got {params.top_p}")
+            raise EngineError(f"top_p must be in (0, 1], got {params.top_p}", field="top_p")
         if params.top_k < 0:
-            raise EngineError(f"top_k must be >= 0, got {params.top_k}")
+            raise EngineError(f"top_k must be >= 0, got {params.top_k}", field="top_k")
         try:
             check_logits_params(params, self.runner.vocab_size)
         except LogitsParamError as e:
-            raise EngineError(str(e)) from None
+            raise EngineError(str(e), field=e.field) from None
         if admission and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are waiting "
                                    f"(limit {self.config.max_waiting})")
         limits = params.soft_limits
         if limits is not None and not isinstance(limits, (bool, dict)):
-            raise EngineError("soft_limits must be an object or false")
+            raise EngineError("soft_limits must be an object or false", field="soft_limits")
         if isinstance(limits, dict):
             from grammar.budget import SoftLimits
 
             known = set(SoftLimits.__dataclass_fields__)
             for k, v in limits.items():
                 if k not in known:
-                    raise EngineError(f"soft_limits.{k} is not a field; known: {sorted(known)}")
+                    raise EngineError(f"soft_limits.{k} is not a field; known: {sorted(known)}",
+                                      field=f"soft_limits.{k}")
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise EngineError(f"soft_limits.{k} must be an integer >= 1, got {v!r}")
+                    raise EngineError(f"soft_limits.{k} must be an integer >= 1, got {v!r}",
+                                      field=f"soft_limits.{k}")
         try:
             return SpecConfig.from_dict(params.speculative) if params.speculative is not None else self.default_spec
         except (ValueError, TypeError) as e:
-            raise EngineError(str(e)) from None
+            raise EngineError(str(e), field=getattr(e, "field", "speculative")) from None
 
     def check_budget(self, grammar, params: SamplingParams) -> None:
         """Refuse a constrained request whose ``max_tokens`` cannot hold the shortest output.

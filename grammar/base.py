@@ -27,11 +27,15 @@ class GrammarError(ValueError):
         path: JSON pointer of the offending subschema (``"#/properties/age"``) or ``None``.
         position: character offset in a regex, or ``None``.
         line, column: 1-based place of the fault in a Lark grammar, or ``None``.
+        field: the request field the constraint came from (``"regex"``), when the caller knows
+            it (the service sets it; the compiler never does), else ``None``.
     """
 
     def __init__(self, message: str, *, keyword: str | None = None, path: str | None = None,
-                 position: int | None = None, line: int | None = None, column: int | None = None):
+                 position: int | None = None, line: int | None = None, column: int | None = None,
+                 field: str | None = None):
         self.message = message
+        self.field = field
         self.keyword = keyword
         self.path = path
         self.position = position
@@ -47,11 +51,11 @@ class GrammarError(ValueError):
         super().__init__(" ".join(parts) if len(parts) == 1 else f"{parts[0]} ({', '.join(parts[1:])})")
 
 
-    def copy(self) -> "GrammarError":
-        """A fresh exception with the same fields (one instance raised in many threads would
-        accumulate their tracebacks)."""
+    def copy(self, *, field: str | None = None) -> "GrammarError":
+        """A fresh exception with the same fields, ``field`` replaced when given (one instance
+        raised in many threads would accumulate their tracebacks)."""
         return type(self)(self.message, keyword=self.keyword, path=self.path, position=self.position,
-                          line=self.line, column=self.column)
+                          line=self.line, column=self.column, field=field if field is not None else self.field)
 
 
 class GrammarTimeout(GrammarError):

@@ -122,8 +122,8 @@ class ChatCompletionRequest(Struct, forbid_unknown_fields=True):
     """Body of ``POST /v1/chat/completions``.
 
     ``max_completion_tokens`` (current name) wins over ``max_tokens`` (deprecated name) when both
-    are given. ``temperature`` defaults to 1.0 as in OpenAI's API. ``logit_bias`` maps token ids
-    (as strings) to -100..100. The fields after ``user`` are in the reference but not served
+    are given. ``temperature`` defaults to 1.0 and takes 0..2, as in OpenAI's API. ``logit_bias``
+    maps token ids (as strings) to -100..100. The fields after ``user`` are in the reference but not served
     (see ``service.openai_fields``).
     """
 

@@ -87,7 +87,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True):
 
     Served: ``input`` (a string, or message / function_call / function_call_output items),
     ``instructions`` (a system message first), ``max_output_tokens``, ``temperature`` (default
-    1), ``top_p``, ``text.format``, function ``tools`` with ``tool_choice``,
+    1, 0..2), ``top_p``, ``text.format``, function ``tools`` with ``tool_choice``,
     ``parallel_tool_calls`` and ``max_tool_calls``, ``stream``, ``top_logprobs`` with ``include:
     ["message.output_text.logprobs"]``, ``metadata`` (echoed), ``user`` / ``safety_identifier``
     / ``prompt_cache_key`` (echoed; the prefix cache needs no key). Stencil extensions: ``seed``,

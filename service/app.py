@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -38,12 +37,12 @@ from schemas.common import Problem
 from schemas.generate import (GenerateRequest, GenerateResponse, HealthResponse, StreamDelta, StreamError,
                               StreamFinal)
 from service import generation
-from service.errors import ServiceError, Unauthorized, to_problem
+from service.errors import ServiceError, Unauthorized, log_refused, named_as, to_problem
 from service.metrics import Metrics
 from service.openapi_docs import StreamableOperation, error_responses
 from service.state import ServiceConfig, ServiceState
 from service.validation import OutputChecker
-from service.wire import strict_body
+from service.wire import invalid_field, strict_body
 
 log = logging.getLogger("stencil.app")
 
@@ -96,6 +95,8 @@ def _problem_response(request: Request, exc: Exception) -> Response:
     if problem.status >= 500:
         log.error("request failed with %d: %s", problem.status, exc, exc_info=problem.status == 500,
                   extra={"request_id": rid})
+    elif problem.status >= 400:
+        log_refused(request.method, request.url.path, problem.status, problem.field, problem.detail or "", rid)
     return Response(content=problem, status_code=problem.status, media_type=PROBLEM_JSON,
                     headers={**headers, "X-Request-Id": rid})
 
@@ -119,14 +120,9 @@ def _validation_problem(exc: ValidationException) -> Problem:
         return Problem(title="Unprocessable Content", status=422, detail=text)
     if len(items) == 1 and items[0].get("message") == "'data'":  # Litestar found no body to decode
         return Problem(title="Bad Request", status=400, detail="the body is empty: send a JSON object")
-    fields = [str(e["key"]) for e in items if e.get("key") and e.get("key") != "data"]
     messages = [f"{e['key']}: {e.get('message')}" if e.get("key") and e.get("key") != "data" else str(e.get("message"))
                 for e in items]
-    field = fields[0] if fields else None
-    unknown = re.search(r"unknown field `([^`]*)`", messages[0])
-    if unknown:
-        field = unknown.group(1) if field is None else f"{field}.{unknown.group(1)}"
-    return Problem(title="Unprocessable Content", status=422, detail="; ".join(messages), field=field)
+    return Problem(title="Unprocessable Content", status=422, detail="; ".join(messages), field=invalid_field(items))
 
 
 # -- auth and metrics middleware -------------------------------------------------------------------
@@ -236,9 +232,10 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
     spec = await generation.checked_grammar_spec(service, response_schema=data.response_schema, regex=data.regex,
                                                  choice=data.choice, whitespace=data.whitespace, strict=data.strict,
                                                  grammar=data.grammar.lark if data.grammar is not None else None)
-    gen = await generation.start(service, prompt_ids, params, spec, rid, arrival, data.grammar_backend,
-                                 generation.client_id(request.headers, request.client), receive=request.receive,
-                                 queue_timeout_s=data.queue_timeout)
+    with named_as({"prompt": "messages"} if messages is not None else {}):  # the engine says "prompt"
+        gen = await generation.start(service, prompt_ids, params, spec, rid, arrival, data.grammar_backend,
+                                     generation.client_id(request.headers, request.client), receive=request.receive,
+                                     queue_timeout_s=data.queue_timeout)
     if data.stream:
         # The content-type header is explicit: for streams Litestar prefers the route's JSON media type.
         headers = {"cache-control": "no-cache", "content-type": "text/event-stream; charset=utf-8"}

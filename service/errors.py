@@ -3,17 +3,25 @@
 Handlers raise; they never build error responses themselves. ``to_problem`` maps an exception
 from the service, the grammar compiler or the engine to ``(Problem, headers)`` so that the
 ``/generate`` handlers (problem-details JSON) and the OpenAI-compatible routes (OpenAI's error
-shape) report the same status and message for the same fault.
+shape) report the same status and message for the same fault. ``named_as`` makes an error name
+the field as the request spelled it; ``log_refused`` writes the one log line of a refused request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from engine.async_engine import EngineDeadError
 from engine.llm_engine import EngineError, EngineOverloaded
 from grammar.base import GrammarError, GrammarTimeout
 from schemas.common import Problem
+
+log = logging.getLogger("stencil.errors")
+_LOGGED_MESSAGE_CHARS = 200
 
 
 class ServiceError(Exception):
@@ -125,11 +133,11 @@ def to_problem(exc: BaseException, request_id: str | None = None,
                     keyword=exc.keyword, path=exc.path, position=exc.position)
     elif isinstance(exc, GrammarTimeout):
         p = Problem(title="Bad Request", status=400, detail=f"grammar compile timed out: {exc}",
-                    keyword=exc.keyword, path=exc.path, position=exc.position)
+                    keyword=exc.keyword, path=exc.path, position=exc.position, field=exc.field)
     elif isinstance(exc, GrammarError):
         p = Problem(title="Bad Request", status=400, detail=str(exc), keyword=exc.keyword,
                     path=exc.path, position=exc.position, line=exc.line, column=exc.column,
-                    field="grammar" if exc.line is not None else None)
+                    field=exc.field or ("grammar" if exc.line is not None else None))
     elif isinstance(exc, EngineOverloaded):
         headers["Retry-After"] = str(retry_after)
         p = Problem(title="Too Many Requests", status=429, detail=str(exc))
@@ -151,3 +159,43 @@ def to_problem(exc: BaseException, request_id: str | None = None,
                     detail=f"internal error; see the server log for request {request_id}")
     p.request_id = request_id
     return p, headers
+
+
+@contextmanager
+def named_as(names: dict[str, str]) -> Iterator[None]:
+    """Errors raised inside name the request's own fields rather than the generation core's.
+
+    The core speaks of ``prompt``, ``max_tokens`` and ``response_schema``; a chat request sent
+    ``messages`` and ``max_completion_tokens``, a Responses request ``input`` and ``text.format``.
+
+    Args:
+        names: core field → the request's field.
+
+    Raises:
+        InputError: for an ``InputError`` or ``EngineError`` whose ``field`` is a key of
+            ``names``: the same fault naming the request's field, in ``field`` and where the
+            message begins with the core's name ("max_tokens is 10^9; ..." → "max_completion_tokens
+            is 10^9; ..."). Every other exception passes unchanged.
+    """
+    try:
+        yield
+    except (InputError, EngineError) as e:
+        new = names.get(e.field or "")
+        if new is None:
+            raise
+        message = e.detail if isinstance(e, InputError) else str(e)
+        message = re.sub(rf"^{re.escape(e.field)}\b(?![.\[])", lambda _: new, message)
+        raise InputError(message, field=new, keyword=getattr(e, "keyword", None), path=getattr(e, "path", None),
+                         position=getattr(e, "position", None)) from None
+
+
+def log_refused(method: str, path: str, status: int, field: str | None, message: str,
+                request_id: str | None) -> None:
+    """One INFO line for a request answered with a 4xx: method, path, status, field and the
+    message (each cut at 200 characters: both may quote the client); never the body."""
+    log.info("refused %s %s with %d%s: %s", method, path, status, f" ({_cut(field)})" if field else "",
+             _cut(message), extra={"request_id": request_id})
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= _LOGGED_MESSAGE_CHARS else text[:_LOGGED_MESSAGE_CHARS - 3] + "..."

@@ -35,7 +35,7 @@ import msgspec
 
 from engine.logits_process import LogitsParamError, check_logits_params
 from engine.request import SamplingParams
-from grammar.base import GrammarSpec
+from grammar.base import GrammarError, GrammarSpec
 from schemas.common import Timings, Usage
 from service.errors import (ClientDisconnected, GenerationFailed, GenerationTimeout, InputError, QueueTimeout,
                             Unavailable)
@@ -50,6 +50,8 @@ _THREAD_TOKENIZE_CHARS = 16_384
 # Parsing and validating an output of this many characters or more (json + jsonschema, pure
 # Python for the schema) moves to a worker thread too.
 _THREAD_CHECK_CHARS = 16_384
+# The ``/generate`` field each kind of constraint comes from, for a ``GrammarError`` to name.
+_SPEC_FIELDS = {"json_schema": "response_schema", "regex": "regex", "choice": "choice", "lark": "grammar"}
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -614,8 +616,9 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
     Raises:
         Unavailable: the service is draining or the engine is dead.
         EngineError / EngineOverloaded: the engine refuses the request (too long prompt, full
-            waiting queue).
-        GrammarError: the constraint cannot be compiled exactly (or compiling timed out).
+            waiting queue); ``field`` names the core field (``prompt``, ``max_tokens``, ...).
+        GrammarError: the constraint cannot be compiled exactly (or compiling timed out); its
+            ``field`` names the ``/generate`` field of the constraint (``regex``, ...).
         QueueTimeout / ClientDisconnected: see ``GenerationStream.wait_started``.
     """
     arrival = time.perf_counter() if arrival is None else arrival
@@ -626,17 +629,22 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
     # Refuse early (cheap) so a doomed request does not pay for a grammar compile.
     state.engine.engine.check_request(prompt_ids, params)
     compiled, grammar_ms = None, 0.0
-    if spec is not None:
-        t = time.perf_counter()
-        compiled = await state.engine.compile_grammar(spec, grammar_backend, client)
-        # a 400 naming max_tokens; off the loop: a small budget may need the closing automaton,
-        # whose build for large counted repeats takes seconds of Python
-        await asyncio.to_thread(state.engine.engine.check_budget, compiled, params)
-        grammar_ms = (time.perf_counter() - t) * 1e3
-        state.metrics.grammar_wait.observe(grammar_ms / 1e3)
-    gen = GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms,
-                           queue_timeout_s)
-    await gen.open()
+    try:
+        if spec is not None:
+            t = time.perf_counter()
+            compiled = await state.engine.compile_grammar(spec, grammar_backend, client)
+            # a 400 naming max_tokens; off the loop: a small budget may need the closing automaton,
+            # whose build for large counted repeats takes seconds of Python
+            await asyncio.to_thread(state.engine.engine.check_budget, compiled, params)
+            grammar_ms = (time.perf_counter() - t) * 1e3
+            state.metrics.grammar_wait.observe(grammar_ms / 1e3)
+        gen = GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms,
+                               queue_timeout_s)
+        await gen.open()  # on a cluster, the replica's compile and checks: their errors too
+    except GrammarError as e:
+        if e.field is not None or spec is None:
+            raise
+        raise e.copy(field=_SPEC_FIELDS.get(spec.kind)) from None
     if wait:
         await gen.wait_started(receive)
     return gen

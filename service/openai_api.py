@@ -14,9 +14,11 @@ jsonschema and say so in each choice's ``valid``; ``strict: true`` refuses such 
 400 (``POST /generate`` keeps that fail-closed default). Tools: see ``service/tools.py``;
 streamed calls arrive as OpenAI's deltas, the name first, then the arguments as they are
 written. ``n`` choices are independent requests with seeds ``seed, seed+1, ...``. Streams are
-server-sent events ending ``data: [DONE]``. ``temperature`` defaults to 1 here (``POST
-/generate`` defaults to greedy). ``logit_bias``, ``presence_penalty``, ``frequency_penalty`` and
-the ``repetition_penalty`` extension are applied with the grammar mask
+server-sent events ending ``data: [DONE]``. ``temperature`` defaults to 1 here and takes
+OpenAI's 0..2 (``POST /generate`` defaults to greedy and takes up to 1e6). Errors name the
+fields as the request sent them (``max_completion_tokens``, ``messages``; ``errors.named_as``).
+``logit_bias``, ``presence_penalty``, ``frequency_penalty`` and the ``repetition_penalty``
+extension are applied with the grammar mask
 (``engine.logits_process``); logprobs are those of the distribution tokens are drawn from
 (masked, penalized, biased, temperature 1). Legacy ``logprobs`` with ``echo`` cover the
 generated tokens only.
@@ -42,18 +44,18 @@ from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 
 from schemas.openai import (
-    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChoiceDelta,
+    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, ChoiceDelta,
     ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    ErrorResponse, FunctionCall, FunctionCallDelta, Model, ModelList, ResponseFormat, ToolCall, ToolCallDelta,
-    ToolChoiceFunction, Usage,
+    ErrorResponse, FunctionCall, FunctionCallDelta, Model, ModelList, ResponseFormat, StructuredOutputs, ToolCall,
+    ToolCallDelta, ToolChoiceFunction, Usage,
 )
 from service import generation as gen
-from service.errors import InputError, Unavailable
+from service.errors import InputError, Unavailable, named_as
 from service.openai_common import (
     GENERATION_ERRORS, SSE_HEADERS, Constraint, check_model, constraint, error_fields, grammar_field, logit_bias_ids,
     merged,
-    openai_exception_handler, refuse_unserved, relaxed, run_all, sse, start_all, token_bytes, token_logprobs,
-    token_text, verdict, vocab_size, warnings_header,
+    openai_exception_handler, openai_temperature, refuse_unserved, relaxed, run_all, sse, start_all, token_bytes,
+    token_logprobs, token_text, verdict, vocab_size, warnings_header,
 )
 from service.openapi_docs import StreamableOperation, error_responses
 from service.state import ServiceState
@@ -97,6 +99,24 @@ def format_schema(fmt: ResponseFormat | None) -> tuple[Any, bool]:
     if fmt.json_schema is None or fmt.json_schema.schema is None:
         raise InputError("response_format of type 'json_schema' needs json_schema.schema", field="response_format")
     return fmt.json_schema.schema, fmt.json_schema.strict is True
+
+
+def check_contents(messages: list[ChatMessage]) -> None:
+    """Every message has ``content``, except an assistant message with ``tool_calls`` (OpenAI's rule).
+
+    Raises:
+        InputError: naming ``messages[i].content`` of the first message without it.
+    """
+    for i, m in enumerate(messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise InputError(f"messages[{i}].content is required (only an assistant message with tool_calls "
+                             "may omit it)", field=f"messages[{i}].content")
+
+
+def chat_names(data: ChatCompletionRequest) -> dict[str, str]:
+    """The chat request's names of the generation core's fields, for its errors (``named_as``)."""
+    return {"prompt": "messages", "response_schema": "response_format",
+            "max_tokens": "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"}
 
 
 def _check_common(n: int, stream: bool, stream_options: Any) -> None:
@@ -183,6 +203,7 @@ class _ChatJob:
 async def _prepare_chat(svc: ServiceState, data: ChatCompletionRequest) -> _ChatJob:
     model = check_model(svc, data.model)
     refuse_unserved(data, UNSERVED_CHAT)
+    check_contents(data.messages)
     n = 1 if data.n is None else data.n
     _check_common(n, bool(data.stream), data.stream_options)
     if data.top_logprobs and not data.logprobs:
@@ -197,8 +218,7 @@ async def _prepare_chat(svc: ServiceState, data: ChatCompletionRequest) -> _Chat
         if data.structured_outputs is not None else await constraint(svc, *format_schema(data.response_format), plan)
     max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
     bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
-    params = [gen.sampling_params(svc.config, max_tokens=max_tokens,
-                                  temperature=1.0 if data.temperature is None else data.temperature,
+    params = [gen.sampling_params(svc.config, max_tokens=max_tokens, temperature=openai_temperature(data.temperature),
                                   top_p=1.0 if data.top_p is None else data.top_p, top_k=data.top_k or 0, seed=s,
                                   stop=data.stop, logprobs=bool(data.logprobs),
                                   top_logprobs=data.top_logprobs or 0 if data.logprobs else 0, logit_bias=bias,
@@ -209,6 +229,15 @@ async def _prepare_chat(svc: ServiceState, data: ChatCompletionRequest) -> _Chat
                                   soft_limits=data.soft_limits)
               for s in _seeds(data.seed, n)]
     return _ChatJob(model, c, prompt_ids, params)
+
+
+def _format_field(so: StructuredOutputs | None) -> str:
+    """Where the request holds its constraint, for the errors of compiling it: the key of
+    ``structured_outputs`` given (``structured_outputs.regex``), else ``response_format``."""
+    if so is None:
+        return "response_format"
+    given = [k for k in ("json", "regex", "choice", "grammar") if getattr(so, k) is not None]
+    return f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
 
 
 async def _structured_outputs(svc: ServiceState, so, response_format, plan) -> Constraint:
@@ -225,7 +254,9 @@ async def _structured_outputs(svc: ServiceState, so, response_format, plan) -> C
     if len(given) != 1:
         raise InputError("structured_outputs takes exactly one of json, regex, choice and grammar",
                          field="structured_outputs")
-    with grammar_field("structured_outputs"):
+    names = {"response_schema": "structured_outputs.json", "regex": "structured_outputs.regex",
+             "choice": "structured_outputs.choice", "grammar": "structured_outputs.grammar"}
+    with grammar_field(_format_field(so)), named_as(names):
         spec = await gen.checked_grammar_spec(svc, response_schema=so.json, regex=so.regex, choice=so.choice,
                                               grammar=so.grammar)
     return Constraint(spec, so.json, plan if plan is not None else ToolPlan("none", (), False))
@@ -342,12 +373,17 @@ async def _chat_events(svc: ServiceState, job: _ChatJob, streams: list[gen.Gener
                                    "events with `\"stream\": true`"), **GENERATION_ERRORS},
       operation_class=StreamableOperation, guards=[strict_body(ChatCompletionRequest)])
 async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, request: Request) -> Any:
-    """Create a chat completion (OpenAI ``POST /v1/chat/completions``), whole or streamed."""
-    job = await _prepare_chat(svc, data)
+    """Create a chat completion (OpenAI ``POST /v1/chat/completions``), whole or streamed.
+
+    Raises (answered in OpenAI's error shape, ``param`` naming the field as sent): the errors of
+    ``service.generation`` and ``service.tools``; ``InputError`` for a message without content.
+    """
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    _log_identity(rid, data)
-    streams = await start_all(svc, [(job.prompt_ids, p) for p in job.params], job.constraint.spec, rid,
-                              receive=request.receive)
+    with named_as(chat_names(data)):
+        job = await _prepare_chat(svc, data)
+        _log_identity(rid, data)
+        streams = await start_all(svc, [(job.prompt_ids, p) for p in job.params], job.constraint.spec, rid,
+                                  _format_field(data.structured_outputs), receive=request.receive)
     relaxed_warnings = relaxed(job.constraint, streams[0])
     headers = warnings_header(relaxed_warnings)
     if data.stream:
@@ -441,7 +477,8 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
         raise InputError("best_of is not supported (only 1); ask n choices instead", field="best_of")
     groups = _prompts(svc, data.prompt)
     schema, strict = format_schema(data.response_format)
-    spec = await gen.checked_grammar_spec(svc, response_schema=schema, strict=strict)
+    with named_as({"response_schema": "response_format"}):
+        spec = await gen.checked_grammar_spec(svc, response_schema=schema, strict=strict)
     if data.structured_outputs is not None:
         c = await _structured_outputs(svc, data.structured_outputs, data.response_format, None)
         spec, schema = c.spec, c.schema
@@ -449,7 +486,7 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
     bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
     params = [gen.sampling_params(svc.config, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None
                                   else data.max_tokens,
-                                  temperature=1.0 if data.temperature is None else data.temperature,
+                                  temperature=openai_temperature(data.temperature),
                                   top_p=1.0 if data.top_p is None else data.top_p, top_k=data.top_k or 0,
                                   seed=s, stop=data.stop, logprobs=want_logprobs, top_logprobs=data.logprobs or 0,
                                   logit_bias=bias, presence_penalty=data.presence_penalty or 0.0,
@@ -464,7 +501,7 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
     _log_identity(rid, data)
     jobs = [(ids, p) for ids in prompt_ids for p in params]
     counts = [len(ids) for ids in prompt_ids]
-    streams = await start_all(svc, jobs, spec, rid, receive=request.receive)
+    streams = await start_all(svc, jobs, spec, rid, _format_field(data.structured_outputs), receive=request.receive)
     relaxed_warnings = [str(w) for w in (getattr(streams[0].compiled, "warnings", None) or ())]
     headers = warnings_header(relaxed_warnings)
     echo = bool(data.echo)

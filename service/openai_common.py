@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,16 +19,20 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
 from grammar.base import GrammarError, GrammarSpec
 from schemas.openai import ErrorBody, ErrorResponse, FunctionDefinition, TokenLogprob, TopLogprob
 from service import generation as gen
 from service.openapi_docs import error_responses
-from service.errors import ClientDisconnected, GenerationFailed, InputError, ServiceError, to_problem
+from service.errors import ClientDisconnected, GenerationFailed, InputError, ServiceError, log_refused, named_as, \
+    to_problem
 from service.state import ServiceState
 from service.tool_parser import ParsedCall, parse_answer
 from service.tools import ToolError, ToolPlan, arguments_schema, is_strict, tool_regex
+from service.wire import invalid_field
+
+log = logging.getLogger("stencil.openai")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -41,6 +45,7 @@ WARNINGS_HEADER = "X-Stencil-Warnings"
 GENERATION_ERRORS = error_responses(ErrorResponse, "application/json",
                                     (400, 401, 404, 413, 415, 429, 500, 503, 504))
 _MAX_HEADER_CHARS = 4000
+MAX_TEMPERATURE = 2.0  # OpenAI's range is 0..2 (``POST /generate`` takes up to the engine's 1e6)
 
 
 class NotFound(ServiceError):
@@ -63,35 +68,61 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
 def openai_exception_handler(request: Request, exc: Exception) -> Response:
     """Map any exception raised under ``/v1`` (unknown routes included) to OpenAI's error shape,
     with the status ``service.errors.to_problem`` gives every route; body validation errors are
-    400 naming the field as ``param``, as in OpenAI's API."""
+    400 naming the field as ``param``, as in OpenAI's API. A 4xx is logged in one INFO line
+    (``service.errors.log_refused``), a 5xx as an error."""
+    rid = request.scope.get("state", {}).get("request_id")
+    status, message, param, code, headers = _openai_error_fields(request, exc, rid)
+    if status >= 500:
+        log.error("request failed with %d: %s", status, exc, exc_info=status == 500, extra={"request_id": rid})
+    elif status >= 400:
+        log_refused(request.method, request.url.path, status, param, message, rid)
+    return openai_error(status, message, param, code, headers)
+
+
+def _openai_error_fields(request: Request, exc: Exception,
+                         rid: str | None) -> tuple[int, str, str | None, str | None, dict[str, str] | None]:
+    """(status, message, param, code, headers) of an exception raised under ``/v1``."""
     if isinstance(exc, ExceptionGroup):  # a TaskGroup of n choices: report the first failure
         exc = exc.exceptions[0]
     if isinstance(exc, ToolError):
-        return openai_error(400, str(exc), exc.param)
+        return 400, str(exc), exc.param, None, None
     if isinstance(exc, ValidationException):
         extra = exc.extra if isinstance(exc.extra, list) else []
         items = [e for e in extra if isinstance(e, dict)]
+        if not items and "malformed" in str(exc.detail).lower():
+            return 400, f"the body is not valid JSON: {exc.detail}", None, None, None
+        if len(items) == 1 and items[0].get("message") == "'data'":  # Litestar found no body to decode
+            return 400, "the body is empty: send a JSON object", None, None, None
         details = "; ".join(f"{e.get('key') or 'body'}: {e.get('message', '')}" for e in items)
-        keys = [str(e["key"]) for e in items if e.get("key") and e.get("key") != "data"]
-        param = keys[0] if keys else None
-        if param is None and items:
-            unknown = re.search(r"unknown field `([^`]*)`", str(items[0].get("message", "")))
-            param = unknown.group(1) if unknown else None
-        return openai_error(400, f"{exc.detail}{': ' + details if details else ''}", param)
+        return 400, f"{exc.detail}{': ' + details if details else ''}", invalid_field(items), None, None
     if isinstance(exc, HTTPException) and not isinstance(exc, ServiceError):
         message = str(exc.detail)
         if exc.status_code == 404:
             message = f"{request.method} {request.url.path} is not a route of this server: {message}"
-        return openai_error(exc.status_code, message, headers=exc.headers)
+        if isinstance(exc.__cause__, SerializationException):  # the body could not be decoded
+            message = f"the body is not valid JSON: {message}"
+        return exc.status_code, message, None, None, exc.headers
     from service.app import service_state
 
     state = service_state(request.app)
-    problem, headers = to_problem(exc, request.scope.get("state", {}).get("request_id"),
-                                  state.config.retry_after_s if state is not None else 1)
+    problem, headers = to_problem(exc, rid, state.config.retry_after_s if state is not None else 1)
     param = _FIELD_PARAM.get(problem.field or "", problem.field)
     message = problem.detail if problem.path is None or problem.path in problem.detail else \
         f"{problem.detail} (at {problem.path})"
-    return openai_error(problem.status, message, param, problem.keyword, headers)
+    return problem.status, message, param, problem.keyword, headers
+
+
+def openai_temperature(value: float | None) -> float:
+    """``temperature`` of an OpenAI request: 1 when absent (OpenAI's default).
+
+    Raises:
+        InputError: (field ``temperature``) outside OpenAI's 0..2.
+    """
+    if value is None:
+        return 1.0
+    if not 0 <= value <= MAX_TEMPERATURE:  # NaN fails too
+        raise InputError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {value}", field="temperature")
+    return value
 
 
 def check_model(svc: ServiceState, model: str | None) -> str:
@@ -181,20 +212,21 @@ async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPla
         format_field: where it holds the response format, for errors.
 
     Raises:
-        InputError: a schema or parameters over the limits or invalid (param names the tool).
+        InputError: a schema or parameters over the limits or invalid (``field`` and message
+            name ``format_field`` or the tool's ``parameters_field``).
         grammar.base.GrammarError: a keyword of a strict schema that cannot be enforced.
     """
     if not plan.active:
-        return Constraint(await gen.checked_grammar_spec(svc, response_schema=schema, strict=strict), schema, plan)
+        with named_as({"response_schema": format_field}):
+            spec = await gen.checked_grammar_spec(svc, response_schema=schema, strict=strict)
+        return Constraint(spec, schema, plan)
     for i, fn in enumerate(plan.functions):
         if fn.parameters is not None:
-            try:
+            with named_as({"response_schema": parameters_field.format(i=i)}):
                 await gen.check_schema_off_loop(svc, fn.parameters)
-            except InputError as e:
-                e.field = parameters_field.format(i=i)
-                raise
     if schema is not None:
-        await gen.check_schema_off_loop(svc, schema)
+        with named_as({"response_schema": format_field}):
+            await gen.check_schema_off_loop(svc, schema)
     from grammar.json_schema import schema_to_regex
 
     warnings: list[str] = []

@@ -38,10 +38,10 @@ from schemas.responses import (
     ResponseUsage, TextConfig, TextFormat, TopLogprob,
 )
 from service import generation as gen
-from service.errors import InputError
+from service.errors import InputError, named_as
 from service.openai_common import (
-    GENERATION_ERRORS, SSE_HEADERS, Constraint, NotFound, check_model, constraint, error_fields, refuse_unserved,
-    relaxed, run_all, sse, start_all, token_bytes, token_text, verdict, warnings_header,
+    GENERATION_ERRORS, SSE_HEADERS, Constraint, NotFound, check_model, constraint, error_fields, openai_temperature,
+    refuse_unserved, relaxed, run_all, sse, start_all, token_bytes, token_text, verdict, warnings_header,
 )
 from service.openapi_docs import StreamableOperation
 from service.state import ServiceState
@@ -51,6 +51,8 @@ from service.wire import strict_body
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# The generation core's fields as this API names them, for errors (``service.errors.named_as``).
+NAMES = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens", "response_schema": "text.format"}
 
 UNSERVED: dict[str, tuple[tuple, str]] = {
     "previous_response_id": ((), "Stencil stores no responses; send the whole conversation as input"),
@@ -94,7 +96,8 @@ def input_messages(data: ResponsesRequest) -> list[ChatMessage]:
 
     Raises:
         InputError: an item type Stencil does not serve (``reasoning``, ``item_reference``,
-            built-in tools' calls), or content that is not text; the field names the item.
+            built-in tools' calls), a message without role or content, or content that is not
+            text; the field names the item.
     """
     out: list[ChatMessage] = []
     if data.instructions:
@@ -107,6 +110,8 @@ def input_messages(data: ResponsesRequest) -> list[ChatMessage]:
         if kind == "message":
             if item.role is None:
                 raise InputError(f"input[{i}]: a message needs a role", field=f"input[{i}].role")
+            if item.content is None:
+                raise InputError(f"input[{i}]: a message needs content", field=f"input[{i}].content")
             out.append(ChatMessage(role=item.role, content=_text(item.content, f"input[{i}].content")))
         elif kind == "function_call":
             if item.call_id is None or item.name is None:
@@ -176,7 +181,7 @@ async def _prepare(svc: ServiceState, data: ResponsesRequest) -> _Job:
                          format_field="text.format")
     want_logprobs = LOGPROBS_INCLUDE in include or bool(data.top_logprobs)
     params = gen.sampling_params(svc.config, max_tokens=data.max_output_tokens,
-                                 temperature=1.0 if data.temperature is None else data.temperature,
+                                 temperature=openai_temperature(data.temperature),
                                  top_p=1.0 if data.top_p is None else data.top_p, top_k=data.top_k or 0,
                                  seed=data.seed, logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0,
                                  close_on_budget=data.close_on_budget is not False, soft_limits=data.soft_limits)
@@ -376,11 +381,17 @@ async def _events(svc: ServiceState, job: _Job, stream: gen.GenerationStream, re
                                    "events with `\"stream\": true`"), **GENERATION_ERRORS},
       operation_class=StreamableOperation, guards=[strict_body(ResponsesRequest)])
 async def create_response(data: ResponsesRequest, svc: ServiceState, request: Request) -> Any:
-    """Create a model response (OpenAI ``POST /v1/responses``), whole or streamed."""
-    job = await _prepare(svc, data)
-    created = time.time()
-    stream = (await start_all(svc, [(job.prompt_ids, job.params)], job.constraint.spec, job.rid, "text.format",
-                                receive=request.receive))[0]
+    """Create a model response (OpenAI ``POST /v1/responses``), whole or streamed.
+
+    Raises (answered in OpenAI's error shape, ``param`` naming this API's field: ``input``,
+    ``max_output_tokens``, ``text.format``): the errors of ``service.generation``,
+    ``service.tools`` and ``input_messages``.
+    """
+    with named_as(NAMES):
+        job = await _prepare(svc, data)
+        created = time.time()
+        stream = (await start_all(svc, [(job.prompt_ids, job.params)], job.constraint.spec, job.rid, "text.format",
+                                  receive=request.receive))[0]
     relaxed_warnings = relaxed(job.constraint, stream)
     headers = warnings_header(relaxed_warnings)
     if data.stream:

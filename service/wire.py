@@ -6,11 +6,13 @@ Litestar converts bodies with msgspec's lenient mode (``strict=False``), which t
 body, so ``strict_body(T)`` is a route guard that checks the raw body against ``T`` with
 msgspec's strict mode before Litestar parses it:
 
-- a ``Content-Type`` other than ``application/json`` (or ``application/*+json``) is a 415;
-  no header at all is read as JSON (simple clients omit it);
+- a ``Content-Type`` other than ``application/json`` (or ``application/*+json``), or none at
+  all, is a 415 (``curl -d`` sends ``application/x-www-form-urlencoded``; ``-H 'Content-Type:'``
+  sends none: either way the body is not declared JSON);
+- a body over the app's ``request_max_body_size`` is a 413 stating the limit in bytes;
 - a value of the wrong type is a ``ValidationException`` whose ``key`` is the field's path
   (``max_tokens``, ``messages[0].role``): a 422 problem on ``/generate``, a 400 in OpenAI's shape
-  under ``/v1`` (each router's exception handler).
+  under ``/v1`` (each router's exception handler; ``invalid_field`` finds the field for both).
 
 Bodies that are not JSON at all, or empty, are left to Litestar's own decoding, which already
 answers them with a 400. The body is read once: Litestar caches it for the handler.
@@ -25,9 +27,10 @@ from typing import Any
 import msgspec
 from litestar.connection import ASGIConnection
 from litestar.exceptions import ValidationException
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.handlers import BaseRouteHandler
 
-from service.errors import ServiceError
+from service.errors import PayloadTooLarge, ServiceError
 
 
 class UnsupportedMediaType(ServiceError):
@@ -39,14 +42,28 @@ class UnsupportedMediaType(ServiceError):
 
 _JSON_TYPE = re.compile(r"^application/(?:[\w.+-]+\+)?json$")
 _AT = re.compile(r" - at `\$(.*)`$")
+_NAMED = re.compile(r"(?:unknown|missing required) field `([^`]*)`")
 
 
 def is_json_media_type(content_type: str | None) -> bool:
     """``application/json``, ``application/problem+json``... (parameters such as charset ignored);
-    ``None`` (no header) counts as JSON."""
+    ``None`` or empty (no header) is not JSON."""
     if content_type is None or not content_type.strip():
-        return True
+        return False
     return _JSON_TYPE.match(content_type.split(";", 1)[0].strip().lower()) is not None
+
+
+def invalid_field(items: list[dict]) -> str | None:
+    """The body field a ``ValidationException``'s ``extra`` items name: the first item's ``key``
+    (Litestar's ``data`` prefix is no field), followed by the field an "unknown field" or
+    "missing required field" message names (``messages[0]`` + ``role`` → ``messages[0].role``);
+    ``None`` when they name none."""
+    keys = [str(e["key"]) for e in items if e.get("key") and e.get("key") != "data"]
+    field = keys[0] if keys else None
+    named = _NAMED.search(str(items[0].get("message", ""))) if items else None
+    if named:
+        field = named.group(1) if field is None else f"{field}.{named.group(1)}"
+    return field
 
 
 def field_of(error: msgspec.ValidationError) -> tuple[str, str]:
@@ -60,19 +77,32 @@ def field_of(error: msgspec.ValidationError) -> tuple[str, str]:
 
 
 def strict_body(body_type: Any) -> Callable:
-    """A Litestar guard that refuses non-JSON bodies (415) and values of the wrong type (422/400).
+    """A Litestar guard that refuses non-JSON bodies, too large ones and values of the wrong type.
 
     Args:
         body_type: the msgspec Struct (or any msgspec type) the route's ``data`` has.
+
+    Raises (from the guard):
+        UnsupportedMediaType: (415, field ``content-type``) no ``Content-Type``, or not JSON.
+        PayloadTooLarge: (413) the body is over the limit; the message states it in bytes.
+        ValidationException: a value of the wrong type; its ``key`` is the field's path.
     """
     decoder = msgspec.json.Decoder(body_type, strict=True)
 
-    async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    async def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
         ctype = connection.headers.get("content-type")
         if not is_json_media_type(ctype):
-            raise UnsupportedMediaType(f"the body must be JSON (Content-Type: application/json), "
-                                       f"not {ctype.split(';', 1)[0].strip()!r}", field="content-type")
-        body = await connection.body()  # type: ignore[attr-defined]  # guards of HTTP routes get a Request
+            sent = f"not {ctype.split(';', 1)[0].strip()!r}" if ctype and ctype.strip() else "the request has none"
+            raise UnsupportedMediaType(f"the body must be JSON (Content-Type: application/json); {sent}",
+                                       field="content-type")
+        try:
+            body = await connection.body()  # type: ignore[attr-defined]  # guards of HTTP routes get a Request
+        except RequestEntityTooLarge:
+            limit = handler.resolve_request_max_body_size()
+            size = connection.headers.get("content-length")
+            raise PayloadTooLarge(f"the body has {size} bytes; this server takes at most {limit} bytes"
+                                  if size and size.isdigit() else
+                                  f"the body is over this server's limit of {limit} bytes") from None
         if not body.strip():
             return
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import threading
 import time
@@ -129,6 +130,27 @@ def test_a_body_not_sent_as_json_is_415(client, ctype):
         assert r.status_code == 200, r.text
 
 
+POSTS = {"/generate": {"prompt": "x", "max_tokens": 1},
+         "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1},
+         "/v1/completions": {"prompt": "x", "max_tokens": 1},
+         "/v1/responses": {"input": "x", "max_output_tokens": 1}}
+
+
+@pytest.mark.parametrize("path", list(POSTS))
+@pytest.mark.parametrize("headers", [{}, {"content-type": ""}])
+def test_a_body_without_content_type_is_415(client, path, headers):
+    """``curl -H 'Content-Type:' -d '{...}'``: the body is not declared JSON, so it is not read as JSON."""
+    r = client.post(path, content=json.dumps(POSTS[path]).encode(), headers=headers)
+    assert r.status_code == 415, r.text
+    if path == "/generate":
+        p = _problem(r, 415)
+        message, field = p["detail"], p["field"]
+    else:
+        message, field = r.json()["error"]["message"], r.json()["error"]["param"]
+    assert field == "content-type" and "application/json" in message and "has none" in message, r.text
+    assert client.post(path, json=POSTS[path]).status_code == 200  # httpx's json= declares it
+
+
 def test_json_that_is_not_an_object(client):
     for body in ([1, 2], "prompt", 3):
         p = _problem(client.post("/generate", json=body), 422)
@@ -138,13 +160,14 @@ def test_json_that_is_not_an_object(client):
 # -- prompts and lengths -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, status, needle, field", [
-    ({"prompt": ""}, 400, "prompt is empty", None),
+    ({"prompt": ""}, 400, "prompt is empty", "prompt"),
     ({"messages": []}, 400, "messages is empty", "messages"),
     ({"prompt": "x" * (MAX_PROMPT_CHARS + 1)}, 400, f"the limit is {MAX_PROMPT_CHARS}", "prompt"),
     ({"messages": [{"role": "user", "content": "y" * (MAX_PROMPT_CHARS + 1)}]}, 400,
      f"the limit is {MAX_PROMPT_CHARS}", "messages"),
     # 3000 words are about 3000 tokens: longer than the tiny model's 2048-token context.
-    ({"prompt": "hello " * 3000}, 400, "this model allows at most 2047", None),
+    ({"prompt": "hello " * 3000}, 400, "this model allows at most 2047", "prompt"),
+    ({"messages": [{"role": "user", "content": "hello " * 3000}]}, 400, "this model allows at most 2047", "messages"),
     ({"prompt": "x", "max_tokens": 65}, 400, "at most 64", "max_tokens"),
     ({"prompt": "x", "max_tokens": 10**12}, 400, "at most 64", "max_tokens"),
     ({"prompt": "x", "max_tokens": 10**30}, 400, "at most 64", "max_tokens"),
@@ -166,7 +189,7 @@ def test_bad_speculative_settings_are_named_and_never_fatal(client, spec, needle
     """A wrongly typed speculative setting once passed parsing and killed the engine loop in the
     next step (``None > int``); it is refused up front, naming the field."""
     p = _problem(client.post("/generate", json={"prompt": "x", "max_tokens": 4, "speculative": spec}), 400)
-    assert needle in p["detail"], p
+    assert needle in p["detail"] and p["field"] == "speculative." + next(k for k in spec if k != "method"), p
     ok = client.post("/generate", json={"prompt": "x", "max_tokens": 3, "speculative": {"method": "ngram"}})
     assert ok.status_code == 200, ok.text
     _engine_idle(client)
@@ -178,14 +201,28 @@ def test_absurd_temperature_is_refused_not_fatal(client, temperature):
     torch.multinomial would kill the engine loop for everyone."""
     body = {"prompt": "x", "regex": "[ab]{5}", "temperature": temperature, "speculative": True}
     p = _problem(client.post("/generate", json=body), 400)
-    assert "temperature must be between 0 and 1e+06" in p["detail"], p
+    assert "temperature must be between 0 and 1e+06" in p["detail"] and p["field"] == "temperature", p
     ok = client.post("/generate", json={**body, "temperature": 1e6})
     assert ok.status_code == 200 and re.fullmatch("[ab]{5}", ok.json()["text"]), ok.text
 
 
 def test_body_over_the_limit_is_413(client):
     p = _problem(client.post("/generate", json={"prompt": "z" * (MAX_BODY + 10)}), 413)
-    assert p["title"] == "Payload Too Large"
+    assert p["title"] == "Payload Too Large" and f"at most {MAX_BODY} bytes" in p["detail"], p
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "z" * (MAX_BODY + 10)}]})
+    assert r.status_code == 413 and f"at most {MAX_BODY} bytes" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"speculative": {"foo": 1}}, "speculative.foo"),
+    ({"speculative": {"method": "ngram", "min_evidence": -1}}, "speculative.min_evidence"),
+    ({"soft_limits": {"bogus": 3}}, "soft_limits.bogus"),
+    ({"soft_limits": {"string_chars": 0}}, "soft_limits.string_chars"),
+    ({"temperature": 1e308}, "temperature"),
+])
+def test_engine_refusals_name_the_field(client, body, field):
+    p = _problem(client.post("/generate", json={"prompt": "x", "max_tokens": 2, **body}), 400)
+    assert p["field"] == field and field in p["detail"], p
 
 
 def test_whitespace_prompt_and_max_tokens_one_are_served(client):
@@ -295,6 +332,13 @@ def test_exploding_regexes_are_served_lazily_or_refused_by_name(client):
 def test_invalid_regexes_name_the_problem(client, pattern, needle):
     p = _problem(client.post("/generate", json={"prompt": "x", "regex": pattern}), 400)
     assert needle in p["detail"] or (needle == "position" and p.get("position") is not None), p
+    assert p["field"] == "regex", p
+
+
+@pytest.mark.parametrize("pattern, position", [("(ab[", 3), ("(?=a)b", 0), (r"(a)\1", 3)])
+def test_regex_errors_name_field_and_position(client, pattern, position):
+    p = _problem(client.post("/generate", json={"prompt": "x", "regex": pattern}), 400)
+    assert (p["field"], p["position"]) == ("regex", position), p
 
 
 def test_output_check_of_a_cut_output_cannot_stall(client):
@@ -353,6 +397,92 @@ def test_openai_routes_take_strict_types(client, body, param):
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and "Expected" in r.json()["error"]["message"]
+
+
+DEEP = _nested(40)
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize("path, body, param, needle", [
+    ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, "temperature", "between 0 and 2"),
+    ("/v1/completions", {"prompt": "x", "temperature": 2.5}, "temperature", "between 0 and 2"),
+    ("/v1/responses", {"input": "x", "temperature": 2.5}, "temperature", "between 0 and 2"),
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}, "temperature", "between 0 and 2"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content", "messages[0].content is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]},
+     "messages[1].content", "is required"),
+    ("/v1/responses", {"input": [{"role": "user"}]}, "input[0].content", "needs content"),
+    ("/v1/chat/completions", {}, "messages", "missing required field `messages`"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role", "missing required field `role`"),
+    ("/v1/completions", {"prompt": ""}, "prompt", "prompt is empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 3000}]}, "messages",
+     "this model allows at most 2047"),
+    ("/v1/responses", {"input": "hello " * 3000}, "input", "this model allows at most 2047"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 10**9}, "max_completion_tokens",
+     "max_completion_tokens is 1000000000; this server allows at most 64"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10**9}, "max_tokens", "max_tokens is 1000000000"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 2, "structured_outputs": {"regex": "[ab]{20}"}},
+     "max_completion_tokens", "max_completion_tokens 2 is below the shortest output"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 10**9}, "max_output_tokens",
+     "max_output_tokens is 1000000000"),
+    ("/v1/responses", {"input": []}, "input", "input is empty"),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "a",
+                                                         "schema": {"type": "strin"}}}}, "text.format", "'strin'"),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": DEEP}}},
+     "text.format", "text.format nests deeper than 32 levels"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema",
+                                                          "json_schema": {"name": "d", "schema": DEEP}}},
+     "response_format", "response_format nests deeper than 32 levels"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]},
+     "tools[0].function.parameters", "tools[0].function.parameters nests deeper"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "(ab["}}, "structured_outputs.regex",
+     "unterminated character class"),
+    ("/v1/chat/completions", {**CHAT, "soft_limits": {"bogus": 3}}, "soft_limits.bogus", "soft_limits.bogus"),
+])
+def test_openai_errors_name_the_param_as_sent(client, path, body, param, needle):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and needle in err["message"] and err["type"] == "invalid_request_error", err
+
+
+def test_openai_temperature_range_and_content_rules_keep_what_is_valid(client):
+    for path, body in POSTS.items():
+        if path != "/generate":
+            r = client.post(path, json={**body, "temperature": 2})
+            assert r.status_code == 200, r.text
+    tool_turn = [{"role": "user", "content": "x"},
+                 {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    r = client.post("/v1/chat/completions", json={"messages": tool_turn, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("raw", [b'{"messages": [,}', b'{"messages": '])
+def test_openai_malformed_json_says_so(client, raw):
+    r = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("the body is not valid JSON: "), r.text
+
+
+def test_each_refusal_is_logged_once_without_the_body(client, caplog):
+    caplog.set_level(logging.INFO, logger="stencil")
+    secret = "SECRET-PROMPT-7f3a"
+    cases = [("/generate", {"prompt": secret, "temperature": 1e308}, 400, "temperature"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": secret}], "temperature": 2.5}, 400,
+              "temperature"),
+             ("/generate", {"prompt": secret, "speculative": {"x" * 300: 1}}, 400, "speculative." + "x" * 300),
+             ("/v1/completions", {"prompt": secret, "max_tokens": 10**9}, 400, "max_tokens")]
+    for path, body, status, field in cases:
+        caplog.clear()
+        r = client.post(path, json=body)
+        assert r.status_code == status, r.text
+        lines = [rec for rec in caplog.records if getattr(rec, "request_id", None) == r.headers["x-request-id"]]
+        assert len(lines) == 1, [rec.getMessage() for rec in caplog.records]
+        text = lines[0].getMessage()
+        assert lines[0].levelno == logging.INFO and lines[0].name == "stencil.errors", text
+        assert text.startswith(f"refused POST {path} with {status} ({field[:40]}"), text
+        assert secret not in text and len(text) < 500, text
 
 
 # -- isolation -----------------------------------------------------------------------------------------

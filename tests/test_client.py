@@ -192,6 +192,30 @@ def test_async_retries():
     assert asyncio.run(go()) == ItemDC(1, "blue") and len(n) == 2
 
 
+def test_every_request_declares_its_json_body():
+    """The server refuses a body without ``Content-Type: application/json`` (415): the client, sync
+    and async, whole and streamed, always sends it."""
+    seen = []
+
+    def handler(request):
+        seen.append(request.headers.get("content-type"))
+        if json.loads(request.content).get("stream"):
+            return httpx.Response(200, content=b'data: {"type": "delta", "text": "a"}\n\ndata: [DONE]\n\n')
+        return httpx.Response(200, json=_answer({"level": 1, "colour": "red"}))
+
+    with Client("http://x", transport=httpx.MockTransport(handler)) as c:
+        c.generate("p")
+        list(c.stream("p"))
+
+    async def go():
+        async with AsyncClient("http://x", transport=httpx.MockTransport(handler)) as c:
+            await c.generate("p")
+            [d async for d in c.stream("p")]
+
+    asyncio.run(go())
+    assert seen == ["application/json"] * 4
+
+
 # -- live server ---------------------------------------------------------------------------------
 
 

@@ -210,9 +210,12 @@ def test_attempts_run_out_with_a_503_naming_the_replica(client, cluster):
 def test_replica_refusals_are_status_codes_before_the_first_byte(client, cluster):
     r = client.post("/generate", json={**BODY, "stream": True, "response_schema": {"type": "object", "not": {}}})
     assert r.status_code == 400, r.text
-    assert r.json()["keyword"] == "schema"
+    assert r.json()["keyword"] == "schema" and r.json()["field"] == "response_schema"
     r = client.post("/generate", json={"prompt": "x " * 3000, "max_tokens": 4})  # the replica's limit
     assert r.status_code == 400 and "this model allows at most 2047" in r.json()["detail"]
+    assert r.json()["field"] == "prompt"  # the refusal carries the field across
+    r = client.post("/generate", json={"prompt": "x", "regex": "(ab["})
+    assert r.status_code == 400 and (r.json()["field"], r.json()["position"]) == ("regex", 3), r.text
 
     async def full(request):
         yield Refusal("overloaded", "1 requests are waiting (limit 1)", replica_id="r0")

@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class SpecConfigError(ValueError):
+    """Speculation settings that cannot be used; ``field`` names the key at fault
+    (``"speculative.num_speculative_tokens"``), as the message does."""
+
+    def __init__(self, message: str, field: str = "speculative"):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(slots=True)
 class SpecConfig:
     """Speculation settings (server default, overridable per request).
@@ -55,17 +64,19 @@ class SpecConfig:
         """Parse ``{"method": "ngram", ...}``; ``None`` or method "off" → None.
 
         Raises:
-            ValueError: an unknown key or method, a value of the wrong JSON type, or an
-                out-of-range number; the message names the field.
+            SpecConfigError: (a ``ValueError``) an unknown key or method, a value of the wrong
+                JSON type, or an out-of-range number; its message and ``field`` name the key.
         """
         if not d:
             return None
         if not isinstance(d, dict):
-            raise ValueError(f"speculative must be an object, got {type(d).__name__}")
+            raise SpecConfigError(f"speculative must be an object, got {type(d).__name__}")
         allowed = set(cls.__dataclass_fields__)
         unknown = set(d) - allowed
         if unknown:
-            raise ValueError(f"speculative: unknown field(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+            first = sorted(unknown)[0]
+            raise SpecConfigError(f"speculative.{first} is not a field; allowed: {sorted(allowed)}",
+                                  field=f"speculative.{first}")
         for name, value in d.items():  # JSON types: a bool is not a number, a number not a bool
             want = type(cls.__dataclass_fields__[name].default)
             ok = (isinstance(value, str) if want is str else isinstance(value, bool) if want is bool
@@ -73,24 +84,30 @@ class SpecConfig:
                   else isinstance(value, (int, float)) and not isinstance(value, bool))
             if not ok:
                 kind = {str: "a string", bool: "a boolean", int: "an integer"}.get(want, "a number")
-                raise ValueError(f"speculative.{name} must be {kind}, got {value!r}")
+                raise SpecConfigError(f"speculative.{name} must be {kind}, got {value!r}", field=f"speculative.{name}")
         cfg = cls(**d)
         if cfg.method == "off":
             return None
         if cfg.method != "ngram":
-            raise ValueError(f"speculative.method must be 'ngram' or 'off', got {cfg.method!r}")
+            raise SpecConfigError(f"speculative.method must be 'ngram' or 'off', got {cfg.method!r}",
+                                  field="speculative.method")
         if not (1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max):
-            raise ValueError("speculative: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+            raise SpecConfigError("speculative: need 1 <= prompt_lookup_min <= prompt_lookup_max",
+                                  field="speculative.prompt_lookup_min")
         if not (1 <= cfg.num_speculative_tokens <= 64):
-            raise ValueError("speculative.num_speculative_tokens must be in 1..64")
+            raise SpecConfigError("speculative.num_speculative_tokens must be in 1..64",
+                                  field="speculative.num_speculative_tokens")
         if cfg.max_draft_tokens_per_step < 0:
-            raise ValueError("speculative.max_draft_tokens_per_step must be >= 0")
+            raise SpecConfigError("speculative.max_draft_tokens_per_step must be >= 0",
+                                  field="speculative.max_draft_tokens_per_step")
         if not (0 <= cfg.row_tile <= 64):
-            raise ValueError("speculative.row_tile must be in 0..64")
+            raise SpecConfigError("speculative.row_tile must be in 0..64", field="speculative.row_tile")
         if cfg.max_batch_size < 1:
-            raise ValueError("speculative.max_batch_size must be >= 1")
+            raise SpecConfigError("speculative.max_batch_size must be >= 1", field="speculative.max_batch_size")
         if not (0.0 <= cfg.min_acceptance <= 1.0):
-            raise ValueError("speculative.min_acceptance must be in 0..1")
-        if cfg.min_evidence < 0 or cfg.backoff_steps < 0:
-            raise ValueError("speculative: min_evidence and backoff_steps must be >= 0")
+            raise SpecConfigError("speculative.min_acceptance must be in 0..1", field="speculative.min_acceptance")
+        for name in ("min_evidence", "backoff_steps"):
+            if getattr(cfg, name) < 0:
+                raise SpecConfigError(f"speculative.{name} must be >= 0, got {getattr(cfg, name)}",
+                                      field=f"speculative.{name}")
         return cfg

@@ -78,6 +78,7 @@ class Refusal:
         message: the error's text.
         keyword / path / position: a grammar error's location.
         replica_id: the replica that sent it.
+        field: the request field at fault (``EngineError.field``, ``GrammarError.field``), if known.
     """
 
     kind: str
@@ -86,6 +87,7 @@ class Refusal:
     path: str | None = None
     position: int | None = None
     replica_id: str = ""
+    field: str | None = None
 
     @property
     def retryable(self) -> bool:
@@ -101,11 +103,11 @@ class Refusal:
         """
         if isinstance(exc, GrammarError):
             kind = "grammar_timeout" if isinstance(exc, GrammarTimeout) else "grammar"
-            return cls(kind, exc.message, exc.keyword, exc.path, exc.position, replica_id)
+            return cls(kind, exc.message, exc.keyword, exc.path, exc.position, replica_id, exc.field)
         if isinstance(exc, EngineOverloaded):
             return cls("overloaded", str(exc), replica_id=replica_id)
         if isinstance(exc, EngineError):
-            return cls("bad_request", str(exc), replica_id=replica_id)
+            return cls("bad_request", str(exc), replica_id=replica_id, field=exc.field)
         if isinstance(exc, EngineDeadError):
             return cls("unavailable", str(exc), replica_id=replica_id)
         raise TypeError(f"no refusal for {type(exc).__name__}: {exc}")
@@ -113,11 +115,13 @@ class Refusal:
     def to_exception(self) -> Exception:
         """The engine-side exception again, for the service's error mapping (``to_problem``)."""
         if self.kind == "grammar":
-            return GrammarError(self.message, keyword=self.keyword, path=self.path, position=self.position)
+            return GrammarError(self.message, keyword=self.keyword, path=self.path, position=self.position,
+                                field=self.field)
         if self.kind == "grammar_timeout":
-            return GrammarTimeout(self.message, keyword=self.keyword, path=self.path, position=self.position)
+            return GrammarTimeout(self.message, keyword=self.keyword, path=self.path, position=self.position,
+                                  field=self.field)
         if self.kind == "overloaded":
             return EngineOverloaded(self.message)
         if self.kind == "bad_request":
-            return EngineError(self.message)
+            return EngineError(self.message, field=self.field)
         return EngineDeadError(f"replica {self.replica_id or '?'}: {self.message}")
