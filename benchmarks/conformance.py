@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="tokenizer (and model) directory")
     parser.add_argument("--backends", default="eager,lazy,auto",
                         help="comma-separated: eager, lazy, auto (auto needs lazy; eager adds its masks)")
-    parser.add_argument("--whitespace", choices=("compact", "flexible"), default="compact")
+    parser.add_argument("--whitespace", choices=("compact", "flexible"), default="flexible",
+                        help="JSON layout (default: the server's default, flexible)")
     parser.add_argument("--step-share", action="store_true",
                         help="also time the bitmask of a 32-row decode step against the model's step")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -192,7 +193,7 @@ def _reason(e) -> str:
 def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 10.0,
                     mode: str = "maskbench", model_dir: Path = DEFAULT_MODEL,
                     failures_path: Path | None = None, backends: tuple[str, ...] = ("eager", "lazy", "auto"),
-                    whitespace: str = "compact", step_share: bool = False) -> dict:
+                    whitespace: str = "flexible", step_share: bool = False) -> dict:
     """Run the benchmark; returns the report (keys in the module docstring)."""
     import torch
     from transformers import AutoTokenizer
