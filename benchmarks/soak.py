@@ -214,6 +214,10 @@ def _request(rng: random.Random, max_tokens: int, queue_timeout_rate: float = 0.
     return "/v1/chat/completions", body, kind
 
 
+_OPENAI_TYPE_STATUS = {"server_error": 500, "service_unavailable": 503, "timeout": 504,
+                       "rate_limit_error": 429}
+
+
 def _stream_failed(line: str) -> int | None:
     """The status of an in-band stream error event, else None."""
     if not line.startswith("data: ") or '"error"' not in line:
@@ -221,8 +225,8 @@ def _stream_failed(line: str) -> int | None:
     event = json.loads(line[len("data: "):])
     if event.get("type") == "error":
         return int(event["error"]["status"])
-    if isinstance(event.get("error"), dict):
-        return 500 if event["error"].get("type") == "server_error" else 400
+    if isinstance(event.get("error"), dict):  # OpenAI's shape: the status is in the error type
+        return _OPENAI_TYPE_STATUS.get(event["error"].get("type"), 400)
     return None
 
 
@@ -397,7 +401,8 @@ def main(args: argparse.Namespace) -> int:
             server.wait_ready()
         url = server.url if server is not None else args.url.rstrip("/")
         pid = server.proc.pid if server is not None else None
-        rss = {"peak": _rss_mb(pid) if pid else None, "warm": None}
+        rss = {"peak": _rss_mb(pid) if pid else None, "warm": None, "half": None, "load_end": None}
+        timeline: list[tuple[float, float]] = []
 
         def on_tick(elapsed: float) -> None:
             if pid is None:
@@ -405,8 +410,13 @@ def main(args: argparse.Namespace) -> int:
             now = _rss_mb(pid)
             if now is not None:
                 rss["peak"] = max(rss["peak"] or 0.0, now)
+                rss["load_end"] = now
                 if rss["warm"] is None and elapsed >= 0.1 * args.duration:
                     rss["warm"] = now
+                if rss["half"] is None and elapsed >= 0.5 * args.duration:
+                    rss["half"] = now
+                if not timeline or elapsed - timeline[-1][0] >= 5.0:
+                    timeline.append((round(elapsed, 1), round(now, 1)))
 
         tally = Tally()
         probe = Probe(url)
@@ -426,7 +436,8 @@ def main(args: argparse.Namespace) -> int:
     e = health["engine"]
     c = tally.counts
     left = e["running"] + e["waiting"]
-    growth = rss_end - rss["warm"] if rss_end is not None and rss["warm"] is not None else None
+    growth = (rss["load_end"] - rss["half"]
+              if rss["load_end"] is not None and rss["half"] is not None else None)
     health_ms, metrics_ms = probes.get("health_ms", []), probes.get("metrics_ms", [])
     health_p99 = pct(health_ms, 99)
     answered_share = c["answered"] / c["sent"] if c["sent"] else 0.0
@@ -456,8 +467,10 @@ def main(args: argparse.Namespace) -> int:
         "metrics_ms_p50": pct(metrics_ms, 50), "metrics_ms_p99": pct(metrics_ms, 99),
         "probes": len(health_ms) + len(metrics_ms), "probe_failures": probes.get("failures"),
         "queue_timeouts": metrics.get("stencil_queue_timeouts_total"),
-        "peak_rss_mb": rss["peak"], "rss_warm_mb": rss["warm"],
-        "rss_end_mb": rss_end, "rss_growth_mb": growth, "rss_growth_bound_mb": args.max_rss_growth_mb,
+        "peak_rss_mb": rss["peak"], "rss_warm_mb": rss["warm"], "rss_half_mb": rss["half"],
+        "rss_load_end_mb": rss["load_end"], "rss_end_mb": rss_end,
+        "rss_growth_mb": growth, "rss_growth_bound_mb": args.max_rss_growth_mb,
+        "rss_timeline_mb": timeline if pid else None,
         "duration_s": round(wall, 1), "concurrency": args.concurrency,
         "model": "url" if args.url else (args.model or "default"), "server_exit_code": exit_code,
         "requests_per_s": round(c["sent"] / wall, 2) if wall else None, "num_preemptions": e["num_preemptions"],

@@ -78,6 +78,8 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (bytes)")
     g.add_argument("--request-timeout", type=float, default=300.0, help="per-request deadline (s)")
+    g.add_argument("--max-queue-wait", type=float, default=None,
+                   help="longest wait for a running slot before a 429 (s; default: half the request timeout)")
     g.add_argument("--shutdown-grace", type=float, default=30.0, help="in-flight time allowed after SIGTERM (s)")
     g.add_argument("--json-whitespace", default="flexible", choices=["flexible", "compact"],
                    help="layout of JSON Schema answers when a request does not choose (/generate's "
@@ -133,7 +135,8 @@ def service_config_from_args(args: argparse.Namespace):
 
     return ServiceConfig(api_key=args.api_key, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
                          default_max_tokens=min(256, args.max_tokens_cap), max_body_bytes=args.max_body_bytes,
-                         request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
+                         request_timeout_s=args.request_timeout, max_queue_wait_s=args.max_queue_wait,
+                         shutdown_grace_s=args.shutdown_grace,
                          json_whitespace=args.json_whitespace).validate()
 
 

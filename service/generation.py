@@ -384,7 +384,7 @@ class GenerationStream:
                  grammar_ms: float, queue_timeout_s: float | None = None):
         self.state = state
         # Latest moment the request may still be waiting for a running slot (perf_counter s).
-        wait = state.config.request_timeout_s if queue_timeout_s is None else min(
+        wait = state.config.queue_wait_s if queue_timeout_s is None else min(
             queue_timeout_s, state.config.request_timeout_s)
         self.queue_deadline = arrival + wait
         self.prompt_ids = prompt_ids
@@ -610,7 +610,8 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
         client: who asks (``client_id``): its grammar compiles share the workers fairly.
         receive: the ASGI ``receive`` of the HTTP request, to notice a client that leaves while
             its request is queued (``None``: not watched).
-        queue_timeout_s: most seconds to wait for a running slot (``None``: the request timeout).
+        queue_timeout_s: most seconds to wait for a running slot (``None``: the server's
+            ``max_queue_wait_s``, by default half the request timeout).
         wait: False submits without waiting (the caller awaits ``wait_started`` itself).
 
     Raises:

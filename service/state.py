@@ -31,6 +31,11 @@ class ServiceConfig:
         max_tokens_cap: largest ``max_tokens`` a request may ask for.
         default_max_tokens: ``max_tokens`` when a request gives none.
         request_timeout_s: deadline of one request from arrival (seconds); past it → 504.
+        max_queue_wait_s: longest wait for a running slot before a 429 with ``Retry-After``
+            (seconds); ``None``: half of ``request_timeout_s``. The deadline counts from arrival,
+            so a request that queued for all of it would be admitted only to end in a 504 after
+            its work began; the other half is left to generate (a request's own
+            ``queue_timeout`` may be shorter, never longer than ``request_timeout_s``).
         shutdown_grace_s: how long in-flight requests may run after SIGTERM (seconds).
         retry_after_s: ``Retry-After`` sent with 429 (seconds).
         json_whitespace: the layout JSON Schema answers may take when a request does not say:
@@ -54,6 +59,7 @@ class ServiceConfig:
     max_tokens_cap: int = 4096
     default_max_tokens: int = 256
     request_timeout_s: float = 300.0
+    max_queue_wait_s: float | None = None
     shutdown_grace_s: float = 30.0
     retry_after_s: int = 1
     json_whitespace: str = "flexible"
@@ -80,7 +86,14 @@ class ServiceConfig:
             raise ConfigError(f"json_whitespace must be compact or flexible, got {self.json_whitespace!r}")
         if self.request_timeout_s <= 0 or self.shutdown_grace_s < 0:
             raise ConfigError("request_timeout_s must be > 0 and shutdown_grace_s >= 0")
+        if self.max_queue_wait_s is not None and not 0 < self.max_queue_wait_s <= self.request_timeout_s:
+            raise ConfigError(f"max_queue_wait_s must be in (0, request_timeout_s], got {self.max_queue_wait_s}")
         return self
+
+    @property
+    def queue_wait_s(self) -> float:
+        """Seconds a request may wait for a running slot when it does not say (see the fields)."""
+        return self.request_timeout_s / 2 if self.max_queue_wait_s is None else self.max_queue_wait_s
 
 
 @dataclass(slots=True)

@@ -131,3 +131,24 @@ def test_a_request_queued_past_its_deadline_gets_429_and_leaves_the_queue(server
     assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
     stats = eng.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+
+
+def test_a_request_may_queue_for_half_its_deadline_unless_told_otherwise():
+    """The queue may not eat the whole deadline (a request admitted at its end would run into a
+    504): by default it waits for a slot at most half the request timeout, then gets a 429."""
+    from types import SimpleNamespace
+
+    from engine.config import ConfigError
+    from service.generation import GenerationStream
+
+    def deadline(config, queue_timeout_s=None):
+        state = SimpleNamespace(config=config.validate())
+        return GenerationStream(state, [1], None, None, None, "r", arrival=100.0, grammar_ms=0.0,
+                                queue_timeout_s=queue_timeout_s).queue_deadline
+
+    assert deadline(ServiceConfig(request_timeout_s=300)) == 250.0
+    assert deadline(ServiceConfig(request_timeout_s=300, max_queue_wait_s=20)) == 120.0
+    assert deadline(ServiceConfig(request_timeout_s=300), queue_timeout_s=280) == 380.0  # the client's own
+    assert deadline(ServiceConfig(request_timeout_s=60), queue_timeout_s=999) == 160.0
+    with pytest.raises(ConfigError, match="max_queue_wait_s"):
+        ServiceConfig(request_timeout_s=60, max_queue_wait_s=61).validate()

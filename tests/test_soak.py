@@ -44,7 +44,20 @@ def test_short_soak_leaves_nothing_behind(tmp_path, default_model_dir):
     assert report["probes"] > 10 and report["probe_failures"] == 0 and 0 < report["health_ms_p99"]
     assert report["concurrency"] == 12
     assert report["peak_rss_mb"] > 0 and report["server_exit_code"] == 0
+    times = [t for t, _ in report["rss_timeline_mb"]]
+    assert len(times) >= 3 and times == sorted(times)
+    assert 0 < report["rss_half_mb"] <= report["peak_rss_mb"]
+    assert report["rss_growth_mb"] == report["rss_load_end_mb"] - report["rss_half_mb"]
     # Every kind of request was sent.
     kinds = " ".join(report["by_kind"])
     for part in ("/generate", "/v1/chat/completions", "schema", "regex", "choice", "stream", "plain"):
         assert part in kinds, report["by_kind"]
+
+
+def test_in_band_stream_errors_are_counted_by_their_status():
+    ev = lambda **e: "data: " + json.dumps(e)
+    assert soak._stream_failed(ev(error={"type": "timeout", "message": "ran past its deadline"})) == 504
+    assert soak._stream_failed(ev(error={"type": "server_error", "message": "x"})) == 500
+    assert soak._stream_failed(ev(error={"type": "invalid_request_error", "message": "x"})) == 400
+    assert soak._stream_failed(ev(type="error", error={"status": 503})) == 503
+    assert soak._stream_failed(ev(choices=[])) is None
