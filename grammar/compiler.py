@@ -30,6 +30,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from grammar.background import DaemonPool
 from grammar.backends import registry
 from grammar.base import CompileStats, GrammarError, GrammarSpec, GrammarTimeout, Program
 from grammar.compiled import CompiledGrammar
@@ -104,8 +105,9 @@ class GrammarCompiler:
         self._client_queue: dict[str, deque] = {}
         # Eager builds never share the request pool: a slow index cannot delay a lazy compile.
         self._eager_pool = ThreadPoolExecutor(max_workers=eager_workers, thread_name_prefix="grammar-eager")
-        # Closing automata (budget-aware masks) are built after the compile, off the request path.
-        self._closing_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-closing")
+        # Closing automata (budget-aware masks) are built after the compile, off the request path,
+        # on a daemon thread: the process's exit does not wait for one (see ``close``).
+        self._closing_pool = DaemonPool(max_workers=1, name="grammar-closing")
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, self._eager_pool, self._backends,
                                            self._closing_pool)
@@ -212,7 +214,17 @@ class GrammarCompiler:
             out.set_exception(e)
 
     def close(self) -> None:
-        """Stop the pools and kill the eager build processes (idempotent)."""
+        """Stop the pools and kill the eager build processes (idempotent); returns at once and
+        waits for no background build.
+
+        Builds not started are cancelled. An eager build runs in a child process
+        (``grammar.backends.index_worker``), which is killed: the pool thread that waits on it
+        wakes at once and fails the build (``GrammarError``), so the interpreter's exit, which
+        joins ``ThreadPoolExecutor`` threads, has nothing to wait for. A closing automaton being
+        built is pure Python, which cannot be stopped: it runs on a daemon thread
+        (:class:`grammar.background.DaemonPool`), abandoned at exit. Compiles on the request pool
+        are not abandoned (a request waits on each, under the ``timeout_s`` deadline).
+        """
         with self._lock:
             self._closed = True
         self._finalizer()
@@ -415,7 +427,7 @@ def _copy_result(src: Future, dst: Future) -> None:
 
 
 def _shutdown(pool: ThreadPoolExecutor, eager_pool: ThreadPoolExecutor, backends: dict,
-              closing_pool: ThreadPoolExecutor) -> None:
+              closing_pool: DaemonPool) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
     eager_pool.shutdown(wait=False, cancel_futures=True)
     closing_pool.shutdown(wait=False, cancel_futures=True)

@@ -4,12 +4,18 @@ killable eager worker, spec kinds (regex, choice, JSON Schema, Lark)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 
 import jsonschema
 import pytest
 import torch
 
+from grammar.background import DaemonPool
 from grammar.base import GrammarError, GrammarSpec, GrammarTimeout
 from grammar.compiler import GrammarCompiler
 from grammar.vocab import TokenVocabulary
@@ -269,6 +275,113 @@ def test_closed_compiler_refuses_work(vocab):
     c.close()
     with pytest.raises(RuntimeError):
         c.submit(GrammarSpec("regex", "a"))
+
+
+# -- close() waits for no background build (a server's exit on SIGTERM) --------------------------
+# EXPLOSIVE takes minutes as an index (no time limit here ends it), so a build that ends at once
+# was ended by close(). The waits below are hang guards, never timing assertions.
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_close_kills_a_running_eager_build_and_cancels_the_queued_one(vocab):
+    c = GrammarCompiler(vocab, 48, timeout_s=600, eager_workers=1)
+    running = c.compile(GrammarSpec("regex", EXPLOSIVE), hot=True)  # served lazily; index in the background
+    queued = c.compile(GrammarSpec("regex", EXPLOSIVE + "b"), hot=True)  # behind it: one eager worker
+    assert running.backend == queued.backend == "lazy"
+    eager = c.backend("eager")
+    _wait(lambda: eager.busy_workers(), 30)
+    (worker,) = eager.busy_workers()
+    assert worker.alive
+    c.close()
+    _wait(lambda: running.error("eager") is not None, 30)
+    error = running.error("eager")
+    assert not isinstance(error, GrammarTimeout) and "closed before the index was built" in str(error)
+    assert not worker.alive and _gone(worker.pid)  # killed and reaped
+    assert eager.busy_workers() == []
+    # The queued build never started (cancelled): no index, no failure, no new child.
+    assert not queued.has("eager") and queued.error("eager") is None
+    assert (c.stats.eager_builds, c.stats.eager_failures) == (0, 1)
+    _wait(lambda: not any(t.name.startswith("grammar-eager") for t in threading.enumerate()), 30)
+    assert not any(t.name.startswith("grammar-eager") for t in threading.enumerate())
+    assert running.matcher().backend == "lazy"  # what was served still serves
+
+
+def test_the_interpreter_exits_without_waiting_for_an_eager_build(tmp_path):
+    """The server's case: close(), then the process exits; before, the exit joined the pool
+    thread that waited minutes on the child."""
+    script = textwrap.dedent(f"""
+        import time
+        from grammar.base import GrammarSpec
+        from grammar.compiler import GrammarCompiler
+        from grammar.vocab import TokenVocabulary
+        vocab = TokenVocabulary.from_token_bytes({TOKENS!r}, {EOS}, 48)
+        c = GrammarCompiler(vocab, 48, timeout_s=600)
+        g = c.compile(GrammarSpec("regex", {EXPLOSIVE!r}), hot=True)
+        eager = c.backend("eager")
+        while not eager.busy_workers():
+            time.sleep(0.02)
+        print(eager.busy_workers()[0].pid, flush=True)
+        c.close()
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                          timeout=120)  # a hang guard: unfixed, the exit waited for the build
+    assert proc.returncode == 0, proc.stderr
+    assert _gone(int(proc.stdout.split()[0]))
+
+
+def test_closing_automata_are_built_on_daemon_threads(vocab):
+    """A closing automaton cannot be interrupted (pure Python): its thread is a daemon, which the
+    interpreter's exit does not join."""
+    with GrammarCompiler(vocab, 48) as c:
+        g = c.compile(GrammarSpec("regex", "a[bc]+d"))
+        g.closing().result(timeout=30)
+        threads = [t for t in threading.enumerate() if t.name.startswith("grammar-closing")]
+        assert threads and all(t.daemon for t in threads)
+
+
+def test_daemon_pool_cancels_queued_work_and_abandons_what_runs():
+    pool = DaemonPool(1, "test-pool")
+    started, release = threading.Event(), threading.Event()
+
+    def block():
+        started.set()
+        release.wait(30)
+        return "done"
+
+    running, queued = pool.submit(block), pool.submit(lambda: "never")
+    assert started.wait(30)
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert queued.cancelled() and running.running()
+    (thread,) = pool.threads
+    assert thread.daemon and thread.is_alive()
+    with pytest.raises(RuntimeError):
+        pool.submit(block)
+    release.set()
+    assert running.result(timeout=30) == "done"
+    thread.join(30)
+    assert not thread.is_alive()  # the stop mark ended it
+    failing = DaemonPool(2, "test-fail")
+    assert isinstance(failing.submit(lambda: 1 // 0).exception(timeout=30), ZeroDivisionError)
+    failing.shutdown()
+    assert not any(t.is_alive() for t in failing.threads)
+
+
+def test_the_interpreter_exits_while_a_daemon_pool_job_runs():
+    script = ("import threading\nfrom grammar.background import DaemonPool\n"
+              "pool = DaemonPool(1, 'forever')\nstarted = threading.Event()\n"
+              "pool.submit(lambda: (started.set(), threading.Event().wait()))\nstarted.wait()\n"
+              "pool.shutdown(wait=False, cancel_futures=True)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                          timeout=60)  # a hang guard: the job never ends
+    assert proc.returncode == 0, proc.stderr
 
 
 # -- JSON Schema on the real tokenizer ------------------------------------------------------------

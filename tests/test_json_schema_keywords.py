@@ -308,6 +308,80 @@ def test_not_enum_of_strings_is_a_string_complement():
     _check({"type": "string", "not": {"enum": ["ab", "c"]}}, ['""', '"a"', '"abc"', '"cc"', '"b"'],
            ['"ab"', '"c"'])
 
+
+# Values of every type, as the grammar writes them and otherwise (1.0, 10e-1, "-0": equal to 1 and 0).
+_VALUES = ["1", "1.0", "1.00", "10e-1", "1e0", "2", "-1", "0", "-0", "0.5", "1.5", "-1.5", '"1"', '""',
+           "true", "false", "null", "[]", "[1]", "{}", '{"a":1}']
+
+
+def _sound(schema, texts, grammar):
+    """The texts the compiled schema admits, each checked valid against jsonschema."""
+    from grammar.base import GrammarSpec
+    from grammar.frontend import to_program
+
+    regex = re.compile(to_program(GrammarSpec.json_schema(schema), grammar=grammar).regex())
+    validator = jsonschema.Draft202012Validator(schema)
+    admitted = {t for t in texts if regex.fullmatch(t)}
+    unsound = [t for t in admitted if not validator.is_valid(json.loads(t))]
+    assert not unsound, f"admitted but invalid: {unsound}"
+    return admitted
+
+
+@pytest.mark.parametrize("grammar", [False, True])
+@pytest.mark.parametrize("a", [{}, {"a": {"type": "integer"}}, {"a": {"type": ["integer", "string", "null"]}}])
+def test_if_const_then_required_on_a_property_of_any_type_is_exact(a, grammar):
+    """The else case needs "a" to be anything but 1: a union by type (1.0 left out too)."""
+    schema = {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]},
+              **({"properties": a} if a else {})}
+    texts = [t for v in _VALUES for t in ('{"a":%s}' % v, '{"a":%s,"b":2}' % v)] + ['{"b":2}', "{}"]
+    admitted = _sound(schema, texts, grammar)
+    assert {'{"a":1,"b":2}', '{"a":2}', '{"a":-1}', '{"b":2}'} <= admitted
+    assert not {'{"a":1}', '{"a":1.0}', "{}"} & admitted
+    if not a:  # any other value at all
+        assert {'{"a":1.5}', '{"a":0}', '{"a":"1"}', '{"a":true}', '{"a":null}', '{"a":[1]}'} <= admitted
+    elif a["a"]["type"] == "integer":
+        assert not {'{"a":1.5}', '{"a":"1"}'} & admitted and '{"a":0}' in admitted
+
+
+@pytest.mark.parametrize("grammar", [False, True])
+def test_not_enum_is_a_union_by_type(grammar):
+    ints = _sound({"type": "integer", "not": {"enum": [3, 7, 7.0, 1.5, "x"]}},
+                  [str(i) for i in range(-3, 12)] + ["7.0", "1.5"], grammar)
+    assert ints == {str(i) for i in range(-3, 12)} - {"3", "7"}
+    nums = _sound({"type": "number", "not": {"const": 1}}, _VALUES, grammar)
+    assert nums == {"2", "-1", "0", "0.5", "1.5", "-1.5"}  # no exponent, no "-0": the canonical forms
+    anything = _sound({"not": {"enum": [True, None, "1", 0]}}, _VALUES, grammar)
+    assert {"false", '""', "1", "-1.5", "[1]", "{}"} <= anything
+    assert not {"true", "null", '"1"', "0", "-0"} & anything
+    with pytest.raises(GrammarError, match="admits no value"):
+        schema_to_regex({"type": "boolean", "not": {"enum": [True, False]}})
+
+
+def test_if_that_cannot_be_compiled_names_if_where_it_stands():
+    """Refusals name the ``if`` the user wrote, at its path, never the ``not`` of the rewrite."""
+    cases = [
+        # the else case would need any string but "x" of at most 3 characters
+        ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}},
+          "if": {"properties": {"a": {"const": "x"}}}, "then": {"required": ["b"]}}, "#", "pattern, length"),
+        ({"type": "object", "properties": {"p": {"type": "object", "if": {
+            "properties": {"a": {"const": {"k": 1}}}}, "then": {"required": ["b"]}}}, "required": ["p"]},
+         "#/properties/p", "objects"),
+    ]
+    for schema, path, why in cases:
+        with pytest.raises(GrammarError) as e:
+            schema_to_regex(schema)
+        assert (e.value.keyword, e.value.path) == ("if", path)
+        assert "'a'" in e.value.message and "else case" in e.value.message and why in e.value.message
+        assert "not" not in e.value.message.replace("cannot", "")
+        _, warnings = schema_to_regex(schema, strict=False)
+        assert any(w.startswith(f"if at {path}:") for w in warnings)
+    with pytest.raises(GrammarError) as e:  # a condition of another form says what is compiled
+        schema_to_regex({"type": "object", "if": {"required": ["a"]}, "then": {}})
+    assert (e.value.keyword, e.value.path) == ("if", "#") and "one property" in e.value.message
+    with pytest.raises(GrammarError) as e:  # a not the user wrote stays a not
+        schema_to_regex({"not": {"const": {"a": 1}}})
+    assert (e.value.keyword, e.value.path) == ("not", "#/not")
+
 def test_refs_local_pointer_defs_and_recursion():
     schema = {"$defs": {"node": {"type": "object", "properties": {
         "v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}}, "required": ["v"]}},

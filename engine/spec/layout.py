@@ -14,11 +14,57 @@ never changes an output.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 _OPENERS = frozenset("{[")
 _CLOSERS = frozenset("}]")
 _WS = frozenset(" \t\r\n")
+
+
+class _Scan:
+    """A walk over a JSON prefix that skips strings (and the escapes in them) and gathers the
+    whitespace between the other characters; ``JsonLayout.of`` and ``position`` both read it.
+
+    Attributes (of the text taken in so far):
+        depth: containers open (a stray closer does not go below 0).
+        in_string: inside a string.
+        escape: inside a string, just after a backslash.
+        last: the last character outside strings and whitespace ("" at the start; ``"`` after
+            a string).
+        run: the whitespace written after ``last``.
+    """
+
+    __slots__ = ("depth", "in_string", "escape", "last", "run")
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escape, self.last, self.run = 0, False, False, "", ""
+
+    def tokens(self, text: str) -> Iterator[str]:
+        """Takes ``text`` in, yielding each character outside strings and whitespace before it
+        is taken: while the caller holds one, the attributes describe the text before it (so
+        ``run`` is the whitespace that precedes it and ``last`` the character before that)."""
+        for ch in text:
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.in_string, self.last = False, '"'
+                continue
+            if ch in _WS:
+                self.run += ch
+                continue
+            yield ch
+            self.run = ""
+            if ch == '"':
+                self.in_string = True
+            elif ch in _OPENERS:
+                self.depth += 1
+            elif ch in _CLOSERS:
+                self.depth = max(self.depth - 1, 0)
+            self.last = ch
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,19 +109,9 @@ class JsonLayout:
         level); the first run after ``:`` whether a space follows the colon.
         """
         newline = indent = colon_space = comma_space = None
-        depth, in_string, escape, last, run = 0, False, False, "", ""
-        for ch in text:
-            if in_string:
-                if escape:
-                    escape = False
-                elif ch == "\\":
-                    escape = True
-                elif ch == '"':
-                    in_string, last = False, '"'
-                continue
-            if ch in _WS:
-                run += ch
-                continue
+        scan = _Scan()
+        for ch in scan.tokens(text):
+            last, run, depth = scan.last, scan.run, scan.depth
             if (last in _OPENERS or last == ",") and ch not in _CLOSERS:
                 if newline is None:
                     newline = "\n" in run
@@ -87,14 +123,6 @@ class JsonLayout:
                     comma_space = run != ""
             elif last == ":" and colon_space is None:
                 colon_space = run != ""
-            run = ""
-            if ch == '"':
-                in_string = True
-            elif ch in _OPENERS:
-                depth += 1
-            elif ch in _CLOSERS:
-                depth = max(depth - 1, 0)
-            last = ch
         default = cls()
         return cls(default.newline if newline is None else newline,
                    indent if indent is not None else default.indent,
@@ -122,25 +150,7 @@ class JsonLayout:
 
 def position(text: str) -> Position:
     """Where the JSON prefix ``text`` ends (strings and escapes skipped)."""
-    depth, in_string, escape, last, run = 0, False, False, "", ""
-    for ch in text:
-        if in_string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_string, last, run = False, '"', ""
-            continue
-        if ch in _WS:
-            run += ch
-            continue
-        run = ""
-        if ch == '"':
-            in_string = True
-        elif ch in _OPENERS:
-            depth += 1
-        elif ch in _CLOSERS:
-            depth = max(depth - 1, 0)
-        last = ch
-    return Position(in_string, depth, last, run)
+    scan = _Scan()
+    for _ in scan.tokens(text):
+        pass
+    return Position(scan.in_string, scan.depth, scan.last, scan.run)

@@ -17,6 +17,7 @@ import hashlib
 import os
 import queue
 import tempfile
+import threading
 import zlib
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -341,6 +342,8 @@ class EagerBackend:
             self._disk.mkdir(parents=True, exist_ok=True)
         self._outlines_vocab = vocab.to_outlines()
         self._idle: queue.SimpleQueue[IndexWorker] = queue.SimpleQueue()
+        self._busy: set[IndexWorker] = set()  # workers building now (close kills them too)
+        self._busy_lock = threading.Lock()
         self._closed = False
         self.disk_hits = 0
 
@@ -373,9 +376,23 @@ class EagerBackend:
         return EagerGrammar(spec=spec, regex=regex, index=index_from_binary(raw), vocab=self.vocab,
                             warnings=program.warnings, index_bytes=len(raw))
 
+    def busy_workers(self) -> list[IndexWorker]:
+        """The workers building an index now (a snapshot)."""
+        with self._busy_lock:
+            return list(self._busy)
+
     def close(self) -> None:
-        """Kill the idle child processes (idempotent); builds in flight finish or fail."""
-        self._closed = True
+        """Kill every child process, idle or building (idempotent); returns at once.
+
+        A build in flight is not waited for: its child is killed, and the thread that waits on it
+        gets EOF from the pipe at once and raises ``GrammarError`` (the backend is closed). Later
+        builds raise the same without starting a child.
+        """
+        with self._busy_lock:
+            self._closed = True
+            busy = list(self._busy)
+        for worker in busy:
+            worker.kill()
         while True:
             try:
                 self._idle.get_nowait().close()
@@ -391,6 +408,8 @@ class EagerBackend:
         except WorkerTimeout:
             raise GrammarTimeout(f"grammar compilation exceeded {self.timeout_s:g} s") from None
         except WorkerDied as e:
+            if self._closed:
+                raise _closed_error() from None
             raise GrammarError(f"grammar too large: the compile worker died ({e}); memory limit "
                                f"{self._worker_memory} bytes") from None
         except BuildFailed as e:
@@ -399,20 +418,29 @@ class EagerBackend:
             self._release(worker)
 
     def _idle_worker(self) -> IndexWorker:
+        """An idle worker, or a new one, marked busy (so that ``close`` can kill it)."""
         while True:
             try:
                 worker = self._idle.get_nowait()
             except queue.Empty:
+                if self._closed:
+                    raise _closed_error() from None
                 try:
-                    return IndexWorker(self._outlines_vocab, self._worker_memory)
+                    worker = IndexWorker(self._outlines_vocab, self._worker_memory)
                 except (WorkerDied, WorkerTimeout) as e:
-                    raise GrammarError(f"cannot start a grammar compile worker: {e}") from None
-            if worker.alive:
-                return worker
+                    raise (_closed_error() if self._closed else
+                           GrammarError(f"cannot start a grammar compile worker: {e}")) from None
+            with self._busy_lock:
+                if worker.alive and not self._closed:
+                    self._busy.add(worker)
+                    return worker
             worker.close()
 
     def _release(self, worker: IndexWorker) -> None:
-        if worker.alive and not self._closed:
+        with self._busy_lock:
+            self._busy.discard(worker)
+            keep = worker.alive and not self._closed
+        if keep:
             self._idle.put(worker)
         else:
             worker.close()
@@ -455,6 +483,10 @@ class EagerBackend:
             os.replace(tmp, path)  # atomic: readers see the old file or the whole new one
         except OSError:
             pass  # the disk cache is an optimisation; a full disk must not fail the request
+
+
+def _closed_error() -> GrammarError:
+    return GrammarError("the grammar compiler closed before the index was built")
 
 
 def _explain(failure: BuildFailed, spec: GrammarSpec | None) -> GrammarError:

@@ -99,6 +99,11 @@ class IndexWorker:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._proc.pid
+
     def build(self, regex: str, timeout_s: float, max_index_bytes: int) -> bytes:
         """Compile ``regex`` into an index; returns its binary form.
 
@@ -112,6 +117,12 @@ class IndexWorker:
         if reply[0] == "ok":
             return reply[1]
         raise BuildFailed(reply[1], reply[2])
+
+    def kill(self) -> None:
+        """Kill the child and nothing else; safe from any thread, also while a build waits on it:
+        the build then fails with :class:`WorkerDied` and closes the pipes in its own thread."""
+        if self._proc.poll() is None:
+            self._proc.kill()
 
     def close(self) -> None:
         """Kill the child (idempotent)."""

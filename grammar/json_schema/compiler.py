@@ -39,6 +39,7 @@ from grammar.json_schema import numbers as nr
 from grammar.base import GrammarError, GrammarTimeout, Program
 from grammar.json_schema.arrays import compile_array
 from grammar.json_schema.canonical import canonical_json
+from grammar.json_schema.complement import NOT_STRINGS, ComplementError, complement
 from grammar.json_schema.merge import MergeError, json_key, merge
 from grammar.json_schema.multiples import multiple_rules
 from grammar.json_schema.objects import compile_object
@@ -250,11 +251,15 @@ class SchemaCompiler:
             schema = self._not(schema, path)
             if schema is None:
                 return None
+            if "anyOf" in schema:  # any value but some, as a union by type
+                return self._sub(schema, path, only_types)
         if "if" in schema:
             split = self._if_then_else(schema, path)
             if split is not None:
                 return alt([self.sub(b, path, only_types) for b in split])
-            self.unsupported("if", path)
+            self.unsupported("if", path, "keyword 'if' cannot be enforced exactly: only a condition "
+                             "that tests one property against const or enum values (and may require "
+                             "it) is compiled, as a union of the then and else cases")
         if any(isinstance(schema.get(k), dict) and schema[k] for k in _DEPENDENCY_KEYWORDS):
             return self._dependencies(schema, path, only_types)
         return self._typed(schema, path, only_types)
@@ -280,7 +285,8 @@ class SchemaCompiler:
         rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
         then, other = schema.get("then", True), schema.get("else", True)
         present = {"required": [name], "properties": {name: {"enum": values}}}
-        other_value = {"required": [name], "properties": {name: {"not": {"enum": values}}}}
+        origin = {"path": path, "property": name, "values": values}
+        other_value = {"required": [name], "properties": {name: {"not": {"enum": values, _FROM_IF: origin}}}}
         absent = {"properties": {name: False}}
         branches = [{"allOf": [rest, present, then]}, {"allOf": [rest, other_value, other]}]
         branches.append({"allOf": [rest, absent, other if name in required else then]})
@@ -454,20 +460,37 @@ class SchemaCompiler:
             if "integer" in banned and "number" in allowed:
                 self.unsupported("not", f"{path}/not", "not integer but number")
             return {**rest, "type": allowed}
-        if isinstance(neg, dict) and set(neg) <= {"enum", "const"} | _ANNOTATIONS:
+        reason = None
+        if isinstance(neg, dict) and set(neg) <= {"enum", "const", _FROM_IF} | _ANNOTATIONS:
             values = neg.get("enum", []) + ([neg["const"]] if "const" in neg else [])
             if "enum" in rest or "const" in rest:
                 return {**rest, "enum": [v for v in _enum_values(rest)
                                          if json_key(v) not in {json_key(x) for x in values}]}
-            if _types(rest) == ["string"] and not set(rest) & set(_TYPE_KEYWORDS["string"]):
-                # Any string but these: the trie complement the object keys use.
-                return {**rest, _NOT_STRINGS: [v for v in values if isinstance(v, str)]}
+            excluded: dict[str, list] = {}
+            for v in values:
+                excluded.setdefault(_json_type(v), []).append(v)
+            try:
+                parts = complement(_admitted_types(rest), excluded,
+                                   plain_strings=not set(rest) & set(_TYPE_KEYWORDS["string"]))
+            except ComplementError as exc:
+                reason = exc.message
+            else:
+                return {**rest, "anyOf": parts} if parts else None
         if isinstance(neg, dict) and set(neg) <= {"required"} | _ANNOTATIONS and len(neg["required"]) == 1:
             name = neg["required"][0]
             props = dict(rest.get("properties", {}))
             props[name] = False
             return {**rest, "properties": props}
-        self.unsupported("not", f"{path}/not")
+        if isinstance(neg, dict) and _FROM_IF in neg:
+            # The else case of an ``if`` the user wrote, not a ``not``: say so.
+            origin = neg[_FROM_IF]
+            self.unsupported("if", origin["path"], (
+                f"keyword 'if' cannot be enforced exactly: its else case needs property "
+                f"{origin['property']!r} to be any value but {json.dumps(origin['values'])}, "
+                f"which has no exact regex: {reason}"))
+            return rest
+        self.unsupported("not", f"{path}/not", None if reason is None else
+                         f"keyword 'not' cannot be enforced exactly ({reason})")
         return rest
 
     def _finite_values(self, schema: dict, path: str) -> list | None:
@@ -528,10 +551,7 @@ class SchemaCompiler:
         return "\\{" + ws + members + ws + "\\}"
 
     def _typed(self, schema: dict, path: str, only_types) -> Rx:
-        types = _types(schema)
-        if types is None:
-            implied = [t for t, kws in _TYPE_KEYWORDS.items() if any(k in schema for k in kws)]
-            types = (implied + (["integer"] if "number" in implied else [])) or list(_TYPES)
+        types = _admitted_types(schema)
         if only_types is not None:
             types = [t for t in types if t in only_types or (t == "integer" and "number" in only_types)]
         if "number" in types and "integer" in types:
@@ -555,8 +575,8 @@ class SchemaCompiler:
         return alt(parts)
 
     def _string(self, schema: dict, path: str) -> Rx:
-        if _NOT_STRINGS in schema:
-            return excluded_keys_regex(schema[_NOT_STRINGS])
+        if NOT_STRINGS in schema:
+            return excluded_keys_regex(schema[NOT_STRINGS])
         fmt = schema.get("format") if isinstance(schema.get("format"), str) else None
         hi = schema.get("maxLength")
         lo = schema.get("minLength", 0)
@@ -670,7 +690,8 @@ def _multiple_tail(k: int) -> str:
 
 
 _DEPENDENCY_KEYWORDS = ("dependentRequired", "dependentSchemas", "dependencies")
-_NOT_STRINGS = "x-stencil-not-strings"  # internal: a string type minus these values (from `not`)
+# internal: on the ``not`` that ``_if_then_else`` writes, where the ``if`` stands and what it tests
+_FROM_IF = "x-stencil-from-if"
 _ANNOTATIONS = {"title", "description", "examples", "default", "$comment", "$schema", "$id", "id",
                 "deprecated", "readOnly", "writeOnly", "$anchor", "definitions", "$defs",
                 "contentMediaType", "contentEncoding", "contentSchema", "$vocabulary"}
@@ -696,6 +717,15 @@ def _types(schema: dict) -> list[str] | None:
     if t is None:
         return None
     return [t] if isinstance(t, str) else list(t)
+
+
+def _admitted_types(schema: dict) -> list[str]:
+    """The types ``schema`` admits: its ``type``, else those its keywords talk about, else all."""
+    types = _types(schema)
+    if types is None:
+        implied = [t for t, kws in _TYPE_KEYWORDS.items() if any(k in schema for k in kws)]
+        types = (implied + (["integer"] if "number" in implied else [])) or list(_TYPES)
+    return types
 
 
 def _json_type(v: object) -> str:
