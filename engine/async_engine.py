@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.malloc import HeapTrimmer
 from engine.outputs import RequestOutput
 from engine.request import SamplingParams
 
@@ -128,6 +129,7 @@ class AsyncEngine:
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
+        self._trimmer = HeapTrimmer()  # freed heap memory back to the kernel, every 10 s at most
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, EngineStream]] = {}
         self._lock = threading.Lock()
         self.error: BaseException | None = None
@@ -272,10 +274,12 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._drain_inbox()
                 if not eng.has_unfinished():
+                    self._trimmer.maybe_trim()
                     self._wake.wait(0.1)
                     self._wake.clear()
                     continue
                 outputs = eng.step()
+                self._trimmer.maybe_trim()  # freed activations back to the kernel (engine/malloc.py)
                 started = eng.started
                 if outputs or started:
                     self._deliver_all([(rid, _STARTED) for rid in started]

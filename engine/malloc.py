@@ -1,0 +1,73 @@
+"""Giving freed heap memory back to the kernel in a long-running engine process (glibc).
+
+A server that batches hundreds of requests frees and reallocates activation buffers of changing
+sizes every step (prefill chunks, verify rows, logits), from several threads. glibc keeps what is
+freed inside its arenas, and under that pattern most of it is never returned: in
+``stencil bench soak --duration 120 --concurrency 2000`` (default model, this 2-core machine) the
+server's RSS climbed from 5.2 GB to 7.7 GB and kept climbing while the queue drained, though no
+Python object grew (a tiny-model server's object counts are flat over 1,200 requests) and every
+KV block was free at the end: fragmentation, not a leak. Capping arenas and fixing the mmap
+threshold (``MALLOC_ARENA_MAX=2 MALLOC_MMAP_THRESHOLD_=1048576``) held RSS flat but cost 15-25%
+of decode throughput (``stencil bench throughput``, c=8 and c=32: every large buffer became an
+mmap and its page faults). ``malloc_trim(3)`` instead returns the free pages of every arena
+(``madvise(MADV_DONTNEED)`` on free chunks, not only the heap's top) and leaves allocation as it
+is; :class:`HeapTrimmer` calls it from the engine loop at most once per interval, between steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+from typing import Callable
+
+DEFAULT_INTERVAL_S = 10.0
+
+
+def _glibc_malloc_trim() -> Callable[[int], int] | None:
+    """``malloc_trim`` of the C library, or None where there is none (musl, macOS, Windows)."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        fn = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_size_t,)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class HeapTrimmer:
+    """Calls ``malloc_trim(0)`` at most once per ``interval_s`` (a no-op without glibc).
+
+    Args:
+        interval_s: least seconds between two trims. One trim walks every arena: about a
+            millisecond on a 5 GB server, between two engine steps.
+        clock: seconds, monotonic (tests inject one).
+        trim: the trim function (tests inject one); default glibc's ``malloc_trim``.
+
+    Attributes:
+        available: whether there is a trim function; trims: how many trims ran.
+    """
+
+    def __init__(self, interval_s: float = DEFAULT_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
+                 trim: Callable[[int], int] | None = None):
+        self.interval_s = interval_s
+        self.clock = clock
+        self._trim = trim if trim is not None else _glibc_malloc_trim()
+        self.available = self._trim is not None
+        self._last = clock()
+        self.trims = 0
+
+    def maybe_trim(self) -> bool:
+        """Trim if ``interval_s`` passed since the last one; returns whether it trimmed."""
+        if self._trim is None:
+            return False
+        now = self.clock()
+        if now - self._last < self.interval_s:
+            return False
+        self._last = now
+        self._trim(0)
+        self.trims += 1
+        return True
