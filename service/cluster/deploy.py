@@ -223,6 +223,12 @@ def start_local_ray(num_cpus: float | None = None, temp_dir: str | None = None) 
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Serve's controller kills a proxy actor not ready within 5 s (its default ready check) and
+    # starts another; on a machine whose cores are busy every new proxy took longer to import,
+    # so serve.start failed three times over (a fresh-clone test run under load). The actors
+    # of a local Ray inherit this environment.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
         return
@@ -239,8 +245,9 @@ def start_serve(host: str, port: int, attempts: int = 3) -> int:
     """``serve.start`` on ``host:port``, tried up to ``attempts`` times; returns the attempts used.
 
     On a machine whose cores are busy, Serve's proxy actor was seen to die while it started
-    (``ActorDiedError`` from ``serve.start``, a fresh-clone test run under load); Serve is shut
-    down and started again after a pause. Any other error, or the last attempt's, is raised.
+    (``ActorDiedError`` from ``serve.start``, a fresh-clone test run under load): the controller
+    had killed it for missing its 5 s ready check, which ``start_local_ray`` now lengthens. Serve
+    is shut down and started again after a pause. Any other error, or the last attempt's, is raised.
     """
     from ray import exceptions as ray_errors
     from ray import serve
