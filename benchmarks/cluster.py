@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV blocks per replica (default: room for about half the system prompts)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--kill-requests", type=int, default=32, help="requests of the replica-kill phase (0: skip)")
-    p.add_argument("--restart-timeout", type=float, default=180.0, help="longest wait for the replica's return (s)")
+    p.add_argument("--restart-timeout", type=float, default=600.0,
+                   help="longest wait for the replica's return (s; with both cores busy it took over 180 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the report here")
 
