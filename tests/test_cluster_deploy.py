@@ -83,3 +83,42 @@ def test_the_kuberay_manifest_builds_with_this_code(tiny_model_dir):
     replica = stencil.cluster.app(args)._bound_deployment.init_args[0]._bound_deployment
     assert replica.ray_actor_options["num_gpus"] == 1
     assert replica._deployment_config.autoscaling_config.max_replicas == args["max_replicas"]
+
+
+class _FakeIngress:
+    """Answers ``broadcast("drain")`` from a script of in-flight counts (the last repeats)."""
+
+    def __init__(self, counts):
+        self.counts, self.calls = list(counts), 0
+
+    def broadcast(self, method):
+        assert method == "drain"
+        count = self.counts[min(self.calls, len(self.counts) - 1)]
+        self.calls += 1
+        return type("R", (), {"results": lambda _self, **kw: [count, RuntimeError("a dead replica")]})()
+
+
+def _fake_time():
+    now = [0.0]
+    return (lambda: now[0]), (lambda s: now.__setitem__(0, now[0] + s))
+
+
+def test_drain_waits_for_a_quiet_period_not_the_first_zero():
+    from service.cluster.deploy import _drain
+
+    # 0 in flight, then a request the proxy had accepted reaches the ingress, then it ends.
+    ingress = _FakeIngress([0, 1, 1, 0])
+    clock, sleep = _fake_time()
+    _drain(ingress, grace_s=60, quiet_s=2.0, clock=clock, sleep=sleep)
+    # Polls every 0.2 s: 4 scripted answers, then zeros until 2 s of quiet (10 more sleeps).
+    assert ingress.calls == 4 + 10
+    assert clock() == pytest.approx(0.2 * 13)
+
+
+def test_drain_gives_up_after_the_grace_period():
+    from service.cluster.deploy import _drain
+
+    ingress = _FakeIngress([3])
+    clock, sleep = _fake_time()
+    _drain(ingress, grace_s=5, quiet_s=2.0, clock=clock, sleep=sleep)
+    assert clock() == pytest.approx(5.0, abs=0.21)

@@ -87,7 +87,7 @@ def test_sigterm_drains_the_cluster(tiny_model_dir):
         pytest.skip(f"Ray must run in a private network namespace: {why}")
     proc = subprocess.run(["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable,
                            str(ROOT / "tests" / "cluster_drain.py"), str(tiny_model_dir)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+                          cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["health_after_sigterm"] == "draining"
