@@ -17,6 +17,13 @@ import torch
 GrammarKind = Literal["json_schema", "regex", "choice", "lark"]
 BackendName = Literal["auto", "eager", "lazy"]
 
+# Most repetitions one counted quantifier (``a{n}``, ``{m,n}``), ``minLength`` or ``minItems`` may
+# ask for. Each counted repetition is automaton states on the eager backend and derivative
+# expressions on the lazy one: ``a{1000000}`` made llguidance fail mid-request ("too many
+# expressions constructed") after seconds per token, and a 10^8 ``minLength`` killed an index
+# worker. Larger counts are a 400 naming the count; a ``maxItems`` above it is written as it.
+MAX_REPEAT_COUNT = 10_000
+
 
 class GrammarError(ValueError):
     """A constraint that cannot be compiled exactly.

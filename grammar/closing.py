@@ -321,9 +321,6 @@ def _expand_terms(text: str, terminals) -> str:
     return _TERM.sub(sub, text)
 
 
-_ASCII_DIGIT = [(48, 57)]
-_ASCII_WORD = [(48, 57), (65, 90), (95, 95), (97, 122)]
-_ASCII_SPACE = [(9, 13), (32, 32)]
 
 
 def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -337,32 +334,45 @@ def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+_CATEGORY_LETTERS = {sre_c.CATEGORY_DIGIT: "d", sre_c.CATEGORY_NOT_DIGIT: "D", sre_c.CATEGORY_SPACE: "s",
+                     sre_c.CATEGORY_NOT_SPACE: "S", sre_c.CATEGORY_WORD: "w", sre_c.CATEGORY_NOT_WORD: "W"}
+
+
 def _class_ranges(items) -> list[tuple[int, int]]:
-    """Code point ranges of an ``IN`` node. ``\\d``/``\\w``/``\\s`` are read as their ASCII
-    members (a subset of the backends' Unicode classes: distances stay upper bounds)."""
-    ranges: list[tuple[int, int]] = []
+    """Code point ranges of an ``IN`` node: a subset of what the backends' class admits, so that
+    distances stay upper bounds. ``\d``/``\w``/``\s`` and their negations take the JSON Schema
+    pattern parser's under-approximations (``\S``: every code point that neither Python nor the
+    backends' Unicode tables call whitespace); a negated class ``[^...]`` is the complement of
+    its items' over-approximation.
+
+    (``\S`` was once read as its ASCII members by dropping every range that reached past ASCII:
+    that left only control characters, and ``[\s\S]*`` near its budget admitted whitespace
+    alone.)
+    """
+    from grammar.json_schema.pattern import shorthand
+
+    under: list[tuple[int, int]] = []
+    over: list[tuple[int, int]] = []
     negate = False
     for op, av in items:
         if op is sre_c.NEGATE:
             negate = True
         elif op is sre_c.LITERAL:
-            ranges.append((av, av))
+            under.append((av, av))
+            over.append((av, av))
         elif op is sre_c.RANGE:
-            ranges.append(av)
+            under.append(av)
+            over.append(av)
         elif op is sre_c.CATEGORY:
-            name = str(av)
-            base = _ASCII_DIGIT if "DIGIT" in name else _ASCII_WORD if "WORD" in name else \
-                _ASCII_SPACE if "SPACE" in name else None
-            if base is None:
-                raise ClosingUnsupported(f"category {name} is not modelled")
-            if "NOT" in name:
-                # Every non-ASCII character is outside the ASCII subset, but the backend's
-                # Unicode class may exclude some of them: keep only ASCII to stay a subset.
-                base = [r for r in _complement(base) if r[1] < 128]
-            ranges.extend(base)
+            letter = _CATEGORY_LETTERS.get(av)
+            if letter is None:
+                raise ClosingUnsupported(f"category {av} is not modelled")
+            lo_set, hi_set = shorthand(letter)
+            under.extend(lo_set)
+            over.extend(hi_set)
         else:
             raise ClosingUnsupported(f"class item {op} is not modelled")
-    return _complement(ranges) if negate else ranges
+    return _complement(over) if negate else under
 
 
 # -- distances and the lazy DFA -----------------------------------------------------------------------

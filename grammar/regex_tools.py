@@ -15,12 +15,13 @@ from __future__ import annotations
 import re
 import warnings
 
-from grammar.base import GrammarError
+from grammar.base import MAX_REPEAT_COUNT, GrammarError
 
 # Rust regex-syntax's own escape set (``regex_syntax::escape``); others may not be escaped
 # (``\<`` is a word boundary in Rust).
 _RUST_META = set("\\.+*?()|[]{}^$#&-~")
 
+_COUNTED = re.compile(r"\{(\d*)(?:,(\d*))?\}")  # a counted quantifier's bounds
 _ANCHORS = {"A": "\\A", "z": "\\z", "Z": "\\Z", "b": "word boundary \\b", "B": "\\B",
             "<": "word boundary \\<", ">": "word boundary \\>"}
 
@@ -49,7 +50,7 @@ def check_supported(pattern: str) -> str:
     Raises:
         GrammarError: with ``position`` (offset in ``pattern``) of the first lookaround,
             backreference, atomic group, conditional, inner anchor / word boundary, unbalanced
-            parenthesis or trailing backslash. Balance matters beyond syntax: the pattern is
+            parenthesis, trailing backslash or repetition count above ``MAX_REPEAT_COUNT``. Balance matters beyond syntax: the pattern is
             wrapped as ``(?:pattern)\\x01``, and ``x)|(y`` would otherwise parse, leaving one
             branch without the end sentinel.
     """
@@ -89,6 +90,11 @@ def check_supported(pattern: str) -> str:
             if core[i:i + 1] == "]":
                 i += 1  # a leading ] is literal
             continue
+        if c == "{" and (count := _COUNTED.match(core, i)) is not None:
+            times = max((int(x) for x in count.groups() if x), default=0)
+            if times > MAX_REPEAT_COUNT:
+                raise GrammarError(f"repetition count {times} is above the {MAX_REPEAT_COUNT} a grammar can "
+                                   "count", position=pos)
         if c == "(":
             open_groups.append(pos)
         elif c == ")":

@@ -240,6 +240,10 @@ def test_whitespace_prompt_and_max_tokens_one_are_served(client):
     ({"type": "string", "minLength": 5, "maxLength": 2}, "admits no value", "minLength", "#"),
     ({"type": "string", "minLength": 100_000_000}, "more than the 10000 characters", "minLength", "#/minLength"),
     ({"enum": []}, "enum is empty", "enum", "#"),
+    ({"type": "array", "minItems": 1_000_000, "items": {"type": "integer"}}, "more than the 10000 items",
+     "minItems", "#/minItems"),
+    ({"type": "string", "pattern": "^a{1000000}$"}, "repetition count 1000000 is above the 10000", "pattern",
+     "#/pattern"),
     ({"type": "integer", "minimum": 5, "maximum": 3}, "admits no value", "minimum", "#"),
     (False, "admits no value", "false", "#"),
     ({"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/evil.json"}}}, "points outside the schema",
@@ -335,7 +339,8 @@ def test_invalid_regexes_name_the_problem(client, pattern, needle):
     assert p["field"] == "regex", p
 
 
-@pytest.mark.parametrize("pattern, position", [("(ab[", 3), ("(?=a)b", 0), (r"(a)\1", 3)])
+@pytest.mark.parametrize("pattern, position", [("(ab[", 3), ("(?=a)b", 0), (r"(a)\1", 3), ("a{1000000}", 1),
+                                               ("x[{]{2,20001}", 4)])
 def test_regex_errors_name_field_and_position(client, pattern, position):
     p = _problem(client.post("/generate", json={"prompt": "x", "regex": pattern}), 400)
     assert (p["field"], p["position"]) == ("regex", position), p
@@ -546,6 +551,29 @@ def test_draft_fault_fails_one_request(client, monkeypatch):
     assert "proposing draft tokens" in _problem(poisoned, 500)["detail"]
     _check_healthy(healthy)
     _engine_idle(client)
+
+
+def test_mask_fault_on_a_draft_row_fails_one_request(client, monkeypatch):
+    """A matcher that fails while it fills the rows of its draft tokens (llguidance's "too many
+    expressions constructed" did, on ``a{1000000}``) fails that request only: the drafts it
+    had must not be read again when the step's tokens are learned (that ended the engine loop)."""
+    original, hit = LLMEngine._fill_rows, []
+
+    def faulty(m, drafts, bitmask, row):
+        if drafts and m.grammar.regex == "[w]{50}":
+            m.accept_tokens(drafts[:1])  # part-way through the draft rows, as the real fault
+            hit.append(len(drafts))
+            raise RuntimeError("injected draft-row fault")
+        return original(m, drafts, bitmask, row)
+
+    monkeypatch.setattr(LLMEngine, "_fill_rows", staticmethod(faulty))
+    healthy, poisoned = _pair(client, {"prompt": "w", "regex": "[w]{50}", "max_tokens": 20, "speculative": True,
+                                       "close_on_budget": False})
+    assert hit, "the request never had draft tokens: the test did not reach its case"
+    assert "grammar mask" in _problem(poisoned, 500)["detail"]
+    _check_healthy(healthy)
+    _engine_idle(client)
+    assert client.get("/health").json()["status"] == "ok"
 
 
 def test_detokenizer_fault_fails_one_request_streamed(client, monkeypatch):

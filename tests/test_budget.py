@@ -95,6 +95,28 @@ def test_token_distance_is_an_upper_bound_met_by_a_real_sequence(vocab, pattern)
             assert ca.byte_distance(s) >= d  # tokens never exceed bytes
 
 
+CLASS_TOKENS = {0: b" Rome", 1: "\u00e9".encode(), 2: b"\x03", 3: b"12", 4: b"\t", 5: "\u4e2d".encode(),
+                7: b"!"}
+
+
+@pytest.mark.parametrize("pattern, refused", [
+    (r"[\s\S]*", set()), (r"(\s|\S)*", set()), (r"[\d\D]*", set()),
+    # \w is read as ASCII and \W as ASCII non-word characters (a subset of every engine's Unicode
+    # classes, and small automata): letters beyond ASCII are in neither.
+    (r"[\w\W]*", {"\u00e9", "\u4e2d"}),
+    (r"\S*", {" Rome", "\t"}), (r"\D*", {"12"}), (r"[^\S]*", {" Rome", "\u00e9", "\x03", "12", "\u4e2d", "!"}),
+    (r"\W*", {" Rome", "\u00e9", "12", "\u4e2d"}),
+])
+def test_class_escapes_and_their_negations_keep_every_character_they_admit(pattern, refused):
+    """The closing automaton reads ``\\S``, ``\\D``, ``\\W`` over all of Unicode (a subset of the
+    backends' classes): ``\\S`` once meant control characters only, so ``[\\s\\S]*`` near its
+    budget admitted whitespace alone and garbled free text (``tool_choice: "auto"``)."""
+    vocab = TokenVocabulary.from_token_bytes(CLASS_TOKENS, 9, 10)
+    ca = ClosingAutomaton(to_program(GrammarSpec.regex(pattern)), vocab)
+    nd = ca.next_token_distances(ca.start)
+    assert {CLASS_TOKENS[t].decode() for t in CLASS_TOKENS if nd[t] >= INF} == refused
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_budget_masks_always_close_within_the_budget(vocab, data):

@@ -135,6 +135,22 @@ def test_items_prefix_items_and_bounds():
            ["[]", "[1]", "[1,true,false]"], ["[true]", "[1,2]"])
 
 
+def test_counts_above_the_repeat_cap_are_refused_or_narrowed():
+    """``minItems`` above ``MAX_REPEAT_COUNT`` is a 400 (a subset cannot help), ``maxItems`` above it
+    is written as the cap (a subset, with a warning), never dropped (a superset)."""
+    with pytest.raises(GrammarError) as e:
+        schema_to_regex({"type": "array", "minItems": 10_001, "items": {"type": "null"}})
+    assert (e.value.keyword, e.value.path) == ("minItems", "#/minItems")
+    schema = {"type": "array", "maxItems": 1_000_000, "items": {"type": "null"}}
+    regex, warnings = schema_to_regex(schema)
+    assert warnings == ["maxItems at #: arrays are written with at most 10000 items (not 1000000)"]
+    _check(schema, ["[]", "[null]", "[" + ",".join(["null"] * 10_000) + "]"],
+           ["[" + ",".join(["null"] * 10_001) + "]", "[1]"])
+    with pytest.raises(GrammarError) as e:
+        schema_to_regex({"type": "string", "pattern": "x{0,10001}"})
+    assert (e.value.keyword, e.value.position) == ("pattern", 1)
+
+
 def test_string_lengths_count_characters_not_bytes():
     _check({"type": "string", "minLength": 2, "maxLength": 3},
            ['"ab"', '"abc"', '"é\\n"', '"日本語"'], ['"a"', '"abcd"', '"\\n"'])

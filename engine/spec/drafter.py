@@ -308,10 +308,13 @@ class Drafter:
             tokens = sampled[k]
             k += 1
             st = sr.request.spec_state
-            if st is None or st.splits is None or not tokens:
+            # A request failed in this step (its grammar raised while its draft rows were
+            # filled) is finished and its drafts are gone: nothing to learn from it.
+            if st is None or st.splits is None or not tokens or sr.request.is_finished:
                 continue
-            if len(tokens) <= sr.num_drafts:  # the last token replaced draft len(tokens) - 1
-                st.splits.learn(sr.request.draft_token_ids[len(tokens) - 1], tokens[-1])
+            drafts = sr.request.draft_token_ids
+            if len(tokens) <= min(sr.num_drafts, len(drafts)):  # the last token replaced draft len(tokens) - 1
+                st.splits.learn(drafts[len(tokens) - 1], tokens[-1])
             elif st.dropped is not None and st.dropped_at == sr.num_drafts:
                 # Every draft taken: the bonus token stands where the dropped one would have.
                 st.splits.learn(st.dropped, tokens[-1], dropped=True)

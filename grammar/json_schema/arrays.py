@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from grammar.base import MAX_REPEAT_COUNT, GrammarError
 from grammar.json_schema.rx import Rx, alt, opt, repeat, seq
 
 if TYPE_CHECKING:
@@ -28,6 +29,13 @@ def compile_array(c: "SchemaCompiler", s: dict, path: str) -> Rx:
     ws, comma = c.ws, c.ws + "," + c.ws
     lo = s.get("minItems", 0)
     hi = s.get("maxItems")
+    if lo > MAX_REPEAT_COUNT:
+        raise GrammarError(f"minItems {lo} is more than the {MAX_REPEAT_COUNT} items a grammar can require "
+                           "of one array", keyword="minItems", path=f"{path}/minItems")
+    if hi is not None and hi > MAX_REPEAT_COUNT:
+        c.warnings.append(f"maxItems at {path}: arrays are written with at most {MAX_REPEAT_COUNT} items "
+                          f"(not {hi})")
+        hi = MAX_REPEAT_COUNT
     if s.get("unevaluatedItems") not in (None, True):
         c.unsupported("unevaluatedItems", path)
     prefix_specs, rest_schema, rest_path = _layout(s, path)

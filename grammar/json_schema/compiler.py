@@ -36,7 +36,7 @@ import jsonschema
 from jsonschema import validators
 
 from grammar.json_schema import numbers as nr
-from grammar.base import GrammarError, GrammarTimeout, Program
+from grammar.base import MAX_REPEAT_COUNT, GrammarError, GrammarTimeout, Program
 from grammar.json_schema.arrays import compile_array
 from grammar.json_schema.canonical import canonical_json
 from grammar.json_schema.complement import NOT_STRINGS, ComplementError, complement
@@ -49,7 +49,7 @@ from grammar.json_schema.rules import REF_OPEN, expand, has_refs, is_empty, ref,
 from grammar.json_schema.rx import Rx, alt, repeat, seq
 from grammar.json_schema.strings import ANY_CHAR, StringError, StringSpec, excluded_keys_regex, string_regex
 
-MAX_MIN_LENGTH = 10_000  # most characters minLength may require (each is an automaton state)
+MAX_MIN_LENGTH = MAX_REPEAT_COUNT  # most characters minLength may require (each is an automaton state)
 GRAMMAR_ANY_DEPTH = 3  # container nesting of free-form values in served programs
 # The free run of whitespace="flexible" around structural characters: a short run on one line
 # (`{ "a": 1 }`), or one line break and an indent, which is how models pretty-print JSON

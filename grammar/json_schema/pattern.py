@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from grammar.base import MAX_REPEAT_COUNT
 from grammar.json_schema import charset as cs
 from grammar.json_schema.rx import Rx, alt, repeat, seq
 
@@ -77,7 +78,7 @@ _ASCII_WORD = cs.charset((48, 57), (65, 90), (95, 95), (97, 122))
 _PY_ONLY_SPACE = cs.charset((0x1C, 0x1F), (0x85, 0x85))
 
 
-def _shorthand(letter: str) -> tuple[cs.CharSet, cs.CharSet]:
+def shorthand(letter: str) -> tuple[cs.CharSet, cs.CharSet]:
     """(under, over) approximations of ``\\d``, ``\\w``, ``\\s`` and their negations."""
     low = letter.lower()
     if low == "d":
@@ -159,6 +160,9 @@ class _Parser:
         hi = (int(hi_s) if hi_s else None) if comma else lo
         if hi is not None and hi < lo:
             raise self.error("quantifier range out of order")
+        if max(lo, hi or 0) > MAX_REPEAT_COUNT:
+            raise self.error(f"repetition count {max(lo, hi or 0)} is above the {MAX_REPEAT_COUNT} "
+                             "a grammar can count")
         self.i = end + 1
         return lo, hi
 
@@ -210,7 +214,7 @@ class _Parser:
             raise self.error("trailing backslash")
         self.i += 1
         if c in "dDwWsS":
-            under, over = _shorthand(c)
+            under, over = shorthand(c)
             return (under, over) if in_class else Atom(under)
         if c in _SIMPLE_ESCAPES:
             cp = _SIMPLE_ESCAPES[c]
