@@ -357,8 +357,13 @@ class Scheduler:
             elif req.matcher is not None and req.matcher.is_terminated():
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
             elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-                # A budget-aware matcher kept the output closable: at the budget it is complete.
-                complete = getattr(req.matcher, "closed_by_budget", None) is not None and req.matcher.is_accepting()
+                # A budget-aware matcher that steered the output (narrowed a mask, or the run-on
+                # guard acted) closed it: at the budget it is complete, a "stop". An output it never
+                # had to steer was cut where the model went on (free text, where every prefix is
+                # accepted, or a number): "length", as OpenAI reports a cut, even if it parses.
+                m = req.matcher
+                complete = (getattr(m, "closed_by_budget", None) is not None and m.is_accepting()
+                            and bool(m.closed_by_budget or getattr(m, "guarded", None)))
                 if complete:
                     req.finish_reason_detail = "budget"
                 self.finish(req, RequestStatus.FINISHED_STOPPED if complete else RequestStatus.FINISHED_LENGTH)

@@ -32,6 +32,24 @@ log = logging.getLogger(__name__)
 
 MIN_SLACK = 48  # tokens
 
+_WHOLE_CHARS: dict[str, np.ndarray] = {}
+
+
+def whole_char_tokens(vocab) -> np.ndarray:
+    """bool ``[model_vocab_size]``: tokens whose bytes are whole UTF-8 characters (False for a
+    byte-fallback piece of a character, and for ids outside the alphabet). Cached per vocabulary."""
+    out = _WHOLE_CHARS.get(vocab.fingerprint)
+    if out is None:
+        out = np.zeros(vocab.model_vocab_size, dtype=bool)
+        for tid, data in vocab.token_bytes.items():
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            out[tid] = True
+        _WHOLE_CHARS[vocab.fingerprint] = out
+    return out
+
 
 @dataclass(frozen=True, slots=True)
 class SoftLimits:
@@ -291,7 +309,10 @@ class BudgetMatcher:
             if guard:
                 if not self.guarded or self.guarded[-1][0] != guard:
                     self.guarded.append((guard, self._out_bytes))
-            elif not self.narrowed or self.narrowed[-1] != self._out_bytes:
+            elif ((allowed & ~new) & whole_char_tokens(a.vocab)).any() and (
+                    not self.narrowed or self.narrowed[-1] != self._out_bytes):
+                # Only a removed token of whole characters is a narrowed answer: removing a
+                # token that ends mid-character (the last row of free text) steers nothing.
                 self.narrowed.append(self._out_bytes)
 
     def validate_tokens(self, token_ids: list[int]) -> int:

@@ -339,11 +339,11 @@ _CATEGORY_LETTERS = {sre_c.CATEGORY_DIGIT: "d", sre_c.CATEGORY_NOT_DIGIT: "D", s
 
 
 def _class_ranges(items) -> list[tuple[int, int]]:
-    """Code point ranges of an ``IN`` node: a subset of what the backends' class admits, so that
+    r"""Code point ranges of an ``IN`` node: a subset of what the backends' class admits, so that
     distances stay upper bounds. ``\d``/``\w``/``\s`` and their negations take the JSON Schema
     pattern parser's under-approximations (``\S``: every code point that neither Python nor the
-    backends' Unicode tables call whitespace); a negated class ``[^...]`` is the complement of
-    its items' over-approximation.
+    backends' Unicode tables call whitespace, and U+001C-U+001F); a negated class ``[^...]`` is
+    the complement of its items' over-approximation.
 
     (``\S`` was once read as its ASCII members by dropping every range that reached past ASCII:
     that left only control characters, and ``[\s\S]*`` near its budget admitted whitespace
@@ -370,6 +370,10 @@ def _class_ranges(items) -> list[tuple[int, int]]:
             lo_set, hi_set = shorthand(letter)
             under.extend(lo_set)
             over.extend(hi_set)
+            if letter == "S":
+                # The backends' \s is Unicode White_Space, without U+001C-U+001F (Python's has
+                # them): to both backends those are \S, and free text may hold them.
+                under.append((0x1C, 0x1F))
         else:
             raise ClosingUnsupported(f"class item {op} is not modelled")
     return _complement(over) if negate else under

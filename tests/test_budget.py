@@ -211,6 +211,21 @@ def test_below_the_minimum_is_refused_naming_max_tokens(engine):
     assert r["finish_reason"] == "length"
 
 
+def test_an_output_the_budget_never_steered_is_a_cut_not_a_stop(engine):
+    """Free text (every prefix accepted) or a run of digits cut at max_tokens is "length", as
+    OpenAI reports a cut, and not closed by the budget: clients detect truncation by it."""
+    cut = 0
+    for spec in (GrammarSpec.regex(r"[\s\S]*"), GrammarSpec.regex("[0-9]+"), GrammarSpec.regex("[ab]*")):
+        g = engine.grammar.compile(spec)
+        r = engine.generate([[5, 17, 300]], SamplingParams(max_tokens=6, temperature=0), [g])[0]
+        if r["token_ids"][-1] in engine.tokenizer.all_special_ids:
+            continue  # the model ended it: a "stop" of its own
+        cut += 1
+        assert len(r["token_ids"]) == 6
+        assert (r["finish_reason"], r["output"].closed_by_budget) == ("length", False), (spec, r["text"])
+    assert cut >= 2  # the tiny model runs on under [\s\S]* and [ab]*
+
+
 MASKBENCH = SHARED / "corpora" / "maskbench-dev"
 
 
