@@ -229,6 +229,15 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def abort_all(self) -> int:
+        """Abort every request that has a stream (each gets its ``"abort"`` output); return how
+        many. Thread-safe: the server calls it when a stop signal's grace period runs out."""
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self.abort(rid)
+        return len(ids)
+
     # -- the loop --------------------------------------------------------------------------------
     def _deliver(self, rid: str, item) -> None:
         self._deliver_all([(rid, item)])
@@ -247,13 +256,15 @@ class AsyncEngine:
             except RuntimeError:
                 pass  # the caller's loop is closed
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Apply queued adds and aborts; return whether any request was aborted."""
         eng = self.engine
+        aborted = False
         while True:
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return aborted
             if cmd[0] == "add":
                 _, rid, prompt, params, grammar = cmd
                 with self._lock:
@@ -266,13 +277,16 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - the caller gets the exception
                     self._deliver(rid, e)
             elif cmd[0] == "abort":
-                eng.abort(cmd[1])
+                aborted = eng.abort(cmd[1]) or aborted
 
     def _run(self) -> None:
         eng = self.engine
         try:
             while not self._stop.is_set():
-                self._drain_inbox()
+                if self._drain_inbox() and not eng.has_unfinished():
+                    # The last running request was aborted: no step follows, so its "abort"
+                    # output (a client still listening, e.g. at shutdown) is delivered here.
+                    self._deliver_all([(out.request_id, out) for out in eng.step()])
                 if not eng.has_unfinished():
                     self._trimmer.maybe_trim()
                     self._wake.wait(0.1)

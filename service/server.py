@@ -1,8 +1,11 @@
 """Run an app under uvicorn with Stencil's shutdown rules.
 
-* SIGTERM / SIGINT: the service stops admitting at once (503 ``draining``), uvicorn stops
-  accepting connections and lets in-flight requests finish for up to ``grace_s`` seconds, then
-  the lifespan stops the engine. Exit status 0.
+* SIGTERM / SIGINT: the service stops admitting at once (503 ``draining`` on connections
+  already open), uvicorn closes its listening socket (new connections are refused: a balancer
+  moves on at once) and lets in-flight requests finish for up to ``grace_s`` seconds. Requests
+  still running then are aborted in the engine, so each client gets its answer's end: a 503
+  "shutting down" (in-band for a stream) instead of a connection cut mid-stream; uvicorn's own
+  cancel comes ``ABORT_MARGIN_S`` later. Then the lifespan stops the engine. Exit status 0.
 * Engine loop death: in-flight requests have already failed (``AsyncEngine`` fails them); the
   server is told to exit and the process ends with status 1, so a supervisor restarts it.
 
@@ -17,12 +20,15 @@ from __future__ import annotations
 import logging
 import resource
 import socket
+import threading
 
 import uvicorn
 
 from service.app import service_state
 
 log = logging.getLogger("stencil.server")
+
+ABORT_MARGIN_S = 3.0  # between aborting what still runs at the grace's end and uvicorn's cancel
 
 
 class _Server(uvicorn.Server):
@@ -34,6 +40,7 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         self._runner.drain()
+        self._runner.abort_after_grace()
         super().handle_exit(sig, frame)
         # uvicorn re-raises captured signals once it has stopped, so the process would die "by
         # SIGTERM" (status 143). A drained, clean stop is a success: exit 0 instead.
@@ -54,12 +61,31 @@ class ServerRunner:
         self.exit_code = 0
         self.server: _Server | None = None
         self.app = None
+        self.grace_s = 30.0
+        self._abort_timer: threading.Timer | None = None
 
     def drain(self) -> None:
         """Refuse new generation requests from now on (503)."""
         state = service_state(self.app) if self.app is not None else None
         if state is not None:
             state.draining = True
+
+    def abort_after_grace(self) -> None:
+        """Once ``grace_s`` has passed (from the first stop signal), abort every request still in
+        the engine: its client is told "shutting down" before uvicorn cancels the connection."""
+        if self._abort_timer is not None:
+            return
+        self._abort_timer = threading.Timer(self.grace_s, self._abort_inflight)
+        self._abort_timer.daemon = True
+        self._abort_timer.start()
+
+    def _abort_inflight(self) -> None:
+        state = service_state(self.app) if self.app is not None else None
+        abort_all = getattr(getattr(state, "engine", None), "abort_all", None)
+        if abort_all is not None:
+            n = abort_all()
+            if n:
+                log.warning("shutdown: aborting %d requests still running after %.0f s", n, self.grace_s)
 
     def engine_dead(self, exc: BaseException) -> None:
         """Called on the engine thread when its loop dies: stop serving, exit non-zero."""
@@ -81,9 +107,10 @@ class ServerRunner:
             backlog: pending connections the listening socket holds.
         """
         self.app = app
+        self.grace_s = grace_s
         raise_open_files_limit()
         config = uvicorn.Config(app, host=host, port=port, lifespan="on", log_config=None,
-                                log_level=log_level, timeout_graceful_shutdown=grace_s,
+                                log_level=log_level, timeout_graceful_shutdown=grace_s + ABORT_MARGIN_S,
                                 access_log=False, backlog=backlog)
         self.server = _Server(config, self)
         self.server.run(sockets=[sock] if sock is not None else None)

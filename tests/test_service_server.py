@@ -114,3 +114,39 @@ def test_engine_death_fails_inflight_and_exits_nonzero(tiny_model_dir):
     assert last["type"] == "error" and last["error"]["status"] == 503
     srv.thread.join(20)
     assert srv.exit_code == 1
+
+
+def test_sigterm_drains_then_tells_a_stream_still_running_that_the_server_stops(tiny_model_dir):
+    """A stop signal: new work on an open connection gets a 503; a stream still running
+    when the grace period ends gets an in-band 503 "shutting down" and ``[DONE]`` (not a cut
+    connection), and the process exits 0."""
+    import signal
+
+    srv = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=256), ServiceConfig(max_tokens_cap=4096),
+                     grace_s=1.0).start()
+    lines: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", srv.url + "/generate", json={**LONGER, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    first.set()
+
+    with httpx.Client(base_url=srv.url, timeout=30) as open_conn:
+        assert open_conn.get("/health").status_code == 200  # a kept-alive connection, open before the signal
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(120)
+        srv.runner.server.handle_exit(signal.SIGTERM, None)
+        r = open_conn.post("/generate", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "shutting down" in r.text, r.text
+    t.join(60)
+    assert not t.is_alive()
+    assert lines[-1] == "[DONE]"
+    end = json.loads(lines[-2])
+    assert end["type"] == "error" and end["error"]["status"] == 503, end
+    assert "shutting down" in end["error"]["detail"], end
+    srv.thread.join(30)
+    assert srv.exit_code == 0
