@@ -103,6 +103,8 @@ def input_messages(data: ResponsesRequest) -> list[ChatMessage]:
     if data.instructions:
         out.append(ChatMessage(role="system", content=data.instructions))
     if isinstance(data.input, str):
+        if not data.input:
+            raise InputError("input is empty", field="input")  # as an empty list is
         out.append(ChatMessage(role="user", content=data.input))
         return out
     for i, item in enumerate(data.input):

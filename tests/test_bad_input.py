@@ -431,6 +431,7 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
     ("/v1/responses", {"input": "x", "max_output_tokens": 10**9}, "max_output_tokens",
      "max_output_tokens is 1000000000"),
     ("/v1/responses", {"input": []}, "input", "input is empty"),
+    ("/v1/responses", {"input": ""}, "input", "input is empty"),
     ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "a",
                                                          "schema": {"type": "strin"}}}}, "text.format", "'strin'"),
     ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": DEEP}}},
