@@ -142,17 +142,21 @@ def _api_key_guard(holder: _Holder) -> Callable:
 
 
 def _observe_middleware(holder: _Holder, known: Callable[[], set[str]]):
-    """ASGI middleware: request id per HTTP request, ``X-Request-Id`` header, status counts."""
+    """ASGI middleware: request id per HTTP request, ``X-Request-Id`` header, status counts (499
+    for a response whose body never ended: a stream the client dropped)."""
     def factory(app):
         async def middleware(scope, receive, send):
             if scope["type"] != "http":
                 await app(scope, receive, send)
                 return
             rid = _request_id(_ScopeView(scope))
-            status = {"code": 500}
+            status = {"code": 500, "started": False, "ended": False}
 
             async def send_wrapper(message):
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    status["ended"] = True
                 if message["type"] == "http.response.start":
+                    status["started"] = True
                     status["code"] = message["status"]
                     headers = list(message.get("headers", []))
                     if not any(k.lower() == b"x-request-id" for k, _ in headers):
@@ -166,7 +170,10 @@ def _observe_middleware(holder: _Holder, known: Callable[[], set[str]]):
                 if holder.state is not None:
                     path = scope["path"]
                     endpoint = path if path in known() else "other"
-                    holder.state.metrics.requests.labels(endpoint, str(status["code"])).inc()
+                    # A response begun but never ended: the client left mid-stream (nginx's 499),
+                    # not the 200 its headers said.
+                    code = 499 if status["started"] and not status["ended"] else status["code"]
+                    holder.state.metrics.requests.labels(endpoint, str(code)).inc()
         return middleware
     return factory
 

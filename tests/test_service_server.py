@@ -41,6 +41,12 @@ def server(tiny_model_dir):
     srv.stop()
 
 
+def _http_count(srv, endpoint: str, status: str) -> float:
+    m = service_state(srv.app).metrics.requests
+    return sum(s.value for fam in m.collect() for s in fam.samples
+               if s.name.endswith("_total") and s.labels == {"endpoint": endpoint, "status": status})
+
+
 def _finished_total(srv) -> float:
     m = service_state(srv.app).metrics.finished
     return sum(s.value for fam in m.collect() for s in fam.samples if s.name.endswith("_total"))
@@ -51,6 +57,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     # An earlier test's request may still be ending on a loaded machine: start from an idle engine.
     assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
     finished_before = _finished_total(server)
+    dropped_before = _http_count(server, "/generate", "499")
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server.url + "/generate", json={**LONGER, "stream": True}) as r:
             assert r.status_code == 200
@@ -62,6 +69,8 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert _wait(lambda: eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"])
     # Aborted, not run to its 2000 tokens: a finished request would have been counted.
     assert _finished_total(server) == finished_before
+    # Counted as the client's hang-up (499), not as the 200 its headers carried.
+    assert _wait(lambda: _http_count(server, "/generate", "499") == dropped_before + 1)
     # And the server goes on serving.
     ok = httpx.post(server.url + "/generate", json={"prompt": "x", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
