@@ -244,15 +244,21 @@ def _kill_phase(url: str, bodies: list[dict], reference: dict[int, str], args) -
     killed: dict = {}
     answered_before = max(1, len(bodies) // 4)
     done: list[Result] = []
+    # Replica pids read before the load: the kill must land while the victim's request still
+    # streams. A /health round trip at the first token took longer than the tiny model's whole
+    # answer once replicas ran at full priority (the stream had ended: nothing to replay).
+    pids = {r.get("replica"): r.get("pid") for r in _health(url).get("replicas") or []}
 
     async def on_first(replica: str | None) -> None:
         if killed or replica is None or len(done) < answered_before:
             return
-        victim = next((r for r in _health(url).get("replicas") or [] if r.get("replica") == replica), None)
-        if victim is None:  # not in the last stats poll yet: the next request will do
+        pid = pids.get(replica)
+        if pid is None:  # not in the stats poll before the load: ask again
+            pid = next((r.get("pid") for r in _health(url).get("replicas") or [] if r.get("replica") == replica), None)
+        if pid is None:  # not in the last stats poll yet: the next request will do
             return
-        os.kill(victim["pid"], signal.SIGKILL)
-        killed.update(replica=replica, pid=victim["pid"], at=time.monotonic(), after=len(done))
+        os.kill(pid, signal.SIGKILL)
+        killed.update(replica=replica, pid=pid, at=time.monotonic(), after=len(done))
 
     retries0 = _health(url)["engine"].get("retries", 0)
     replays0 = _health(url)["engine"].get("replays", 0)
