@@ -21,7 +21,7 @@ BackendName = Literal["auto", "eager", "lazy"]
 # ask for. Each counted repetition is automaton states on the eager backend and derivative
 # expressions on the lazy one: ``a{1000000}`` made llguidance fail mid-request ("too many
 # expressions constructed") after seconds per token, and a 10^8 ``minLength`` killed an index
-# worker. Larger counts are a 400 naming the count; a ``maxItems`` above it is written as it.
+# worker. Larger counts are a 400 naming the count; a ``maxItems`` above it is written as the cap.
 MAX_REPEAT_COUNT = 10_000
 
 

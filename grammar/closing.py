@@ -321,8 +321,6 @@ def _expand_terms(text: str, terminals) -> str:
     return _TERM.sub(sub, text)
 
 
-
-
 def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out, start = [], 0
     for lo, hi in sorted(ranges):
