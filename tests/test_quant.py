@@ -22,9 +22,21 @@ from kernels import native
 
 U = 2.0 ** -8
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
-# Both int4 kernels: torch's (bf16 scales, fp32 FMAs) and the native one (kernels/native.py).
+# The int4 kernels: torch's (bf16 scales, fp32 FMAs) and the native ones (kernels/native.py):
+# "native" is what this CPU gets (int8 activations where it has AVX512-VNNI), "native_bf16" the
+# bf16-activation kernel (STENCIL_VNNI=0).
 KERNELS = ["torch", pytest.param("native", marks=pytest.mark.skipif(
-    not native.available(), reason="native int4 kernel needs a C compiler and AVX512-BF16"))]
+    not native.available(), reason="native int4 kernel needs a C compiler and AVX512-BF16")),
+    pytest.param("native_bf16", marks=pytest.mark.skipif(
+        not native.available(), reason="native int4 kernel needs a C compiler and AVX512-BF16"))]
+
+
+@pytest.fixture(autouse=True)
+def _bf16_kernel(request, monkeypatch):
+    """The "native_bf16" cases build their layers with the VNNI kernel turned off."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("kernel") == "native_bf16":
+        monkeypatch.setenv("STENCIL_VNNI", "0")
 
 
 def _weights(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -89,8 +101,10 @@ def test_int4_linear_within_bf16_bound_of_dequantized_layer(qtype, rows, kernel)
     w = _weights(n, k, seed=2)
     planes = planes_from_blocks(_blocks(w, qtype), qtype)
     bias = torch.randn(n)
-    layer = Int4Linear(planes, bias, native=kernel == "native")
-    assert (layer.native is not None) == (kernel == "native")
+    layer = Int4Linear(planes, bias, native=kernel.startswith("native"))
+    assert (layer.native is not None) == (kernel.startswith("native"))
+    if layer.native is not None:  # each native case runs the kernel it names
+        assert layer.native.vnni == (kernel == "native" and native.vnni_available())
     x = torch.randn(rows, k) * 3
     xb = x.bfloat16().double()  # both kernels read bf16 activations
     ref = (xb @ planes.dequantize().double().T) + bias.double()
@@ -100,6 +114,20 @@ def test_int4_linear_within_bf16_bound_of_dequantized_layer(qtype, rows, kernel)
     if kernel == "torch":  # bf16 scales, zeros and outputs: the module docstring's bound
         bound = _bound(planes, x, (x.double() @ planes.dequantize().double().T)) + 1e-6
         err = (y.double() - (x.double() @ planes.dequantize().double().T + bias.double())).abs()
+    elif layer.native.vnni:  # int8 activations (kernels/csrc/vnni_gemm.c): exact integer dot
+        # products of the quantized activations, fp32 from there; the zeros meet the fp32 sums of x
+        xh = native.reference_activations(x)
+        w_full = layer.native.dequantize()[:n]
+        zeros = torch.zeros_like(w_full)
+        if layer.native.planes == 1:
+            zeros = layer.native.zeros.transpose(1, 2).reshape(-1, k // GROUP)[:n].double().repeat_interleave(GROUP, -1)
+        ref = xh @ w_full.T + (x.double() - xh) @ zeros.T + bias.double()
+        err = (y.double() - ref).abs()
+        bound = (k + 4) * 2.0 ** -24 * (xh.abs() @ w_full.abs().T + x.double().abs() @ zeros.abs().T) \
+            + 2.0 ** -24 * bias.abs().double()
+        # and the activations themselves: within a group's max / 32512 of x
+        amax = x.abs().reshape(rows, -1, GROUP).amax(-1).double().repeat_interleave(GROUP, -1)
+        assert bool(((xh - x.double()).abs() <= amax / 32512 * 1.0001).all())
     else:  # exact products, fp32 sums over at most K + 4 terms: gamma_(K+4) * A
         c = planes.codes.double() - 8
         a = c.abs() * planes.scales.abs().double().repeat_interleave(GROUP, -1) \
@@ -116,7 +144,7 @@ def test_row_route_sends_prompt_rows_to_the_dense_copy_and_output_rows_to_int4(k
     planes = planes_from_blocks(_blocks(w, "Q8_0"), "Q8_0")
     bias = torch.randn(48)
     route = RowRoute()
-    native_ = kernel == "native"
+    native_ = kernel.startswith("native")
     layer, plain = Int4Linear(planes, bias, route=route, native=native_), Int4Linear(planes, bias, native=native_)
     x = torch.randn(9, 2 * GROUP)
     dense = torch.nn.functional.linear(x.bfloat16(), planes.dequantize().bfloat16()).float() + bias
@@ -140,7 +168,7 @@ def test_each_row_gets_the_same_result_at_any_row_count(kernel, qtype):
     """Batch invariance of every kernel: what a row gets never depends on the rows beside it."""
     planes = planes_from_blocks(_blocks(_weights(96, 4 * GROUP, seed=7), qtype), qtype)
     route = RowRoute()
-    layer = Int4Linear(planes, route=route, native=kernel == "native")
+    layer = Int4Linear(planes, route=route, native=kernel.startswith("native"))
     x = torch.randn(40, 4 * GROUP)
 
     def run(rows):
@@ -257,7 +285,7 @@ def test_int4_logits_do_not_depend_on_rows_in_the_step(models):
 def test_column_blocks_give_the_same_bits_as_the_whole_layer(kernel):
     """Q8_0 (two planes), 256 output rows: any set of 64-column blocks, for one row or many."""
     planes = planes_from_blocks(_blocks(_weights(256, 4 * GROUP, seed=11), "Q8_0"), "Q8_0")
-    layer = Int4Linear(planes, native=kernel == "native")
+    layer = Int4Linear(planes, native=kernel.startswith("native"))
     x = torch.randn(5, 4 * GROUP)
     full = layer(x)
     for blocks in ([0], [3], [1, 2], [0, 3], [0, 1, 2, 3]):
@@ -266,7 +294,7 @@ def test_column_blocks_give_the_same_bits_as_the_whole_layer(kernel):
         assert torch.equal(layer.forward_columns(x, b), full[:, cols])
         assert torch.equal(layer.forward_columns(x[2:3], b), full[2:3, cols])
     odd = Int4Linear(planes_from_blocks(_blocks(_weights(80, 4 * GROUP, seed=2), "Q4_0"), "Q4_0"),
-                     native=kernel == "native")
+                     native=kernel.startswith("native"))
     with pytest.raises(ValueError, match="multiple of 64"):
         odd.forward_columns(x, torch.tensor([0]))
 

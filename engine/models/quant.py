@@ -253,22 +253,24 @@ class Int4Linear(nn.Module):
         return self.native.num_blocks * 16 if self.native is not None else self.packed[0].shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out] in x.dtype
-        xb = x.to(torch.bfloat16).contiguous()
+        # The VNNI kernel quantizes fp32 activations itself; the others read bf16.
+        xq = x if self.native is not None and self.native.vnni else x.to(torch.bfloat16).contiguous()
         dense = None if self.route is None else self.route.dense
         if dense is None:
-            return self._int4(xb).to(x.dtype)
+            return self._int4(xq).to(x.dtype)
+        xb = x.to(torch.bfloat16).contiguous()
         if dense is _ALL:
             return self._dense(xb).to(x.dtype)
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         y[dense] = self._dense(xb[dense]).to(x.dtype)
-        y[self.route.quant] = self._int4(xb[self.route.quant]).to(x.dtype)
+        y[self.route.quant] = self._int4(xq[self.route.quant]).to(x.dtype)
         return y
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:  # bf16 [N, in] -> fp32 [N, out]
         y = F.linear(xb, self.dense).float()
         return y if self.bias is None else y + self.bias
 
-    def _int4(self, xb: torch.Tensor) -> torch.Tensor:  # bf16 [N, in] -> fp32 [N, out]
+    def _int4(self, xb: torch.Tensor) -> torch.Tensor:  # bf16 (fp32 for VNNI) [N, in] -> fp32 [N, out]
         if self.native is not None:
             y = self.native.matmul(xb)
         else:
@@ -297,7 +299,7 @@ class Int4Linear(nn.Module):
         if n_pad % COLUMN_BLOCK:
             raise ValueError(f"{n_pad} output rows are not a multiple of {COLUMN_BLOCK}")
         rows = block_columns(blocks)
-        xb = x.to(torch.bfloat16).contiguous()
+        xb = x if self.native is not None and self.native.vnni else x.to(torch.bfloat16).contiguous()
         if self.native is not None:
             y = self.native.matmul(xb, block_columns(blocks, COLUMN_BLOCK // 16))
         else:
