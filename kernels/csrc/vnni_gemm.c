@@ -49,8 +49,10 @@
 typedef struct {
     const uint8_t *codes;
     const float *scales, *zeros;
-    const uint32_t *q1, *q2; /* quantized activations, [M, K / 4] packed quads */
-    const float *d, *xsum;   /* [M, K / 32] */
+    /* Quantized activations, row chunks of VMAX_ROWS (see stencil_vnni_gemm): quads of q1, q2
+     * [chunk][K / 4][rows][2] (uint32), and d, X [chunk][K / 32][rows][2] (fp32). */
+    const uint32_t *act;
+    const float *ds;
     int nblocks, k;
 } vweights_t;
 
@@ -66,6 +68,8 @@ ALWAYS_INLINE void vtile(const vweights_t *w, int r0, const int R, const int *bl
                          const int INT8, int col0, float *y, int ldy) {
     const int groups = w->k / 32, ldq = w->k / 4;
     const __m512i nib = _mm512_set1_epi8(15);
+    const uint32_t *a = w->act + (size_t)r0 * ldq * 2; /* this chunk: rows r0 .. r0 + R - 1 */
+    const float *ds = w->ds + (size_t)r0 * groups * 2;
     __m512 acc[8][MAX_CB];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -76,28 +80,28 @@ ALWAYS_INLINE void vtile(const vweights_t *w, int r0, const int R, const int *bl
         if (INT8) {
             for (int uu = 0; uu < 8; ++uu) {
                 const int u = g * 8 + uu; /* quad: k = 4u .. 4u+3 */
+                const uint32_t *au = a + (size_t)u * R * 2;
                 for (int c = 0; c < CB; ++c) {
                     const __m512i wv = _mm512_loadu_si512(w->codes + ((size_t)bl[c] * ldq + u) * 64);
                     for (int r = 0; r < R; ++r) {
-                        const size_t i = (size_t)(r0 + r) * ldq + u;
-                        s1[r][c] = dpb_rev(s1[r][c], w->q1[i], wv);
-                        s2[r][c] = dpb_rev(s2[r][c], w->q2[i], wv);
+                        s1[r][c] = dpb_rev(s1[r][c], au[2 * r], wv);
+                        s2[r][c] = dpb_rev(s2[r][c], au[2 * r + 1], wv);
                     }
                 }
             }
         } else {
             for (int oo = 0; oo < 4; ++oo) {
-                const int o = g * 4 + oo; /* octet: k = 8o .. 8o+7 */
+                const int o = g * 4 + oo; /* octet: k = 8o .. 8o+7, quads 2o and 2o + 1 */
+                const uint32_t *au = a + (size_t)(2 * o) * R * 2, *av = au + R * 2;
                 for (int c = 0; c < CB; ++c) {
                     const __m512i v = _mm512_loadu_si512(w->codes + ((size_t)bl[c] * (w->k / 8) + o) * 64);
                     const __m512i lo = _mm512_and_si512(v, nib);
                     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
                     for (int r = 0; r < R; ++r) {
-                        const size_t i = (size_t)(r0 + r) * ldq + 2 * o;
-                        s1[r][c] = dpb(s1[r][c], lo, w->q1[i]);
-                        s1[r][c] = dpb(s1[r][c], hi, w->q1[i + 1]);
-                        s2[r][c] = dpb(s2[r][c], lo, w->q2[i]);
-                        s2[r][c] = dpb(s2[r][c], hi, w->q2[i + 1]);
+                        s1[r][c] = dpb(s1[r][c], lo, au[2 * r]);
+                        s1[r][c] = dpb(s1[r][c], hi, av[2 * r]);
+                        s2[r][c] = dpb(s2[r][c], lo, au[2 * r + 1]);
+                        s2[r][c] = dpb(s2[r][c], hi, av[2 * r + 1]);
                     }
                 }
             }
@@ -108,12 +112,12 @@ ALWAYS_INLINE void vtile(const vweights_t *w, int r0, const int R, const int *bl
             const __m512 z = INT8 ? _mm512_setzero_ps() : _mm512_loadu_ps(w->zeros + off);
             const __m512i zi = INT8 ? _mm512_loadu_si512(w->zeros + off) : _mm512_setzero_si512();
             for (int r = 0; r < R; ++r) {
-                const size_t i = (size_t)(r0 + r) * groups + g;
+                const float *dx = ds + ((size_t)g * R + r) * 2; /* d / 256, X */
                 __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(s1[r][c], 8), s2[r][c]);
                 if (INT8) sum = _mm512_sub_epi32(sum, zi); /* exact: |S| < 2^28 */
-                const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(w->d[i]));
+                const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(dx[0]));
                 acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r][c]);
-                if (!INT8) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(w->xsum[i]), z, acc[r][c]);
+                if (!INT8) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(dx[1]), z, acc[r][c]);
             }
         }
     }
@@ -140,30 +144,36 @@ static const int VWIDTH[VMAX_ROWS + 1] = {0, 4, 2, 2, 2, 1, 1, 1, 1};
 static const vtile_fn VONE[2][5] = {{0, vtile_1_1_0, vtile_2_1_0, vtile_3_1_0, vtile_4_1_0},
                                     {0, vtile_1_1_1, vtile_2_1_1, vtile_3_1_1, vtile_4_1_1}};
 
-/* Quantize one row's groups (see the header): q1, q2 as packed s8 quads (u8 = s8 + 128 for
- * int8 weights), d and the fp32 group sums (lanes 0-15 added to lanes 16-31, then the 16
- * lanes reduced in the fixed order of _mm512_reduce_add_ps: the same for every row). */
-static void quantize_row(const float *x, int k, int offset, uint8_t *q1, uint8_t *q2, float *d, float *xsum) {
+/* Quantize one row's groups (see the header) into its chunk: the quads of q1 and q2 (s8, or
+ * u8 = s8 + 128 for int8 weights) at act[2 (u R)], act[2 (u R) + 1] for quad u, and d / 256, X
+ * at ds[2 (g R)], ds[2 (g R) + 1] for group g (act, ds point at the row's first entries; R the
+ * chunk's rows). X adds lanes 0-15 to lanes 16-31, then the 16 lanes in the fixed order of
+ * _mm512_reduce_add_ps: the same for every row. */
+static void quantize_row(const float *x, int k, int offset, int R, uint32_t *act, float *ds) {
     const __m512 lim = _mm512_set1_ps(127.0f), nlim = _mm512_set1_ps(-127.0f);
     const __m512i off = _mm512_set1_epi32(offset);
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int g = 0; g < k / 32; ++g) {
         const __m512 a0 = _mm512_loadu_ps(x + g * 32), a1 = _mm512_loadu_ps(x + g * 32 + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
-        xsum[g] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
         const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         const __m512 vstep = _mm512_set1_ps(step), vinv = _mm512_set1_ps(inv), vinv2 = _mm512_set1_ps(inv * 256.0f);
         for (int h = 0; h < 2; ++h) {
             const __m512 a = h ? a1 : a0;
-            const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
             __m512 u = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, vinv), rn), nlim), lim);
             __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_fnmadd_ps(u, vstep, a), vinv2), rn);
             v = _mm512_min_ps(_mm512_max_ps(v, nlim), lim);
-            _mm_storeu_si128((__m128i *)(q1 + g * 32 + h * 16),
-                             _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(u), off)));
-            _mm_storeu_si128((__m128i *)(q2 + g * 32 + h * 16),
-                             _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), off)));
+            uint32_t b1[4], b2[4];
+            _mm_storeu_si128((__m128i *)b1, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(u), off)));
+            _mm_storeu_si128((__m128i *)b2, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), off)));
+            for (int t = 0; t < 4; ++t) {
+                const size_t quad = (size_t)g * 8 + h * 4 + t;
+                act[quad * R * 2] = b1[t];
+                act[quad * R * 2 + 1] = b2[t];
+            }
         }
-        d[g] = step / 256.0f; /* exact: a power-of-two division */
+        ds[(size_t)g * R * 2] = step / 256.0f; /* exact: a power-of-two division */
+        ds[(size_t)g * R * 2 + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
     }
 }
 
@@ -173,23 +183,28 @@ int stencil_vnni_gemm(const float *x, int m, int k, const uint8_t *codes, const 
                       int planes, int nblocks, const int *blocks, int nb, float *y, int ldy, int threads) {
     if (m <= 0 || k <= 0 || k % 32 || (planes != 0 && planes != 1) || nb <= 0) return -1;
     const int groups = k / 32;
-    uint8_t *q = malloc((size_t)m * k * 2);
-    float *ds = malloc(sizeof(float) * (size_t)m * groups * 2);
-    if (!q || !ds) {
-        free(q);
+    const int chunks = (m + VMAX_ROWS - 1) / VMAX_ROWS;
+    const int last = m - (chunks - 1) * VMAX_ROWS;
+    /* Row chunks of VMAX_ROWS rows (the last one smaller), each chunk's activations interleaved
+     * by row, so that a tile reads every row's quads at fixed offsets from one pointer. */
+    const size_t rows_alloc = (size_t)chunks * VMAX_ROWS;
+    uint32_t *act = malloc(sizeof(uint32_t) * rows_alloc * (k / 4) * 2);
+    float *ds = malloc(sizeof(float) * rows_alloc * groups * 2);
+    if (!act || !ds) {
+        free(act);
         free(ds);
         return -1;
     }
     const int offset = planes == 0 ? 128 : 0;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) if (threads > 1 && m >= 16)
-    for (int r = 0; r < m; ++r)
-        quantize_row(x + (size_t)r * k, k, offset, q + (size_t)r * k, q + (size_t)(m + r) * k,
-                     ds + (size_t)r * groups, ds + (size_t)(m + r) * groups);
-    vweights_t w = {codes, scales, zeros, (const uint32_t *)q, (const uint32_t *)(q + (size_t)m * k),
-                    ds, ds + (size_t)m * groups, nblocks, k};
+    for (int r = 0; r < m; ++r) {
+        const int ch = r / VMAX_ROWS, rows = ch == chunks - 1 ? last : VMAX_ROWS, rr = r % VMAX_ROWS;
+        quantize_row(x + (size_t)r * k, k, offset, rows,
+                     act + (size_t)ch * VMAX_ROWS * (k / 4) * 2 + (size_t)rr * 2,
+                     ds + (size_t)ch * VMAX_ROWS * groups * 2 + (size_t)rr * 2);
+    }
+    vweights_t w = {codes, scales, zeros, act, ds, nblocks, k};
     const int i8 = planes == 0; /* table index: 0 = int4 weights, 1 = int8 */
-    const int chunks = (m + VMAX_ROWS - 1) / VMAX_ROWS;
-    const int last = m - (chunks - 1) * VMAX_ROWS;
     (void)threads;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads > 0 ? threads : 1) if (threads > 1)
     for (int b = 0; b < nb; ++b)
@@ -205,7 +220,7 @@ int stencil_vnni_gemm(const float *x, int m, int k, const uint8_t *codes, const 
             else
                 for (int c = 0; c < count; ++c) VONE[i8][rows](&w, r0, ids + c, 16 * (b + c), y, ldy);
         }
-    free(q);
+    free(act);
     free(ds);
     return 0;
 }
