@@ -10,7 +10,8 @@
  * Activations (per row, per group of 32 inputs, as llama.cpp's Q8 activation blocks, with a
  * second term for the residual): d = max|x_g| / 127, q1 = round(x / d) in -127..127,
  * q2 = clamp(round((x - d q1) / (d / 256)), -127, 127); so x = d (q1 + q2 / 256) + e with
- * |e| <= d / 512 = max|x_g| / 65024 (|x - d q1| <= d / 2 = 128 (d / 256)). That is finer than
+ * |e| <= d / 256 = max|x_g| / 32512 (|x - d q1| <= d / 2 = 128 (d / 256): half a step of q2,
+ * or one where the clamp to 127 bites; tests/test_quant.py pins the bound). That is finer than
  * bf16 rounding of the large entries (relative 2^-9) and keeps a product's error near that of
  * the bf16 kernel. X_g = the fp32 sum of the group's x (in order) carries the weights' zeros.
  *
