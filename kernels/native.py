@@ -8,8 +8,8 @@ change with batching, chunking or speculation):
   and group of 32 to two int8 terms (error at most the group's max / 32512) and multiplied with
   VPDPBUSD, for every row of a step, prompt rows included; else (``csrc/int4_gemm.c``) they are
   rounded to bf16 and multiplied with VDPBF16PS. On this project's Xeons VPDPBUSD issues about
-  three times as often as VDPBF16PS, and the two-term product is both faster (about 2x on
-  SmolLM2's shapes, 1-256 rows) and closer to fp32 (about 50x) than the bf16 one.
+  three times as often as VDPBF16PS, and the two-term product is both faster (1.5-2.7x on
+  SmolLM2's shapes, 1-256 rows) and closer to fp32 (about 40x) than the bf16 one.
   ``STENCIL_VNNI=0`` keeps the bf16 kernel;
 * ``paged_attention`` (``csrc/attention.c``): causal attention over the paged fp32 or bf16
   K/V cache, the ``"cpu"`` attention backend (``kernels.cpu``).
