@@ -37,6 +37,12 @@ fp32 dot product, ``|y - x_bf16 @ W.T| <= (K + 4) 2^-24 A`` (pinned by ``tests/t
 and a row's result never depends on the batch. It is about twice as fast as torch's kernel at
 any row count on SmolLM2's shapes (576 -> 1536: 1 row 14 vs 25 us, 20 rows 102 vs 206 us),
 because torch's multiplies 4 rows at a time with fp32 FMAs.
+
+Where the CPU also has AVX512-VNNI, ``kernels.native`` multiplies with int8 activations instead
+(``kernels/csrc/vnni_gemm.c``): each row's fp32 activations become two int8 terms per group of
+32 (error at most the group's max / 32512), multiplied by the codes exactly in int32, then
+scaled in fp32 in a fixed order. It is again batch-invariant, 1.5-2.7x faster than the bf16
+kernel, and about 40x closer to the exact product; prompt rows then take it too (no dense copy).
 """
 
 from __future__ import annotations
