@@ -129,7 +129,7 @@ def _prompt_route(prompt_weights: str):
         raise ValueError(f"prompt_weights must be auto, bf16 or int4, got {prompt_weights!r}")
     # "auto": a dense bf16 copy for prompt rows where bf16 GEMMs are native, unless the int8
     # activation kernel (AVX512-VNNI, kernels.native) runs here: it reads prompts faster than
-    # oneDNN's bf16 GEMM (256 rows of 576 -> 3072: 4.2 vs 6.4 ms on 2 cores) and needs no copy.
+    # oneDNN's bf16 GEMM (256 rows of 576 -> 3072: 4.1 vs 6.8 ms on 2 cores, `bench cpu_kernels`) and needs no copy.
     from kernels import native
 
     dense = prompt_weights == "bf16" or (prompt_weights == "auto" and cpu_has_bf16_gemm()
