@@ -259,8 +259,7 @@ class Int4Linear(nn.Module):
         return self.native.num_blocks * 16 if self.native is not None else self.packed[0].shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in] -> [N, out] in x.dtype
-        # The VNNI kernel quantizes fp32 activations itself; the others read bf16.
-        xq = x if self.native is not None and self.native.vnni else x.to(torch.bfloat16).contiguous()
+        xq = self._kernel_input(x)
         dense = None if self.route is None else self.route.dense
         if dense is None:
             return self._int4(xq).to(x.dtype)
@@ -271,6 +270,11 @@ class Int4Linear(nn.Module):
         y[dense] = self._dense(xb[dense]).to(x.dtype)
         y[self.route.quant] = self._int4(xq[self.route.quant]).to(x.dtype)
         return y
+
+    def _kernel_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the int4 kernel reads: the VNNI kernel quantizes fp32 activations itself, the
+        others read contiguous bf16."""
+        return x if self.native is not None and self.native.vnni else x.to(torch.bfloat16).contiguous()
 
     def _dense(self, xb: torch.Tensor) -> torch.Tensor:  # bf16 [N, in] -> fp32 [N, out]
         y = F.linear(xb, self.dense).float()
@@ -305,7 +309,7 @@ class Int4Linear(nn.Module):
         if n_pad % COLUMN_BLOCK:
             raise ValueError(f"{n_pad} output rows are not a multiple of {COLUMN_BLOCK}")
         rows = block_columns(blocks)
-        xb = x if self.native is not None and self.native.vnni else x.to(torch.bfloat16).contiguous()
+        xb = self._kernel_input(x)
         if self.native is not None:
             y = self.native.matmul(xb, block_columns(blocks, COLUMN_BLOCK // 16))
         else:
