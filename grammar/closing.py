@@ -23,7 +23,8 @@ true upper bound for every vocabulary kind.
 Intersections (``&``: a pattern with length bounds or a format) are product automata of their two
 operands, built when the grammar's automaton is; above ``_MAX_PRODUCT`` pairs (a URI format under a
 long ``maxLength``) the grammar is not modelled (``ClosingUnsupported``), nor above
-``MAX_NFA_STATES``: such grammars are served without budget-aware masks.
+``MAX_NFA_STATES``: such grammars are served without budget-aware masks. So are complements
+(``a & ~b``, from ``not: {pattern}``): their right side would have to be determinized.
 """
 
 from __future__ import annotations
@@ -233,6 +234,8 @@ class _Builder:
                 kind, number = names[name]
                 if kind == "and":
                     return self._product(*number)
+                if kind == "minus":  # a complement would need the right side determinized
+                    raise ClosingUnsupported("a complement (not: pattern) is not modelled")
                 callee = self.refs.get((kind, number))
                 if callee is None:
                     raise ClosingUnsupported(f"unknown {kind} {number}")
@@ -283,7 +286,7 @@ def _mark(text: str) -> tuple[str, dict[str, tuple]]:
                 c = text[k]
                 if c == "\ue004":
                     depth += 1
-                elif c == "\ue005" and depth == 1:
+                elif c in "\ue005\ue007" and depth == 1:
                     mid = k
                 elif c == "\ue006":
                     depth -= 1
@@ -291,7 +294,8 @@ def _mark(text: str) -> tuple[str, dict[str, tuple]]:
                         break
                 k += 1
             name = f"n{len(names)}"
-            names[name] = ("and", (text[j + 1:mid], text[mid + 1:k]))
+            kind = "and" if text[mid] == "\ue005" else "minus"
+            names[name] = (kind, (text[j + 1:mid], text[mid + 1:k]))
             out.append(text[i:j] + f"(?P<{name}>)")
             i = k + 1
         text = "".join(out)

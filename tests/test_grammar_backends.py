@@ -199,6 +199,51 @@ def test_pattern_with_length_or_format_is_an_exact_intersection(real_compilers, 
         to_program(GrammarSpec.json_schema(schema), grammar=False)
 
 
+def test_pattern_properties_beside_declared_names_and_disjoint_patterns(real_compilers, tokenizer):
+    _, lazy = real_compilers
+    # A pattern that also matches a declared name: that name takes both schemas, and the extra
+    # keys are the pattern's minus the declared names (an intersection: lazy only).
+    schema = {"type": "object", "properties": {"basic": {"type": "string"}},
+              "patternProperties": {".*": {"type": "string", "maxLength": 3}}, "additionalProperties": False}
+    g = lazy.compile(GrammarSpec.json_schema(schema))
+    for doc in ('{"basic":"abc"}', '{"x":"ab"}', '{"basic":"a","y":""}'):
+        assert _accepts(g, tokenizer, doc), doc
+    for doc in ('{"basic":"abcd"}', '{"x":"abcd"}', '{"x":1}', '{"basic":"a","basic":"b"}'):
+        assert not _accepts(g, tokenizer, doc), doc
+    with pytest.raises(GrammarError, match="declared property"):
+        to_program(GrammarSpec.json_schema(schema), grammar=False)
+    # Patterns with different literal prefixes never match one key together: each takes its own.
+    schema = {"type": "object", "additionalProperties": False,
+              "patternProperties": {"^name:(en|nl)$": {"type": "string"}, "^size:": {"type": "integer"}}}
+    g = lazy.compile(GrammarSpec.json_schema(schema))
+    for doc in ('{"name:en":"a","size:x":3}', '{}', '{"size:":1}'):
+        assert _accepts(g, tokenizer, doc), doc
+    for doc in ('{"name:en":3}', '{"size:x":"a"}', '{"name:fr":"a"}'):
+        assert not _accepts(g, tokenizer, doc), doc
+    with pytest.raises(GrammarError, match="match together"):
+        to_program(GrammarSpec.json_schema({"type": "object", "additionalProperties": False,
+                                            "patternProperties": {"^a": {"type": "string"}, "b$": {}}}))
+
+
+def test_not_pattern_is_a_complement_of_a_superset(real_compilers, tokenizer):
+    _, lazy = real_compilers
+    schema = {"type": "string", "minLength": 1, "not": {"pattern": "^[.,*\\-\\s{}()]+$"}}
+    prog = to_program(GrammarSpec.json_schema(schema))
+    assert not prog.regular and "& ~" in prog.lark()
+    g = lazy.compile(GrammarSpec.json_schema(schema))
+    for doc in ('"abc"', '"a."', '".a"'):
+        assert _accepts(g, tokenizer, doc), doc
+    for doc in ('""', '"..."', '" "', '"\u2003"', '"-(*)"'):
+        assert not _accepts(g, tokenizer, doc), doc
+    # \d taken at its widest (every Unicode digit), so the complement never admits a match.
+    g = lazy.compile(GrammarSpec.json_schema({"type": ["string", "integer"],
+                                              "not": {"type": "string", "pattern": "\\d"}}))
+    for doc, ok in (('"abc"', True), ('5', True), ('"a1"', False), ('"a\u0663"', False)):
+        assert _accepts(g, tokenizer, doc) is ok, doc
+    with pytest.raises(GrammarError, match="not"):  # a regex alone cannot say it
+        to_program(GrammarSpec.json_schema(schema), grammar=False)
+
+
 def test_flexible_whitespace_inside_enum_object_literals(real_compilers, tokenizer):
     _, lazy = real_compilers
     spec = GrammarSpec.json_schema({"enum": [{"a": True, "b": [1, 2]}, "x"]}, whitespace="flexible")

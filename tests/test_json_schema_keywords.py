@@ -298,6 +298,60 @@ def test_one_of_exactly_one_required_set_and_merged_discriminators():
                                    {"type": "object", "properties": {"b": {"type": "string"}}}]})
 
 
+def test_one_of_finite_branches_empty_objects_and_nested_unions():
+    # A finite branch beside infinite ones: its values are decided one by one, and the other
+    # branches are written without them ({} minus three strings: the trie complement).
+    _check({"oneOf": [{"enum": ["nano", "vim", 3]}, {"type": "string"}]},
+           ['3', '"emacs"', '""'], ['"nano"', '"vim"', '4', 'null'])
+    _check({"oneOf": [{"enum": ["any"]}, {"type": "string", "pattern": "^[0-9 x]+$"}]},
+           ['"any"', '"3 x 4"'], ['"anyx"', '"a"'])
+    # Closed objects with different keys meet only in {}, which two branches admit: oneOf
+    # rejects it, and each branch is written without it.
+    _check({"oneOf": [{"type": "object", "properties": {"key": {"type": "string"}}, "additionalProperties": False},
+                      {"type": "object", "properties": {"keys": {"type": "array", "items": {"type": "string"}}},
+                       "additionalProperties": False}]},
+           ['{"key":"a"}', '{"keys":["a"]}'], ['{}', '{"key":"a","keys":[]}'])
+    # ... and where one branch requires its key, {} belongs to the other alone.
+    _check({"oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                       "additionalProperties": False},
+                      {"type": "object", "properties": {"b": {"type": "integer"}}, "additionalProperties": False}]},
+           ['{"a":1}', '{"b":2}', '{}'], ['{"a":1,"b":2}'])
+    # Types through a $ref to another union; a required discriminator against a declared one.
+    _check({"$defs": {"strs": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}},
+            "oneOf": [{"$ref": "#/$defs/strs"},
+                      {"type": "object", "properties": {"p": {"type": "string"}}, "additionalProperties": False}]},
+           ['"x"', '["x"]', '{"p":"x"}', '{}'], ['1', '[1]'])
+    _check({"type": "object", "properties": {"when": {"type": "string"}, "at": {"type": "integer"}},
+            "oneOf": [{"properties": {"when": {"enum": ["delayed"]}}, "required": ["when", "at"]},
+                      {"properties": {"when": {"not": {"enum": ["delayed"]}}}}]},
+           ['{"when":"delayed","at":1}', '{"when":"now"}', '{}', '{"at":2}'],
+           ['{"when":"delayed"}', '{"when":"delayed","at":"x"}'])
+    # The branches of a union inside a branch: each is closed against the other branch's key.
+    _check({"oneOf": [{"type": "object", "properties": {"c": {"type": "null"}}, "required": ["c"],
+                       "additionalProperties": False},
+                      {"type": "object", "oneOf": [
+                          {"properties": {"and": {"type": "null"}}, "required": ["and"], "additionalProperties": False},
+                          {"properties": {"or": {"type": "null"}}, "required": ["or"], "additionalProperties": False}]}]},
+           ['{"c":null}', '{"and":null}', '{"or":null}'], ['{}', '{"c":null,"and":null}'])
+    with pytest.raises(GrammarError) as e:  # an infinite branch inside another: still refused
+        schema_to_regex({"oneOf": [{"type": "string", "pattern": "^a"}, {"type": "string"}]})
+    assert e.value.keyword == "oneOf"
+
+
+def test_one_of_of_recursive_references_stays_a_grammar():
+    from grammar.json_schema import schema_to_program
+
+    schema = {"$defs": {
+        "cond": {"type": "object", "oneOf": [{"$ref": "#/$defs/leaf"}, {"$ref": "#/$defs/all"}]},
+        "leaf": {"type": "object", "properties": {"is": {"type": "integer"}}, "required": ["is"],
+                 "additionalProperties": False},
+        "all": {"type": "object", "properties": {"all": {"type": "array", "items": {"$ref": "#/$defs/cond"}}},
+                "required": ["all"], "additionalProperties": False}},
+        "$ref": "#/$defs/cond"}
+    program = schema_to_program(schema)
+    assert program.kind == "lark"  # the references became rules, not an endless inlining
+
+
 def test_dependencies_as_absent_or_satisfied():
     props = {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "string"}}
     _check({"type": "object", "properties": props, "dependencies": {"a": ["b"]}},

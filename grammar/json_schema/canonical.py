@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from decimal import Decimal
 from typing import Callable
 
@@ -64,4 +65,17 @@ def order_keys(value: object, schema: object, view: Callable[[object, object], d
     order = list(props) + [r for r in required if r not in props]
     keys = [k for k in order if k in value] + [k for k in value if k not in order]
     addl = s.get("additionalProperties", True)
-    return {k: order_keys(value[k], props.get(k, addl), view, depth + 1) for k in keys}
+    patterns = s.get("patternProperties") if isinstance(s.get("patternProperties"), dict) else {}
+
+    def member_schema(k: str) -> object:
+        if k in props:
+            return props[k]
+        for p, sub in patterns.items():  # a key matching a pattern takes its schema
+            try:
+                if re.search(p, k):
+                    return sub
+            except re.error:
+                pass
+        return addl
+
+    return {k: order_keys(value[k], member_schema(k), view, depth + 1) for k in keys}

@@ -39,15 +39,17 @@ from grammar.json_schema import numbers as nr
 from grammar.base import MAX_REPEAT_COUNT, GrammarError, GrammarTimeout, Program
 from grammar.json_schema.arrays import compile_array
 from grammar.json_schema.canonical import canonical_json
-from grammar.json_schema.complement import NOT_STRINGS, ComplementError, complement
+from grammar.json_schema.complement import NOT_PATTERNS, NOT_STRINGS, ComplementError, complement
 from grammar.json_schema.merge import MergeError, json_key, merge
 from grammar.json_schema.multiples import multiple_rules
 from grammar.json_schema.objects import compile_object
-from grammar.json_schema.oneof import disjoint, exclusive_required, promote_discriminators
+from grammar.json_schema.oneof import (disjoint, exclusive_required, promote_discriminators,
+                                       without_empty_object)
 from grammar.json_schema.refs import RefResolver
-from grammar.json_schema.rules import REF_OPEN, expand, has_refs, is_empty, ref, term_ref, to_lark
+from grammar.json_schema.rules import REF_OPEN, expand, has_refs, is_empty, minus, ref, term_ref, to_lark
 from grammar.json_schema.rx import Rx, alt, repeat, seq
-from grammar.json_schema.strings import ANY_CHAR, StringError, StringSpec, excluded_keys_regex, string_regex
+from grammar.json_schema.strings import (ANY_CHAR, StringError, StringSpec, excluded_keys_regex,
+                                        pattern_superset_regex, string_regex)
 
 MAX_MIN_LENGTH = MAX_REPEAT_COUNT  # most characters minLength may require (each is an automaton state)
 GRAMMAR_ANY_DEPTH = 3  # container nesting of free-form values in served programs
@@ -201,7 +203,10 @@ class SchemaCompiler:
         """Regex of ``schema`` at JSON pointer ``path``; None when it admits nothing."""
         if self.opts.deadline is not None and time.monotonic() > self.opts.deadline:
             raise GrammarTimeout("schema compilation exceeded its time limit")
-        out = self._sub(schema, path, only_types)
+        return self._finish(self._sub(schema, path, only_types), path)
+
+    def _finish(self, out: Rx, path: str) -> Rx:
+        """``sub``'s last step: a terminal in grammar mode, and the size limit."""
         if out is not None and self.opts.grammar:
             out = self.term(out)
         if out is not None:
@@ -315,12 +320,15 @@ class SchemaCompiler:
             return self.any_value()
         return self._typed({"type": list(only_types)}, "#", None)
 
-    def _ref(self, schema: dict, path: str, only_types) -> Rx:
+    def _ref(self, schema: dict, path: str, only_types, extra: dict | None = None) -> Rx:
+        """``schema`` (a ``$ref``, with its siblings) and, when given, ``extra`` (a schema the
+        value must also satisfy: ``allOf: [schema, extra]`` that keeps the reference a
+        reference, so that a recursive one becomes a rule instead of being inlined)."""
         base = self.resolver.base_of(schema, self.resolver.root_base)
         target = self.resolver.resolve(schema["$ref"], base, path)
         key = target.pointer if target.base == self.resolver.root_base else target.base + target.pointer
         if self.opts.grammar:
-            return self._ref_rule(schema, target, key, only_types)
+            return self._ref_rule(schema, target, key, only_types, extra)
         count = self.ref_depth.get(key, 0)
         if count > self.opts.max_recursion_depth:
             return None  # recursion unrolled far enough: this branch admits nothing more
@@ -328,13 +336,15 @@ class SchemaCompiler:
         resolved = target.schema
         if siblings and not self.old_draft and any(k in _ASSERTIONS for k in siblings):
             resolved = {"allOf": [resolved, siblings]}
+        if extra:
+            resolved = {"allOf": [resolved, extra]}
         self.ref_depth[key] = count + 1
         try:
             return self.sub(resolved, target.pointer, only_types)
         finally:
             self.ref_depth[key] = count
 
-    def _ref_rule(self, schema: dict, target, key: str, only_types) -> Rx:
+    def _ref_rule(self, schema: dict, target, key: str, only_types, extra: dict | None = None) -> Rx:
         """Grammar mode: a ``$ref`` met again while its target is being compiled on the same path
         becomes a reference to a rule (``rules.ref``), whose body is the target's regex; other
         references are inlined as in regex mode. Exact: nothing is unrolled or cut."""
@@ -342,8 +352,11 @@ class SchemaCompiler:
         resolved = target.schema
         if siblings and not self.old_draft and any(k in _ASSERTIONS for k in siblings):
             resolved = {"allOf": [resolved, siblings]}
-        rule_key = json.dumps([key, siblings if resolved is not target.schema else None,
-                               list(only_types) if only_types else None], sort_keys=True, default=str)
+        own = siblings if resolved is not target.schema else None
+        if extra:
+            resolved = {"allOf": [resolved, extra]}
+        rule_key = json.dumps([key, own, list(only_types) if only_types else None, extra or None],
+                              sort_keys=True, default=str)
         number = self.rule_ids.get(rule_key)
         if number is not None and (number in self.rules or rule_key in self.in_progress):
             if rule_key in self.in_progress:
@@ -428,22 +441,40 @@ class SchemaCompiler:
                 merged = b
             branches.append(merged)
         finite = [self._finite_values_deep(b, path) for b in branches]
+        values, seen = [], set()
+        for v in (v for f in finite if f is not None for v in f):
+            if json_key(v) not in seen:
+                seen.add(json_key(v))
+                values.append(v)
+        # The values of finite branches are decided one by one: kept when they validate against
+        # exactly one branch (finite or not).
+        kept = [v for v in values if sum(self.value_valid(v, b) for b in branches) == 1]
         if all(f is not None for f in finite):
-            # Finite branches: keep the values that validate against exactly one of them.
-            values, seen = [], set()
-            for v in (v for f in finite for v in f):
-                if json_key(v) not in seen:
-                    seen.add(json_key(v))
-                    values.append(v)
-            kept = [v for v in values if sum(self.value_valid(v, b) for b in branches) == 1]
             return self._enum({}, path, only_types, kept) if kept else None
-        branches = promote_discriminators(self, branches)
-        for i in range(len(branches)):
-            for j in range(i + 1, len(branches)):
-                if not disjoint(self, branches[i], branches[j]):
+        # Every other instance can only match the infinite branches, so those must be pairwise
+        # disjoint; each is written without the finite values (decided above).
+        index = [i for i, f in enumerate(finite) if f is None]
+        infinite = without_empty_object(self, [branches[i] for i in index])
+        infinite = promote_discriminators(self, infinite)
+        for a in range(len(infinite)):
+            for b in range(a + 1, len(infinite)):
+                if not disjoint(self, infinite[a], infinite[b]):
                     self.unsupported("oneOf", f"{path}/oneOf",
-                                     f"branches {i} and {j} may both match")
-        return alt([self.sub(b, f"{path}/oneOf/{i}", only_types) for i, b in enumerate(branches)])
+                                     f"branches {index[a]} and {index[b]} may both match")
+        parts = [self._enum({}, path, only_types, kept)] if kept else []
+        for i, b in zip(index, infinite):
+            inside = [v for v in values if self.value_valid(v, b)]
+            if inside:
+                b = {"allOf": [b, {"not": {"enum": inside}}]}
+            raw = schema["oneOf"][i]
+            if b is branches[i] and isinstance(raw, dict) and isinstance(raw.get("$ref"), str):
+                # Unchanged: compile the reference as a reference (merging inlined it, and a
+                # recursive one would be inlined without end), with the siblings of ``oneOf``.
+                where = f"{path}/oneOf/{i}"
+                parts.append(self._finish(self._ref(raw, where, only_types, rest or None), where))
+                continue
+            parts.append(self.sub(b, f"{path}/oneOf/{i}", only_types))
+        return alt(parts)
 
     def _not(self, schema: dict, path: str) -> dict | None:
         neg = self._deref(schema["not"], f"{path}/not")
@@ -476,6 +507,11 @@ class SchemaCompiler:
                 reason = exc.message
             else:
                 return {**rest, "anyOf": parts} if parts else None
+        if (self.opts.grammar and isinstance(neg, dict) and isinstance(neg.get("pattern"), str)
+                and set(neg) <= {"pattern", "type"} | _ANNOTATIONS and neg.get("type", "string") == "string"):
+            # Any value but the strings matching a pattern: the strings are written minus a
+            # superset of those (llguidance's ``& ~``, lazy only); other types are untouched.
+            return {**rest, NOT_PATTERNS: [*rest.get(NOT_PATTERNS, []), neg["pattern"]]}
         if isinstance(neg, dict) and set(neg) <= {"required"} | _ANNOTATIONS and len(neg["required"]) == 1:
             name = neg["required"][0]
             props = dict(rest.get("properties", {}))
@@ -577,6 +613,15 @@ class SchemaCompiler:
     def _string(self, schema: dict, path: str) -> Rx:
         if NOT_STRINGS in schema:
             return excluded_keys_regex(schema[NOT_STRINGS])
+        if NOT_PATTERNS in schema:
+            out = self._string({k: v for k, v in schema.items() if k != NOT_PATTERNS}, path)
+            for pattern in schema[NOT_PATTERNS]:
+                try:
+                    out = minus(out, pattern_superset_regex(pattern))
+                except StringError as exc:
+                    self.unsupported("not", f"{path}/not/pattern", f"keyword 'not' cannot be enforced "
+                                     f"exactly ({exc.message})")
+            return out
         fmt = schema.get("format") if isinstance(schema.get("format"), str) else None
         hi = schema.get("maxLength")
         lo = schema.get("minLength", 0)

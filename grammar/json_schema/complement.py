@@ -15,6 +15,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 NOT_STRINGS = "x-stencil-not-strings"  # internal: a string type minus these values (from `not`)
+NOT_PATTERNS = "x-stencil-not-patterns"  # internal: strings matching none of these patterns (from `not`)
 MAX_NUMBERS = 16  # most excluded numbers (each splits a range in two)
 
 

@@ -13,6 +13,8 @@ import json
 import math
 from decimal import Decimal
 
+from grammar.json_schema.complement import NOT_PATTERNS
+
 
 class MergeError(ValueError):
     def __init__(self, keyword: str, message: str):
@@ -160,6 +162,8 @@ def merge(a: object, b: object) -> object:
     out: dict = {}
     for source in (b, a):  # a's annotations win
         out.update({k: v for k, v in source.items() if k not in _HANDLED})
+    if NOT_PATTERNS in a or NOT_PATTERNS in b:  # both sides' excluded patterns
+        out[NOT_PATTERNS] = [*a.get(NOT_PATTERNS, []), *b.get(NOT_PATTERNS, [])]
     types = _intersect_types(types_of(a), types_of(b))
     if types is not None:
         out["type"] = types

@@ -13,6 +13,7 @@ import re
 from typing import TYPE_CHECKING
 
 from grammar.json_schema import charset as cs
+from grammar.json_schema.rules import both
 from grammar.json_schema.rx import Rx, alt, opt, seq
 from grammar.json_schema.strings import excluded_keys_regex
 
@@ -154,27 +155,95 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
         c.unsupported("patternProperties", path, "patternProperties with open additionalProperties")
         return None
     if patterns:
-        if len(patterns) > 1:
-            c.unsupported("patternProperties", path, "several patternProperties")
+        names = list(patterns)
+        if any(not _disjoint_patterns(a, b) for i, a in enumerate(names) for b in names[i + 1:]):
+            # A key matching two patterns takes both schemas: not written without complements.
+            c.unsupported("patternProperties", path, "several patternProperties that a key may "
+                          "match together (exact only for patterns with different literal "
+                          "prefixes, such as ^a and ^b)")
             return None
-        (pattern, schema), = patterns.items()
-        key = c.string_for({"type": "string", "pattern": pattern}, f"{path}/patternProperties")
-        value = c.sub(schema, f"{path}/patternProperties/{_escape(pattern)}")
-        if key is not None and any(re.fullmatch(key, _key_literal_text(n)) for n in declared):
-            c.unsupported("patternProperties", path, "pattern matches a declared property")
-            return None
-        parts.append(seq(key, colon, value))
+        for pattern, schema in patterns.items():
+            key = c.string_for({"type": "string", "pattern": pattern}, f"{path}/patternProperties")
+            value = c.sub(schema, f"{path}/patternProperties/{_escape(pattern)}")
+            key = _without_declared(c, key, declared, "patternProperties", path,
+                                    "pattern matches a declared property")
+            if key is None or value is None:
+                continue
+            parts.append(seq(key, colon, value))
     elif addl is not False:
         if names_schema is not True:
             key = c.string_for(names_schema, f"{path}/propertyNames")
-            if key is not None and any(re.fullmatch(key, _key_literal_text(n)) for n in declared):
-                c.unsupported("propertyNames", path, "property names overlap declared ones")
+            key = _without_declared(c, key, declared, "propertyNames", path,
+                                    "property names overlap declared ones")
+            if key is None:
                 return None
         else:
             key = c._share(excluded_keys_regex(declared)) if declared else _ANY_KEY
         value = c.sub(addl, f"{path}/additionalProperties")
         parts.append(seq(key, colon, value))
     return alt(parts)
+
+
+_META = set(".^$*+?{}[]|()\\")
+
+
+def _literal_prefix(pattern: str) -> str | None:
+    """The characters every string matching ``pattern`` (``re.search``) starts with, when the
+    pattern is anchored by a leading ``^`` and has no top-level alternation; else None."""
+    if not pattern.startswith("^"):
+        return None
+    i, prefix = 1, []
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
+            prefix.append(pattern[i + 1])
+            i += 2
+            continue
+        if ch in _META:
+            break
+        prefix.append(ch)
+        i += 1
+    if i < len(pattern) and pattern[i] in "*?{" and prefix:
+        prefix.pop()  # the last character is quantified: it may be absent
+    depth, k, in_class = 0, i, False
+    while k < len(pattern):  # a top-level "|" would end the anchor's reach
+        ch = pattern[k]
+        if ch == "\\":
+            k += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            return None
+        k += 1
+    return "".join(prefix)
+
+
+def _disjoint_patterns(a: str, b: str) -> bool:
+    """True only if no string matches both patterns: anchored, with literal prefixes that differ
+    (neither is a prefix of the other)."""
+    pa, pb = _literal_prefix(a), _literal_prefix(b)
+    return bool(pa) and bool(pb) and not pa.startswith(pb) and not pb.startswith(pa)
+
+
+def _without_declared(c: "SchemaCompiler", key: Rx, declared: list[str], keyword: str, path: str,
+                      message: str) -> Rx:
+    """The key regex of additional members, minus the declared names (those take their own
+    schema): unchanged when it matches none of them; otherwise, in grammar mode, its
+    intersection with "any key but these" (llguidance's ``&``: lazy backend only), else a
+    refusal naming ``keyword``."""
+    if key is None or not any(re.fullmatch(key, _key_literal_text(n)) for n in declared):
+        return key
+    if c.opts.grammar:
+        return both(key, c._share(excluded_keys_regex(declared)))
+    c.unsupported(keyword, path, message)
+    return None
 
 
 def _key_literal_text(name: str) -> str:

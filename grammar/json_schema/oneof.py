@@ -1,9 +1,12 @@
 """Sufficient tests that two schemas admit no common instance (for exact ``oneOf``).
 
 ``oneOf`` equals ``anyOf`` exactly when its branches are pairwise disjoint (2020-12 §10.2.1.3).
-We prove disjointness by: disjoint type sets; finite value sets (``enum``/``const``) of one
-branch that the other rejects (checked with ``jsonschema``); or a property required by both
-whose subschemas are disjoint (a discriminator), or required by one and forbidden by the other.
+We prove disjointness by: disjoint type sets (through ``$ref``, ``allOf``, ``anyOf`` and
+``oneOf``); finite value sets (``enum``/``const``) of one branch that the other rejects (checked
+with ``jsonschema``); a property required by both whose subschemas are disjoint (a
+discriminator), or required by one and forbidden by the other; or objects that write only keys
+the other branch forbids (closed objects with different keys), when the empty object is not
+common to both. ``without_empty_object`` removes that last overlap where it is the only one.
 An ``allOf`` is merged first, so a discriminator written as ``{"allOf": [{"type": "string"},
 {"enum": [...]}]}`` (what merging a branch into its parent gives) still counts. When no proof is
 found the caller fails closed.
@@ -29,8 +32,22 @@ _IMPLIED = {
 }
 
 
-def possible_types(s: object) -> set[str]:
-    """Types an instance of ``s`` may have, by its ``type`` keyword (all when absent)."""
+_MAX_DEPTH = 6  # how deep the tests below look through $ref and combinators
+
+
+def _branches(c: "SchemaCompiler | None", s: dict, key: str) -> list:
+    """The members of ``s[key]`` (a list keyword), each with its top-level ``$ref`` inlined."""
+    members = s.get(key)
+    if not isinstance(members, list):
+        return []
+    return [c._deref(m, "#") if c is not None else m for m in members]
+
+
+def possible_types(s: object, c: "SchemaCompiler | None" = None, depth: int = 0) -> set[str]:
+    """Types an instance of ``s`` may have, by its ``type`` keyword (all when absent); with the
+    compiler ``c``, also through ``$ref`` and the branches of ``allOf``/``anyOf``/``oneOf``."""
+    if c is not None:
+        s = c._deref(s, "#")
     if not isinstance(s, dict):
         return set() if s is False else set(_ALL)
     if "enum" in s or "const" in s:
@@ -38,9 +55,14 @@ def possible_types(s: object) -> set[str]:
         out = {_json_type(v) for v in _enum_values(s)}
         return out | ({"number"} if "integer" in out else set())
     t = s.get("type")
-    if t is None:
-        return set(_ALL)
-    out = {t} if isinstance(t, str) else set(t)
+    out = set(_ALL) if t is None else ({t} if isinstance(t, str) else set(t))
+    if c is not None and depth < _MAX_DEPTH:
+        for m in _branches(c, s, "allOf"):
+            out &= possible_types(m, c, depth + 1)
+        for key in ("anyOf", "oneOf"):
+            members = _branches(c, s, key)
+            if members:
+                out &= set().union(*(possible_types(m, c, depth + 1) for m in members))
     if "integer" in out:
         out.add("number")
     if "number" in out:
@@ -48,38 +70,110 @@ def possible_types(s: object) -> set[str]:
     return out
 
 
-def _forbids(s: dict, name: str) -> bool:
-    props = s.get("properties", {})
+def _forbids(s: object, name: str, c: "SchemaCompiler | None" = None, depth: int = 0) -> bool:
+    """Whether no object that validates against ``s`` has key ``name`` (sufficient test)."""
+    if c is not None:
+        s = c._deref(s, "#")
+    if s is False:
+        return True
+    if not isinstance(s, dict):
+        return False
+    props = s.get("properties", {}) if isinstance(s.get("properties"), dict) else {}
     if name in props:
-        return props[name] is False
-    return s.get("additionalProperties", True) is False and not s.get("patternProperties")
+        if props[name] is False:
+            return True
+    elif s.get("additionalProperties", True) is False and not s.get("patternProperties"):
+        return True
+    if c is None or depth >= _MAX_DEPTH:
+        return False
+    if any(_forbids(m, name, c, depth + 1) for m in _branches(c, s, "allOf")):
+        return True
+    for key in ("anyOf", "oneOf"):
+        members = _branches(c, s, key)
+        if members and all(_forbids(m, name, c, depth + 1) for m in members):
+            return True
+    return False
 
 
-def generated_types(s: object) -> set[str]:
+def generated_types(s: object, c: "SchemaCompiler | None" = None) -> set[str]:
     """Types of the instances the grammar writes for ``s`` (keywords imply a missing ``type``)."""
     if isinstance(s, dict) and "type" not in s and "enum" not in s and "const" not in s:
         implied = {t for t, kws in _IMPLIED.items() if any(k in s for k in kws)}
         if implied:
             return implied
-    return possible_types(s)
+    return possible_types(s, c)
+
+
+_SIMPLE_OBJECT = {"type", "properties", "required", "additionalProperties", "minProperties",
+                  "maxProperties", "propertyNames"}
+
+
+def _written_keys(c: "SchemaCompiler", s: dict) -> list[str] | None:
+    """The keys the grammar may write in an object of ``s`` when they are all declared, else
+    None: ``additionalProperties: false`` (every written instance validates, so has no other
+    key), or an object of plain keywords whose ``additionalProperties`` is absent (the grammar
+    then writes no undeclared key, see ``grammar.json_schema``)."""
+    if s.get("patternProperties"):
+        return None
+    props = s.get("properties", {})
+    if not isinstance(props, dict):
+        return None
+    addl = s.get("additionalProperties")
+    if addl is False or (addl is None and props and not c.opts.extra_properties
+                         and set(s) - _annotations() <= _SIMPLE_OBJECT):
+        return [n for n, v in props.items() if v is not False]
+    return None
+
+
+def _annotations() -> set[str]:
+    from grammar.json_schema.compiler import _ANNOTATIONS
+    return _ANNOTATIONS
+
+
+def _never_empty(s: dict) -> bool:
+    """Whether every object of ``s`` has a key (a required one, or ``minProperties``)."""
+    req = s.get("required")
+    return bool(isinstance(req, list) and req) or (s.get("minProperties") or 0) >= 1
 
 
 def _one_way(c: "SchemaCompiler", a: dict, b: dict, depth: int) -> bool:
     """True only if no instance the grammar writes for ``a`` validates against ``b``."""
-    ta = generated_types(a)
-    if not ta & possible_types(b):
+    ta = generated_types(a, c)
+    if not ta & possible_types(b, c):
         return True
     values = c._finite_values(a, "#")
     if values is not None and not any(c.value_valid(v, b) for v in values):
         return True
+    if depth < _MAX_DEPTH:
+        # An instance of a union is one of a branch; one of ``b`` validates a branch of ``b``.
+        for side in ("a", "b"):
+            s = a if side == "a" else b
+            for key in ("anyOf", "oneOf"):
+                members = _branches(c, s, key)
+                if not members:
+                    continue
+                rest = {k: v for k, v in s.items() if k != key}
+                parts = [_merged(c, {"allOf": [rest, m]}) if rest else m for m in members]
+                if all(p is False or (isinstance(p, dict) and (
+                        _one_way(c, p, b, depth + 1) if side == "a" else _one_way(c, a, p, depth + 1)))
+                       for p in parts):
+                    return True
     if ta <= {"object"}:
         pa, pb = a.get("properties", {}), b.get("properties", {})
         ra, rb = set(a.get("required", [])), set(b.get("required", []))
-        for name in ra & rb:
+        for name in ra | rb:
+            # One side requires ``name`` and both declare it with disjoint values: an instance of
+            # one either lacks it (failing the side that requires it) or has a value the other
+            # side rejects.
             if name in pa and name in pb and disjoint(c, pa[name], pb[name], depth + 1):
                 return True
-        if any(_forbids(b, n) for n in ra) or any(_never_writes(c, a, n) for n in rb):
+        if any(_forbids(b, n, c) for n in ra) or any(_never_writes(c, a, n) for n in rb):
             return True
+        keys = _written_keys(c, a)
+        if keys is not None and all(_forbids(b, n, c) for n in keys):
+            # Every key ``a`` writes is one ``b`` forbids: only the empty object can be common.
+            if _never_empty(a) or not c.value_valid({}, b):
+                return True
     return False
 
 
@@ -105,7 +199,7 @@ def promote_discriminators(c: "SchemaCompiler", branches: list) -> list:
     a subset of the schema (instances without the discriminator are not written), like the
     other documented restrictions of ``grammar.json_schema``.
     """
-    out = [dict(b) if isinstance(b, dict) else b for b in branches]
+    out = list(branches)  # a branch is copied only when it changes (callers compare identity)
     for i in range(len(out)):
         for j in range(i + 1, len(out)):
             a, b = out[i], out[j]
@@ -114,11 +208,29 @@ def promote_discriminators(c: "SchemaCompiler", branches: list) -> list:
             pa, pb = a.get("properties", {}), b.get("properties", {})
             for name in pa:
                 if name in pb and disjoint(c, pa[name], pb[name]):
-                    for branch in (a, b):
-                        req = list(branch.get("required", []))
+                    for k in (i, j):
+                        req = list(out[k].get("required", []))
                         if name not in req:
-                            branch["required"] = req + [name]
+                            out[k] = {**out[k], "required": req + [name]}
                     break
+    return out
+
+
+def without_empty_object(c: "SchemaCompiler", branches: list) -> list:
+    """Branches without the empty object, where at least two of them admit it.
+
+    ``{}`` then validates against two branches, so ``oneOf`` rejects it; leaving it out of every
+    branch that admits it (``minProperties: 1``) keeps the union exact. Done only when each of
+    those branches writes nothing but objects (``minProperties`` would make an untyped branch
+    object-only); otherwise the branches are returned unchanged.
+    """
+    empty = [i for i, b in enumerate(branches) if c.value_valid({}, b)]
+    if len(empty) < 2 or any(not isinstance(branches[i], dict)
+                             or not generated_types(branches[i], c) <= {"object"} for i in empty):
+        return branches
+    out = list(branches)
+    for i in empty:
+        out[i] = {**out[i], "minProperties": max(1, out[i].get("minProperties") or 0)}
     return out
 
 
@@ -135,6 +247,11 @@ def disjoint(c: "SchemaCompiler", a: object, b: object, depth: int = 0) -> bool:
     if not isinstance(a, dict) or not isinstance(b, dict):
         return False
     a, b = _merged(c, a), _merged(c, b)
+    for x, y in ((a, b), (b, a)):
+        # A finite branch: a common instance would be one of its values, and none validates.
+        values = c._finite_values_deep(x, "#")
+        if values is not None and not any(c.value_valid(v, y) for v in values):
+            return True
     return _one_way(c, a, b, depth) and _one_way(c, b, a, depth)
 
 

@@ -8,7 +8,8 @@ whose atoms are character sets, then emit each atom through ``schema_charset.jso
 
 Exactness: each atom carries a subset of Python's meaning (``\\d`` → ASCII digits, ``\\w`` →
 ASCII word characters; negations remove a superset), so the emitted language is a subset of
-what ``re.search`` accepts and never more. Python's ``$`` also matches before one final
+what ``re.search`` accepts and never more. With ``over=True`` each atom carries a superset instead
+(for ``not: {pattern}``, written as a complement of that superset). Python's ``$`` also matches before one final
 newline; that case is admitted. Lookaround, backreferences, word boundaries, inline flags
 and anchors in the middle raise ``PatternError``.
 """
@@ -99,9 +100,10 @@ _SIMPLE_ESCAPES = {"t": 9, "n": 10, "r": 13, "f": 12, "v": 11, "a": 7, "0": 0}
 
 
 class _Parser:
-    def __init__(self, text: str):
+    def __init__(self, text: str, over: bool = False):
         self.text = text
         self.i = 0
+        self.over = over  # atoms take their over-approximation (a superset of Python's meaning)
 
     def error(self, message: str) -> PatternError:
         return PatternError(message, self.i)
@@ -215,7 +217,7 @@ class _Parser:
         self.i += 1
         if c in "dDwWsS":
             under, over = shorthand(c)
-            return (under, over) if in_class else Atom(under)
+            return (under, over) if in_class else Atom(over if self.over else under)
         if c in _SIMPLE_ESCAPES:
             cp = _SIMPLE_ESCAPES[c]
         elif c == "b" and in_class:
@@ -266,8 +268,8 @@ class _Parser:
             under.append(lo_pair[0])
             over.append(lo_pair[1])
         if negate:
-            return Atom(cs.complement(cs.union(*over)))
-        return Atom(cs.union(*under))
+            return Atom(cs.complement(cs.union(*(under if self.over else over))))
+        return Atom(cs.union(*(over if self.over else under)))
 
     def _class_item(self) -> tuple[cs.CharSet, cs.CharSet]:
         c = self.peek()
@@ -278,9 +280,11 @@ class _Parser:
         return s, s
 
 
-def parse(pattern: str):
-    """Parse ``pattern`` into the AST above; raises ``PatternError``."""
-    return _Parser(pattern).parse()
+def parse(pattern: str, over: bool = False):
+    """Parse ``pattern`` into the AST above; raises ``PatternError``. ``over``: each atom takes a
+    superset of Python's meaning instead of a subset (``\\d`` → every Unicode digit), so that
+    the language is a superset of what ``re.search`` accepts: the form a complement needs."""
+    return _Parser(pattern, over).parse()
 
 
 def length_range(node) -> tuple[int, int | None]:

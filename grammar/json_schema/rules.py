@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 REF_OPEN, REF_CLOSE = "\ue000", "\ue001"
 TERM_OPEN, TERM_CLOSE = "\ue002", "\ue003"
 AND_OPEN, AND_MID, AND_CLOSE = "\ue004", "\ue005", "\ue006"
-MARKS = frozenset(map(ord, REF_OPEN + REF_CLOSE + TERM_OPEN + TERM_CLOSE + AND_OPEN + AND_MID + AND_CLOSE))
+AND_NOT_MID = "\ue007"  # in place of AND_MID: the left side minus the right one (``a & ~b``)
+MARKS = frozenset(map(ord, REF_OPEN + REF_CLOSE + TERM_OPEN + TERM_CLOSE + AND_OPEN + AND_MID + AND_CLOSE
+                      + AND_NOT_MID))
 _TERM = re.compile(TERM_OPEN + r"(\d+)" + TERM_CLOSE)
 
 
@@ -51,6 +53,14 @@ def both(a: str | None, b: str | None) -> str | None:
     if a is None or b is None:
         return None
     return f"{AND_OPEN}{a}{AND_MID}{b}{AND_CLOSE}"
+
+
+def minus(a: str | None, b: str | None) -> str | None:
+    """The strings of ``a`` that ``b`` does not match (``None``: empty); llguidance's ``a & ~b``,
+    lazy backend only, like :func:`both`."""
+    if a is None or b is None:
+        return a
+    return f"{AND_OPEN}{a}{AND_NOT_MID}{b}{AND_CLOSE}"
 
 
 def is_regular_text(text: str, terminals=()) -> bool:
@@ -107,6 +117,7 @@ class _Node:
     lo: int = 0
     hi: int | None = None
     number: int = -1  # of the rule or terminal referred to
+    negated: bool = False  # an "and" node whose right side is complemented (``minus``)
     has_ref: bool = False  # refers to a rule somewhere inside
     has_term: bool = False  # refers to a terminal somewhere inside
 
@@ -129,7 +140,7 @@ def _parse(text: str, cache: dict | None = None, shallow: bool = False) -> "_Nod
     return tree
 
 
-_MARK_CHARS = "".join(chr(c) for c in range(0xE000, 0xE007))
+_MARK_CHARS = "".join(chr(c) for c in range(0xE000, 0xE008))
 # One token of the dialect; a run of plain characters is one token (scanned in C, not per char).
 _TOKEN = re.compile(
     r"(?P<plain>[^\\()|?*+{\[" + _MARK_CHARS + r"]+)"
@@ -138,7 +149,7 @@ _TOKEN = re.compile(
     r"|(?P<open>\(\?:)|(?P<close>\))|(?P<bar>\|)"
     r"|(?P<quant>[?*+]|\{\d+(?:,\d*)?\})"
     r"|(?P<ref>\ue000\d+\ue001)|(?P<term>\ue002\d+\ue003)"
-    r"|(?P<and>\ue004)|(?P<mid>\ue005)|(?P<end>\ue006)", re.S)
+    r"|(?P<and>\ue004)|(?P<mid>[\ue005\ue007])|(?P<end>\ue006)", re.S)
 
 
 _ATOM = (r"(?:[^\\()|?*+{\[" + _MARK_CHARS + r"]|\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)"
@@ -262,13 +273,15 @@ class _Parser:
             left = self._alt()
             if self._peek() != "mid":
                 raise ValueError(f"unclosed intersection at {a}")
+            negated = self.s[self.toks[self.k][1]] == AND_NOT_MID
             self.k += 1
             right = self._alt()
             if self._peek() != "end":
                 raise ValueError(f"unclosed intersection at {a}")
             end = self.toks[self.k][2]
             self.k += 1
-            return _Node("and", a, end, [left, right], has_ref=left.has_ref or right.has_ref, has_term=True)
+            return _Node("and", a, end, [left, right], has_ref=left.has_ref or right.has_ref, has_term=True,
+                         negated=negated)
         raise ValueError(f"unexpected {self.s[a:b]!r} at {a}")
 
 
@@ -437,7 +450,7 @@ class _Writer:
             return "(" + self.terminal(node.children[0], text, depth) + ")"
         if node.kind == "and":
             a, b = (self.terminal(c, text, depth) or '""' for c in node.children)
-            return f"(({a}) & ({b}))"
+            return f"(({a}) & ~({b}))" if node.negated else f"(({a}) & ({b}))"
         if node.kind == "seq":
             parts, run = [], []
             for child in node.children:
@@ -512,6 +525,8 @@ def min_bytes(text: str, terminals=(), rules: dict[int, str] | None = None) -> i
         if k == "rep":
             return min(INF_LEN, node.lo * length(node.children[0], src)) if node.lo else 0
         if k == "and":
+            if node.negated:  # a lower bound: the left side's
+                return length(node.children[0], src)
             return max(length(c, src) for c in node.children)  # a lower bound
         raise ValueError(k)
 

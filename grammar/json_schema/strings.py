@@ -78,9 +78,10 @@ def _branch_regex(branch: sp.Branch) -> Rx:
     return seq(prefix, body, suffix)
 
 
-def _pattern_body(pattern: str, lo: int, hi: int | None, intersect: bool = False) -> Rx:
+def _pattern_body(pattern: str, lo: int, hi: int | None, intersect: bool = False,
+                  over: bool = False) -> Rx:
     try:
-        branches = sp.branches(sp.parse(pattern))
+        branches = sp.branches(sp.parse(pattern, over))
     except sp.PatternError as exc:
         raise StringError("pattern", f"unsupported pattern: {exc.message}", exc.position) from None
     if lo == 0 and hi is None:
@@ -105,6 +106,16 @@ def _pattern_body(pattern: str, lo: int, hi: int | None, intersect: bool = False
             if with_nl is not None and (hi is None or hi >= 1):
                 out.append(seq(sp.emit(with_nl), NEWLINE))
     return alt(out)
+
+
+def pattern_superset_regex(pattern: str) -> Rx:
+    """Regex of JSON string literals (with quotes) that includes every string ``re.search``
+    matches with ``pattern`` (each atom over-approximated); what ``not: {pattern}`` takes away.
+
+    Raises:
+        StringError: a pattern we cannot translate.
+    """
+    return seq('"', _pattern_body(pattern, 0, None, over=True), '"')
 
 
 def string_regex(spec: StringSpec) -> Rx:
