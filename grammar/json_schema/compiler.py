@@ -322,8 +322,9 @@ class SchemaCompiler:
 
     def _ref(self, schema: dict, path: str, only_types, extra: dict | None = None) -> Rx:
         """``schema`` (a ``$ref``, with its siblings) and, when given, ``extra`` (a schema the
-        value must also satisfy: ``allOf: [schema, extra]`` that keeps the reference a
-        reference, so that a recursive one becomes a rule instead of being inlined)."""
+        value must also satisfy: ``allOf: [extra, schema]``, its properties written first, that
+        keeps the reference a reference, so that a recursive one becomes a rule instead of
+        being inlined)."""
         base = self.resolver.base_of(schema, self.resolver.root_base)
         target = self.resolver.resolve(schema["$ref"], base, path)
         key = target.pointer if target.base == self.resolver.root_base else target.base + target.pointer
@@ -337,7 +338,7 @@ class SchemaCompiler:
         if siblings and not self.old_draft and any(k in _ASSERTIONS for k in siblings):
             resolved = {"allOf": [resolved, siblings]}
         if extra:
-            resolved = {"allOf": [resolved, extra]}
+            resolved = {"allOf": [extra, resolved]}  # extra first: its properties are written first
         self.ref_depth[key] = count + 1
         try:
             return self.sub(resolved, target.pointer, only_types)
@@ -354,7 +355,7 @@ class SchemaCompiler:
             resolved = {"allOf": [resolved, siblings]}
         own = siblings if resolved is not target.schema else None
         if extra:
-            resolved = {"allOf": [resolved, extra]}
+            resolved = {"allOf": [extra, resolved]}  # extra first: its properties are written first
         rule_key = json.dumps([key, own, list(only_types) if only_types else None, extra or None],
                               sort_keys=True, default=str)
         number = self.rule_ids.get(rule_key)
