@@ -167,9 +167,21 @@ class SchemaCompiler:
                 # The JSON character class is in every free string: one shared terminal.
                 rx = rx.replace(ANY_CHAR_GROUP, self.term(ANY_CHAR_GROUP))
                 n = self.term_ids.get(rx)
+            if n is None and rx != FLEXIBLE_WS and FLEXIBLE_WS in rx:
+                # So is the flexible whitespace, around every structural character.
+                rx = rx.replace(FLEXIBLE_WS, self._ws_term())
+                n = self.term_ids.get(rx)
             if n is None:
                 n = self.term_ids[rx] = len(self.terminals)
                 self.terminals.append(rx)
+        return term_ref(n)
+
+    def _ws_term(self) -> str:
+        """The flexible whitespace as one shared terminal (written once in the Lark text)."""
+        n = self.term_ids.get(FLEXIBLE_WS)
+        if n is None:
+            n = self.term_ids[FLEXIBLE_WS] = len(self.terminals)
+            self.terminals.append(FLEXIBLE_WS)
         return term_ref(n)
 
     def any_value(self, depth: int | None = None) -> str:
