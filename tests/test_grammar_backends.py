@@ -253,6 +253,59 @@ def test_flexible_whitespace_inside_enum_object_literals(real_compilers, tokeniz
     assert not _accepts(g, tokenizer, '{"b": [1, 2], "a": true}')
 
 
+@pytest.mark.parametrize("flat", [True, False])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_lark_writers_keep_the_language_of_terminal_texts(both_backends, flat, data, monkeypatch):
+    """Texts with terminal references, empty alternatives, quantified groups and intersections:
+    the Lark terminal (token-level writer, or the tree writer it falls back to) admits exactly
+    the strings Python's re admits on the text written out."""
+    from grammar.json_schema import rules
+
+    _, lazy = both_backends
+    terminals = ["a(?:b|c)", "[0-9]{1,2}", rules.term_ref(0) + "x?"]
+    pieces = [rules.term_ref(0), rules.term_ref(1), rules.term_ref(2), "d", "(?:y|z)", ".", "-?"]
+    rng = random.Random(data.draw(st.integers(0, 10 ** 6)))
+
+    def gen(depth: int) -> str:
+        k = rng.random()
+        if depth > 2 or k < 0.35:
+            return rng.choice(pieces)
+        if k < 0.6:
+            branches = [gen(depth + 1) if rng.random() < 0.8 else "" for _ in range(rng.randint(1, 3))]
+            return "(?:" + "|".join(branches) + ")" + rng.choice(["", "?", "*", "{1,2}", "+"])
+        return gen(depth + 1) + gen(depth + 1)
+
+    def written_out(text: str) -> re.Pattern:
+        for n in (2, 1, 0):  # terminal 2 refers to 0
+            text = text.replace(rules.term_ref(n), "(?:" + terminals[n] + ")")
+        return re.compile(text, re.S)
+
+    left, right = gen(0), gen(0)
+    kind = data.draw(st.sampled_from(["plain", "and", "minus"]))
+    text = {"plain": left, "and": rules.both(left, right), "minus": rules.minus(left, right)}[kind]
+    rx_left, rx_right = written_out(left), written_out(right)
+
+    def admitted(s: str) -> bool:
+        a, b = rx_left.fullmatch(s) is not None, rx_right.fullmatch(s) is not None
+        return a if kind == "plain" else (a and b if kind == "and" else a and not b)
+
+    if not flat:
+        monkeypatch.setattr(rules._Writer, "_flat", lambda self, t: None)
+    alphabet = "abcdxyz0123456789.-"
+    samples = {"".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6))) for _ in range(60)}
+    samples |= {"".join(rng.choice("abcdxyz01.-") for _ in range(rng.randint(0, 4))) for _ in range(200)}
+    try:
+        g = lazy.build(Program("regex", text, (), tuple(terminals)))
+    except GrammarError:  # an empty intersection: nothing can start it
+        assert kind != "plain" and not any(admitted(s) for s in samples)
+        return
+    for sample in samples:
+        m = g.matcher()
+        ok = m.accept_tokens([ID[ch] for ch in sample]) and m.is_accepting()
+        assert ok == admitted(sample), (text, sample)
+
+
 def test_shared_terminals_write_the_same_regex():
     """A served program names repeated pieces once; written out, it is the regex-mode text's
     language (checked with Python's re on both), and its Lark form is one terminal."""

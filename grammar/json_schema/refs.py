@@ -34,6 +34,21 @@ def _escape(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
 
+def _ids_below(root: object, id_keyword: str) -> bool:
+    """Whether some object below the root has a string ``id_keyword`` or ``$anchor`` (anywhere,
+    also inside values: a false alarm only costs the full walk)."""
+    stack = list(root.values()) if isinstance(root, dict) else []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get(id_keyword), str) or isinstance(node.get("$anchor"), str):
+                return True
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return False
+
+
 @dataclass(slots=True)
 class RefResolver:
     """Index of the ``$id``s and anchors of one root schema."""
@@ -46,13 +61,15 @@ class RefResolver:
     root_base: str = ""
 
     def __post_init__(self) -> None:
-        self._walk(self.root, "", "#")
+        if _ids_below(self.root, self.id_keyword):
+            self._walk(self.root, "", "#")
+        else:  # one base for every subschema: only the root needs indexing (most schemas)
+            self._walk_node(self.root, "", "#")
         self.root_base = self.bases.get(id(self.root), "")
 
-    def _walk(self, node: object, base: str, pointer: str) -> None:
-        if not isinstance(node, dict):
-            return
-        ident = node.get(self.id_keyword)
+    def _walk_node(self, node: dict, base: str, pointer: str) -> str:
+        """Index ``node``'s own ``$id`` and anchor; returns its base URI."""
+        ident = node.get(self.id_keyword) if isinstance(node, dict) else None
         if isinstance(ident, str):
             if ident.startswith("#") and len(ident) > 1:
                 self.anchors[(base, ident[1:])] = Target(node, base, pointer)
@@ -60,10 +77,16 @@ class RefResolver:
                 base = urljoin(base, ident) if base else ident
                 base = urldefrag(base)[0]
                 self.resources[base] = Target(node, base, pointer)
-        anchor = node.get("$anchor")
+        anchor = node.get("$anchor") if isinstance(node, dict) else None
         if isinstance(anchor, str):
             self.anchors[(base, anchor)] = Target(node, base, pointer)
         self.bases[id(node)] = base
+        return base
+
+    def _walk(self, node: object, base: str, pointer: str) -> None:
+        if not isinstance(node, dict):
+            return
+        base = self._walk_node(node, base, pointer)
         for key in _SCHEMA_MAPS:
             sub = node.get(key)
             if isinstance(sub, dict):

@@ -329,7 +329,7 @@ def to_lark(root: str, rules: dict[int, str], terminals: list[str] | tuple[str, 
     """
     w = _Writer(terminals, {} if cache is None else cache)
     if not rules and not has_refs(root):
-        lines = ["start: MAIN", f"MAIN: {w.terminal(_parse(root, w.cache, True), root) or chr(34) * 2}"]
+        lines = ["start: MAIN", f"MAIN: {w.terminal_text(root)}"]
     else:
         lines = [f"start: {w.rule(root)}"]
         lines += [f"r{n}: {w.rule(rules[n])}" for n in sorted(rules)]
@@ -377,8 +377,102 @@ class _Writer:
         if n not in self.named:
             self.named.add(n)
             body = self.terminals[n]
-            self.defs.append(f"T{n}: {self.terminal(_parse(body, self.cache, True), body)}")
+            self.defs.append(f"T{n}: {self.terminal_text(body)}")
         return f"T{n}"
+
+    def terminal_text(self, text: str) -> str:
+        """Lark terminal syntax for a rule-free ``text``: the token-level writer, or the tree
+        writer where that one declines (nesting too deep for llguidance)."""
+        out = self._flat(text)
+        if out is None:
+            out = self.terminal(_parse(text, self.cache, True), text)
+        return out or '""'
+
+    def _flat(self, text: str) -> str | None:
+        """Lark for a rule-free ``text`` in one pass over its tokens, without a parse tree: runs of
+        mark-free tokens (groups without marks whole, with their quantifiers) are one ``/regex/``;
+        groups holding terminal references or intersections become Lark groups; an empty
+        alternative is ``""``. Returns None where Lark would nest deeper than ``_MAX_NESTING``
+        or the text has a rule reference (the tree writer handles those)."""
+        toks = []
+        pos = 0
+        for m in _TOKEN_SHALLOW.finditer(text):
+            if m.start() != pos:
+                raise ValueError(f"unexpected {text[pos]!r} at {pos}")
+            toks.append((m.lastgroup, m.start(), m.end()))
+            pos = m.end()
+        if pos != len(text):
+            raise ValueError(f"unexpected {text[pos]!r} at {pos}")
+        # Each open token's close, and whether a mark lies between them.
+        close_of: dict[int, int] = {}
+        stack: list[list[int]] = []
+        for i, (kind, _, _) in enumerate(toks):
+            if kind == "open":
+                stack.append([i, 0])
+            elif kind == "close" and stack:
+                j, marks = stack.pop()
+                if marks == 0:
+                    close_of[j] = i
+                elif stack:
+                    stack[-1][1] += marks
+            elif kind in _MARK_KINDS:
+                if kind == "ref":
+                    return None
+                if stack:
+                    stack[-1][1] += 1
+        out: list[str] = []
+        buf: list[str] = []  # mark-free regex text not written yet
+        empty = True  # nothing written in the current alternative
+        depth = 0
+        buf_last = False  # the previous token went to ``buf`` (a quantifier after it joins it)
+
+        def flush() -> None:
+            if buf:
+                out.append(_lexeme("".join(buf)))
+                buf.clear()
+
+        i, n = 0, len(toks)
+        while i < n:
+            kind, a, b = toks[i]
+            if kind in ("lit", "plain", "esc", "cls") or (kind == "quant" and buf_last):
+                buf.append(text[a:b])
+                empty, buf_last = False, True
+            elif kind == "open" and i in close_of:
+                j = close_of[i]
+                buf.append(text[a:toks[j][2]])
+                empty, buf_last = False, True
+                i = j
+            elif kind == "quant":
+                out[-1] += text[a:b]  # binds to the group, terminal or intersection before it
+            else:
+                flush()
+                buf_last = False
+                if kind == "term":
+                    out.append(self._name_terminal(int(text[a + 1:b - 1])))
+                    empty = False
+                elif kind in ("open", "and"):
+                    depth += 2 if kind == "and" else 1
+                    if depth > _MAX_NESTING:
+                        return None
+                    out.append("((" if kind == "and" else "(")
+                    empty = True
+                elif kind in ("bar", "mid"):
+                    if empty:
+                        out.append('""')
+                    out.append(" | " if kind == "bar" else
+                               (") & (" if text[a] == AND_MID else ") & ~("))
+                    empty = True
+                elif kind in ("close", "end"):
+                    if empty:
+                        out.append('""')
+                    depth -= 2 if kind == "end" else 1
+                    out.append("))" if kind == "end" else ")")
+                    empty = False
+                else:
+                    raise ValueError(f"unexpected {text[a:b]!r} at {a}")
+            i += 1
+        flush()
+        return " ".join(out) if out else ""
 
     def _lexeme(self, src: str, node: _Node) -> str:
         """One lexeme for the rule-free ``node`` of ``src``: a regex, or a named terminal when it
