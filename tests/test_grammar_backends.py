@@ -306,6 +306,21 @@ def test_lark_writers_keep_the_language_of_terminal_texts(both_backends, flat, d
         assert ok == admitted(sample), (text, sample)
 
 
+def test_lark_writer_names_pieces_nested_deeper_than_llguidance_reads(both_backends):
+    from grammar.json_schema import rules
+
+    _, lazy = both_backends
+    text = rules.term_ref(0)
+    for _ in range(40):  # 40 groups around a terminal: llguidance refuses about 30
+        text = "(?:" + text + "a?)"
+    lark = rules.to_lark(text, {}, ["b"])
+    assert "N0" in lark  # a named piece
+    g = lazy.build(Program("regex", text, (), ("b",)))  # llguidance reads it (too deep: an error)
+    for sample, ok in (("b", True), ("b" + "a" * 40, True), ("ba" * 2, False), ("a", False)):
+        m = g.matcher()
+        assert (m.accept_tokens([ID[ch] for ch in sample]) and m.is_accepting()) is ok, sample
+
+
 def test_shared_terminals_write_the_same_regex():
     """A served program names repeated pieces once; written out, it is the regex-mode text's
     language (checked with Python's re on both), and its Lark form is one terminal."""

@@ -111,6 +111,7 @@ class SchemaCompiler:
     bodies: dict[str, Rx] = field(default_factory=dict)  # rule key → compiled body (grammar mode)
     terminals: list[str] = field(default_factory=list)  # terminal number → regex (grammar mode)
     term_ids: dict[str, int] = field(default_factory=dict)  # regex → terminal number
+    memo: dict = field(default_factory=dict)  # (keyword, schema text, types) → regex (grammar mode)
     resolver: RefResolver = field(init=False)
     validator: object = field(init=False)
     old_draft: bool = field(init=False)
@@ -253,7 +254,14 @@ class SchemaCompiler:
             return alt([self.sub({"allOf": [rest, b]} if rest else b, f"{path}/anyOf/{i}", only_types)
                         for i, b in enumerate(schema["anyOf"])])
         if "oneOf" in schema:
-            return self._one_of(schema, path, only_types)
+            if not self.opts.grammar:  # unrolled refs make the result depend on the path
+                return self._one_of(schema, path, only_types)
+            # The same oneOf written in many places (a definition's union inlined under every
+            # property) is proved and compiled once; a reference in it is a rule either way.
+            key = ("oneOf", json.dumps(schema, default=str), only_types)
+            if key not in self.memo:
+                self.memo[key] = self._one_of(schema, path, only_types)
+            return self.memo[key]
         for key in ("$dynamicRef", "$recursiveRef"):
             if key in schema:
                 self.unsupported(key, path)

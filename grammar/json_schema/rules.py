@@ -382,7 +382,7 @@ class _Writer:
 
     def terminal_text(self, text: str) -> str:
         """Lark terminal syntax for a rule-free ``text``: the token-level writer, or the tree
-        writer where that one declines (nesting too deep for llguidance)."""
+        writer where that one declines."""
         out = self._flat(text)
         if out is None:
             out = self.terminal(_parse(text, self.cache, True), text)
@@ -392,8 +392,8 @@ class _Writer:
         """Lark for a rule-free ``text`` in one pass over its tokens, without a parse tree: runs of
         mark-free tokens (groups without marks whole, with their quantifiers) are one ``/regex/``;
         groups holding terminal references or intersections become Lark groups; an empty
-        alternative is ``""``. Returns None where Lark would nest deeper than ``_MAX_NESTING``
-        or the text has a rule reference (the tree writer handles those)."""
+        alternative is ``""``; a piece that would nest deeper than ``_MAX_NESTING`` is a named
+        terminal of its own. Returns None where the text has a rule reference."""
         toks = []
         pos = 0
         for m in _TOKEN_SHALLOW.finditer(text):
@@ -403,21 +403,28 @@ class _Writer:
             pos = m.end()
         if pos != len(text):
             raise ValueError(f"unexpected {text[pos]!r} at {pos}")
-        # Each open token's close, and whether a mark lies between them.
+        # Each open token's close (``plain_group``: with no mark between them), each and's end.
         close_of: dict[int, int] = {}
+        plain_group: set[int] = set()
         stack: list[list[int]] = []
+        ands: list[int] = []
         for i, (kind, _, _) in enumerate(toks):
             if kind == "open":
                 stack.append([i, 0])
             elif kind == "close" and stack:
                 j, marks = stack.pop()
+                close_of[j] = i
                 if marks == 0:
-                    close_of[j] = i
+                    plain_group.add(j)
                 elif stack:
                     stack[-1][1] += marks
             elif kind in _MARK_KINDS:
                 if kind == "ref":
                     return None
+                if kind == "and":
+                    ands.append(i)
+                elif kind == "end" and ands:
+                    close_of[ands.pop()] = i
                 if stack:
                     stack[-1][1] += 1
         out: list[str] = []
@@ -437,7 +444,7 @@ class _Writer:
             if kind in ("lit", "plain", "esc", "cls") or (kind == "quant" and buf_last):
                 buf.append(text[a:b])
                 empty, buf_last = False, True
-            elif kind == "open" and i in close_of:
+            elif kind == "open" and i in plain_group:
                 j = close_of[i]
                 buf.append(text[a:toks[j][2]])
                 empty, buf_last = False, True
@@ -451,9 +458,15 @@ class _Writer:
                     out.append(self._name_terminal(int(text[a + 1:b - 1])))
                     empty = False
                 elif kind in ("open", "and"):
+                    if depth + (2 if kind == "and" else 1) > _MAX_NESTING:
+                        # Deeper than llguidance reads: the piece gets a name of its own.
+                        j = close_of[i]
+                        piece = text[b:toks[j][1]] if kind == "open" else text[a:toks[j][2]]
+                        out.append(self._deep_name("terminal", piece, lambda: self.terminal_text(piece)))
+                        empty = False
+                        i = j + 1
+                        continue
                     depth += 2 if kind == "and" else 1
-                    if depth > _MAX_NESTING:
-                        return None
                     out.append("((" if kind == "and" else "(")
                     empty = True
                 elif kind in ("bar", "mid"):
@@ -485,7 +498,7 @@ class _Writer:
         name = self.pieces.get(text)
         if name is None:
             name = self.pieces[text] = f"L{len(self.pieces)}"
-            self.defs.append(f"{name}: {self.terminal(node, src)}")
+            self.defs.append(f"{name}: {self.terminal_text(text)}")
         return name
 
     @staticmethod
