@@ -565,3 +565,32 @@ def test_drafter_forced_text_in_compact_json_is_the_grammars_forced_text(tokeniz
     m = _matcher_after(person_grammars["compact"], tokenizer, '{"name":"Ada"')
     assert drafter.forced_text(m, '{"name":"Ada"') == m.forced_text().decode() == ',"age":'
     assert drafter.forced_text(m, '{"name":"Ada"', "x") is None  # the grammar refuses the draft
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+class _Recording:
+    """A tokenizer without a Rust backend: ``plain_encoder`` must call its own ``encode``."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def encode(self, text, add_special_tokens=True):
+        self.calls += 1
+        return self.inner.encode(text, add_special_tokens=add_special_tokens)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(st.characters(codec="utf-8"), max_size=40)
+       | st.lists(st.sampled_from(['"', ",", ":", " ", "\n", "  ", "{", "}", "<|im_end|>", "é", "12", "Ab"]),
+                  max_size=12).map("".join))
+def test_plain_encoder_spells_every_text_as_the_tokenizers_encode(tokenizer, text):
+    from engine.spec.drafter import plain_encoder
+
+    fast = plain_encoder(tokenizer)
+    assert fast.__name__ == "fast"  # SmolLM2's fast tokenizer takes the shortcut
+    assert fast(text) == tokenizer.encode(text, add_special_tokens=False)
+    plain = _Recording(tokenizer)
+    slow = plain_encoder(plain)
+    assert slow(text) == tokenizer.encode(text, add_special_tokens=False) and plain.calls >= 1
