@@ -265,7 +265,10 @@ def test_random_corpus_schemas_close_valid_at_random_budgets(engine, data):
         assert not r["output"].closed_by_budget and len(r["token_ids"]) == budget, (budget, r["text"][:200])
     else:
         assert r["finish_reason"] == "stop", (budget, r["text"][:200])
-    validator = jsonschema.validators.validator_for(schema)(schema, format_checker=jsonschema.FormatChecker())
+    # The schema's own draft's format checker: a bare FormatChecker() mixes in draft 3's "time"
+    # (HH:MM:SS, no offset), which refuses RFC 3339 times like "22:22:21Z".
+    cls = jsonschema.validators.validator_for(schema)
+    validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
     assert validator.is_valid(json.loads(r["text"])), r["text"][:300]
 
 
@@ -290,7 +293,8 @@ def test_run_on_cases_end_complete_and_valid_on_the_default_model(default_model_
         for c, r in zip(cases, outs):
             assert r["finish_reason"] == "stop", (c["name"], r["text"][:200])
             assert len(r["token_ids"]) <= max_tokens
-            v = jsonschema.validators.validator_for(c["schema"])(c["schema"], format_checker=jsonschema.FormatChecker())
+            cls = jsonschema.validators.validator_for(c["schema"])
+            v = cls(c["schema"], format_checker=cls.FORMAT_CHECKER)
             assert v.is_valid(json.loads(r["text"])), (c["name"], r["text"][:300])
     finally:
         eng.grammar.close()
