@@ -580,3 +580,19 @@ def test_flexible_whitespace_admits_pretty_printed_json_up_to_a_bounded_indent()
     deep = '{\n' + " " * 21 + '"a": {"b": []}}'
     _check(schema, pretty, [deep, '{\n\n  "a": {"b": []}}', '{"a":{"b":[1,2]}}   '], whitespace="flexible")
     _check(schema, ['{"a":{"b":[1,2]}}'], pretty, whitespace="compact")
+
+
+@pytest.mark.parametrize("a, b, disjoint", [
+    ("^a", "^b", True), ("^x-", "^y_", True), ("^a|^b", "^c", True), ("^(foo|bar)", "^baz", True),
+    ("^a", "^ab", False),  # "ab..." matches both
+    ("^a|^b", "^b", False), ("abc", "^x", False),  # unanchored: matches anywhere
+    ("^ab?c", "^ac", False),  # the "b" may be absent: "ac" matches both
+    (r"^\d", "^a", False),  # no literal prefix
+])
+def test_pattern_properties_are_disjoint_only_with_distinct_literal_prefixes(a, b, disjoint):
+    from grammar.json_schema.objects import _disjoint_patterns
+
+    assert _disjoint_patterns(a, b) is disjoint and _disjoint_patterns(b, a) is disjoint
+    if disjoint:  # no key that Python's re matches with both
+        probes = ["a", "ab", "ac", "b", "c", "x-1", "y_1", "foo", "bar", "baz"]
+        assert not any(re.search(a, k) and re.search(b, k) for k in probes)

@@ -13,6 +13,7 @@ import re
 from typing import TYPE_CHECKING
 
 from grammar.json_schema import charset as cs
+from grammar.json_schema import pattern as sp
 from grammar.json_schema.rules import both
 from grammar.json_schema.rx import Rx, alt, opt, seq
 from grammar.json_schema.strings import excluded_keys_regex
@@ -184,52 +185,35 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
     return alt(parts)
 
 
-_META = set(".^$*+?{}[]|()\\")
-
-
-def _literal_prefix(pattern: str) -> str | None:
-    """The characters every string matching ``pattern`` (``re.search``) starts with, when the
-    pattern is anchored by a leading ``^`` and has no top-level alternation; else None."""
-    if not pattern.startswith("^"):
+def _literal_prefixes(pattern: str) -> list[str] | None:
+    """For each top-level alternative of ``pattern``, the characters every string it matches
+    (``re.search``) starts with; None unless every alternative is anchored by ``^``, or when
+    the pattern is outside what ``grammar.json_schema.pattern`` reads. Read from that module's
+    parse with over-approximated atoms, so a one-character atom is exactly that character."""
+    try:
+        alternatives = sp.branches(sp.parse(pattern, over=True))
+    except sp.PatternError:
         return None
-    i, prefix = 1, []
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
-            prefix.append(pattern[i + 1])
-            i += 2
-            continue
-        if ch in _META:
-            break
-        prefix.append(ch)
-        i += 1
-    if i < len(pattern) and pattern[i] in "*?{" and prefix:
-        prefix.pop()  # the last character is quantified: it may be absent
-    depth, k, in_class = 0, i, False
-    while k < len(pattern):  # a top-level "|" would end the anchor's reach
-        ch = pattern[k]
-        if ch == "\\":
-            k += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-        elif ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-        elif ch == "|" and depth == 0:
+    out = []
+    for branch in alternatives:
+        if not branch.start:
             return None
-        k += 1
-    return "".join(prefix)
+        prefix = []
+        for item in branch.body.items:
+            if not (isinstance(item, sp.Atom) and cs.size(item.chars) == 1):
+                break
+            prefix.append(chr(item.chars[0][0]))
+        out.append("".join(prefix))
+    return out
 
 
 def _disjoint_patterns(a: str, b: str) -> bool:
-    """True only if no string matches both patterns: anchored, with literal prefixes that differ
-    (neither is a prefix of the other)."""
-    pa, pb = _literal_prefix(a), _literal_prefix(b)
-    return bool(pa) and bool(pb) and not pa.startswith(pb) and not pb.startswith(pa)
+    """True only if no string matches both patterns: every alternative of each anchored, with
+    literal prefixes that differ from every one of the other's (neither a prefix of the other)."""
+    pa, pb = _literal_prefixes(a), _literal_prefixes(b)
+    if not pa or not pb:
+        return False
+    return all(x and y and not x.startswith(y) and not y.startswith(x) for x in pa for y in pb)
 
 
 def _without_declared(c: "SchemaCompiler", key: Rx, declared: list[str], keyword: str, path: str,
