@@ -229,7 +229,7 @@ def test_not_pattern_is_a_complement_of_a_superset(real_compilers, tokenizer):
     _, lazy = real_compilers
     schema = {"type": "string", "minLength": 1, "not": {"pattern": "^[.,*\\-\\s{}()]+$"}}
     prog = to_program(GrammarSpec.json_schema(schema))
-    assert not prog.regular and "& ~" in prog.lark()
+    assert not prog.regular and "&~(" in prog.lark()
     g = lazy.compile(GrammarSpec.json_schema(schema))
     for doc in ('"abc"', '"a."', '".a"'):
         assert _accepts(g, tokenizer, doc), doc
@@ -337,12 +337,58 @@ def test_shared_terminals_write_the_same_regex():
     assert expand(prog.text, prog.terminals) == prog.regex()
 
 
+def test_separators_are_shared_terminals_but_not_before_a_quantifier():
+    """Flexible whitespace around ',' and ':' is one terminal each (a shorter Lark text, the same
+    language); a quantifier right after ``W,W`` binds to the last W, so that piece stays."""
+    from grammar.json_schema import rules
+    from grammar.json_schema.compiler import FLEXIBLE_WS, SchemaCompiler, SchemaOptions
+
+    schema = {"type": "object", "properties": {k: {"type": "integer"} for k in "abcd"}, "required": ["a"]}
+    prog = to_program(GrammarSpec.json_schema(schema, whitespace="flexible"))
+    ws = prog.terminals.index(FLEXIBLE_WS)
+    w = rules.term_ref(ws)
+    assert w + "," + w in prog.terminals and w + ":" + w in prog.terminals
+    rx = re.compile(prog.regex())
+    for doc in ('{"a":1}', '{ "a" : 1 ,\n  "c":2}', '{"a":1,"b":2,"c":3,"d":4}'):
+        assert rx.fullmatch(doc), doc
+    for doc in ('{"a":1,,"b":2}', '{"b":2}', '{"a"::1}'):
+        assert not rx.fullmatch(doc), doc
+    lark = prog.lark()
+    assert f"T{ws}/,/T{ws}" in lark and f"T{ws}/:/T{ws}" in lark
+    c = SchemaCompiler(schema, SchemaOptions("flexible", grammar=True))
+    w = c._ws_term()
+    out = c._separators(w + "," + w + "*x" + w + "," + w + "y")
+    assert out.startswith(w + "," + w + "*x") and out.endswith("y") and out.count(",") == 1
+
+
+def test_compact_lark_text_keeps_names_and_delimiters_apart():
+    from grammar.json_schema.rules import _join
+
+    assert _join(["T1", "T2", "/a/", "/b/", "(", "T3", ")", "?", '""', '""', "r0"]) == 'T1 T2/a/ /b/(T3)?"" ""r0'
+
+
+def test_matchers_start_from_the_root_mask_without_sharing_it(both_backends):
+    """Every matcher's first mask is the root state's, computed once at build; a matcher that
+    moves on rewrites its own copy, never the root's (the next matcher starts right)."""
+    eager, lazy = both_backends
+    prog = Program("regex", r"ab(cd)?|x[0-9]")
+    gl, ge = _grammar(lazy, prog), _grammar(eager, prog)
+    first = _mask_rows(ge.matcher(), [])[0]
+    m1 = gl.matcher()
+    assert _mask_rows(m1, [ID["a"], ID["b"]])[0] == first
+    m1.fill_bitmask(allocate_bitmask(1, SIZE), 0)  # computed in m1's buffer, after "ab"
+    m2 = gl.matcher()
+    assert _mask_rows(m2, [])[0] == first
+    m1.rollback(2)
+    assert _mask_rows(m1, [])[0] == first
+
+
 def test_to_lark_names_rules_and_lexemes():
     from grammar.json_schema.rules import ref
 
     lark = to_lark(r"\[" + ref(0) + r"(?:," + ref(0) + r")*\]", {0: "x|y" + ref(0)})
-    assert lark.splitlines()[0] == r"start: /\[/ r0 (/,/ r0)* /\]/"
-    assert lark.splitlines()[1] == "r0: (/x/ | /y/ r0)"
+    assert lark.splitlines()[0] == r"start: /\[/r0(/,/r0)*/\]/"
+    assert lark.splitlines()[1] == "r0: (/x/|/y/r0)"
 
 
 # -- MaskBench dev instances on both backends ------------------------------------------------------

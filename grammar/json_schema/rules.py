@@ -154,10 +154,17 @@ _TOKEN = re.compile(
 
 _ATOM = (r"(?:[^\\()|?*+{\[" + _MARK_CHARS + r"]|\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)"
          r"|\[\^?\]?(?:\\.|[^\]\\])*\])")
-# Shallow parses: a run of atoms and their quantifiers (no group, bar or reference) is one
-# token, starting at an atom so that a quantifier after a group stays the group's.
+# A group with no group, reference or intersection inside (``(?:0|-?[1-9][0-9]*)``), written
+# verbatim by the shallow writers.
+_FLAT_GROUP = (r"\(\?:(?:[^\\()\[" + _MARK_CHARS + r"]++|\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)"
+               r"|\[\^?\]?(?:\\.|[^\]\\])*+\])*+\)")
+# Shallow parses: a run of atoms, flat groups and their quantifiers (no other group, no bar or
+# reference outside a flat group) is one token, starting at an atom or a flat group so that a
+# quantifier after any other group stays that group's. Fewer tokens: the Lark writer's Python
+# loop runs once a token, on every request's path to its first mask.
 _TOKEN_SHALLOW = re.compile(
-    r"(?P<lit>" + _ATOM + r"(?:[^\\()|{\[" + _MARK_CHARS + r"]++|\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)"
+    r"(?P<lit>(?:" + _ATOM + "|" + _FLAT_GROUP + r")(?:[^\\()|{\[" + _MARK_CHARS + r"]++"
+    r"|\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|.)|" + _FLAT_GROUP +
     r"|\[\^?\]?(?:\\.|[^\]\\])*+\]|\{\d+(?:,\d*)?\})*+)|" + _TOKEN.pattern, re.S)
 
 
@@ -286,6 +293,7 @@ class _Parser:
 
 
 _SEQ_STOP = frozenset({None, "bar", "close", "mid", "end"})
+_ANY_MARK = re.compile("[" + _MARK_CHARS + "]")
 _MARK_KINDS = frozenset({"ref", "term", "and", "mid", "end"})
 
 
@@ -334,6 +342,26 @@ def to_lark(root: str, rules: dict[int, str], terminals: list[str] | tuple[str, 
         lines = [f"start: {w.rule(root)}"]
         lines += [f"r{n}: {w.rule(rules[n])}" for n in sorted(rules)]
     return "\n".join(lines + w.defs) + "\n"
+
+
+_WORD_END = frozenset("0123456789_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+def _join(pieces: list[str]) -> str:
+    """Lark items side by side, a space only between two names (``T1 T2``) or two delimiters
+    (``/a/ /b/``: never a ``//`` comment to a reader that misses the first regex's end): llguidance reads
+    the grammar text at about 0.5 us a character before a request's first mask. A ``/regex/`` or
+    ``"string"`` is never followed by a name starting with a flag letter (ours are ``T``, ``L``,
+    ``N``, ``r``, ``q``)."""
+    if not pieces:
+        return ""
+    out = [pieces[0]]
+    for p in pieces[1:]:
+        if p and out[-1] and (out[-1][-1] in _WORD_END and p[0] in _WORD_END
+                              or out[-1][-1] == p[0] and p[0] in '/"'):
+            out.append(" ")
+        out.append(p)
+    return "".join(out)
 
 
 def _lexeme(text: str) -> str:
@@ -394,14 +422,12 @@ class _Writer:
         groups holding terminal references or intersections become Lark groups; an empty
         alternative is ``""``; a piece that would nest deeper than ``_MAX_NESTING`` is a named
         terminal of its own. Returns None where the text has a rule reference."""
-        toks = []
-        pos = 0
-        for m in _TOKEN_SHALLOW.finditer(text):
-            if m.start() != pos:
-                raise ValueError(f"unexpected {text[pos]!r} at {pos}")
-            toks.append((m.lastgroup, m.start(), m.end()))
-            pos = m.end()
-        if pos != len(text):
+        if _ANY_MARK.search(text) is None:
+            return _lexeme(text) if text else ""  # the common small piece: one regex as it is
+        toks = [(m.lastgroup, *m.span()) for m in _TOKEN_SHALLOW.finditer(text)]
+        if sum(b - a for _, a, b in toks) != len(text):  # finditer skipped a character
+            pos = next((a for (_, a, _), prev in zip(toks, [(None, 0, 0)] + toks) if a != prev[2]),
+                       toks[-1][2] if toks else 0)
             raise ValueError(f"unexpected {text[pos]!r} at {pos}")
         # Each open token's close (``plain_group``: with no mark between them), each and's end.
         close_of: dict[int, int] = {}
@@ -409,7 +435,10 @@ class _Writer:
         stack: list[list[int]] = []
         ands: list[int] = []
         for i, (kind, _, _) in enumerate(toks):
-            if kind == "open":
+            if kind == "lit" or kind == "term":
+                if kind == "term" and stack:
+                    stack[-1][1] += 1
+            elif kind == "open":
                 stack.append([i, 0])
             elif kind == "close" and stack:
                 j, marks = stack.pop()
@@ -472,8 +501,7 @@ class _Writer:
                 elif kind in ("bar", "mid"):
                     if empty:
                         out.append('""')
-                    out.append(" | " if kind == "bar" else
-                               (") & (" if text[a] == AND_MID else ") & ~("))
+                    out.append("|" if kind == "bar" else (")&(" if text[a] == AND_MID else ")&~("))
                     empty = True
                 elif kind in ("close", "end"):
                     if empty:
@@ -485,7 +513,7 @@ class _Writer:
                     raise ValueError(f"unexpected {text[a:b]!r} at {a}")
             i += 1
         flush()
-        return " ".join(out) if out else ""
+        return _join(out)
 
     def _lexeme(self, src: str, node: _Node) -> str:
         """One lexeme for the rule-free ``node`` of ``src``: a regex, or a named terminal when it
@@ -531,11 +559,11 @@ class _Writer:
                     run.append(child)
             if run:
                 parts.append(self._lexeme(text, self._run(run)))
-            return " ".join(p for p in parts if p)
+            return _join([p for p in parts if p])
         if node.kind == "alt":
             branches = [self._rule(b, text, depth) for b in node.children]
             nonempty = [b for b in branches if b]
-            body = "(" + " | ".join(nonempty) + ")"
+            body = "(" + "|".join(nonempty) + ")"
             return body + "?" if len(nonempty) < len(branches) else body
         if node.kind == "rep":
             inner = node.children[0]
@@ -570,11 +598,11 @@ class _Writer:
                     run.append(child)
             if run:
                 parts.append(_lexeme(text[run[0].start:run[-1].end]))
-            return " ".join(parts)
+            return _join(parts)
         if node.kind == "alt":
             branches = [self.terminal(b, text, depth) for b in node.children]
             nonempty = [b for b in branches if b]
-            body = "(" + " | ".join(nonempty) + ")"
+            body = "(" + "|".join(nonempty) + ")"
             return body + "?" if len(nonempty) < len(branches) else body
         if node.kind == "rep":
             inner = node.children[0]
