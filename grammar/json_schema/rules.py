@@ -424,10 +424,14 @@ class _Writer:
         terminal of its own. Returns None where the text has a rule reference."""
         if _ANY_MARK.search(text) is None:
             return _lexeme(text) if text else ""  # the common small piece: one regex as it is
-        toks = [(m.lastgroup, *m.span()) for m in _TOKEN_SHALLOW.finditer(text)]
-        if sum(b - a for _, a, b in toks) != len(text):  # finditer skipped a character
-            pos = next((a for (_, a, _), prev in zip(toks, [(None, 0, 0)] + toks) if a != prev[2]),
-                       toks[-1][2] if toks else 0)
+        toks = []
+        pos = 0
+        for m in _TOKEN_SHALLOW.finditer(text):
+            if m.start() != pos:
+                raise ValueError(f"unexpected {text[pos]!r} at {pos}")
+            toks.append((m.lastgroup, m.start(), m.end()))
+            pos = m.end()
+        if pos != len(text):
             raise ValueError(f"unexpected {text[pos]!r} at {pos}")
         # Each open token's close (``plain_group``: with no mark between them), each and's end.
         close_of: dict[int, int] = {}
@@ -435,10 +439,7 @@ class _Writer:
         stack: list[list[int]] = []
         ands: list[int] = []
         for i, (kind, _, _) in enumerate(toks):
-            if kind == "lit" or kind == "term":
-                if kind == "term" and stack:
-                    stack[-1][1] += 1
-            elif kind == "open":
+            if kind == "open":
                 stack.append([i, 0])
             elif kind == "close" and stack:
                 j, marks = stack.pop()
