@@ -28,9 +28,10 @@ class EngineConfig:
         weights: "fp32" (dense weights in ``dtype``), "int4" (GGUF 4-bit blocks served as
             torch int4-packed weights, CPU) or "auto" (the faster one for the model).
         prompt_weights: with int4 weights, "bf16" reads prompt tokens through a dense bf16
-            copy of the same weights (2-3x faster prefill on CPUs with AVX512-BF16/AMX; output
-            tokens stay int4, so results do not depend on batching), "int4", or "auto" (bf16
-            when the CPU multiplies bf16 natively).
+            copy of the same weights (faster prefill than torch's int4 kernel on CPUs with
+            AVX512-BF16/AMX but no VNNI; oneDNN's bf16 GEMM can round a row differently with the
+            number of rows beside it, so prefill chunking and prefix caching may change a greedy
+            output), "int4", or "auto" (int4: bit-identical rows at any row count).
         attention_backend: name in ``kernels.registry`` ("cpu", "torch", "flash", "triton") or
             "auto" (the fastest one available on ``device``).
         block_size: tokens per KV-cache block.

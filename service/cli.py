@@ -45,8 +45,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weights", default="auto", choices=["auto", "fp32", "int4"],
                    help="weight format: dense fp32, int4 (GGUF 4-bit blocks, CPU) or auto")
     g.add_argument("--prompt-weights", default="auto", choices=["auto", "bf16", "int4"],
-                   help="with int4: read prompt tokens through a dense bf16 copy (bf16), through int4, "
-                        "or auto (bf16 when the CPU has native bf16 GEMMs)")
+                   help="with int4: read prompt tokens through a dense bf16 copy (bf16: its low bits "
+                        "may depend on prefill chunking), through int4, or auto (int4)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton", "flash"],
                    help="attention kernels (auto: cpu on CPU when it builds, flash or triton on CUDA)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

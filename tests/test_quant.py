@@ -395,14 +395,18 @@ def test_engine_int4_greedy_agreement_reported_and_constrained_valid(default_mod
 @pytest.mark.slow
 def test_real_prefill_in_chunks_gives_the_same_bits_with_the_native_kernels(models, tokenizer):
     """With the native attention (each row alone over exactly its keys) and the row-invariant
-    GEMMs, a prompt read in one chunk or in three gives bit-identical hidden states: prefill
-    chunking and prefix caching cannot change a greedy output on the int4 path."""
+    int4 GEMMs, a prompt read in one chunk or in three gives bit-identical hidden states:
+    prefill chunking and prefix caching cannot change a greedy output on the default route
+    (prompt rows through int4; the fixture's model keeps a dense bf16 copy, not used here:
+    ``prompt_mask=None`` sends every row to int4, as a model loaded with the default does)."""
+    from engine.models.loader import _prompt_route
     from kernels import native
     from kernels.base import AttentionMetadata
     from kernels.cpu import CpuAttentionBackend
 
     if not native.available():
         pytest.skip("native kernels need a C compiler and AVX512-BF16")
+    assert _prompt_route("auto") is None and _prompt_route("int4") is None  # the default: int4 prompts
     int4, _ = models
     ids = torch.tensor(tokenizer.encode("Invoice INV-20417 was issued to Aurora Robotics on 2024-03-08 "
                                         "for 1,250.00 EUR; payment is due within thirty days of receipt."))
@@ -417,8 +421,7 @@ def test_real_prefill_in_chunks_gives_the_same_bits_with_the_native_kernels(mode
             meta = AttentionMetadata(torch.tensor([0, b - a], dtype=torch.int32), torch.tensor([b], dtype=torch.int32),
                                      torch.arange(nb, dtype=torch.int32)[None], torch.arange(a, b), b - a, b,
                                      [0, b - a], [b])
-            outs.append(int4(ids[a:b], torch.arange(a, b), caches, meta, backend,
-                             prompt_mask=torch.ones(b - a, dtype=torch.bool)))
+            outs.append(int4(ids[a:b], torch.arange(a, b), caches, meta, backend, prompt_mask=None))
         return torch.cat(outs)
 
     whole = run([])

@@ -45,9 +45,10 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
             with Q4 tensors and the device is a CPU).
         gguf_file: the GGUF the model directory was converted from (default: ``find_gguf``).
         prompt_weights: with int4 layers, how prompt tokens are read: ``"bf16"`` (through a
-            dense bf16 copy of the same weights, ``quant.RowRoute``; +2 bytes per weight),
-            ``"int4"``, or ``"auto"`` (bf16 when the CPU multiplies bf16 natively and has no
-            AVX512-VNNI for the int8-activation kernel).
+            dense bf16 copy of the same weights, ``quant.RowRoute``; +2 bytes per weight; its
+            GEMM's low bits may depend on how many prompt rows a step reads, so greedy outputs
+            may change with chunking and prefix caching), ``"int4"``, or ``"auto"`` (int4,
+            which gives every row the same bits at any row count).
 
     Returns:
         ``(model, hf_config)``: a ``LlamaForCausalLM`` in eval mode and the transformers config.
@@ -123,18 +124,17 @@ def resolve_weights(weights: str, model_dir: Path | str, device: torch.device | 
 
 
 def _prompt_route(prompt_weights: str):
-    from engine.models.quant import RowRoute, cpu_has_bf16_gemm
+    from engine.models.quant import RowRoute
 
     if prompt_weights not in ("auto", "bf16", "int4"):
         raise ValueError(f"prompt_weights must be auto, bf16 or int4, got {prompt_weights!r}")
-    # "auto": a dense bf16 copy for prompt rows where bf16 GEMMs are native, unless the int8
-    # activation kernel (AVX512-VNNI, kernels.native) runs here: it reads prompts faster than
-    # oneDNN's bf16 GEMM (256 rows of 576 -> 3072: 4.1 vs 6.8 ms on 2 cores, `bench cpu_kernels`) and needs no copy.
-    from kernels import native
-
-    dense = prompt_weights == "bf16" or (prompt_weights == "auto" and cpu_has_bf16_gemm()
-                                         and not native.vnni_available())
-    return RowRoute() if dense else None
+    # "auto" reads prompts through int4 (the int8-activation VNNI kernel where it runs: faster than
+    # oneDNN's bf16 GEMM, 256 rows of 576 -> 3072: 4.1 vs 6.8 ms on 2 cores, `bench cpu_kernels`).
+    # The dense bf16 copy is only taken on request: oneDNN picks its bf16 kernel by the number of
+    # rows (on an AMX Xeon, 33 rows or more of 576 -> 3072 take another kernel than 32 or fewer,
+    # with other low bits), so a prompt read in chunks, or partly from the prefix cache, can get
+    # other bits than read whole, and a greedy output can change with the cache.
+    return RowRoute() if prompt_weights == "bf16" else None
 
 
 def _install_int4(model: LlamaForCausalLM, gguf_path: Path, route=None) -> None:

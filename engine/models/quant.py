@@ -173,8 +173,11 @@ class RowRoute:
     the *kind* of token (prompt or output), not by how many rows a step has, keeps every
     token's computation independent of the batch around it: a prompt token always goes through
     the dense copy, an output token (decoded, forced, draft, or re-read after preemption)
-    always through int4. Both kernels give each row the same result at any row count (pinned
-    by ``tests/test_quant.py``).
+    always through int4. The int4 kernels give each row the same bits at any row count (pinned
+    by ``tests/test_quant.py``); oneDNN's dense bf16 GEMM does only within one of its kernels
+    (on an AMX Xeon, 576 -> 3072 with 33 rows or more takes another kernel than with fewer), so
+    a prompt read in chunks can differ in low bits from one read whole: the route is taken only
+    on request (``prompt_weights="bf16"``), never by default.
 
     The model sets the route at the start of each forward (``set``) and clears it at the end.
     """
@@ -437,16 +440,6 @@ def int4_projections(gguf: GgufWeights, num_layers: int, num_heads: int, num_kv_
     return out
 
 
-def cpu_has_bf16_gemm() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo),
-    which makes a dense bf16 ``F.linear`` faster than the int4 kernel for many rows."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 __all__ = ["GROUP", "INT4_TYPES", "GgufWeights", "Int4Linear", "Int4Planes", "RowRoute", "concat_planes",
-           "cpu_has_bf16_gemm", "int4_projections", "permute_rows", "planes_from_blocks",
+           "int4_projections", "permute_rows", "planes_from_blocks",
            "qk_row_order"]
