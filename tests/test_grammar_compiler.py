@@ -185,6 +185,9 @@ def test_a_lark_grammar_is_lazy_only_and_its_errors_name_line_and_column(vocab):
         assert "line 2" in str(info.value)
         with pytest.raises(GrammarError, match="unknown name"):
             c.compile(GrammarSpec.grammar("start: missing"))
+        with pytest.raises(GrammarError, match="regex parse error: unclosed character class") as info:
+            c.compile(GrammarSpec.grammar("start: A\nA: /[0-9+/\n"))  # the reason, not only the place
+        assert (info.value.line, info.value.column) == (2, 4)
         with pytest.raises(GrammarError, match="eager"):
             c.compile(GrammarSpec.grammar('start: "a"'), "eager")
 

@@ -131,7 +131,13 @@ _NO_FORCING = "%llguidance {\"no_forcing\": true}\n"  # appended: the user's lin
 
 def _explain(program: Program, message: str) -> GrammarError:
     """A GrammarError from llguidance's message: first line only, with line/column for Lark."""
-    first = message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+    lines = message.strip().splitlines()
+    first = lines[0] if lines else "invalid grammar"
+    if first.rstrip().endswith(":"):
+        # A regex parse error puts its reason on a later "error: ..." line, after a picture of the regex.
+        reason = next((ln.strip()[len("error:"):].strip() for ln in lines[1:] if ln.strip().startswith("error:")), "")
+        if reason:
+            first = f"{first.rstrip()} {reason}"
     if program.kind == "lark":
         m = _LARK_AT.search(first)
         if m:
