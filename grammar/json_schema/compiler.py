@@ -173,7 +173,7 @@ class SchemaCompiler:
             if n is None and rx != FLEXIBLE_WS and FLEXIBLE_WS in rx:
                 # So is the flexible whitespace, around every structural character, and the
                 # member and key separators it surrounds (a shorter Lark text: llguidance reads
-                # it at about 0.5 us a character before a request's first mask).
+                # about 1 us an item of it before a request's first mask).
                 rx = self._separators(rx.replace(FLEXIBLE_WS, self._ws_term()))
                 n = self.term_ids.get(rx)
             if n is None:
@@ -189,23 +189,20 @@ class SchemaCompiler:
         for sep in (",", ":"):
             piece = ws + sep + ws
             if piece in rx:
-                name = self._sep_term(piece)
+                name = self._shared_term(piece)
                 rx = _separator_re(piece).sub(lambda _m: name, rx)
         return rx
 
-    def _sep_term(self, piece: str) -> str:
-        n = self.term_ids.get(piece)
-        if n is None:
-            n = self.term_ids[piece] = len(self.terminals)
-            self.terminals.append(piece)
-        return term_ref(n)
-
     def _ws_term(self) -> str:
         """The flexible whitespace as one shared terminal (written once in the Lark text)."""
-        n = self.term_ids.get(FLEXIBLE_WS)
+        return self._shared_term(FLEXIBLE_WS)
+
+    def _shared_term(self, rx: str) -> str:
+        """A reference to the terminal of ``rx`` exactly, added on first use (however short)."""
+        n = self.term_ids.get(rx)
         if n is None:
-            n = self.term_ids[FLEXIBLE_WS] = len(self.terminals)
-            self.terminals.append(FLEXIBLE_WS)
+            n = self.term_ids[rx] = len(self.terminals)
+            self.terminals.append(rx)
         return term_ref(n)
 
     def any_value(self, depth: int | None = None) -> str:

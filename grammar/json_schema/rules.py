@@ -349,8 +349,8 @@ _WORD_END = frozenset("0123456789_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrst
 
 def _join(pieces: list[str]) -> str:
     """Lark items side by side, a space only between two names (``T1 T2``) or two delimiters
-    (``/a/ /b/``: never a ``//`` comment to a reader that misses the first regex's end): llguidance reads
-    the grammar text at about 0.5 us a character before a request's first mask. A ``/regex/`` or
+    (``/a/ /b/``: never a ``//`` comment to a reader that misses the first regex's end): llguidance
+    reads about 1 us an item, plus a little a character, before a request's first mask. A ``/regex/`` or
     ``"string"`` is never followed by a name starting with a flag letter (ours are ``T``, ``L``,
     ``N``, ``r``, ``q``)."""
     if not pieces:
