@@ -42,7 +42,11 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``regex`` / ``choice`` / ``grammar``.
 
     Attributes:
-        prompt: raw text continued by the model.
+        prompt: raw text continued by the model (with the model's BOS). Text that spells a
+            control token (``<|im_end|>``) is plain text unless ``parse_special_tokens``.
+        parse_special_tokens: parse control-token text in ``prompt`` into control tokens (for a
+            caller that writes its own chat template); default false. Message content is
+            always plain text.
         messages: chat messages, rendered with the model's chat template (assistant turn opened).
         response_schema: a JSON Schema the output must validate against (draft from ``$schema``,
             default 2020-12).
@@ -78,6 +82,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     prompt: str | None = None
+    parse_special_tokens: bool = False
     messages: list[Message] | None = None
     response_schema: dict[str, Any] | bool | None = None
     regex: str | None = None

@@ -181,6 +181,8 @@ class CompletionRequest(Struct, forbid_unknown_fields=True):
     ``prompt`` is one string, a list of strings (one choice group each), a list of token ids or
     a list of such lists. ``logprobs`` is the number of alternatives per position (0..5, as
     OpenAI). ``response_format`` is a Stencil extension with the chat endpoint's meaning.
+    Text that spells a control token is plain text unless ``parse_special_tokens`` (Stencil
+    extension, default false); token ids are taken as given.
     """
 
     prompt: str | list[str | int | list[int]]  # checked further by the handler (one shape at a time)
@@ -209,6 +211,7 @@ class CompletionRequest(Struct, forbid_unknown_fields=True):
     close_on_budget: bool | None = None
     soft_limits: dict[str, int] | bool | None = None
     structured_outputs: StructuredOutputs | None = None
+    parse_special_tokens: bool | None = None
 
 
 # -- responses -----------------------------------------------------------------------------------

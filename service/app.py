@@ -37,7 +37,7 @@ from schemas.common import Problem
 from schemas.generate import (GenerateRequest, GenerateResponse, HealthResponse, StreamDelta, StreamError,
                               StreamFinal)
 from service import generation
-from service.errors import ServiceError, Unauthorized, log_refused, named_as, to_problem
+from service.errors import InputError, ServiceError, Unauthorized, log_refused, named_as, to_problem
 from service.metrics import Metrics
 from service.openapi_docs import StreamableOperation, error_responses
 from service.state import ServiceConfig, ServiceState
@@ -230,7 +230,11 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
     rid = _request_id(request)
     cfg = service.config
     messages = [{"role": m.role, "content": m.content} for m in data.messages] if data.messages is not None else None
-    prompt_ids = await generation.tokenize(service, prompt=data.prompt, messages=messages)
+    if data.parse_special_tokens and data.prompt is None:
+        raise InputError("parse_special_tokens applies to a plain 'prompt'; message content is always plain text",
+                         field="parse_special_tokens")
+    prompt_ids = await generation.tokenize(service, prompt=data.prompt, messages=messages,
+                                           parse_special_tokens=data.parse_special_tokens)
     params = generation.sampling_params(cfg, max_tokens=data.max_tokens, temperature=data.temperature,
                                         top_p=data.top_p, top_k=data.top_k, seed=data.seed, stop=data.stop,
                                         logprobs=data.logprobs, speculative=data.speculative,

@@ -205,7 +205,8 @@ async def _generate_once(args: argparse.Namespace) -> int:
                          checker=OutputChecker(), model_name=Path(aeng.engine.config.model).name)
     try:
         messages = None if args.raw else [{"role": "user", "content": args.prompt}]
-        prompt_ids = await generation.tokenize(state, prompt=args.prompt if args.raw else None, messages=messages)
+        prompt_ids = await generation.tokenize(state, prompt=args.prompt if args.raw else None, messages=messages,
+                                               parse_special_tokens=args.raw and args.parse_special_tokens)
         params = generation.sampling_params(cfg, max_tokens=args.max_tokens, temperature=args.temperature,
                                             seed=args.seed)
         spec = generation.grammar_spec(cfg, response_schema=schema, regex=args.regex)
@@ -297,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--schema", type=Path, default=None, help="JSON Schema file the output must match")
     c.add_argument("--regex", default=None, help="regex the whole output must match")
     p.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
+    p.add_argument("--parse-special-tokens", action="store_true",
+                   help="with --raw: parse control-token text in PROMPT (<|im_end|>, ...) into control tokens "
+                        "(default: plain text)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)

@@ -4,7 +4,7 @@
 through these functions so that limits, errors, validation, metrics and logs are the same:
 
 1. ``tokenize(state, prompt=..., messages=...)`` → prompt token ids (chat template applied to
-   ``messages`` with ``add_generation_prompt=True``).
+   ``messages`` with ``add_generation_prompt=True``; content kept as data: ``service.prompts``).
 2. ``sampling_params(state.config, ...)`` → ``SamplingParams``.
 3. ``grammar_spec(state.config, response_schema=..., regex=..., choice=...)`` → ``GrammarSpec``
    or ``None``.
@@ -39,6 +39,7 @@ from grammar.base import GrammarError, GrammarSpec
 from schemas.common import Timings, Usage
 from service.errors import (ClientDisconnected, GenerationFailed, GenerationTimeout, InputError, QueueTimeout,
                             Unavailable)
+from service.prompts import encode_prompt, message_text, render_messages  # noqa: F401 - re-exported
 from service.state import ServiceConfig, ServiceState
 from service.validation import SchemaChecks, check_schema
 
@@ -56,77 +57,12 @@ _SPEC_FIELDS = {"json_schema": "response_schema", "regex": "regex", "choice": "c
 
 # -- prompts ---------------------------------------------------------------------------------------
 
-def _message_text(content: Any, index: int) -> str:
-    """Content of a chat message as text: a string, or OpenAI-style ``[{"type": "text", ...}]`` parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InputError(f"messages[{index}].content[{j}]: only text parts are supported",
-                                 field=f"messages[{index}].content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise InputError(f"messages[{index}].content must be a string or a list of text parts",
-                     field=f"messages[{index}].content")
-
-
-def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
-    """Render chat messages with the tokenizer's chat template, ending with the assistant's turn.
-
-    Args:
-        tokenizer: a transformers tokenizer with a ``chat_template``.
-        messages: ``[{"role": ..., "content": ...}, ...]``; other keys (``tool_calls``, ``name``,
-            ``tool_call_id``) are passed to the template unchanged.
-        tools: OpenAI-style tool definitions handed to the template, if it uses them.
-
-    Raises:
-        InputError: (field ``messages``) no chat template, or the template refused the messages
-            (e.g. roles out of order).
-
-    The template runs in transformers' sandboxed Jinja environment: request content is data,
-    never code.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise InputError("this model has no chat template; send a plain 'prompt' instead", field="messages")
-    msgs = []
-    for i, m in enumerate(messages):
-        msg = dict(m)
-        msg["content"] = _message_text(m.get("content"), i)
-        msgs.append(msg)
-    kwargs = {"tools": tools} if tools else {}
-    try:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
-    except Exception as e:  # noqa: BLE001 - jinja raises TemplateError and others for bad input
-        raise InputError(f"the chat template refused these messages: {e}", field="messages") from None
-
-
-def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None,
-                  tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a plain prompt, or of messages rendered with the chat template.
-
-    A plain prompt gets the tokenizer's usual special tokens (BOS where the model wants one);
-    a rendered chat already contains them as text, so it is encoded without adding more.
-
-    Raises:
-        InputError: neither or both of ``prompt`` and ``messages``; template errors.
-    """
-    if (prompt is None) == (messages is None):
-        raise InputError("give exactly one of 'prompt' and 'messages'", field="prompt")
-    if messages is not None:
-        if not messages:
-            raise InputError("messages is empty", field="messages")
-        text = render_messages(tokenizer, messages, tools)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    return list(tokenizer.encode(prompt, add_special_tokens=True))
-
-
 async def tokenize(state: ServiceState, prompt: str | None = None, messages: list[dict] | None = None,
-                   tools: list[dict] | None = None) -> list[int]:
+                   tools: list[dict] | None = None, *, parse_special_tokens: bool = False) -> list[int]:
     """``encode_prompt`` with the service's size limits, off the event loop for long inputs.
+
+    Content is data: no text of a message, tool or prompt becomes a control token
+    (``service.prompts``), unless ``parse_special_tokens`` asks for it in a plain prompt.
 
     Raises:
         InputError: over ``max_prompt_chars`` or ``max_messages``; see ``encode_prompt``.
@@ -135,7 +71,7 @@ async def tokenize(state: ServiceState, prompt: str | None = None, messages: lis
     if messages is not None:
         if len(messages) > cfg.max_messages:
             raise InputError(f"{len(messages)} messages; the limit is {cfg.max_messages}", field="messages")
-        size = sum(len(_message_text(m.get("content"), i)) for i, m in enumerate(messages))
+        size = sum(len(message_text(m.get("content"), i)) for i, m in enumerate(messages))
     else:
         size = len(prompt or "")
     if size > cfg.max_prompt_chars:
@@ -145,8 +81,9 @@ async def tokenize(state: ServiceState, prompt: str | None = None, messages: lis
     # A chat template is Jinja (pure Python, its cost grows with the messages and tools):
     # always off the loop. A short plain prompt tokenizes in microseconds (Rust): inline.
     if messages is not None or size > _THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(encode_prompt, tok, prompt, messages, tools)
-    return encode_prompt(tok, prompt, messages, tools)
+        return await asyncio.to_thread(encode_prompt, tok, prompt, messages, tools,
+                                       parse_special_tokens=parse_special_tokens)
+    return encode_prompt(tok, prompt, messages, tools, parse_special_tokens=parse_special_tokens)
 
 
 # -- parameters ------------------------------------------------------------------------------------

@@ -495,7 +495,9 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
                                   vocab_size=vocab_size(svc), close_on_budget=data.close_on_budget is not False,
                                   soft_limits=data.soft_limits)
               for s in _seeds(data.seed, n)]
-    prompt_ids = [g if isinstance(g, list) else await gen.tokenize(svc, prompt=g) for g in groups]
+    parse = bool(data.parse_special_tokens)
+    prompt_ids = [g if isinstance(g, list) else await gen.tokenize(svc, prompt=g, parse_special_tokens=parse)
+                  for g in groups]
     prompts = [g if isinstance(g, str) else svc.engine.tokenizer.decode(g) for g in groups]
     rid = f"cmpl-{uuid.uuid4().hex}"
     _log_identity(rid, data)

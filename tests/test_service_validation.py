@@ -141,8 +141,8 @@ def test_messages_need_a_template_and_text_parts():
         chat_template = None
 
     assert _input_error(generation.render_messages, NoTemplate(), [{"role": "user", "content": "x"}]).field == "messages"
-    assert generation._message_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], 0) == "ab"
-    assert _input_error(generation._message_text, [{"type": "image_url"}], 3).field == "messages[3].content"
+    assert generation.message_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], 0) == "ab"
+    assert _input_error(generation.message_text, [{"type": "image_url"}], 3).field == "messages[3].content"
     assert _input_error(generation.encode_prompt, None, "p", [{"role": "user", "content": "m"}]).field == "prompt"
 
 
