@@ -111,10 +111,15 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     Attributes:
         id: request id (also in the ``X-Request-Id`` header and the server log).
         text: the generated text.
-        output: the parsed JSON (schema), the chosen string (choice), else null; null when cut short.
-        valid: the output satisfies the constraint (checked with jsonschema for schemas, a full
-            match for regexes); false when ``finish_reason`` is "length".
-        finish_reason: "stop" or "length".
+        output: the parsed JSON (schema), the chosen string (choice), else null; null when cut
+            short before the constraint admits the text.
+        valid: the constraint admits the text, whatever stopped it (checked with jsonschema for
+            schemas, a full match for regexes).
+        finish_reason: what stopped it: "stop" (EOS, stop string, constraint complete) or
+            "length" (``max_tokens`` or the model's context).
+        truncated_value: valid, but stopped at "length" where the constraint allowed more: the
+            last value (a number the budget never steered, an optional part of a regex) may be
+            shorter than the model would have written.
         usage: token counts (speculative counters included).
         timings: ttft_ms, total_ms, grammar_ms.
         warnings: why ``valid`` is false; keywords ignored under ``strict: false``.
@@ -134,6 +139,7 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     logprobs: list[float] | None = None
     closed_by_budget: bool = False
     shortened: list[str] = msgspec.field(default_factory=list)
+    truncated_value: bool = False
 
 
 class StreamDelta(msgspec.Struct, kw_only=True, omit_defaults=True, tag="delta", tag_field="type"):
@@ -155,6 +161,7 @@ class StreamFinal(msgspec.Struct, kw_only=True, tag="final", tag_field="type"):
     warnings: list[str]
     closed_by_budget: bool = False
     shortened: list[str] = msgspec.field(default_factory=list)
+    truncated_value: bool = False
 
 
 class StreamError(msgspec.Struct, kw_only=True, tag="error", tag_field="type"):

@@ -257,7 +257,9 @@ class AssistantMessage(Struct):
 class ChatChoice(Struct):
     """One choice. ``valid`` (Stencil extension, absent for unconstrained text): the answer was
     checked with jsonschema against the response format (or each call's arguments against their
-    function's parameters) and passed; false when cut short or relaxed keywords were broken."""
+    function's parameters) and passed, whatever stopped it; false when cut short before the text
+    was complete, or relaxed keywords were broken. ``truncated_value`` (Stencil extension, absent
+    unless true): valid, but ended at ``length`` where the constraint allowed more."""
 
     index: int
     message: AssistantMessage
@@ -265,6 +267,7 @@ class ChatChoice(Struct):
     logprobs: ChoiceLogprobs | None = None
     valid: bool | UnsetType = UNSET
     closed_by_budget: bool | UnsetType = UNSET
+    truncated_value: bool | UnsetType = UNSET
 
 
 class ChatCompletion(Struct):
@@ -348,6 +351,7 @@ class CompletionChoice(Struct):
     logprobs: CompletionLogprobs | None = None
     valid: bool | UnsetType = UNSET
     closed_by_budget: bool | UnsetType = UNSET
+    truncated_value: bool | UnsetType = UNSET
 
 
 class Completion(Struct):

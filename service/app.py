@@ -191,7 +191,8 @@ def _response_of(result: generation.GenerationResult) -> GenerateResponse:
     return GenerateResponse(id=result.id, text=result.text, output=result.output, valid=result.valid,
                             finish_reason=result.finish_reason, usage=result.usage, timings=result.timings,
                             warnings=result.warnings, logprobs=result.logprobs,
-                            closed_by_budget=result.closed_by_budget, shortened=result.shortened)
+                            closed_by_budget=result.closed_by_budget, shortened=result.shortened,
+                            truncated_value=result.truncated_value)
 
 
 _ENCODER = msgspec.json.Encoder()
@@ -209,7 +210,8 @@ async def _sse_events(gen: generation.GenerationStream, rid: str) -> AsyncIterat
                                                   finish_reason=item.finish_reason, usage=item.usage,
                                                   timings=item.timings, warnings=item.warnings,
                                                   closed_by_budget=item.closed_by_budget,
-                                                  shortened=item.shortened)).decode()
+                                                  shortened=item.shortened,
+                                                  truncated_value=item.truncated_value)).decode()
     except (ServiceError, EngineError, EngineOverloaded, EngineDeadError, GrammarError) as e:
         problem, _ = to_problem(e, rid)
         yield _ENCODER.encode(StreamError(error=problem)).decode()

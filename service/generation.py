@@ -277,8 +277,8 @@ class GenerationResult(msgspec.Struct, kw_only=True):
             the model's context).
         output: the parsed JSON (schema requests) or the chosen string (choice requests);
             ``None`` otherwise and whenever the output was cut short.
-        valid: the output satisfies the request's constraint (jsonschema with format checking
-            for schemas, a full match for regexes); always False for "length".
+        valid: the constraint admits the output, whatever stopped it (jsonschema with format
+            checking for schemas, a full match for regexes).
         usage: token counts, speculative counters included.
         timings: ttft / total / grammar wait in milliseconds.
         warnings: why ``valid`` is False, and keywords ignored under ``strict: false``.
@@ -290,6 +290,9 @@ class GenerationResult(msgspec.Struct, kw_only=True):
             one (``stencil bench budget`` reports how often).
         shortened: JSON pointers of the values being written where the budget narrowed the choices
             (``["/tags/3", "/note"]``).
+        truncated_value: valid, but stopped at ``max_tokens`` where the constraint allowed more
+            (``finish_reason`` "length"): its last value may be cut short (a run of digits the
+            budget never steered, an optional part of a regex).
     """
 
     id: str
@@ -305,6 +308,7 @@ class GenerationResult(msgspec.Struct, kw_only=True):
     top_logprobs: list[list[tuple[int, float]]] | None = None
     closed_by_budget: bool = False
     shortened: list[str] = msgspec.field(default_factory=list)
+    truncated_value: bool = False
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -514,7 +518,8 @@ class GenerationStream:
                                 finish_reason=out.finish_reason, output=checked.output, valid=checked.valid,
                                 usage=usage, timings=timings, warnings=warnings,
                                 logprobs=logprobs if self.params.logprobs else None,
-                                closed_by_budget=out.closed_by_budget, shortened=shortened)
+                                closed_by_budget=out.closed_by_budget, shortened=shortened,
+                                truncated_value=checked.truncated_value)
 
 
 def client_id(headers, peer) -> str:

@@ -275,7 +275,8 @@ def _chat_choice(svc: ServiceState, job: _ChatJob, index: int, r: gen.Generation
     choice = ChatChoice(index=index, message=msg, finish_reason=v.finish_reason,
                         logprobs=chat_logprobs(svc, r.token_ids, r.logprobs, r.top_logprobs),
                         valid=msgspec.UNSET if v.valid is None else v.valid,
-                        closed_by_budget=True if r.closed_by_budget else msgspec.UNSET)
+                        closed_by_budget=True if r.closed_by_budget else msgspec.UNSET,
+                        truncated_value=True if v.valid and r.truncated_value else msgspec.UNSET)
     return choice, v.problems
 
 
@@ -520,7 +521,9 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
                                         logprobs=completion_logprobs(svc, r.token_ids, r.logprobs, len(prefix),
                                                                      r.top_logprobs if want_logprobs else None),
                                         valid=r.valid if spec is not None else msgspec.UNSET,
-                                        closed_by_budget=True if r.closed_by_budget else msgspec.UNSET))
+                                        closed_by_budget=True if r.closed_by_budget else msgspec.UNSET,
+                                        truncated_value=True if spec is not None and r.truncated_value
+                                        else msgspec.UNSET))
         warnings += [f"choice {k}: {w}" for w in r.warnings if w not in relaxed_warnings]
     body = Completion(id=rid, created=int(time.time()), model=model, choices=choices, usage=_usage(results, counts),
                       warnings=warnings or msgspec.UNSET)

@@ -133,14 +133,20 @@ class CheckedOutput:
     """The verdict on one finished output.
 
     Attributes:
-        output: the parsed JSON value (JSON schema), the chosen string (choice), else ``None``.
-        valid: the output satisfies the request's constraint and was not cut short.
-        warnings: why it is not valid, in words (empty when valid).
+        output: the parsed JSON value (JSON schema), the chosen string (choice), else ``None``
+            (``None`` too for a text cut at ``max_tokens`` that is not valid).
+        valid: the request's constraint admits the text, whatever stopped it.
+        warnings: why it is not valid, or why a valid text may be short, in words.
+        truncated_value: valid, but generation stopped at ``max_tokens`` (or the model's
+            context) where the constraint still allowed more: the last value (a run of digits,
+            an optional part of a regex, free text) may be shorter than the model would have
+            written.
     """
 
     output: Any
     valid: bool
     warnings: list[str] = field(default_factory=list)
+    truncated_value: bool = False
 
 
 class OutputChecker:
@@ -192,15 +198,29 @@ class OutputChecker:
               token_ids: list[int] | None = None, compiled=None) -> CheckedOutput:
         """Parse and validate ``text`` against ``spec``.
 
-        A request cut short (``finish_reason == "length"``, or anything but ``"stop"``) is never
-        valid and its ``output`` is ``None``: a truncated document is not a document. A Lark
-        grammar has no second implementation to check against here: its output's tokens
-        (``token_ids``) are replayed through a fresh matcher of ``compiled``.
+        ``valid`` says whether the constraint admits the text, whatever stopped it; the
+        ``finish_reason`` says what stopped it. A text stopped at ``"length"`` that the
+        constraint admits is valid with its ``output`` and ``truncated_value``; one it does not
+        admit (a document cut in the middle) is not valid, ``output`` ``None``. Any other reason
+        than ``"stop"`` and ``"length"`` is not valid. A Lark grammar has no second
+        implementation to check against here: its output's tokens (``token_ids``) are replayed
+        through a fresh matcher of ``compiled``.
         """
-        if finish_reason != "stop":
-            why = ("output was cut at max_tokens before it was complete" if finish_reason == "length"
-                   else f"generation ended with finish_reason {finish_reason!r}")
-            return CheckedOutput(None, False, [why])
+        if finish_reason not in ("stop", "length"):
+            return CheckedOutput(None, False, [f"generation ended with finish_reason {finish_reason!r}"])
+        verdict = self._verdict(spec, text, token_ids, compiled)
+        if finish_reason == "length":
+            if verdict.valid:
+                verdict.truncated_value = True
+                verdict.warnings.append("max_tokens was reached where the constraint allowed more: the text is "
+                                        "complete under it, but its last value may be cut short")
+            else:
+                verdict.output = None
+                verdict.warnings.insert(0, "output was cut at max_tokens before it was complete")
+        return verdict
+
+    def _verdict(self, spec: GrammarSpec | None, text: str, token_ids: list[int] | None,
+                 compiled) -> CheckedOutput:
         if spec is None:
             return CheckedOutput(None, True)
         if spec.kind == "json_schema":

@@ -162,12 +162,13 @@ def test_strict_omitted_or_false_relaxes_and_reports(server, strict):
         assert all(k in header for k in keywords), (keywords, header)
         assert all(any(k in w for w in body["warnings"]) for k in keywords), body["warnings"]
         choice = body["choices"][0]
-        if choice["finish_reason"] != "stop":
-            assert choice["valid"] is False
+        try:
+            value = json.loads(choice["message"]["content"])
+        except ValueError:  # cut at max_tokens inside the document
+            assert choice["finish_reason"] == "length" and choice["valid"] is False
             continue
-        value = json.loads(choice["message"]["content"])
         ok = jsonschema.Draft202012Validator(RELAXED).is_valid(value)
-        assert choice["valid"] is ok  # the verdict is jsonschema's, relaxed keywords included
+        assert choice["valid"] is ok  # the verdict is jsonschema's, relaxed keywords included, whatever stopped it
         # what the grammar can enforce, it still enforces
         assert value["colour"] in ("red", "green") and len(value["tags"]) <= 4
         assert set(value["tags"]) <= {"a", "b", "c"} and 0 <= value["n"] <= 9

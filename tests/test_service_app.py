@@ -76,6 +76,22 @@ def test_choice_and_cut_short_outputs(client):
                                        "close_on_budget": False}).json()
     assert r["finish_reason"] == "length" and r["output"] is None and r["valid"] is False
     assert r["usage"]["completion_tokens"] == 2
+    assert r["truncated_value"] is False
+
+
+def test_a_text_the_constraint_admits_is_valid_whatever_stopped_it(client, tokenizer):
+    # Each token of this language is one character (the digits and "-" of SmolLM2's vocabulary
+    # are single-character tokens where no "--" or "12" pieces exist), so 10 tokens write a date.
+    rx = r"[0-9]{4}-[0-9]{2}-[0-9]{2}( [0-9]{2}:[0-9]{2})?"
+    r = client.post("/generate", json={"prompt": "Born on", "regex": rx, "max_tokens": 10,
+                                       "close_on_budget": False}).json()
+    assert re.fullmatch(rx, r["text"]) and r["usage"]["completion_tokens"] == 10, r
+    assert (r["finish_reason"], r["valid"], r["truncated_value"]) == ("length", True, True), r
+    assert any("max_tokens" in w for w in r["warnings"])
+    number = client.post("/generate", json={"prompt": "n=", "response_schema": {"type": "integer"},
+                                            "max_tokens": 3, "close_on_budget": False}).json()
+    if number["finish_reason"] == "length":  # the model went on writing digits
+        assert number["valid"] and number["truncated_value"] and number["output"] == int(number["text"]), number
 
 
 @pytest.mark.parametrize("body, status, needle, field", [

@@ -85,10 +85,27 @@ def test_json_output_is_checked_with_formats():
     assert not c.check(spec, '{"d":', "stop").valid
 
 
-def test_length_means_no_output_and_invalid():
+def test_valid_is_what_the_constraint_admits_whatever_stopped_it():
+    c = OutputChecker()
     spec = GrammarSpec.json_schema({"type": "integer"})
-    r = OutputChecker().check(spec, "12", "length")  # parses, but was cut short
-    assert r.output is None and r.valid is False and "max_tokens" in r.warnings[0]
+    r = c.check(spec, "12", "length")  # admitted, but the number could have gone on
+    assert (r.output, r.valid, r.truncated_value) == (12, True, True) and "max_tokens" in r.warnings[0]
+    r = c.check(spec, "12", "stop")
+    assert (r.output, r.valid, r.truncated_value, r.warnings) == (12, True, False, [])
+    cut = c.check(GrammarSpec.json_schema({"type": "object"}), '{"a": 1', "length")
+    assert (cut.output, cut.valid, cut.truncated_value) == (None, False, False)
+    assert "max_tokens" in cut.warnings[0]
+    low = c.check(GrammarSpec.json_schema({"type": "integer", "minimum": 100}), "12", "length")
+    assert (low.output, low.valid) == (None, False)  # a prefix of 120, not yet admitted
+    date = GrammarSpec("regex", r"\d{4}-\d{2}-\d{2}( \d{2}:\d{2})?")
+    r = c.check(date, "1945-01-01", "length")
+    assert (r.valid, r.truncated_value) == (True, True)
+    assert c.check(date, "1945-01-01 1", "length").valid is False
+    ch = GrammarSpec("choice", json.dumps(["yes", "no"]))
+    assert c.check(ch, "no", "length").output == "no"
+    assert c.check(ch, "n", "length").valid is False
+    assert c.check(None, "free text", "length").truncated_value is True
+    assert c.check(spec, "12", "abort").valid is False
 
 
 def test_regex_choice_and_unconstrained():
