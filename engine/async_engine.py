@@ -17,6 +17,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -175,6 +176,17 @@ class AsyncEngine:
         """
         return await asyncio.wrap_future(self.engine.grammar.submit(spec, backend, client=client))
 
+    def grammar_future(self, spec, backend: str | None = None, client: str | None = None) -> Future:
+        """Start compiling ``spec`` on the compiler's pool; the ``concurrent.futures.Future``
+        may be given to ``submit`` as the request's grammar at once: the request then prefills
+        all but its last prompt token while it compiles (``engine.scheduler``). Arguments as
+        ``compile_grammar``.
+
+        Raises:
+            ValueError: an unknown ``backend``.
+        """
+        return self.engine.grammar.submit(spec, backend, client=client)
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None,
                request_id: str | None = None, *, admitted: bool = False) -> EngineStream:
         """Queue a request for the engine thread; return its stream (call on an event loop).
@@ -298,7 +310,7 @@ class AsyncEngine:
                 if outputs or started:
                     self._deliver_all([(rid, _STARTED) for rid in started]
                                       + [(out.request_id, out) for out in outputs])
-                if not outputs and not eng.scheduler.running:
+                if not outputs and eng.idle:
                     self._wake.wait(0.002)  # only requests waiting for their grammar: don't spin
                     self._wake.clear()
             for rid in list(eng.scheduler.requests):

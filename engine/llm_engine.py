@@ -17,7 +17,7 @@ from engine.logits_process import LogitsParamError, check_logits_params
 from engine.model_runner import ModelRunner, ModelRunnerOutput
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput, make_matcher
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape
 from engine.spec.drafter import pending_rows
 from engine.step_timing import StepTimer
@@ -96,6 +96,7 @@ class LLMEngine:
         self.num_steps = 0
         self.timer = StepTimer()  # phases of the last step (ms), for ``stencil bench overhead``
         self.started: list[str] = []  # ids of the requests the last step scheduled for the first time
+        self.idle = True  # the last step scheduled nothing
         self.load_time_s = time.perf_counter() - t0
         log.info("engine ready: %s, %d KV blocks (%.2f GiB), max_model_len %d, kernels %s, %.1f s",
                  config.model, self.runner.num_blocks,
@@ -124,16 +125,16 @@ class LLMEngine:
         spec = self.check_request(prompt_token_ids, params, admission=not admitted)
         if request_id in self.scheduler.requests:
             raise EngineError(f"request id {request_id!r} is already in use")
-        matcher, future = None, None
+        future = None
         if isinstance(grammar, Future):
-            future = grammar
+            future, grammar = grammar, None
         elif grammar is not None:
             self.check_budget(grammar, params)
-            matcher = make_matcher(grammar, params)
-        req = Request(request_id, prompt_token_ids, params, self.eos_token_id, matcher, future)
+        # No matcher and no detokenizer yet: the scheduler makes the matcher when it first runs
+        # the request, _output the detokenizer at its first token (a queued request stays small).
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_id, None, future, grammar=grammar)
         if spec is not None:
             req.spec_state = SpecState(spec)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add(req)
         return request_id
 
@@ -259,6 +260,7 @@ class LLMEngine:
         timer = self.timer
         timer.start()
         sched = self.scheduler.schedule()
+        self.idle = sched.is_empty  # nothing could run (e.g. every request waits for its grammar)
         self.started = self.scheduler.drain_started()
         timer.mark("schedule")
         outputs: list[RequestOutput] = []
@@ -392,6 +394,8 @@ class LLMEngine:
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         detok = self._detok.get(req.request_id)
+        if detok is None and new:
+            detok = self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         text = ""
         if detok is not None:
             try:

@@ -105,22 +105,34 @@ class RequestMetrics:
 
 
 class Request:
-    """Engine-side state of one request (DESIGN.md §2).
+    """Engine-side state of one request.
 
     The scheduler's rule: ``num_computed_tokens`` (tokens whose K/V is in the cache) catches up
     with ``num_tokens + len(draft_token_ids)``. Prefill, prefill chunks, decode, forced tokens
     and drafts are all just tokens not yet computed.
+
+    A request that waits holds its prompt tokens and parameters only: its grammar matcher is
+    made when the scheduler first runs it (``grammar`` until then), and the engine makes its
+    detokenizer at its first output token. So thousands of queued requests cost kilobytes
+    each, not a matcher's state and mask buffer apiece.
+
+    Attributes (beside the counters):
+        grammar: the compiled grammar whose matcher is not made yet, else None.
+        grammar_future: the grammar still compiling (a ``concurrent.futures.Future``), else
+            None. Meanwhile the request may prefill all but its last prompt token; the first
+            sampled token waits for the grammar.
+        matcher: the request's grammar matcher once it runs, else None.
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "draft_token_ids", "block_ids", "status", "params",
-                 "matcher", "grammar_future", "eos_token_id", "metrics", "generator",
+                 "matcher", "grammar", "grammar_future", "eos_token_id", "metrics", "generator",
                  "error", "finish_reason_detail", "arrival_index", "num_cached_blocks",
                  "output_logprobs", "output_top_logprobs", "spec_state")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: int | None, matcher: "GrammarMatcher | None" = None,
-                 grammar_future: "Future | None" = None):
+                 grammar_future: "Future | None" = None, grammar=None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -131,6 +143,7 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks of block_ids already hashed/registered
         self.params = params
         self.matcher = matcher
+        self.grammar = grammar
         self.grammar_future = grammar_future
         self.status = RequestStatus.WAITING_FOR_GRAMMAR if grammar_future is not None else RequestStatus.WAITING
         self.eos_token_id = eos_token_id

@@ -6,6 +6,12 @@ chunk limit is read over several steps (chunked prefill). When the KV cache has 
 most recently admitted running request is preempted: its blocks are freed and it goes back to
 the head of the waiting queue to be recomputed (its freed blocks keep their hashes, so the
 recompute often hits the prefix cache).
+
+A request whose grammar still compiles (``grammar_future``) is admitted all the same and reads
+all but its last prompt token meanwhile; its last prompt token, and so its first sampled token,
+waits for the grammar. Compile time then hides behind prefill instead of adding to TTFT. The
+request's matcher is made when it first runs with its grammar ready (``_start_matcher``), never
+while it queues.
 """
 
 from __future__ import annotations
@@ -145,6 +151,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.grammar_future is not None and not self._grammar_ready(req) and req.is_finished:
+                continue  # its compile failed: finish() took it out of running
             num_new = self._num_new_tokens(req, budget)
             if num_new == 0:
                 i += 1
@@ -172,17 +180,22 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                if not self._grammar_ready(req):
-                    if not req.is_finished:  # a failed grammar already took the request off the queue
-                        skipped.append(self.waiting.popleft())
-                    continue
+            compiling = req.grammar_future is not None and not self._grammar_ready(req)
+            if req.is_finished:
+                continue  # its compile failed: finish() took it off the queue
             cached_blocks, num_cached = self.kv.get_computed_blocks(req) if not req.block_ids else ([], 0)
-            req.num_computed_tokens = num_cached
             num_new = min(req.num_tokens - num_cached, budget, cfg.max_prefill_chunk)
+            if compiling:
+                num_new = min(num_new, req.num_prompt_tokens - 1 - num_cached)  # all but the last token
+                if num_new <= 0:
+                    skipped.append(self.waiting.popleft())  # nothing to read until it compiles
+                    continue
+            req.num_computed_tokens = num_cached
             if not self.kv.allocate_slots(req, num_new, cached_blocks):
                 req.num_computed_tokens = 0
                 break
+            if not compiling and not self._start_matcher(req):
+                continue  # its matcher failed to start: finished, blocks freed
             self.waiting.popleft()
             self.kv.record_lookup(req.num_tokens, num_cached)
             if req.metrics.first_scheduled_time is None:
@@ -197,11 +210,16 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     def _grammar_ready(self, req: Request) -> bool:
+        """Whether ``req``'s compile has ended well (``req.grammar`` is then set). A failed
+        compile, or a grammar whose shortest output exceeds ``max_tokens``, finishes the
+        request with its error (blocks freed); False then too, and ``req.is_finished``."""
         fut = req.grammar_future
-        if fut is None or not fut.done():
+        if fut is None:
+            return True
+        if not fut.done():
             return False
         req.grammar_future = None
-        exc = fut.exception()
+        exc = RuntimeError("the grammar compile was cancelled") if fut.cancelled() else fut.exception()
         if exc is not None:
             req.error = str(exc)
             self.finish(req, RequestStatus.FINISHED_ERROR)
@@ -213,17 +231,35 @@ class Scheduler:
                          f"grammar admits ({need} tokens)")
             self.finish(req, RequestStatus.FINISHED_ERROR)
             return False
-        req.matcher = make_matcher(grammar, req.params)
-        req.status = RequestStatus.WAITING
+        req.grammar = grammar
+        if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            req.status = RequestStatus.WAITING
+        if req.status == RequestStatus.RUNNING:
+            return self._start_matcher(req)
+        return True
+
+    def _start_matcher(self, req: Request) -> bool:
+        """Make the matcher of a request about to run with its grammar (no-op without one or
+        once made). A matcher that fails to start finishes the request; False then."""
+        if req.matcher is not None or req.grammar is None:
+            return True
+        try:
+            req.matcher = make_matcher(req.grammar, req.params)
+        except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
+            log.error("request %s failed while starting its grammar matcher", req.request_id, exc_info=e)
+            req.error = f"internal error while starting its grammar matcher ({type(e).__name__}); see the server log"
+            self.finish(req, RequestStatus.FINISHED_ERROR)
+            return False
+        req.grammar = None
         return True
 
     def prefill_pending(self) -> bool:
-        """Whether the next step will likely read prompt tokens: a running request has some left,
-        or a waiting one (its grammar ready) could be admitted."""
-        if any(r.num_computed_tokens < r.num_prompt_tokens for r in self.running):
+        """Whether the next step will likely read prompt tokens: a running request has some left
+        (all but the last while its grammar compiles), or a waiting one could be admitted."""
+        if any(r.num_computed_tokens < r.num_prompt_tokens - (r.grammar_future is not None) for r in self.running):
             return True
         return len(self.running) < self.config.max_num_seqs and any(
-            r.status != RequestStatus.WAITING_FOR_GRAMMAR for r in self.waiting)
+            r.grammar_future is None or r.num_prompt_tokens > 1 for r in self.waiting)
 
     def may_draft(self, req: Request) -> bool:
         """Whether draft tokens may follow ``req``'s uncomputed tokens this step: its prompt is
@@ -233,6 +269,9 @@ class Scheduler:
         return req.num_computed_tokens >= req.num_prompt_tokens and 1 <= pending <= 1 + self.max_forced_tokens
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
+        if req.grammar_future is not None:  # compiling: read prompt tokens up to the last one only
+            return max(0, min(req.num_prompt_tokens - 1 - req.num_computed_tokens, budget,
+                              self.config.max_prefill_chunk))
         remaining = req.num_tokens - req.num_computed_tokens
         if req.draft_token_ids and not self.may_draft(req):
             req.draft_token_ids = []  # drafts only ride on a request whose prefill is done

@@ -571,25 +571,56 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
         raise Unavailable(f"the engine is not running: {state.engine.error!r}")
     # Refuse early (cheap) so a doomed request does not pay for a grammar compile.
     state.engine.engine.check_request(prompt_ids, params)
-    compiled, grammar_ms = None, 0.0
     try:
-        if spec is not None:
-            t = time.perf_counter()
-            compiled = await state.engine.compile_grammar(spec, grammar_backend, client)
-            # a 400 naming max_tokens; off the loop: a small budget may need the closing automaton,
-            # whose build for large counted repeats takes seconds of Python
-            await asyncio.to_thread(state.engine.engine.check_budget, compiled, params)
-            grammar_ms = (time.perf_counter() - t) * 1e3
-            state.metrics.grammar_wait.observe(grammar_ms / 1e3)
-        gen = GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms,
-                               queue_timeout_s)
-        await gen.open()  # on a cluster, the replica's compile and checks: their errors too
+        if spec is not None and hasattr(state.engine, "grammar_future"):
+            gen = await _start_behind_prefill(state, prompt_ids, params, spec, request_id, arrival,
+                                              grammar_backend, client, queue_timeout_s)
+        else:
+            compiled, grammar_ms = None, 0.0
+            if spec is not None:
+                t = time.perf_counter()
+                compiled = await state.engine.compile_grammar(spec, grammar_backend, client)
+                await asyncio.to_thread(state.engine.engine.check_budget, compiled, params)
+                grammar_ms = (time.perf_counter() - t) * 1e3
+                state.metrics.grammar_wait.observe(grammar_ms / 1e3)
+            gen = GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms,
+                                   queue_timeout_s)
+            await gen.open()  # on a cluster, the replica's compile and checks: their errors too
     except GrammarError as e:
         if e.field is not None or spec is None:
             raise
         raise e.copy(field=_SPEC_FIELDS.get(spec.kind)) from None
     if wait:
         await gen.wait_started(receive)
+    return gen
+
+
+async def _start_behind_prefill(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
+                                spec: GrammarSpec, request_id: str, arrival: float, grammar_backend: str | None,
+                                client: str | None, queue_timeout_s: float | None) -> GenerationStream:
+    """Submit the request with its grammar still compiling, so that the engine prefills all but
+    its last prompt token meanwhile; then wait for the compile and the budget check, so their
+    errors still come before the first byte (the engine request is aborted then, its blocks
+    freed). The stream's ``grammar_ms`` is the compile's wait, counted from here."""
+    t = time.perf_counter()
+    future = state.engine.grammar_future(spec, grammar_backend, client)
+    gen = GenerationStream(state, prompt_ids, params, spec, future, request_id, arrival, 0.0, queue_timeout_s)
+    await gen.open()
+    try:
+        # shield: a client leaving cancels this wait, not the compile the engine polls (whose
+        # outcome is then read by the callback, so asyncio does not log it as never retrieved)
+        waited = asyncio.wrap_future(future)
+        waited.add_done_callback(lambda f: f.cancelled() or f.exception())
+        compiled = await asyncio.shield(waited)
+        # a 400 naming max_tokens; off the loop: a small budget may need the closing automaton,
+        # whose build for large counted repeats takes seconds of Python
+        await asyncio.to_thread(state.engine.engine.check_budget, compiled, params)
+    except BaseException:
+        await gen.aclose()
+        raise
+    gen.compiled = compiled
+    gen.grammar_ms = (time.perf_counter() - t) * 1e3
+    state.metrics.grammar_wait.observe(gen.grammar_ms / 1e3)
     return gen
 
 

@@ -53,6 +53,17 @@ def _engine_idle(client) -> dict:
     return stats
 
 
+def _engine_idle_soon(client, polls: int = 200) -> dict:
+    """``_engine_idle`` once the engine thread has applied the aborts posted to it (it reads its
+    inbox between steps), polling ``/health`` at most ``polls`` times."""
+    for _ in range(polls):
+        stats = client.get("/health").json()["engine"]
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            break
+        time.sleep(0.05)
+    return _engine_idle(client)
+
+
 def _problem(r: httpx.Response, status: int) -> dict:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/problem+json")
@@ -346,6 +357,19 @@ def test_regex_errors_name_field_and_position(client, pattern, position):
     assert (p["field"], p["position"]) == ("regex", position), p
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_compile_error_comes_before_the_first_byte(client, stream):
+    """The engine prefills while the grammar compiles; a compile that fails is still a 400 before any
+    byte of the answer (a stream never starts), and the prefilled request leaves no block behind."""
+    prompt = "a long prompt to prefill while the grammar compiles " * 6
+    for regex, schema in (("(?=a)b", None), (None, {"type": "object", "properties": {"a": {"not": {}}},
+                                                        "required": ["a"]})):
+        body = {"prompt": prompt, "stream": stream, **({"regex": regex} if regex else {"response_schema": schema})}
+        p = _problem(client.post("/generate", json=body), 400)
+        assert p["field"] == ("regex" if regex else "response_schema"), p
+    _engine_idle_soon(client)
+
+
 def test_output_check_of_a_cut_output_cannot_stall(client):
     """An output cut by a stop string is checked against the regex: never with exponential backtracking.
 
@@ -617,24 +641,25 @@ def test_compile_fault_fails_one_request(client, monkeypatch):
     _engine_idle(client)
 
 
-def test_failed_grammar_and_stop_string_in_one_step_are_both_reported(tiny_model_dir):
+def test_failed_grammar_and_stop_string_in_one_step_are_both_reported(tiny_model_dir, monkeypatch):
     """A request finished while scheduling (its grammar failed) is reported even when another request
     stops on a stop string in the same step (finishing that one must not swallow the other's end)."""
+    import engine.llm_engine as llm_engine
+
+    class StopsAtOnce(llm_engine.IncrementalDetokenizer):
+        def push(self, ids):
+            text = super().push(ids)
+            self.stopped = True  # as if a stop string had just been found
+            return text
+
+    # The engine makes a request's detokenizer at its first token: "stops" gets this one.
+    monkeypatch.setattr(llm_engine, "IncrementalDetokenizer", StopsAtOnce)
     eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64))
     try:
         failed: Future = Future()
         failed.set_exception(GrammarError("injected compile failure"))
         eng.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=8), failed)
         eng.add_request("stops", [4, 5, 6], SamplingParams(max_tokens=8, temperature=0.0))
-        detok = eng._detok["stops"]
-        original = detok.push
-
-        def push(ids):
-            text = original(ids)
-            detok.stopped = True  # as if a stop string had just been found
-            return text
-
-        detok.push = push
         outputs = {o.request_id: o for o in eng.step()}
         assert outputs["bad"].finished and outputs["bad"].finish_reason == "error"
         assert "injected" in outputs["bad"].error

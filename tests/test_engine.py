@@ -227,39 +227,57 @@ def test_greedy_outputs_are_the_same_on_either_backend(tiny_model_dir, prompts):
     assert outs["eager"] == outs["lazy"]
 
 
-def test_decoding_continues_while_a_grammar_compiles(tiny_model_dir, prompts):
-    """A request whose grammar is still compiling waits (WAITING_FOR_GRAMMAR) while others decode."""
+def test_a_request_prefills_while_its_grammar_compiles(tiny_model_dir, prompts):
+    """A request whose grammar is still compiling reads all but its last prompt token while others
+    decode, holds no matcher meanwhile, and samples once the compile ends; its output is the one
+    it gets with the grammar compiled first."""
     from concurrent.futures import Future
 
     from engine.request import RequestStatus
     from grammar.base import GrammarSpec
 
-    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64))
-    compiled = eng.grammar.compile(GrammarSpec("regex", "(yes|no)"))
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, max_prefill_chunk=8))
+    compiled = eng.grammar.compile(GrammarSpec("regex", "(yes|no)( indeed)?"))
+    params = SamplingParams(max_tokens=5, temperature=0)
+    first = eng.generate([prompts[3]], params, [compiled])[0]["token_ids"]
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, max_prefill_chunk=8,
+                                 enable_prefix_caching=False))
     pending: Future = Future()
     for i in range(3):
         eng.add_request(f"d{i}", prompts[i], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
-    eng.add_request("slow", prompts[3], SamplingParams(max_tokens=5, temperature=0), pending)
+    eng.add_request("slow", prompts[3], params, pending)
+    slow = eng.scheduler.requests["slow"]
+    assert slow.matcher is None and slow.status == RequestStatus.WAITING_FOR_GRAMMAR
     produced = {f"d{i}": 0 for i in range(3)}
-    for _ in range(10):
+    for _ in range(16):
         for out in eng.step():
             assert out.request_id != "slow"
             produced[out.request_id] += len(out.new_token_ids)
-        assert eng.scheduler.waiting[0].status == RequestStatus.WAITING_FOR_GRAMMAR
-    assert all(n == 10 for n in produced.values()), produced
-    pending.set_result(compiled)  # the compile finishes: the request joins the batch
-    slow_text = ""
-    finished = None
+    assert all(n >= 5 for n in produced.values()), produced
+    # Prefilled in chunks of 8 up to the last prompt token, then it waits: no matcher yet.
+    assert slow.status == RequestStatus.RUNNING and slow.num_computed_tokens == len(prompts[3]) - 1
+    assert slow.matcher is None and slow.num_output_tokens == 0
+    pending.set_result(compiled)  # the compile finishes: the last prompt token and the sample follow
+    slow_ids = []
     while eng.has_unfinished():
         for out in eng.step():
             if out.request_id == "slow":
-                slow_text += out.new_text
-                finished = out.finish_reason if out.finished else finished
-    assert finished == "stop" and slow_text in ("yes", "no")
-    # A compile that fails ends that request alone, with the compiler's message.
+                slow_ids += out.new_token_ids
+    assert slow_ids == first and eng.tokenizer.decode(slow_ids).startswith(("yes", "no"))
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_a_failed_or_aborted_compile_frees_every_block(tiny_model_dir, prompts):
+    """A compile that fails ends that request alone, with the compiler's message; one aborted
+    while compiling (after its prefill began) frees its blocks at once."""
+    from concurrent.futures import Future
+
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, max_prefill_chunk=4))
     failing: Future = Future()
     eng.add_request("bad", prompts[4], SamplingParams(max_tokens=5), failing)
     eng.add_request("ok", prompts[5], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    eng.step()
+    assert eng.scheduler.requests["bad"].num_computed_tokens > 0  # it began to prefill
     failing.set_exception(ValueError("schema keyword 'foo' is not supported"))
     outs = {}
     while eng.has_unfinished():
@@ -267,6 +285,19 @@ def test_decoding_continues_while_a_grammar_compiles(tiny_model_dir, prompts):
             outs.setdefault(out.request_id, []).append(out)
     assert outs["bad"][-1].finish_reason == "error" and "foo" in outs["bad"][-1].error
     assert outs["ok"][-1].finish_reason == "length"
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    never: Future = Future()
+    eng.add_request("gone", prompts[2], SamplingParams(max_tokens=5), never)
+    eng.step()
+    assert eng.kv.num_free_blocks < eng.kv.num_blocks
+    eng.abort("gone")
+    out = eng.step()
+    assert [o.finish_reason for o in out if o.request_id == "gone"] == ["abort"]
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks and not eng.has_unfinished()
+    cancelled: Future = Future()
+    eng.add_request("cancelled", prompts[2], SamplingParams(max_tokens=5), cancelled)
+    cancelled.cancel()
+    assert [o.finish_reason for o in eng.step() if o.request_id == "cancelled"] == ["error"]
 
 
 def test_bf16_kv_cache_keeps_the_invariant_at_half_the_bytes(tiny_model_dir, prompts):
