@@ -3,7 +3,8 @@
 ``python -m benchmarks.probe URL INTERVAL_S OUT.json``: until SIGTERM, alternately fetch
 ``/health`` and ``/metrics`` (a fresh connection each time, as a monitor would), every
 ``INTERVAL_S`` seconds, then write ``{"health_ms": [...], "metrics_ms": [...], "failures": N}``
-to ``OUT.json``. A process apart from the load generator, so its own event loop and GIL never
+to ``OUT.json``, with the most running and waiting requests ``/health`` reported
+(``running_max``, ``waiting_max``). A process apart from the load generator, so its own event loop and GIL never
 delay a probe: the figures are the server's. Only loopback URLs are accepted.
 """
 
@@ -17,15 +18,19 @@ import time
 from urllib.parse import urlsplit
 
 
-def probe(host: str, port: int, path: str, timeout_s: float = 30.0) -> float | None:
-    """Milliseconds to fetch ``path`` (status 200 and the whole body), None on failure."""
+def probe(host: str, port: int, path: str, timeout_s: float = 30.0, body: list | None = None) -> float | None:
+    """Milliseconds to fetch ``path`` (status 200 and the whole body), None on failure; the
+    body is appended to ``body`` when given."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         conn.request("GET", path)
         r = conn.getresponse()
-        r.read()
-        return (time.perf_counter() - t0) * 1e3 if r.status == 200 else None
+        data = r.read()
+        ms = (time.perf_counter() - t0) * 1e3 if r.status == 200 else None
+        if body is not None and ms is not None:
+            body.append(data)
+        return ms
     except OSError:
         return None
     finally:
@@ -41,19 +46,28 @@ def main(argv: list[str]) -> int:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     times: dict[str, list[float]] = {"health_ms": [], "metrics_ms": []}
+    most = {"running_max": 0, "waiting_max": 0}
     failures = 0
     k = 0
     while not stop:
         key, path = (("health_ms", "/health"), ("metrics_ms", "/metrics"))[k % 2]
-        ms = probe(parts.hostname, parts.port or 80, path)
+        body: list[bytes] = []
+        ms = probe(parts.hostname, parts.port or 80, path, body=body)
         if ms is None:
             failures += 1
         else:
             times[key].append(ms)
+        if body and path == "/health":
+            try:
+                engine = json.loads(body[0])["engine"]
+                most["running_max"] = max(most["running_max"], int(engine["running"]))
+                most["waiting_max"] = max(most["waiting_max"], int(engine["waiting"]))
+            except (ValueError, KeyError, TypeError):
+                pass
         k += 1
         time.sleep(interval)
     with open(out, "w") as f:
-        json.dump({**times, "failures": failures}, f)
+        json.dump({**times, **most, "failures": failures}, f)
     return 0
 
 

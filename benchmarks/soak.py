@@ -17,7 +17,13 @@ flight, the outcome counts add up to the requests sent, no 5xx and no transport 
 least one request answered, and, for its own server, the server's resident memory grew by at
 most ``--max-rss-growth-mb`` over the second half of the load (half-time to ``--duration``: the
 ramp to thousands of open connections and the first fill of caches come before), and SIGTERM
-stops it with status 0. The exit status is 1 if any invariant fails. The report also has the
+stops it with status 0. With ``--rounds N`` the load runs N times in a row on the same server,
+and the last round's end RSS may be at most ``--max-round-rss-ratio`` times the first's (memory
+that only grows shows here); with ``--reference-concurrency R`` a first phase of R clients
+(all running, none waiting: R = ``--max-num-seqs``) gives the peak RSS that the rounds' peak
+may exceed by at most ``--max-peak-rss-ratio`` (what thousands of waiting clients cost). The
+outcome counts of the report are the rounds' sums; its RSS keys are the last round's. The exit
+status is 1 if any invariant fails. The report also has the
 server's RSS every 5 s until the last client is done (``rss_timeline_mb``, the drain of queued
 requests after the deadline included), at 10 % of the run, at half-time, at the deadline and
 after the settle.
@@ -80,6 +86,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="least share of the sent requests answered 200 (0: not checked)")
     p.add_argument("--max-rss-growth-mb", type=float, default=256.0,
                    help="allowed server RSS growth from the end of warm-up to the end (MiB)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="identical load phases in a row on the same server, each reported with its RSS at warm "
+                        "(10%% of it), peak and end (after the settle)")
+    p.add_argument("--reference-concurrency", type=int, default=0,
+                   help="first a reference phase with this many clients (e.g. 256 = --max-num-seqs: every client "
+                        "running, none waiting); its peak RSS is the yardstick of --max-peak-rss-ratio (0: none)")
+    p.add_argument("--reference-duration", type=float, default=None,
+                   help="seconds of the reference phase (default: --duration / 4)")
+    p.add_argument("--max-peak-rss-ratio", type=float, default=1.5,
+                   help="bound on the rounds' peak RSS over the reference phase's (0: not checked)")
+    p.add_argument("--max-round-rss-ratio", type=float, default=1.05,
+                   help="bound on the last round's end RSS over the first round's (0: not checked)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the report here")
 
@@ -395,9 +413,74 @@ def _run_load(url: str, args, tally: Tally, on_tick) -> float:
     return uvloop.run(_load(url, args, tally, on_tick))
 
 
+@dataclass(slots=True)
+class Phase:
+    """One load phase against the server: its outcomes, the server's RSS, probes and state after."""
+
+    name: str
+    concurrency: int
+    tally: Tally
+    wall_s: float
+    rss: dict
+    timeline: list
+    probes: dict
+    health: dict
+    metrics: dict
+
+    def summary(self) -> dict:
+        c = self.tally.counts
+        return {"name": self.name, "concurrency": self.concurrency, **c, "duration_s": round(self.wall_s, 1),
+                "rss_warm_mb": self.rss["warm"], "peak_rss_mb": self.rss["peak"],
+                "rss_load_end_mb": self.rss["load_end"], "rss_end_mb": self.rss["end"],
+                "running_max": self.probes.get("running_max"), "waiting_max": self.probes.get("waiting_max"),
+                "health_ms_p99": pct(self.probes.get("health_ms", []), 99),
+                "latency_ms_p50": pct(self.tally.latencies_ms, 50)}
+
+
+def _phase(name: str, url: str, pid: int | None, args, concurrency: int, duration: float) -> Phase:
+    """Run the load with ``concurrency`` clients for ``duration`` s, then let it settle."""
+    import copy
+
+    run_args = copy.copy(args)
+    run_args.concurrency, run_args.duration = concurrency, duration
+    rss = {"peak": _rss_mb(pid) if pid else None, "warm": None, "half": None, "load_end": None, "end": None}
+    timeline: list[tuple[float, float]] = []
+
+    def on_tick(elapsed: float) -> None:
+        if pid is None:
+            return
+        now = _rss_mb(pid)
+        if now is not None:
+            rss["peak"] = max(rss["peak"] or 0.0, now)
+            if elapsed <= duration:
+                rss["load_end"] = now
+            if rss["warm"] is None and elapsed >= 0.1 * duration:
+                rss["warm"] = now
+            if rss["half"] is None and elapsed >= 0.5 * duration:
+                rss["half"] = now
+            if not timeline or elapsed - timeline[-1][0] >= 5.0:
+                timeline.append((round(elapsed, 1), round(now, 1)))
+
+    tally = Tally()
+    probe = Probe(url)
+    try:
+        wall = _run_load(url, run_args, tally, on_tick)
+    finally:
+        probes = probe.stop()
+    health, metrics = _settle(url)
+    rss["end"] = _rss_mb(pid) if pid else None
+    if rss["end"] is not None:
+        rss["peak"] = max(rss["peak"] or 0.0, rss["end"])
+    return Phase(name, concurrency, tally, wall, rss, timeline, probes, health, metrics)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
 def main(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    _raise_fd_limit(args.concurrency)
+    _raise_fd_limit(max(args.concurrency, args.reference_concurrency))
     if args.url is not None and httpx.URL(args.url).host not in ("127.0.0.1", "localhost", "::1"):
         print("stencil bench soak: --url must be a loopback address", file=sys.stderr)
         return 2
@@ -413,86 +496,86 @@ def main(args: argparse.Namespace) -> int:
         else:
             model = Path(args.model)
         server = OwnServer(model, args)
+    reference: Phase | None = None
+    rounds: list[Phase] = []
     try:
         if server is not None:
             server.wait_ready()
         url = server.url if server is not None else args.url.rstrip("/")
         pid = server.proc.pid if server is not None else None
-        rss = {"peak": _rss_mb(pid) if pid else None, "warm": None, "half": None, "load_end": None}
-        timeline: list[tuple[float, float]] = []
-
-        def on_tick(elapsed: float) -> None:
-            if pid is None:
-                return
-            now = _rss_mb(pid)
-            if now is not None:
-                rss["peak"] = max(rss["peak"] or 0.0, now)
-                if elapsed <= args.duration:
-                    rss["load_end"] = now
-                if rss["warm"] is None and elapsed >= 0.1 * args.duration:
-                    rss["warm"] = now
-                if rss["half"] is None and elapsed >= 0.5 * args.duration:
-                    rss["half"] = now
-                if not timeline or elapsed - timeline[-1][0] >= 5.0:
-                    timeline.append((round(elapsed, 1), round(now, 1)))
-
-        tally = Tally()
-        probe = Probe(url)
-        try:
-            wall = _run_load(url, args, tally, on_tick)
-        finally:
-            probes = probe.stop()
-        health, metrics = _settle(url)
-        rss_end = _rss_mb(pid) if pid else None
-        if rss_end is not None:
-            rss["peak"] = max(rss["peak"] or 0.0, rss_end)
+        if args.reference_concurrency:
+            reference = _phase("reference", url, pid, args, args.reference_concurrency,
+                               args.reference_duration if args.reference_duration is not None else args.duration / 4)
+        for k in range(args.rounds):
+            rounds.append(_phase(f"round {k + 1}", url, pid, args, args.concurrency, args.duration))
     finally:
         exit_code = server.stop() if server is not None else None
         if tmp is not None:
             tmp.cleanup()
 
+    last = rounds[-1]
+    health, metrics, rss = last.health, last.metrics, last.rss
     e = health["engine"]
-    c = tally.counts
+    c = {k: sum(p.tally.counts[k] for p in rounds) for k in last.tally.counts}
+    latencies = [x for p in rounds for x in p.tally.latencies_ms]
+    wall = sum(p.wall_s for p in rounds)
     left = e["running"] + e["waiting"]
     growth = (rss["load_end"] - rss["half"]
               if rss["load_end"] is not None and rss["half"] is not None else None)
-    health_ms, metrics_ms = probes.get("health_ms", []), probes.get("metrics_ms", [])
+    health_ms = [x for p in rounds for x in p.probes.get("health_ms", [])]
+    metrics_ms = [x for p in rounds for x in p.probes.get("metrics_ms", [])]
+    probe_failures = sum(p.probes.get("failures") or 0 for p in rounds) if all(p.probes for p in rounds) else None
     health_p99 = pct(health_ms, 99)
     answered_share = c["answered"] / c["sent"] if c["sent"] else 0.0
+    peak = max((p.rss["peak"] for p in rounds if p.rss["peak"] is not None), default=None)
+    peak_ratio = _ratio(peak, reference.rss["peak"]) if reference is not None else None
+    round_ratio = _ratio(rounds[-1].rss["end"], rounds[0].rss["end"]) if len(rounds) > 1 else None
+    every = ([reference] if reference is not None else []) + rounds
     invariants = {
-        "all_kv_blocks_free": e["kv_blocks_free"] == e["kv_blocks_total"]
-                              and metrics.get("stencil_kv_blocks_used", 0.0) == 0.0,
-        "no_request_left": left == 0 and health["inflight"] == 0
-                           and metrics.get("stencil_requests_running", 0.0) == 0.0
-                           and metrics.get("stencil_requests_waiting", 0.0) == 0.0,
-        "counts_add_up": c["sent"] == sum(v for k, v in c.items() if k != "sent"),
-        "no_5xx": c["errors_5xx"] == 0,
-        "no_transport_errors": c["transport_errors"] == 0,
+        "all_kv_blocks_free": all(p.health["engine"]["kv_blocks_free"] == p.health["engine"]["kv_blocks_total"]
+                                  and p.metrics.get("stencil_kv_blocks_used", 0.0) == 0.0 for p in every),
+        "no_request_left": all(p.health["engine"]["running"] + p.health["engine"]["waiting"] == 0
+                               and p.health["inflight"] == 0
+                               and p.metrics.get("stencil_requests_running", 0.0) == 0.0
+                               and p.metrics.get("stencil_requests_waiting", 0.0) == 0.0 for p in every),
+        "counts_add_up": all(p.tally.counts["sent"] == sum(v for k, v in p.tally.counts.items() if k != "sent")
+                             for p in every),
+        "no_5xx": all(p.tally.counts["errors_5xx"] == 0 for p in every),
+        "no_transport_errors": all(p.tally.counts["transport_errors"] == 0 for p in every),
         "some_answered": c["answered"] > 0,
         "engine_alive": health["status"] == "ok",
         "rss_growth_within_bound": growth is None or growth <= args.max_rss_growth_mb,
         "clean_shutdown": server is None or exit_code == 0,
         "health_p99_within_bound": not args.max_health_ms or (
             health_p99 is not None and max(health_p99, pct(metrics_ms, 99) or 0.0) <= args.max_health_ms
-            and not probes.get("failures")),
+            and not probe_failures),
         "enough_answered": answered_share >= args.min_answered_share,
+        "peak_rss_ratio_within_bound": peak_ratio is None or not args.max_peak_rss_ratio
+                                       or peak_ratio <= args.max_peak_rss_ratio,
+        "round_rss_ratio_within_bound": round_ratio is None or not args.max_round_rss_ratio
+                                        or round_ratio <= args.max_round_rss_ratio,
     }
     report = {
-        **c, "latency_ms_p50": pct(tally.latencies_ms, 50), "latency_ms_p99": pct(tally.latencies_ms, 99),
+        **c, "latency_ms_p50": pct(latencies, 50), "latency_ms_p99": pct(latencies, 99),
         "kv_blocks_total": e["kv_blocks_total"], "kv_blocks_free_after": e["kv_blocks_free"],
         "requests_left_after": left, "answered_share": round(answered_share, 4),
         "health_ms_p50": pct(health_ms, 50), "health_ms_p99": health_p99, "health_ms_max": max(health_ms, default=None),
         "metrics_ms_p50": pct(metrics_ms, 50), "metrics_ms_p99": pct(metrics_ms, 99),
-        "probes": len(health_ms) + len(metrics_ms), "probe_failures": probes.get("failures"),
+        "probes": len(health_ms) + len(metrics_ms), "probe_failures": probe_failures,
         "queue_timeouts": metrics.get("stencil_queue_timeouts_total"),
-        "peak_rss_mb": rss["peak"], "rss_warm_mb": rss["warm"], "rss_half_mb": rss["half"],
-        "rss_load_end_mb": rss["load_end"], "rss_end_mb": rss_end,
+        "peak_rss_mb": peak, "rss_warm_mb": rss["warm"], "rss_half_mb": rss["half"],
+        "rss_load_end_mb": rss["load_end"], "rss_end_mb": rss["end"],
         "rss_growth_mb": growth, "rss_growth_bound_mb": args.max_rss_growth_mb,
-        "rss_timeline_mb": timeline if pid else None,
+        "rss_timeline_mb": last.timeline if last.rss["end"] is not None else None,
+        "reference": reference.summary() if reference is not None else None,
+        "rounds": [p.summary() for p in rounds],
+        "peak_rss_ratio": peak_ratio, "peak_rss_ratio_bound": args.max_peak_rss_ratio,
+        "round_rss_ratio": round_ratio, "round_rss_ratio_bound": args.max_round_rss_ratio,
         "duration_s": round(wall, 1), "concurrency": args.concurrency,
         "model": "url" if args.url else (args.model or "default"), "server_exit_code": exit_code,
         "requests_per_s": round(c["sent"] / wall, 2) if wall else None, "num_preemptions": e["num_preemptions"],
-        "by_kind": tally.kinds, "unexpected": tally.examples, "invariants": invariants,
+        "by_kind": {k: sum(p.tally.kinds.get(k, 0) for p in rounds) for r in rounds for k in r.tally.kinds},
+        "unexpected": [x for p in every for x in p.tally.examples][:10], "invariants": invariants,
     }
     text = json.dumps(report, indent=2)
     if args.json is not None:
