@@ -580,11 +580,41 @@ def test_spec_benchmark_repeats_and_reports_the_spread_under_background_load(tin
 
     report = json.loads(out.read_text())
     row = report["copy"]["1"]
-    assert len(row["runs"]) == 2 and row["identical"] is True and report["background_load"] is True
+    pairs = row["pairs"]
+    assert len(pairs) == 2 and row["identical"] is True and report["background_load"] is True
+    assert [p["order"] for p in pairs] == ["on,off", "off,on"]  # interleaved: on, off, off, on
     for key in ("speedup", "speedup_end_to_end"):
-        values = sorted(r[key] for r in row["runs"])
+        values = sorted(p[key] for p in pairs)
         assert row[key] == {"min": values[0], "median": (values[0] + values[1]) / 2, "max": values[1]}
+    assert row["noisy"] == (row["plain_step_variation"] > bench.NOISE_LIMIT) and report["noisy"] == row["noisy"]
+    assert all(len(p["plain_segments_ms_off"]) >= 1 and p["plain_batch_off"] == 1 for p in pairs)
+    switch = row["switch"]
+    assert switch["stops"] == [p["goodput"]["stops"] for p in pairs] and len(switch["trials"]) == 2
+    assert switch["drafting_share"]["max"] == max(p["drafting_share"] for p in pairs)
+    assert report["cpu"] and "row_floor_ms" in report
     assert not _children_running(bench._BUSY_LOOP)  # the load process is gone
+
+
+def test_spec_benchmark_flags_a_row_whose_plain_steps_varied_by_more_than_a_fifth():
+    from benchmarks import spec as bench
+
+    # (requests, ms) of decode steps: the most common batch size (8) counts, by quarter.
+    steps = [(8, 20.0)] * 4 + [(7, 90.0)] + [(8, 22.0)] * 4 + [(8, 21.0)] * 4 + [(8, 30.0)] * 4
+    assert bench.segment_medians(steps) == {"plain_batch": 8, "plain_segments_ms": [20.0, 22.0, 21.0, 30.0]}
+    assert bench.segment_medians([(1, 5.0)]) == {"plain_batch": 1, "plain_segments_ms": [5.0]}
+
+    def pair(speedup, segments):
+        return {"speedup": speedup, "speedup_end_to_end": speedup, "decode_only_speedup": None, "identical": True,
+                "plain_segments_ms_off": segments, "drafting_share": 0.5,
+                "goodput": {"stops": 1, "trials": 1, "remeasures": 0, "draft_row_ms_at_end": 2.0,
+                            "gain_at_end": 1.3}}
+
+    steady = bench.spread([pair(1.5, [20.0, 21.0]), pair(1.6, [23.0, 22.0])])  # 15% apart
+    assert steady["noisy"] is False and steady["plain_step_variation"] == pytest.approx(0.15)
+    assert steady["speedup"] == {"min": 1.5, "median": 1.55, "max": 1.6} and "decode_only_speedup" not in steady
+    assert steady["switch"]["stops"] == [1, 1] and steady["switch"]["draft_row_ms"]["median"] == 2.0
+    noisy = bench.spread([pair(0.87, [45.0, 44.0]), pair(1.5, [22.0, 23.0])])  # the slow spell of issue 35
+    assert noisy["noisy"] is True and noisy["plain_step_variation"] == pytest.approx(45 / 22 - 1)
 
 
 def _children_running(cmd: str) -> list[int]:
