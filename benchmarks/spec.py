@@ -5,28 +5,49 @@ first to the last token), since speculation changes decoding only; ``speedup_end
 divides output tokens by wall time, prefill included. Two workloads from
 ``benchmarks.workload``: "copy" (extraction: the answer's fields are spans of the document) and
 "no_copy" (invent a person: nothing to copy). Each runs at concurrency 1 and 8 with speculation
-and grammar-forced tokens on, then with both off, on the same engine in the same process; the
-outputs are compared token by token (greedy decoding must not change).
+and grammar-forced tokens on ("on") and with both off ("off"), on the same engine in the same
+process, the same requests; the outputs are compared token by token (greedy decoding must not
+change).
 
-``--repeat N`` runs the whole comparison N times in a row and reports the min / median / max
-of each speedup; ``--background-load`` keeps one core busy with another process throughout
-(the engine's off-switch must hold up when the machine is not its own).
+The sides are interleaved: each repeat is a *pair* run back to back, on then off in even
+repeats, off then on in odd ones (on, off, off, on, ...), so a slow spell of a shared machine
+lands on both sides of a repeat or splits between two, and a drift over the run cancels
+between repeats. Every pair's ratio is reported, with the min / median / max over pairs.
+A pair is only as good as the machine was steady: the plain steps of the off side (decode
+steps at its most common batch size, median ms over each quarter of the run) are compared
+across all pairs of a workload and concurrency, and where they vary by more than
+``NOISE_LIMIT`` (20%) the row is flagged *noisy* and printed as such, not as a result. Beside
+the speedups stand the goodput switch's decisions in each "on" side: the share of steps that
+drafted, its stops, trials and re-measurements, and the price of a draft row at the end
+(``engine.spec.goodput``).
+
+Before the pairs, each workload runs once per side with at most 16 new tokens (``--no-warmup``
+skips it): lazily built grammar states and the draft row's floor (``engine.spec.row_cost``)
+are then paid outside the measured runs. ``--repeat N`` runs N pairs; ``--background-load``
+keeps one core busy with another process throughout (the engine's off-switch must hold up when
+the machine is not its own).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from benchmarks.common import run_closed_loop, summarize
 
 # A separate interpreter spinning on one core (no I/O, nothing to clean up but the process).
 _BUSY_LOOP = "while True: pass"
+#: Plain steps varying by more than this (max / min - 1 of the quarter medians) make a row noisy.
+NOISE_LIMIT = 0.20
+SEGMENTS = 4  # parts of a run whose plain steps are compared
+WARMUP_TOKENS = 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,9 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for Stencil and the baseline alike (default: torch's own)")
     p.add_argument("--weights", default=None, help="fp32 or int4 (default: engine default)")
-    p.add_argument("--repeat", type=int, default=1, help="run everything this many times; report min/median/max")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="pairs (on and off back to back, the order alternating) per workload and concurrency")
     p.add_argument("--background-load", action="store_true",
                    help="keep one core busy with another process while the benchmark runs")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help=f"run each workload once per side ({WARMUP_TOKENS} tokens) before the pairs")
 
 
 def run_mode(engine, prompts, grammars, concurrency: int, max_tokens: int, on: bool, spec: dict) -> dict:
@@ -68,19 +92,23 @@ def run_mode(engine, prompts, grammars, concurrency: int, max_tokens: int, on: b
 
     # Steps that read no prompt tokens ("decode-only"): where speculation can act at all.
     schedule, step, decode_only, prefill = engine.scheduler.schedule, engine.step, [0.0, 0, 0], [False]
+    rows, decode_steps = [0], []  # (requests, ms) of each decode-only step, in order
 
     def marked_schedule():
         out = schedule()
         prefill[0] = any(sr.request.num_computed_tokens < sr.request.num_prompt_tokens for sr in out.scheduled)
+        rows[0] = len(out.scheduled)
         return out
 
     def timed_step():
         t = time.perf_counter()
         outs = step()
         if not prefill[0]:
-            decode_only[0] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            decode_only[0] += dt
             decode_only[1] += sum(len(o.new_token_ids) for o in outs)
             decode_only[2] += 1
+            decode_steps.append((rows[0], dt * 1e3))
         return outs
 
     engine.drafter.propose = timed
@@ -108,7 +136,12 @@ def run_mode(engine, prompts, grammars, concurrency: int, max_tokens: int, on: b
         # Steps after which the proposers ran (the rest: probes, or drafting switched off).
         "drafting_steps": drafting[0],
         "goodput": {"gain_at_end": goodput["gain"], "draft_row_ms_at_end": goodput["draft_row_ms"],
-                    "stops": goodput["stops"] - goodput0["stops"], "trials": goodput["trials"] - goodput0["trials"]},
+                    "row_floor_ms": goodput["row_floor_ms"],
+                    "stops": goodput["stops"] - goodput0["stops"], "trials": goodput["trials"] - goodput0["trials"],
+                    "remeasures": goodput["remeasures"] - goodput0["remeasures"]},
+        # The plain-step clock of this run: its most common batch size and, per quarter of its
+        # decode steps at that size, their median ms (read on the off side).
+        **segment_medians(decode_steps),
         "step_ms": wall * 1e3 / max(steps, 1),
         "steps_per_token": steps / max(s["output_tokens"], 1),
         "draft_tokens": drafted,
@@ -118,6 +151,27 @@ def run_mode(engine, prompts, grammars, concurrency: int, max_tokens: int, on: b
         "token_ids": [t.token_ids for t in traces],
     })
     return s
+
+
+def segment_medians(steps: list[tuple[int, float]], segments: int = SEGMENTS) -> dict:
+    """``{"plain_batch": requests, "plain_segments_ms": [median ms, ...]}`` of the decode steps
+    ``(requests, ms)`` at their most common batch size, in ``segments`` consecutive parts (fewer
+    where there are under 2 steps a part; none without steps)."""
+    if not steps:
+        return {"plain_batch": None, "plain_segments_ms": []}
+    batch = Counter(n for n, _ in steps).most_common(1)[0][0]
+    ms = [t for n, t in steps if n == batch]
+    parts = max(1, min(segments, len(ms) // 2))
+    bounds = [round(i * len(ms) / parts) for i in range(parts + 1)]
+    return {"plain_batch": batch,
+            "plain_segments_ms": [statistics.median(ms[a:b]) for a, b in zip(bounds, bounds[1:])]}
+
+
+def plain_variation(pairs: list[dict]) -> float | None:
+    """How much the plain steps of the off sides varied over ``pairs`` (rows of ``compare``):
+    the largest quarter median over the smallest, less 1 (None with fewer than 2)."""
+    values = [m for r in pairs for m in r["plain_segments_ms_off"]]
+    return max(values) / min(values) - 1.0 if len(values) >= 2 and min(values) > 0 else None
 
 
 def compare(on: dict, off: dict) -> dict:
@@ -138,6 +192,8 @@ def compare(on: dict, off: dict) -> dict:
         "forced_tokens": on["forced_tokens"],
         "drafting_share": on["drafting_steps"] / max(on["steps"], 1),
         "goodput": on["goodput"],
+        "plain_batch_off": off["plain_batch"],
+        "plain_segments_ms_off": off["plain_segments_ms"],
         "steps_per_token_on": on["steps_per_token"],
         "propose_ms_per_step": on["propose_ms_per_step"],
         "decode_only_speedup": (on["decode_only_tokens_per_s"] / off["decode_only_tokens_per_s"]
@@ -152,17 +208,45 @@ def compare(on: dict, off: dict) -> dict:
     }
 
 
-def spread(runs: list[dict]) -> dict:
-    """Min / median / max of each speedup over ``runs`` (rows of ``compare``), and whether
-    every run's outputs were identical."""
+def _min_median_max(values: list[float]) -> dict | None:
+    values = [v for v in values if v is not None]
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)} if values else None
+
+
+def spread(pairs: list[dict]) -> dict:
+    """One row of the summary, over ``pairs`` (rows of ``compare``, in run order): min / median
+    / max of each speedup, whether every output was identical, how much the plain steps varied
+    and whether that makes the row noisy, and the goodput switch's decisions in the "on" sides."""
     out: dict = {}
     for key in ("speedup", "speedup_end_to_end", "decode_only_speedup"):
-        values = [r[key] for r in runs if r[key] is not None]
-        if values:
-            out[key] = {"min": min(values), "median": statistics.median(values), "max": max(values)}
-    out["identical"] = all(r["identical"] for r in runs)
-    out["runs"] = runs
+        r = _min_median_max([p[key] for p in pairs])
+        if r is not None:
+            out[key] = r
+    out["identical"] = all(p["identical"] for p in pairs)
+    variation = plain_variation(pairs)
+    out["plain_step_variation"] = variation
+    out["noisy"] = variation is not None and variation > NOISE_LIMIT
+    out["switch"] = {
+        "drafting_share": _min_median_max([p["drafting_share"] for p in pairs]),
+        "stops": [p["goodput"]["stops"] for p in pairs],
+        "trials": [p["goodput"]["trials"] for p in pairs],
+        "remeasures": [p["goodput"]["remeasures"] for p in pairs],
+        "draft_row_ms": _min_median_max([p["goodput"]["draft_row_ms_at_end"] for p in pairs]),
+        "gain": _min_median_max([p["goodput"]["gain_at_end"] for p in pairs]),
+    }
+    out["pairs"] = pairs
     return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` gives it (from /proc/cpuinfo), else the platform's."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _start_background_load() -> subprocess.Popen:
@@ -200,41 +284,76 @@ def main(args: argparse.Namespace) -> int:
                               add_special_tokens=False) for it in items]
         workloads[name] = (prompts, [engine.grammar.compile(GrammarSpec.json_schema(it.schema)) for it in items])
     concurrencies = [int(x) for x in args.concurrency.split(",")]
-    report: dict = {"model": str(model), "max_tokens": args.max_tokens, "speculative": spec,
+    report: dict = {"model": str(model), "cpu": cpu_model(), "max_tokens": args.max_tokens, "speculative": spec,
                     "requests": args.requests, "threads": args.threads, "repeat": args.repeat,
-                    "background_load": args.background_load}
-    runs: dict[tuple[str, int], list[dict]] = {(n, c): [] for n in names for c in concurrencies}
+                    "background_load": args.background_load, "noise_limit": NOISE_LIMIT,
+                    "order": "pairs back to back; on, off in even repeats, off, on in odd ones"}
+    pairs: dict[tuple[str, int], list[dict]] = {(n, c): [] for n in names for c in concurrencies}
     load = _start_background_load() if args.background_load else None
     try:
+        if args.warmup:
+            for prompts, grammars in workloads.values():
+                for on in (True, False):
+                    run_mode(engine, prompts, grammars, max(concurrencies), min(WARMUP_TOKENS, args.max_tokens),
+                             on, spec)
         for rep in range(args.repeat):
+            order = (True, False) if rep % 2 == 0 else (False, True)
             for name, (prompts, grammars) in workloads.items():
                 for c in concurrencies:
-                    off = run_mode(engine, prompts, grammars, c, args.max_tokens, False, spec)
-                    on = run_mode(engine, prompts, grammars, c, args.max_tokens, True, spec)
-                    row = compare(on, off)
-                    runs[(name, c)].append(row)
-                    print(f"[spec] run {rep + 1}/{args.repeat} {name} c={c}: speedup {row['speedup']:.2f}x "
-                          f"(end-to-end {row['speedup_end_to_end']:.2f}x), acceptance {row['acceptance_rate']:.2f}, "
-                          f"drafting {row['drafting_share']:.2f} of steps, steps/token "
-                          f"{row['steps_per_token_on']:.2f} vs {row['steps_per_token_off']:.2f}, "
-                          f"identical {row['identical']}", flush=True)
+                    side = {on: run_mode(engine, prompts, grammars, c, args.max_tokens, on, spec) for on in order}
+                    row = {"repeat": rep + 1, "order": "on,off" if order[0] else "off,on",
+                           **compare(side[True], side[False])}
+                    pairs[(name, c)].append(row)
+                    _print_pair(name, c, row, args.repeat)
     finally:
         if load is not None:
             load.kill()
             load.wait()
+    report["row_floor_ms"] = engine.goodput.row_floor_ms
     for name in names:
-        report[name] = {str(c): spread(runs[(name, c)]) for c in concurrencies}
-    print("[spec] workload  c  speedup min / median / max   end-to-end min / median / max   identical")
-    for name in names:
-        for c in concurrencies:
-            r = report[name][str(c)]
-            s, e = r["speedup"], r["speedup_end_to_end"]
-            print(f"[spec] {name:8s} {c:2d}  {s['min']:.2f} / {s['median']:.2f} / {s['max']:.2f}"
-                  f"            {e['min']:.2f} / {e['median']:.2f} / {e['max']:.2f}            {r['identical']}")
+        report[name] = {str(c): spread(pairs[(name, c)]) for c in concurrencies}
+    report["noisy"] = any(report[n][str(c)]["noisy"] for n in names for c in concurrencies)
+    _print_summary(report, names, concurrencies)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
     return 0
+
+
+def _print_pair(name: str, c: int, row: dict, repeat: int) -> None:
+    g = row["goodput"]
+    segments = " ".join(f"{m:.1f}" for m in row["plain_segments_ms_off"])
+    print(f"[spec] pair {row['repeat']}/{repeat} ({row['order']}) {name} c={c}: speedup {row['speedup']:.2f}x "
+          f"(end-to-end {row['speedup_end_to_end']:.2f}x), acceptance {row['acceptance_rate']:.2f}, "
+          f"drafting {row['drafting_share']:.2f} of steps (stops {g['stops']}, trials {g['trials']}, "
+          f"re-measured {g['remeasures']}, draft row {_ms(g['draft_row_ms_at_end'])} ms), steps/token "
+          f"{row['steps_per_token_on']:.2f} vs {row['steps_per_token_off']:.2f}, plain steps (ms, by quarter) "
+          f"{segments}, identical {row['identical']}", flush=True)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _print_summary(report: dict, names: list[str], concurrencies: list[int]) -> None:
+    print(f"[spec] {report['cpu']}; {report['order']}; a row is noisy where the plain steps varied by more "
+          f"than {report['noise_limit']:.0%}")
+    print("[spec] workload  c  speedup min / median / max  end-to-end min / median / max  drafting share  "
+          "stops  trials  draft row ms  plain varied  identical")
+    for name in names:
+        for c in concurrencies:
+            r = report[name][str(c)]
+            s, e, sw = r["speedup"], r["speedup_end_to_end"], r["switch"]
+            d, price = sw["drafting_share"], sw["draft_row_ms"]
+            varied = "-" if r["plain_step_variation"] is None else f"{r['plain_step_variation']:.0%}"
+            speed = (f"noisy, not a result ({s['min']:.2f} / {s['median']:.2f} / {s['max']:.2f})" if r["noisy"]
+                     else f"{s['min']:.2f} / {s['median']:.2f} / {s['max']:.2f}")
+            print(f"[spec] {name:8s} {c:2d}  {speed}  {e['min']:.2f} / {e['median']:.2f} / {e['max']:.2f}  "
+                  f"{d['min']:.2f}-{d['max']:.2f}  {sum(sw['stops'])}  {sum(sw['trials'])}  "
+                  f"{_ms(price['median'] if price else None)}  {varied}  {r['identical']}")
+    if report["noisy"]:
+        print("[spec] NOISY: the machine's speed varied during the run; rerun on an idle machine before "
+              "quoting these figures")
 
 
 if __name__ == "__main__":

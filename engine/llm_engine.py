@@ -55,9 +55,13 @@ class LLMEngine:
             default) measures it on the wall clock. Speculation decides from these costs
             (``engine.spec.goodput``); tests inject one so their decisions never depend on the
             machine's speed or load.
+        row_floor_ms: least price of a draft row (ms). None: measured on the model's own
+            projections before the first drafting step (``engine.spec.row_cost``), or 0 with a
+            ``cost_model`` (no clock is read then).
     """
 
-    def __init__(self, config: EngineConfig, *, cost_model: Callable[[StepShape], float] | None = None):
+    def __init__(self, config: EngineConfig, *, cost_model: Callable[[StepShape], float] | None = None,
+                 row_floor_ms: float | None = None):
         from transformers import AutoTokenizer
 
         from grammar.compiler import GrammarCompiler
@@ -89,8 +93,10 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.drafter = Drafter(self.tokenizer, self._output_text, self.scheduler.may_draft, self.max_model_len)
         # Whether drafting pays, from what decode steps cost with and without it.
-        self.goodput = Goodput()
+        self.goodput = Goodput(row_floor_ms=0.0 if row_floor_ms is None and cost_model is not None else row_floor_ms)
         self.cost_model = cost_model
+        if self.goodput.row_floor_ms is None and self.default_spec is not None:
+            self._measure_row_floor()  # at start where speculation is on: no request waits for it
         self._proposed = 0  # requests the proposers ran for, for the next step
         self._propose_ms = 0.0  # ... and the time that took
         self.num_steps = 0
@@ -309,7 +315,7 @@ class LLMEngine:
         shape = StepShape(base_rows=sched.num_batched_tokens - drafts, draft_rows=drafts,
                           tokens=sum(len(o.new_token_ids) for o in outputs),
                           accepted=sum(len(t) - 1 for sr, t in zip(verified, sampled) if sr.num_drafts),
-                          proposed=proposed)
+                          proposed=proposed, requests=len(sched.scheduled))
         if self.cost_model is not None:
             ms = self.cost_model(shape)
         else:
@@ -327,6 +333,8 @@ class LLMEngine:
         plan = self.goodput.plan(pending_rows(running), measurable=not self.scheduler.prefill_pending())
         if not plan.draft:
             return
+        if self.goodput.row_floor_ms is None:  # once, before the first drafts, after the step's time
+            self._measure_row_floor()
         t0 = time.perf_counter()
         drafts = self.drafter.propose(running, DraftBudget(plan.threshold, self.row_tile, plan.max_drafts))
         for req, exc in drafts.failed:
@@ -335,6 +343,12 @@ class LLMEngine:
             req.draft_token_ids = drafts.tokens.get(req.request_id, [])
         self._proposed = drafts.proposed
         self._propose_ms = (time.perf_counter() - t0) * 1e3
+
+    def _measure_row_floor(self) -> None:
+        from engine.spec.row_cost import decoder_row_ms
+
+        self.goodput.row_floor_ms = decoder_row_ms(self.runner.model)
+        log.info("a draft row costs at least %.3f ms (the decoder's projections, measured)", self.goodput.row_floor_ms)
 
     def _fail(self, req: Request, stage: str, exc: BaseException) -> None:
         """Finish one request with an error (its blocks freed); the batch goes on without it."""

@@ -260,6 +260,115 @@ def test_goodput_holds_up_when_step_times_are_noisy(seed):
     assert realized(cost_of(30.0, 0.5, 6.0, 0.3), 0.6) > 0.93
 
 
+class _Spell:
+    """``normal`` step costs, but ``spell`` for decode steps ``start`` .. ``end - 1`` (counted
+    by the calls: the cost model is the machine, its step count the clock)."""
+
+    def __init__(self, normal, spell, start: int, end: int):
+        self.normal, self.spell, self.start, self.end, self.n = normal, spell, start, end, 0
+
+    def __call__(self, shape):
+        self.n += 1
+        return (self.spell if self.start <= self.n < self.end else self.normal)(shape)
+
+
+@pytest.mark.parametrize("spell_draft_row_ms, pays", [(12.0, False), (0.6, True)])
+def test_goodput_stops_in_a_slow_spell_where_drafting_stops_paying_and_resumes_after(spell_draft_row_ms, pays):
+    """Plain steps double for steps 300-699 (34 -> 68 ms for 8 rows). With draft rows at 12 ms
+    in the spell (over the 8.5 ms a plain token takes then: no draft pays), the switch sees the
+    slowdown, re-measures, stops, and drafts again soon after the spell; with draft rows at
+    0.6 ms (everything twice as slow: drafting pays as before) it never stops."""
+    normal = cost_of(30.0, 0.5, 0.3, 0.05)
+
+    def spell(s):
+        return 2 * (30.0 + 0.5 * s.base_rows) + spell_draft_row_ms * s.draft_rows + 0.1 * s.proposed
+
+    g = Goodput(row_floor_ms=0.2)
+    plans = drive(g, _Spell(normal, spell, 300, 700), 1100)
+    before, during, after = plans[:299], plans[299:699], plans[699:]  # plans[i] is for step i + 1
+    assert g.remeasures >= 2  # slower at the start of the spell, faster at its end: confirmed, measured afresh
+    assert all(pl.reason != "off" for pl in before) and sum(pl.draft for pl in before) / len(before) > 0.9
+    if pays:
+        assert g.stops == 0 and sum(pl.draft for pl in during) / len(during) > 0.9
+        return
+    first_off = next(i for i, pl in enumerate(during) if pl.reason == "off")
+    # The first probe in the spell (probes are 31 steps apart at a gain of 2.6), three more to
+    # confirm the slowdown, then the price and the gain measured afresh (about 15 steps).
+    assert first_off < 64
+    assert sum(pl.draft for pl in during[first_off:]) / len(during[first_off:]) < 0.15  # trials only
+    # The spell's end is a confirmed speed-up while off: a trial at once, not after the backoff.
+    last_off = max((i for i, pl in enumerate(after) if pl.reason == "off"), default=-1)
+    assert last_off < 8
+    assert sum(pl.draft for pl in after[last_off + 1:]) / len(after[last_off + 1:]) > 0.9
+    assert plans[-1].threshold == pytest.approx(0.3 / (34.0 / 8), rel=0.1)  # priced as before the spell
+
+
+def test_goodput_never_reads_draft_rows_as_free_once_drafts_ran():
+    """Drafting steps no dearer than plain ones (the step-time fit reads a row at 0 ms): the
+    price stays at the floor measured on the model's kernels, and so does the threshold."""
+    def rows_free(s):
+        return 34.0
+
+    g = Goodput(row_floor_ms=0.4)
+    assert g.stats()["draft_row_ms"] is None  # before any draft
+    plans = drive(g, rows_free, 200)
+    assert g.excess.line(flat_through_origin=True)[1] < 0.01  # what the steps alone say
+    assert g.row_ms == g.stats()["draft_row_ms"] == 0.4 and g.stats()["row_floor_ms"] == 0.4
+    assert plans[-1].threshold == pytest.approx(0.4 * 8 / 34.0, rel=1e-6)
+    unfloored = Goodput(row_floor_ms=0.0)
+    drive(unfloored, rows_free, 200)
+    assert unfloored.row_ms < 0.01  # without a floor it would read them free
+
+
+def test_plain_steps_judge_near_in_time_and_confirm_a_change_of_speed():
+    from engine.spec.plain_steps import PlainStep, PlainSteps
+
+    rec = PlainSteps(confirm=3, horizon=20, nearest=3)
+    for t, requests, ms in ((1, 8, 40.0), (2, 8, 41.0), (3, 4, 20.0), (4, 8, 39.0), (31, 8, 42.0)):
+        assert rec.add(PlainStep(t, requests, 8, ms)) == "kept"
+    # Around step 10: step 31 is beyond the horizon; of the rest, those of 8 requests.
+    assert rec.near(10, 8, 8) == [40.0, 41.0, 39.0]
+    assert rec.near(10, 4, 8) == [20.0]  # another composition: its own
+    assert rec.near(29, 8, 8) == [42.0]  # the probe after it, the rest too far back
+    # A step 1.5x off the median is held back; back to normal, it was noise and joins the record.
+    assert rec.add(PlainStep(32, 8, 8, 70.0)) == "suspect" and rec.suspect
+    assert rec.add(PlainStep(33, 8, 8, 40.0)) == "kept" and [s.ms for s in rec.steps][-2:] == [70.0, 40.0]
+    # Three in a row, all slower: a change of speed; the record restarts from them.
+    assert [rec.add(PlainStep(t, 8, 8, 80.0 + t)) for t in (34, 35, 36)] == ["suspect", "suspect", "changed"]
+    assert [s.ms for s in rec.steps] == [114.0, 115.0, 116.0] and rec.count == 3
+    assert rec.typical(8, 8) == 115.0
+
+
+def test_decoder_row_floor_is_the_projections_cost_of_one_more_row(monkeypatch):
+    """On a fake model whose projections advance a fake clock by 0.1 ms a call plus 0.02 ms a
+    row (no clock is read): 4 projections a layer, 3 layers, so one more row costs 0.24 ms."""
+    import torch
+
+    from engine.spec import row_cost
+
+    now = [0.0]
+
+    class Proj(torch.nn.Module):
+        in_features = 8
+
+        def forward(self, x):
+            now[0] += (0.1 + 0.02 * x.shape[0]) / 1e3
+            return x
+
+    class Model:
+        def __init__(self):
+            self.projs = [(f"layers.{i}.{n}", Proj()) for i in range(3) for n in "abcd"]
+
+        def linear_layers(self):
+            return iter(self.projs)
+
+    monkeypatch.setattr(row_cost.time, "perf_counter", lambda: now[0])
+    assert row_cost.decoder_row_ms(Model()) == pytest.approx(0.24)
+    assert row_cost.decoder_row_ms(object()) == 0.0  # no projections to time: no floor
+    with pytest.raises(ValueError):
+        row_cost.decoder_row_ms(Model(), small=8, large=8)
+
+
 # -- Drafter.propose: the step's rows shared by expected value, priced -----------------------------
 class _Tok:
     def encode(self, text, add_special_tokens=False):
@@ -471,11 +580,41 @@ def test_spec_benchmark_repeats_and_reports_the_spread_under_background_load(tin
 
     report = json.loads(out.read_text())
     row = report["copy"]["1"]
-    assert len(row["runs"]) == 2 and row["identical"] is True and report["background_load"] is True
+    pairs = row["pairs"]
+    assert len(pairs) == 2 and row["identical"] is True and report["background_load"] is True
+    assert [p["order"] for p in pairs] == ["on,off", "off,on"]  # interleaved: on, off, off, on
     for key in ("speedup", "speedup_end_to_end"):
-        values = sorted(r[key] for r in row["runs"])
+        values = sorted(p[key] for p in pairs)
         assert row[key] == {"min": values[0], "median": (values[0] + values[1]) / 2, "max": values[1]}
+    assert row["noisy"] == (row["plain_step_variation"] > bench.NOISE_LIMIT) and report["noisy"] == row["noisy"]
+    assert all(len(p["plain_segments_ms_off"]) >= 1 and p["plain_batch_off"] == 1 for p in pairs)
+    switch = row["switch"]
+    assert switch["stops"] == [p["goodput"]["stops"] for p in pairs] and len(switch["trials"]) == 2
+    assert switch["drafting_share"]["max"] == max(p["drafting_share"] for p in pairs)
+    assert report["cpu"] and "row_floor_ms" in report
     assert not _children_running(bench._BUSY_LOOP)  # the load process is gone
+
+
+def test_spec_benchmark_flags_a_row_whose_plain_steps_varied_by_more_than_a_fifth():
+    from benchmarks import spec as bench
+
+    # (requests, ms) of decode steps: the most common batch size (8) counts, by quarter.
+    steps = [(8, 20.0)] * 4 + [(7, 90.0)] + [(8, 22.0)] * 4 + [(8, 21.0)] * 4 + [(8, 30.0)] * 4
+    assert bench.segment_medians(steps) == {"plain_batch": 8, "plain_segments_ms": [20.0, 22.0, 21.0, 30.0]}
+    assert bench.segment_medians([(1, 5.0)]) == {"plain_batch": 1, "plain_segments_ms": [5.0]}
+
+    def pair(speedup, segments):
+        return {"speedup": speedup, "speedup_end_to_end": speedup, "decode_only_speedup": None, "identical": True,
+                "plain_segments_ms_off": segments, "drafting_share": 0.5,
+                "goodput": {"stops": 1, "trials": 1, "remeasures": 0, "draft_row_ms_at_end": 2.0,
+                            "gain_at_end": 1.3}}
+
+    steady = bench.spread([pair(1.5, [20.0, 21.0]), pair(1.6, [23.0, 22.0])])  # 15% apart
+    assert steady["noisy"] is False and steady["plain_step_variation"] == pytest.approx(0.15)
+    assert steady["speedup"] == {"min": 1.5, "median": 1.55, "max": 1.6} and "decode_only_speedup" not in steady
+    assert steady["switch"]["stops"] == [1, 1] and steady["switch"]["draft_row_ms"]["median"] == 2.0
+    noisy = bench.spread([pair(0.87, [45.0, 44.0]), pair(1.5, [22.0, 23.0])])  # the slow spell of issue 35
+    assert noisy["noisy"] is True and noisy["plain_step_variation"] == pytest.approx(45 / 22 - 1)
 
 
 def _children_running(cmd: str) -> list[int]:
