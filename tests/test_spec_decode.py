@@ -574,7 +574,7 @@ def test_spec_benchmark_repeats_and_reports_the_spread_under_background_load(tin
     bench.add_arguments(p)
     out = tmp_path / "spec.json"
     args = p.parse_args(["--json", str(out), "--model", str(tiny_model_dir), "--requests", "2", "--max-tokens", "6",
-                         "--concurrency", "1", "--workloads", "copy", "--repeat", "2", "--background-load"])
+                         "--concurrency", "1", "--workloads", "copy", "--repeat", "2", "--background-load", "--no-warmup"])
     assert bench.main(args) == 0
     import json
 
