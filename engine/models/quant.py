@@ -443,3 +443,13 @@ def int4_projections(gguf: GgufWeights, num_layers: int, num_heads: int, num_kv_
 __all__ = ["GROUP", "INT4_TYPES", "GgufWeights", "Int4Linear", "Int4Planes", "RowRoute", "concat_planes",
            "int4_projections", "permute_rows", "planes_from_blocks",
            "qk_row_order"]
+
+
+# The GGUF-native factory API (any supported block type, blocks kept as they are): see
+# engine/models/gguf_layers.py. Imported last: that module needs nothing from this one.
+from engine.models.gguf_layers import (  # noqa: E402
+    SUPPORTED_TYPES, QuantEmbedding, QuantLinear, check_type, embedding_from_gguf, fuse, linear_from_gguf,
+    tied_lm_head)
+
+__all__ += ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "check_type", "embedding_from_gguf", "fuse",
+            "linear_from_gguf", "tied_lm_head"]
