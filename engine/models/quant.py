@@ -370,6 +370,17 @@ class GgufWeights:
         return torch.from_numpy(np.array(dequantize(np.asarray(t.data), t.tensor_type), np.float32)
                                 ).reshape(shape)
 
+    def linear(self, name: str, bias: torch.Tensor | None = None) -> "QuantLinear":
+        """``linear_from_gguf`` over 2-D tensor ``name`` (rows in the file's order; reorder with
+        ``raw[order]`` first where an architecture needs it). Raises KeyError, ValueError."""
+        t = self.tensors[name]
+        return linear_from_gguf(t.tensor_type.name, np.asarray(t.data), int(t.shape[0]), bias)
+
+    def embedding(self, name: str = "token_embd.weight") -> "QuantEmbedding":
+        """``embedding_from_gguf`` over tensor ``name``. Raises KeyError, ValueError."""
+        t = self.tensors[name]
+        return embedding_from_gguf(t.tensor_type.name, np.asarray(t.data), int(t.shape[0]))
+
     def count(self, types: frozenset[str] = INT4_TYPES) -> int:
         """How many tensors are of one of ``types``."""
         return sum(t.tensor_type.name in types for t in self.tensors.values())

@@ -16,31 +16,35 @@
  *   Q4_K  c = q (0..15), Q5_K c = q (0..31): s = d sc_j, z = -(dmin m_j), j the sub-block of 32
  *   Q6_K  c = q (0..63)         s = d sc_j   z = -32 s, j the sub-block of 16
  *
- * Activations (per row and group of 32, the two int8 terms of vnni_gemm.c): dq = max|x| / 127,
- * q1 = clamp(round(x / dq)), q2 = clamp(round((x - q1 dq) 256 / dq)), both in -127..127, so
- * x = dq (q1 + q2 / 256) + e, |e| <= max|x| / 32512; dx = dq / 256 (exact), stored once per
- * 16 inputs. X16 = fp32 sum of each 16 raw x, in order. stencil_gguf_quantize writes them; kernels/gguf.py's
+ * Activations (per row and group, the two int8 terms of vnni_gemm.c; a group is 32 inputs for
+ * the 32-weight types and a whole super-block of 256 for the k-quants, whose sub-block scales
+ * are then applied in integer): dq = max|x_g| / 127, q1 = clamp(round(x / dq)),
+ * q2 = clamp(round((x - q1 dq) 256 / dq)), both in -127..127, so x = dq (q1 + q2 / 256) + e,
+ * |e| <= max|x_g| / 32512; dx = dq / 256 (exact), stored once per 32 inputs. X16 = fp32 sum of
+ * each 16 raw x, in order. stencil_gguf_quantize writes them; kernels/ggml_blocks.py's
  * reference_activations is the same arithmetic in torch.
  *
  * Per output element y[r, n], in this order and nothing else (so a row's bits never depend on
- * the batch, the columns asked for or the threads): for each span of 256 weights (8 units; the
- * last span of a 32-block type may have fewer), acc and zacc 8 fp32 lanes from 0:
- *   per unit u: S = 256 dot(c, q1) + dot(c, q2)   (8 int32 lanes, lane l = weights 4l..4l+3;
- *               exact: |S| < 2^24, so its conversion to fp32 is exact too)
- *               acc = acc + S * p_lanes           (p = s dx per 16 weights, computed once a
- *                                                  span; lanes 0-3 take p of the unit's weights
- *                                                  0-15, lanes 4-7 that of weights 16-31)
- *   per span:   zacc = (zacc + z[0:8] X16[0:8]) + z[8:16] X16[8:16]
+ * the batch, the columns asked for or the threads), acc and zacc 8 fp32 lanes from 0, for each
+ * span of 256 weights (8 units of 32; the last span of a 32-block type may have fewer):
+ *   k-quants: T1 = sum_u pairs(c_u, q1_u) . sc_u, T2 likewise with q2 (int32 lanes, exact:
+ *             pairs() are i16 sums of two products, sc_u the sub-block's integer scale)
+ *             acc = acc + (float(T1) * 256 + float(T2)) * (d dx)
+ *   32-blocks: per unit u, S = 256 dot(c_u, q1_u) + dot(c_u, q2_u) (exact, |S| < 2^24)
+ *             acc = acc + float(S) * (d_u dx_u)
+ *   both:     zacc = (zacc + z[0:8] X16[0:8]) + z[8:16] X16[8:16]
  *   y = hsum(acc) + hsum(zacc), hsum in a fixed order.
  * The file is compiled with -ffp-contract=off: no multiply-add is fused, so every ISA below gives
- * the same bits (the integer dot products are exact whichever instruction computes them).
+ * the same bits (the integer sums are exact whichever instruction computes them).
  *
- * ISAs (chosen at compile time by -march=native): AVX512-VNNI (VPDPBUSD on 256-bit registers),
- * AVX-VNNI, AVX2 (VPMADDUBSW + VPMADDWD: no saturation, since c <= 63, or <= 128 for Q8_0 with
- * |q1|, |q2| <= 127), or plain C. GCC vector extensions carry the rest.
+ * ISAs (chosen at compile time by -march=native): AVX512-VNNI and AVX-VNNI (VPDPWSSD applies
+ * the integer scales and accumulates in one instruction), AVX2 (VPMADDUBSW + VPMADDWD; no
+ * saturation: c <= 63 with |q| <= 127, or c = |q8| <= 128, keeps each i16 pair below 32767), or
+ * plain C (tests/test_kquants.py checks that it gives this build's bits). GCC vector extensions
+ * carry the rest, on 256-bit vectors.
  *
  * Layouts: w uint8 [N, row_bytes] (GGUF rows of blocks); q1, q2 int8 [M, K]; dx fp32
- * [M, 16 S], X16 fp32 [M, 16 S] with S = ceil(K / 256) spans (padding zero); y fp32 [M, ldy].
+ * [M, 8 S], X16 fp32 [M, 16 S] with S = ceil(K / 256) spans (padding zero); y fp32 [M, ldy].
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -109,14 +113,28 @@ __attribute__((constructor)) static void init_bit_bytes(void) {
 
 /* The 32 high bits of a Q5_0 / Q5_1 block (little-endian uint32 qh) as 0 / 16 bytes. */
 static inline u8x32 high_bits32(const uint8_t *qh) {
+#if defined(__AVX2__)
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    /* lane i takes byte i / 8 of qh and keeps bit i % 8 of it */
+    const __m256i which = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), which), bit);
+    return (u8x32)_mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+#else
     uint64_t t[4] = {BIT_BYTES[qh[0]], BIT_BYTES[qh[1]], BIT_BYTES[qh[2]], BIT_BYTES[qh[3]]};
     u8x32 v;
     memcpy(&v, t, 32);
     return v;
+#endif
 }
 
 /* 16 bytes of nibbles -> 32 codes: the low nibbles (weights 0-15), then the high ones. */
 static inline u8x32 nibbles16(const uint8_t *qs) {
+#if defined(__AVX2__)
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return (u8x32)_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+#endif
     uint8_t t[32];
     memcpy(t, qs, 16);
     memcpy(t + 16, qs, 16);
