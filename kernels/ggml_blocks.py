@@ -115,25 +115,54 @@ def row_bytes(qtype: str, k: int) -> int:
 
 @dataclass(slots=True)
 class Activations:
-    """One step's activations as the kernel reads them (see ``csrc/gguf_gemm.c``).
+    """One step's activations as the kernel reads them (see ``csrc/gguf_gemm.c``), in one buffer
+    (one allocation a call: a decode step quantizes about a hundred times).
 
     Attributes:
         group: inputs per activation scale: 32 (for the 32-weight block types) or 256 (k-quants).
-        q1, q2: int8 ``[M, K]``, the two terms.
-        dx: fp32 ``[M, 8 S]``: the step / 256 of each block of 32 inputs (S = ceil(K / 256), zero
-            padded; with group 256 the 8 of a span are equal).
-        x16: fp32 ``[M, 16 S]``: the sum of each 16 raw inputs, in order.
+        m, k: the shape of ``x``.
+        buffer: uint8, holding in order ``q1``, ``q2``, ``dx``, ``x16`` (the properties).
     """
 
     group: int
-    q1: torch.Tensor
-    q2: torch.Tensor
-    dx: torch.Tensor
-    x16: torch.Tensor
+    m: int
+    k: int
+    buffer: torch.Tensor
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.q1.shape)
+        return self.m, self.k
+
+    @property
+    def spans(self) -> int:
+        return -(-self.k // SPAN)
+
+    def pointers(self) -> tuple[int, int, int, int]:
+        """Addresses of ``q1, q2, dx, x16``."""
+        base, mk = self.buffer.data_ptr(), self.m * self.k
+        return base, base + mk, base + 2 * mk, base + 2 * mk + 32 * self.m * self.spans
+
+    @property
+    def q1(self) -> torch.Tensor:  # int8 [M, K], the first term
+        return self.buffer[:self.m * self.k].view(torch.int8).view(self.m, self.k)
+
+    @property
+    def q2(self) -> torch.Tensor:  # int8 [M, K], the second term
+        mk = self.m * self.k
+        return self.buffer[mk:2 * mk].view(torch.int8).view(self.m, self.k)
+
+    @property
+    def dx(self) -> torch.Tensor:
+        """fp32 ``[M, 8 S]``: the step / 256 of each block of 32 inputs (S = ceil(K / 256), zero
+        padded; with group 256 the 8 of a span are equal)."""
+        mk, f = 2 * self.m * self.k, 32 * self.m * self.spans
+        return self.buffer[mk:mk + f].view(torch.float32).view(self.m, 8 * self.spans)
+
+    @property
+    def x16(self) -> torch.Tensor:
+        """fp32 ``[M, 16 S]``: the sum of each 16 raw inputs (in the order of ``csrc/gguf_gemm.c``)."""
+        mk, f = 2 * self.m * self.k, 32 * self.m * self.spans
+        return self.buffer[mk + f:].view(torch.float32).view(self.m, 16 * self.spans)
 
 
 def quantize(x: torch.Tensor, group: int, threads: int | None = None) -> Activations:
@@ -144,14 +173,14 @@ def quantize(x: torch.Tensor, group: int, threads: int | None = None) -> Activat
         RuntimeError: the kernel is not available, or it rejected the shape.
     """
     lib = _need()
-    x = x.to(torch.float32).contiguous()
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()
     m, k = x.shape
     spans = -(-k // SPAN)
-    a = Activations(group, torch.empty(m, k, dtype=torch.int8), torch.empty(m, k, dtype=torch.int8),
-                    torch.empty(m, 8 * spans), torch.empty(m, 16 * spans))
-    if m and lib.stencil_gguf_quantize(x.data_ptr(), m, k, group, a.q1.data_ptr(), a.q2.data_ptr(), a.dx.data_ptr(),
-                                       a.x16.data_ptr(), threads or torch.get_num_threads()):
-        raise RuntimeError(f"GGUF block kernel rejected activations of shape {tuple(x.shape)}")
+    # 2 M K bytes of terms (K % 32 == 0 keeps the floats after them aligned), 24 S floats a row
+    a = Activations(group, m, k, torch.empty(2 * m * k + 96 * m * spans, dtype=torch.uint8))
+    if m and lib.stencil_gguf_quantize(x.data_ptr(), m, k, group, *a.pointers(), threads or torch.get_num_threads()):
+        raise RuntimeError(f"GGUF block kernel rejected activations of shape {tuple(x.shape)} (group {group})")
     return a
 
 
@@ -179,9 +208,8 @@ def gemm(qtype: str, weight: torch.Tensor, acts: Activations, cols: torch.Tensor
     if m == 0 or n == 0:
         return y
     rc = lib.stencil_gguf_gemm(BLOCKS[qtype][0], weight.data_ptr(), weight.shape[1], k,
-                               None if cols is None else cols.data_ptr(), n, acts.group, acts.q1.data_ptr(),
-                               acts.q2.data_ptr(), acts.dx.data_ptr(), acts.x16.data_ptr(), m, y.data_ptr(),
-                               y.stride(0), threads or torch.get_num_threads())
+                               None if cols is None else cols.data_ptr(), n, acts.group, *acts.pointers(), m,
+                               y.data_ptr(), y.stride(0), threads or torch.get_num_threads())
     if rc:
         raise RuntimeError(f"GGUF block kernel rejected {qtype} weight {tuple(weight.shape)} with K={k} "
                            f"(activations of group {acts.group})")

@@ -130,14 +130,22 @@ class QuantLinear(nn.Module):
         return sum(p.data.numel() * p.data.element_size() for p in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out] in x.dtype
-        x2 = x.reshape(-1, self.in_features).to(torch.float32)
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        acts: dict[int, ggml_blocks.Activations] = {}
-        for p in self.parts:
-            self._part(p, x2, acts, None, y[:, p.start:p.stop])
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        if len(self.parts) == 1 and self.native and self.parts[0].qtype not in FLOAT_TYPES:
+            p = self.parts[0]  # the common case, with the fewest torch calls (a decode step has ~100)
+            y = ggml_blocks.gemm(p.qtype, p.data, ggml_blocks.quantize(x2, ggml_blocks.BLOCKS[p.qtype][1]))
+        else:
+            y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+            acts: dict[int, ggml_blocks.Activations] = {}
+            for p in self.parts:
+                self._part(p, x2, acts, None, y[:, p.start:p.stop])
         if self.bias is not None:
             y += self.bias
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        if x.dim() != 2:
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def forward_columns(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Output columns of ``COLUMN_BLOCK``-wide blocks only: ``x [M, in]``, ``blocks`` int64

@@ -21,7 +21,7 @@
  * are then applied in integer): dq = max|x_g| / 127, q1 = clamp(round(x / dq)),
  * q2 = clamp(round((x - q1 dq) 256 / dq)), both in -127..127, so x = dq (q1 + q2 / 256) + e,
  * |e| <= max|x_g| / 32512; dx = dq / 256 (exact), stored once per 32 inputs. X16 = fp32 sum of
- * each 16 raw x, in order. stencil_gguf_quantize writes them; kernels/ggml_blocks.py's
+ * each 16 raw x (the two halves added lane-wise, then hsum's order). stencil_gguf_quantize writes them; kernels/ggml_blocks.py's
  * reference_activations is the same arithmetic in torch.
  *
  * Per output element y[r, n], in this order and nothing else (so a row's bits never depend on
@@ -389,7 +389,56 @@ static int valid(int type, int k, long row_bytes) {
            row_bytes == (long)(k / BLOCK_WEIGHTS[type]) * BLOCK_BYTES[type];
 }
 
-/* Quantize x fp32 [M, K] (K % 32 == 0) into q1, q2, dx, X16 (layouts in the header). */
+/* The two terms of 32 inputs v for the group's amax (see the header); q1, q2 get 32 int8. */
+static inline void quantize32(const float *v, float step, float inv, float inv2, int8_t *q1, int8_t *q2) {
+#if defined(__AVX2__)
+    const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+    const __m256 vs = _mm256_set1_ps(step), vi = _mm256_set1_ps(inv), vi2 = _mm256_set1_ps(inv2);
+    __m256i a[4], b[4];
+    for (int j = 0; j < 4; ++j) {
+        const __m256 x = _mm256_loadu_ps(v + 8 * j);
+        __m256 u = _mm256_round_ps(_mm256_mul_ps(x, vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        u = _mm256_min_ps(_mm256_max_ps(u, nlim), lim);
+        __m256 w = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(x, _mm256_mul_ps(u, vs)), vi2),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        w = _mm256_min_ps(_mm256_max_ps(w, nlim), lim);
+        a[j] = _mm256_cvtps_epi32(u); /* exact: integral values */
+        b[j] = _mm256_cvtps_epi32(w);
+    }
+    /* packs interleave 128-bit lanes; the permutation puts the 32 bytes back in order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i p1 = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
+    const __m256i p2 = _mm256_packs_epi16(_mm256_packs_epi32(b[0], b[1]), _mm256_packs_epi32(b[2], b[3]));
+    _mm256_storeu_si256((__m256i *)q1, _mm256_permutevar8x32_epi32(p1, order));
+    _mm256_storeu_si256((__m256i *)q2, _mm256_permutevar8x32_epi32(p2, order));
+#else
+    for (int i = 0; i < 32; ++i) {
+        float u = __builtin_rintf(v[i] * inv);
+        u = u > 127.0f ? 127.0f : (u < -127.0f ? -127.0f : u);
+        float w = __builtin_rintf((v[i] - u * step) * inv2);
+        w = w > 127.0f ? 127.0f : (w < -127.0f ? -127.0f : w);
+        q1[i] = (int8_t)u;
+        q2[i] = (int8_t)w;
+    }
+#endif
+}
+
+static inline float amax32(const float *v) {
+    f32x8 m = splat(0.0f);
+    for (int j = 0; j < 4; ++j) {
+        f32x8 t;
+        memcpy(&t, v + 8 * j, 32);
+        t = (f32x8)((i32x8)t & 0x7fffffff); /* |t| */
+        const i32x8 bigger = (i32x8)(m > t);
+        m = (f32x8)(((i32x8)m & bigger) | ((i32x8)t & ~bigger));
+    }
+    float r = 0.0f;
+    for (int l = 0; l < 8; ++l) r = m[l] > r ? m[l] : r; /* max is exact: any order */
+    return r;
+}
+
+/* Quantize x fp32 [M, K] (K % group == 0) into q1, q2, dx, X16 (layouts in the header).
+ * X16[h] = hsum(x[16h .. 16h+7] + x[16h+8 .. 16h+15]) (lane-wise add, then hsum's fixed order). */
 int stencil_gguf_quantize(const float *x, int m, int k, int group, int8_t *q1, int8_t *q2, float *dx, float *x16,
                           int threads) {
     if (m <= 0 || k <= 0 || (group != 32 && group != SPAN) || k % group) return -1;
@@ -404,25 +453,21 @@ int stencil_gguf_quantize(const float *x, int m, int k, int group, int8_t *q1, i
         for (int g = 0; g < k / group; ++g) {
             const float *v = xr + (size_t)group * g;
             float amax = 0.0f;
-            for (int i = 0; i < group; ++i) {
-                const float t = v[i] < 0 ? -v[i] : v[i];
+            for (int i = 0; i < group; i += 32) {
+                const float t = amax32(v + i);
                 amax = t > amax ? t : amax;
             }
             const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f, inv2 = inv * 256.0f;
-            for (int i = 0; i < group; ++i) {
-                float u = __builtin_rintf(v[i] * inv);
-                u = u > 127.0f ? 127.0f : (u < -127.0f ? -127.0f : u);
-                float w = __builtin_rintf((v[i] - u * step) * inv2);
-                w = w > 127.0f ? 127.0f : (w < -127.0f ? -127.0f : w);
-                q1[(size_t)r * k + (size_t)group * g + i] = (int8_t)u;
-                q2[(size_t)r * k + (size_t)group * g + i] = (int8_t)w;
-            }
+            for (int i = 0; i < group; i += 32)
+                quantize32(v + i, step, inv, inv2, q1 + (size_t)r * k + (size_t)group * g + i,
+                           q2 + (size_t)r * k + (size_t)group * g + i);
             for (int b = 0; b < group / 32; ++b) dr[g * (group / 32) + b] = step / 256.0f; /* exact */
         }
         for (int h = 0; h < k / 16; ++h) {
-            float t = 0.0f;
-            for (int i = 0; i < 16; ++i) t += xr[16 * h + i];
-            xs[h] = t;
+            f32x8 lo, hi;
+            memcpy(&lo, xr + 16 * h, 32);
+            memcpy(&hi, xr + 16 * h + 8, 32);
+            xs[h] = hsum(lo + hi);
         }
     }
     return 0;
