@@ -122,12 +122,15 @@ class Activations:
         group: inputs per activation scale: 32 (for the 32-weight block types) or 256 (k-quants).
         m, k: the shape of ``x``.
         buffer: uint8, holding in order ``q1``, ``q2``, ``dx``, ``x16`` (the properties).
+        terms: 2 (``x = dq (q1 + q2 / 256)``) or 1 (``x = dq q1``, as llama.cpp's Q8 blocks; ``q2``
+            is neither written nor read).
     """
 
     group: int
     m: int
     k: int
     buffer: torch.Tensor
+    terms: int = 2
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -137,10 +140,10 @@ class Activations:
     def spans(self) -> int:
         return -(-self.k // SPAN)
 
-    def pointers(self) -> tuple[int, int, int, int]:
-        """Addresses of ``q1, q2, dx, x16``."""
+    def pointers(self) -> tuple[int, int | None, int, int]:
+        """Addresses of ``q1, q2, dx, x16`` (``q2`` None with one term)."""
         base, mk = self.buffer.data_ptr(), self.m * self.k
-        return base, base + mk, base + 2 * mk, base + 2 * mk + 32 * self.m * self.spans
+        return base, base + mk if self.terms == 2 else None, base + 2 * mk, base + 2 * mk + 32 * self.m * self.spans
 
     @property
     def q1(self) -> torch.Tensor:  # int8 [M, K], the first term
@@ -165,9 +168,10 @@ class Activations:
         return self.buffer[mk + f:].view(torch.float32).view(self.m, 16 * self.spans)
 
 
-def quantize(x: torch.Tensor, group: int, threads: int | None = None) -> Activations:
+def quantize(x: torch.Tensor, group: int, threads: int | None = None, terms: int = 2) -> Activations:
     """Quantize fp32 ``x [M, K]`` (``K % group == 0``) for ``gemm`` of types whose blocks hold
-    ``group`` weights (``BLOCKS[qtype][1]``: 32 or 256).
+    ``group`` weights (``BLOCKS[qtype][1]``: 32 or 256), in ``terms`` int8 terms (2: error at
+    most the group's max / 32512; 1: max / 254, half the integer work of the GEMM).
 
     Raises:
         RuntimeError: the kernel is not available, or it rejected the shape.
@@ -178,7 +182,9 @@ def quantize(x: torch.Tensor, group: int, threads: int | None = None) -> Activat
     m, k = x.shape
     spans = -(-k // SPAN)
     # 2 M K bytes of terms (K % 32 == 0 keeps the floats after them aligned), 24 S floats a row
-    a = Activations(group, m, k, torch.empty(2 * m * k + 96 * m * spans, dtype=torch.uint8))
+    if terms not in (1, 2):
+        raise ValueError(f"activations have 1 or 2 int8 terms, not {terms}")
+    a = Activations(group, m, k, torch.empty(2 * m * k + 96 * m * spans, dtype=torch.uint8), terms)
     if m and lib.stencil_gguf_quantize(x.data_ptr(), m, k, group, *a.pointers(), threads or torch.get_num_threads()):
         raise RuntimeError(f"GGUF block kernel rejected activations of shape {tuple(x.shape)} (group {group})")
     return a
@@ -228,17 +234,18 @@ def dequantize_rows(qtype: str, weight: torch.Tensor, k: int, rows: torch.Tensor
     return out
 
 
-def reference_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+def reference_activations(x: torch.Tensor, group: int, terms: int = 2) -> torch.Tensor:
     """What ``gemm`` multiplies the codes by, fp64 ``[M, K]`` (for tests): per group,
-    ``dq (q1 + q2 / 256)`` with ``dq = max|x| / 127``, the arithmetic of ``quantize`` in torch
-    (unfused, as the C file is built). Its error is at most the group's ``max|x| / 32512``."""
+    ``dq (q1 + q2 / 256)`` (``dq q1`` with one term) with ``dq = max|x| / 127``, the arithmetic of
+    ``quantize`` in torch (unfused, as the C file is built). Its error is at most the group's
+    ``max|x| / 32512`` (``max|x| / 254``)."""
     m, k = x.shape
     g = x.float().reshape(m, k // group, group)
     amax = g.abs().amax(-1, keepdim=True)
     step = amax / 127.0
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q1 = torch.round(g * inv).clamp(-127, 127)
-    q2 = torch.round((g - q1 * step) * (inv * 256.0)).clamp(-127, 127)
+    q2 = torch.round((g - q1 * step) * (inv * 256.0)).clamp(-127, 127) if terms == 2 else torch.zeros_like(g)
     return ((step / 256.0).double() * (256.0 * q1.double() + q2.double())).reshape(m, k)
 
 

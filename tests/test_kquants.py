@@ -83,48 +83,51 @@ def test_activations_are_the_two_term_reference(group):
     assert torch.equal(a.x16[:, :32], seq)
 
 
-def exact_and_bound(qtype: str, raw: np.ndarray, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def exact_and_bound(qtype: str, raw: np.ndarray, x: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact product ``x @ W.T`` (fp64, W from gguf) and the module docstring's bound."""
     w = torch.from_numpy(reference(qtype, raw)).double()
     u = kquants.units(raw, qtype)
     group = kquants.BLOCK_SHAPES[qtype][0]
     k = x.shape[1]
-    xh = ggml_blocks.reference_activations(x, group)
+    xh = ggml_blocks.reference_activations(x, group, terms)
     cs = torch.from_numpy(u.codes * np.repeat(u.scales.astype(np.float64), 16, axis=1)).abs()
     z = torch.from_numpy(u.offsets).double().abs()
     amax = x.abs().reshape(x.shape[0], -1, group).amax(-1).repeat_interleave(group, 1).double()
     x16 = x.double().reshape(x.shape[0], -1, 16).sum(-1).abs()
-    bound = ((amax / 32512) @ cs.T + (k / 32 + 16) * 2.0 ** -24 * (xh.abs() @ cs.T + x16 @ z.T)
+    bound = ((amax / (32512 if terms == 2 else 254)) @ cs.T + (k / 32 + 16) * 2.0 ** -24 * (xh.abs() @ cs.T + x16 @ z.T)
              + 2.0 ** -24 * (x.double().abs() @ w.abs().T))
     return x.double() @ w.T, bound
 
 
 @needs_kernel
+@pytest.mark.parametrize("terms", [2, 1])
 @pytest.mark.parametrize("qtype", TYPES)
-def test_gemm_within_bound_of_exact_product(qtype):
+def test_gemm_within_bound_of_exact_product(qtype, terms):
     k = 1280 if qtype.endswith("_K") else 640  # 640: a last span of 4 blocks (Gemma 3's hidden size)
     raw = random_blocks(qtype, 37, k, seed=5)
     x = torch.randn(11, k) * 3
     x[2] *= 1e-4  # a row of tiny activations
-    y = ggml_blocks.gemm(qtype, torch.from_numpy(raw), ggml_blocks.quantize(x, ggml_blocks.BLOCKS[qtype][1]))
-    exact, bound = exact_and_bound(qtype, raw, x)
+    y = ggml_blocks.gemm(qtype, torch.from_numpy(raw), ggml_blocks.quantize(x, ggml_blocks.BLOCKS[qtype][1], terms=terms))
+    exact, bound = exact_and_bound(qtype, raw, x, terms)
     err = (y.double() - exact).abs()
     assert bool((err <= bound).all()), float((err / bound).max())
     assert float(err.max()) > 0  # not trivially exact: the bound is what is tested
 
 
 @needs_kernel
+@pytest.mark.parametrize("terms", [2, 1])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"])
-def test_each_row_gets_the_same_bits_at_any_row_count_columns_and_threads(qtype):
+def test_each_row_gets_the_same_bits_at_any_row_count_columns_and_threads(qtype, terms):
     raw = torch.from_numpy(random_blocks(qtype, 70, 512, seed=7))
     group = ggml_blocks.BLOCKS[qtype][1]
     x = torch.randn(41, 512)  # 41 rows: a full row block of 32 and tiles of 4, 4 and 1
-    whole = ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, group), threads=2)
+    whole = ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, group, terms=terms), threads=2)
     for rows in ([0], [40], [3, 4, 5], list(range(9)), list(range(33))):
-        part = ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x[rows], group), threads=1)
+        part = ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x[rows], group, terms=terms), threads=1)
         assert torch.equal(part, whole[rows])
     cols = torch.tensor([69, 2, 2, 31])
-    assert torch.equal(ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, group), cols), whole[:, cols])
+    assert torch.equal(ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, group, terms=terms), cols),
+                       whole[:, cols])
 
 
 @needs_kernel
@@ -140,19 +143,16 @@ def test_plain_c_build_gives_the_same_bits_as_this_build(tmp_path, monkeypatch):
     assert plain.stencil_gguf_isa() == 0
     lib = ggml_blocks.library()
     x = torch.randn(6, 512)
-    for qtype in ("Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"):
+    for qtype, terms in (("Q4_K", 2), ("Q6_K", 2), ("Q5_0", 2), ("Q8_0", 2), ("Q4_1", 2), ("Q4_K", 1), ("Q8_0", 1)):
         raw = torch.from_numpy(random_blocks(qtype, 16, 512, seed=11))
         group = ggml_blocks.BLOCKS[qtype][1]
-        a = ggml_blocks.quantize(x, group)
+        a = ggml_blocks.quantize(x, group, terms=terms)
         want = ggml_blocks.gemm(qtype, raw, a)
         y = torch.empty_like(want)
-        p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
         plain.stencil_gguf_gemm.argtypes = lib.stencil_gguf_gemm.argtypes
         assert plain.stencil_gguf_gemm(ggml_blocks.BLOCKS[qtype][0], raw.data_ptr(), raw.shape[1], 512, None, 16,
-                                       group, a.q1.data_ptr(), a.q2.data_ptr(), a.dx.data_ptr(), a.x16.data_ptr(),
-                                       6, y.data_ptr(), 16, 1) == 0
-        assert torch.equal(y, want), qtype
-        del p, i, lg
+                                       group, *a.pointers(), 6, y.data_ptr(), 16, 1) == 0
+        assert torch.equal(y, want), (qtype, terms)
 
 
 @needs_kernel

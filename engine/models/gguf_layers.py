@@ -23,7 +23,8 @@ in integer and scaled in fp32 in a fixed order, so each row's output is the same
 batch and with any column subset (``forward_columns``). Error against the exact product
 ``x @ W.T`` (fp64, W as ``gguf.quants.dequantize`` gives it), per output:
 ``|y - x W| <= sum_k e_k |c_k s_k| + (K / 32 + 16) 2^-24 (sum_k |x^_k c_k s_k| + sum_j |X_j z_j|)
-+ 2^-24 sum_k |x_k w_k|`` with ``e_k <= max|x| / 32512`` over ``k``'s activation group,
++ 2^-24 sum_k |x_k w_k|`` with ``e_k <= max|x| / 32512`` over ``k``'s activation group
+(``max|x| / 254`` with ``terms=1``, llama.cpp's activation precision and half the integer work),
 ``x^`` the quantized activations, ``c, s, z`` the kernel's codes, scales and offsets
 (``kquants.units``) and ``X_j`` the sums of each 16 inputs; ``tests/test_kquants.py`` pins it.
 
@@ -94,14 +95,21 @@ class QuantLinear(nn.Module):
         bias: fp32 ``[out_features]`` or None.
         native: use ``kernels.ggml_blocks`` (True), torch (False), or the kernel where it runs
             (None).
+        terms: int8 terms per activation, 2 (default: error at most a group's max / 32512) or 1
+            (max / 254, llama.cpp's activation precision, for half the integer work: on a CPU
+            without VNNI a decode step is compute-bound and takes about half the time).
 
     Raises:
         RuntimeError: ``native=True`` where the kernel is not available.
+        ValueError: ``terms`` not 1 or 2.
     """
 
     def __init__(self, parts: Sequence[tuple[str, torch.Tensor]], in_features: int,
-                 bias: torch.Tensor | None = None, *, native: bool | None = None) -> None:
+                 bias: torch.Tensor | None = None, *, native: bool | None = None, terms: int = 2) -> None:
         super().__init__()
+        if terms not in (1, 2):
+            raise ValueError(f"activations have 1 or 2 int8 terms, not {terms}")
+        self.terms = terms
         if native is None:
             native = ggml_blocks.available()
         elif native and not ggml_blocks.available():
@@ -135,7 +143,8 @@ class QuantLinear(nn.Module):
             x2 = x2.float()
         if len(self.parts) == 1 and self.native and self.parts[0].qtype not in FLOAT_TYPES:
             p = self.parts[0]  # the common case, with the fewest torch calls (a decode step has ~100)
-            y = ggml_blocks.gemm(p.qtype, p.data, ggml_blocks.quantize(x2, ggml_blocks.BLOCKS[p.qtype][1]))
+            y = ggml_blocks.gemm(p.qtype, p.data,
+                                 ggml_blocks.quantize(x2, ggml_blocks.BLOCKS[p.qtype][1], terms=self.terms))
         else:
             y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
             acts: dict[int, ggml_blocks.Activations] = {}
@@ -175,7 +184,7 @@ class QuantLinear(nn.Module):
         elif self.native:
             group = ggml_blocks.BLOCKS[p.qtype][1]
             if group not in acts:  # one quantization per group size, shared by the parts
-                acts[group] = ggml_blocks.quantize(x, group)
+                acts[group] = ggml_blocks.quantize(x, group, terms=self.terms)
             return ggml_blocks.gemm(p.qtype, p.data, acts[group], cols, out)
         else:
             rows = torch.arange(p.data.shape[0]) if cols is None else cols
@@ -191,7 +200,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, types={self.qtypes}, "
-                f"kernel={'native ' + ggml_blocks.isa() if self.native else 'torch'}, bias={self.bias is not None}")
+                f"kernel={'native ' + ggml_blocks.isa() if self.native else 'torch'}, terms={self.terms}, "
+                f"bias={self.bias is not None}")
 
 
 class QuantEmbedding(nn.Module):
@@ -234,7 +244,7 @@ class QuantEmbedding(nn.Module):
 
 
 def linear_from_gguf(qtype: str, raw, in_features: int, bias: torch.Tensor | None = None, *,
-                     native: bool | None = None) -> QuantLinear:
+                     native: bool | None = None, terms: int = 2) -> QuantLinear:
     """A ``QuantLinear`` over one GGUF tensor's rows (see the module docstring).
 
     Args:
@@ -243,12 +253,13 @@ def linear_from_gguf(qtype: str, raw, in_features: int, bias: torch.Tensor | Non
             copied, so the file's memory map can be dropped.
         in_features: ``K``, the weights per row.
         bias: fp32 ``[N]`` or None.
+        native, terms: see ``QuantLinear``.
 
     Raises:
         ValueError: an unsupported type (naming it and listing ``SUPPORTED_TYPES``), or rows
             that are not ``in_features`` weights of that type.
     """
-    return QuantLinear([(qtype, _as_data(qtype, raw, in_features))], in_features, bias, native=native)
+    return QuantLinear([(qtype, _as_data(qtype, raw, in_features))], in_features, bias, native=native, terms=terms)
 
 
 def fuse(*layers: QuantLinear) -> QuantLinear:
@@ -264,7 +275,7 @@ def fuse(*layers: QuantLinear) -> QuantLinear:
     if any(la.bias is not None for la in layers):
         bias = torch.cat([la.bias if la.bias is not None else torch.zeros(la.out_features) for la in layers])
     return QuantLinear([(p.qtype, p.data) for la in layers for p in la.parts], layers[0].in_features, bias,
-                       native=all(la.native for la in layers))
+                       native=all(la.native for la in layers), terms=layers[0].terms)
 
 
 def embedding_from_gguf(qtype: str, raw, embedding_dim: int, *, native: bool | None = None) -> QuantEmbedding:
@@ -276,10 +287,11 @@ def embedding_from_gguf(qtype: str, raw, embedding_dim: int, *, native: bool | N
     return QuantEmbedding(qtype, _as_data(qtype, raw, embedding_dim), embedding_dim, native=native)
 
 
-def tied_lm_head(embedding: QuantEmbedding) -> QuantLinear:
+def tied_lm_head(embedding: QuantEmbedding, *, terms: int = 2) -> QuantLinear:
     """The LM head of a tied-embedding model: the embedding's own bytes (shared, not copied)
     served by the quantized GEMM; fp32 hidden ``[M, dim]`` -> logits ``[M, num_embeddings]``."""
-    return QuantLinear([(embedding.qtype, embedding.data)], embedding.embedding_dim)
+    return QuantLinear([(embedding.qtype, embedding.data)], embedding.embedding_dim, native=embedding.native,
+                       terms=terms)
 
 
 __all__ = ["FLOAT_TYPES", "SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "check_type", "embedding_from_gguf",

@@ -21,7 +21,9 @@
  * are then applied in integer): dq = max|x_g| / 127, q1 = clamp(round(x / dq)),
  * q2 = clamp(round((x - q1 dq) 256 / dq)), both in -127..127, so x = dq (q1 + q2 / 256) + e,
  * |e| <= max|x_g| / 32512; dx = dq / 256 (exact), stored once per 32 inputs. X16 = fp32 sum of
- * each 16 raw x (the two halves added lane-wise, then hsum's order). stencil_gguf_quantize writes them; kernels/ggml_blocks.py's
+ * each 16 raw x (the two halves added lane-wise, then hsum's order). With one term (q2 NULL) the
+ * activations are dq q1 alone (|e| <= max|x_g| / 254, as llama.cpp's Q8_0 / Q8_K blocks) and
+ * every dot product with q2 is skipped: half the integer work. stencil_gguf_quantize writes them; kernels/ggml_blocks.py's
  * reference_activations is the same arithmetic in torch.
  *
  * Per output element y[r, n], in this order and nothing else (so a row's bits never depend on
@@ -317,12 +319,13 @@ static const i32x8 LANE[8] = {{0, 0, 0, 0, 0, 0, 0, 0}, {1, 1, 1, 1, 1, 1, 1, 1}
 typedef struct {
     const int8_t *q1, *q2;
     const float *dx, *x16;
-    int k, spans, unused;
+    int k, spans, terms; /* terms: 2, or 1 (q2 neither written nor read) */
 } acts_t;
 
 /* y[r * ldy] for rows r0 .. r0 + R - 1 of one weight row. */
-__attribute__((always_inline)) static inline void column_tile(const int type, const uint8_t *row, const acts_t *a,
-                                                              int r0, const int R, float *y, size_t ldy) {
+__attribute__((always_inline)) static inline void column_tile(const int type, const int TERMS, const uint8_t *row,
+                                                              const acts_t *a, int r0, const int R, float *y,
+                                                              size_t ldy) {
     const i16x16 ONE = (i16x16){0} + 1, H256 = (i16x16){0} + 256;
     f32x8 acc[TILE_ROWS], zacc[TILE_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = zacc[r] = splat(0.0f);
@@ -336,7 +339,7 @@ __attribute__((always_inline)) static inline void column_tile(const int type, co
                 i32x8 t1 = {0}, t2 = {0};
                 for (int u = 0; u < 8; ++u) {
                     t1 = madd_acc(t1, pairs(sp.c[u], (i8x32)load32(q1 + 32 * u)), sp.sc[u]);
-                    t2 = madd_acc(t2, pairs(sp.c[u], (i8x32)load32(q2 + 32 * u)), sp.sc[u]);
+                    if (TERMS == 2) t2 = madd_acc(t2, pairs(sp.c[u], (i8x32)load32(q2 + 32 * u)), sp.sc[u]);
                 }
                 const float scale = sp.d[0] * a->dx[(rr * a->spans + s) * 8];
                 acc[r] = acc[r] + (__builtin_convertvector(t1, f32x8) * 256.0f + __builtin_convertvector(t2, f32x8)) *
@@ -346,12 +349,14 @@ __attribute__((always_inline)) static inline void column_tile(const int type, co
                 memcpy(&p, a->dx + (rr * a->spans + s) * 8, 32);
                 p = sp.d * p;
                 for (int u = 0; u < sp.units; ++u) {
-                    i8x32 a1 = (i8x32)load32(q1 + 32 * u), a2 = (i8x32)load32(q2 + 32 * u);
-                    if (type == Q8_0) {
-                        a1 = (a1 ^ sp.neg[u]) - sp.neg[u];
-                        a2 = (a2 ^ sp.neg[u]) - sp.neg[u];
+                    i8x32 a1 = (i8x32)load32(q1 + 32 * u);
+                    if (type == Q8_0) a1 = (a1 ^ sp.neg[u]) - sp.neg[u];
+                    i32x8 S = madd_acc((i32x8){0}, pairs(sp.c[u], a1), H256);
+                    if (TERMS == 2) {
+                        i8x32 a2 = (i8x32)load32(q2 + 32 * u);
+                        if (type == Q8_0) a2 = (a2 ^ sp.neg[u]) - sp.neg[u];
+                        S = madd_acc(S, pairs(sp.c[u], a2), ONE);
                     }
-                    const i32x8 S = madd_acc(madd_acc((i32x8){0}, pairs(sp.c[u], a1), H256), pairs(sp.c[u], a2), ONE);
                     acc[r] = acc[r] + __builtin_convertvector(S, f32x8) * __builtin_shuffle(p, LANE[u]);
                 }
             }
@@ -367,20 +372,22 @@ __attribute__((always_inline)) static inline void column_tile(const int type, co
 /* One function per (type, rows of the tile): the type's branches and the tile's loops resolve at
  * compile time and the accumulators stay in registers. */
 typedef void (*tile_fn)(const uint8_t *, const acts_t *, int, float *, size_t);
-#define TILE(T, R)                                                                               \
-    static void tile_##T##_##R(const uint8_t *row, const acts_t *a, int r0, float *y, size_t ldy) { \
-        column_tile(T, row, a, r0, R, y, ldy);                                                   \
+#define TILE(T, N, R)                                                                                  \
+    static void tile_##T##_##N##_##R(const uint8_t *row, const acts_t *a, int r0, float *y, size_t ldy) { \
+        column_tile(T, N, row, a, r0, R, y, ldy);                                                      \
     }
-#define TILES(T) TILE(T, 1) TILE(T, 2) TILE(T, 3) TILE(T, 4)
+#define TILES(T) TILE(T, 1, 1) TILE(T, 1, 2) TILE(T, 1, 3) TILE(T, 1, 4) \
+                 TILE(T, 2, 1) TILE(T, 2, 2) TILE(T, 2, 3) TILE(T, 2, 4)
 TILES(Q4_0) TILES(Q4_1) TILES(Q5_0) TILES(Q5_1) TILES(Q8_0) TILES(Q4_K) TILES(Q5_K) TILES(Q6_K)
-#define ROW(T) {tile_##T##_1, tile_##T##_2, tile_##T##_3, tile_##T##_4}
-static const tile_fn TILES_OF[NTYPES][TILE_ROWS] = {ROW(Q4_0), ROW(Q4_1), ROW(Q5_0), ROW(Q5_1),
-                                                    ROW(Q8_0), ROW(Q4_K), ROW(Q5_K), ROW(Q6_K)};
+#define ROW(T) {{tile_##T##_1_1, tile_##T##_1_2, tile_##T##_1_3, tile_##T##_1_4}, \
+                {tile_##T##_2_1, tile_##T##_2_2, tile_##T##_2_3, tile_##T##_2_4}}
+static const tile_fn TILES_OF[NTYPES][2][TILE_ROWS] = {ROW(Q4_0), ROW(Q4_1), ROW(Q5_0), ROW(Q5_1),
+                                                       ROW(Q8_0), ROW(Q4_K), ROW(Q5_K), ROW(Q6_K)};
 
 static void column(int type, const uint8_t *row, const acts_t *a, int r0, int rows, float *y, size_t ldy) {
     for (int r = r0; r < r0 + rows; r += TILE_ROWS) {
         const int R = r0 + rows - r < TILE_ROWS ? r0 + rows - r : TILE_ROWS;
-        TILES_OF[type][R - 1](row, a, r, y + (size_t)r * ldy, ldy);
+        TILES_OF[type][a->terms - 1][R - 1](row, a, r, y + (size_t)r * ldy, ldy);
     }
 }
 
@@ -391,6 +398,7 @@ static int valid(int type, int k, long row_bytes) {
 
 /* The two terms of 32 inputs v for the group's amax (see the header); q1, q2 get 32 int8. */
 static inline void quantize32(const float *v, float step, float inv, float inv2, int8_t *q1, int8_t *q2) {
+    /* q2 == NULL: the first term only */
 #if defined(__AVX2__)
     const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
     const __m256 vs = _mm256_set1_ps(step), vi = _mm256_set1_ps(inv), vi2 = _mm256_set1_ps(inv2);
@@ -410,7 +418,7 @@ static inline void quantize32(const float *v, float step, float inv, float inv2,
     const __m256i p1 = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
     const __m256i p2 = _mm256_packs_epi16(_mm256_packs_epi32(b[0], b[1]), _mm256_packs_epi32(b[2], b[3]));
     _mm256_storeu_si256((__m256i *)q1, _mm256_permutevar8x32_epi32(p1, order));
-    _mm256_storeu_si256((__m256i *)q2, _mm256_permutevar8x32_epi32(p2, order));
+    if (q2) _mm256_storeu_si256((__m256i *)q2, _mm256_permutevar8x32_epi32(p2, order));
 #else
     for (int i = 0; i < 32; ++i) {
         float u = __builtin_rintf(v[i] * inv);
@@ -418,7 +426,7 @@ static inline void quantize32(const float *v, float step, float inv, float inv2,
         float w = __builtin_rintf((v[i] - u * step) * inv2);
         w = w > 127.0f ? 127.0f : (w < -127.0f ? -127.0f : w);
         q1[i] = (int8_t)u;
-        q2[i] = (int8_t)w;
+        if (q2) q2[i] = (int8_t)w;
     }
 #endif
 }
@@ -440,7 +448,7 @@ static inline float amax32(const float *v) {
 /* Quantize x fp32 [M, K] (K % group == 0) into q1, q2, dx, X16 (layouts in the header).
  * X16[h] = hsum(x[16h .. 16h+7] + x[16h+8 .. 16h+15]) (lane-wise add, then hsum's fixed order). */
 int stencil_gguf_quantize(const float *x, int m, int k, int group, int8_t *q1, int8_t *q2, float *dx, float *x16,
-                          int threads) {
+                          int threads) { /* q2 NULL: one term */
     if (m <= 0 || k <= 0 || (group != 32 && group != SPAN) || k % group) return -1;
     const int spans = (k + SPAN - 1) / SPAN;
     (void)threads;
@@ -460,7 +468,7 @@ int stencil_gguf_quantize(const float *x, int m, int k, int group, int8_t *q1, i
             const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f, inv2 = inv * 256.0f;
             for (int i = 0; i < group; i += 32)
                 quantize32(v + i, step, inv, inv2, q1 + (size_t)r * k + (size_t)group * g + i,
-                           q2 + (size_t)r * k + (size_t)group * g + i);
+                           q2 ? q2 + (size_t)r * k + (size_t)group * g + i : NULL);
             for (int b = 0; b < group / 32; ++b) dr[g * (group / 32) + b] = step / 256.0f; /* exact */
         }
         for (int h = 0; h < k / 16; ++h) {
@@ -477,9 +485,9 @@ int stencil_gguf_quantize(const float *x, int m, int k, int group, int8_t *q1, i
  * cols int32 [ncols] weight rows (NULL: 0 .. ncols - 1). Returns 0, or -1 on bad arguments. */
 int stencil_gguf_gemm(int type, const uint8_t *w, long row_bytes, int k, const int *cols, int ncols,
                       int group, const int8_t *q1, const int8_t *q2, const float *dx, const float *x16, int m,
-                      float *y, long ldy, int threads) {
+                      float *y, long ldy, int threads) { /* q2 NULL: activations of one term */
     if (!valid(type, k, row_bytes) || group != BLOCK_WEIGHTS[type] || m <= 0 || ncols <= 0 || ldy < ncols) return -1;
-    const acts_t a = {q1, q2, dx, x16, k, (k + SPAN - 1) / SPAN, 0};
+    const acts_t a = {q1, q2, dx, x16, k, (k + SPAN - 1) / SPAN, q2 ? 2 : 1};
     const int nt = threads > 0 ? threads : 1;
     (void)nt;
     /* Each thread owns a contiguous range of columns; row blocks run outer so that their
