@@ -56,6 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GGUF types of the block GEMM section (comma-separated; empty: skip it)")
     p.add_argument("--block-shapes", default="smollm2,1b", help="shape sets: smollm2, 1b (comma-separated)")
     p.add_argument("--block-rows", default=",".join(map(str, BLOCK_ROWS)))
+    p.add_argument("--block-terms", default="2,1", help="int8 terms per activation to time (2, 1 or both)")
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -128,7 +129,7 @@ def _int4_baseline(raw: torch.Tensor, k: int):
 
 
 def block_rows(types: list[str], shape_sets: list[str], row_counts: list[int], repeats: int,
-               threads: int) -> list[dict]:
+               threads: int, terms_list: list[int]) -> list[dict]:
     """The GGUF block GEMM against dense fp32 and torch int4, plus bytes/s at 1 row vs memcpy."""
     from engine.models.kquants import dequantize
     from kernels import ggml_blocks
@@ -151,11 +152,13 @@ def block_rows(types: list[str], shape_sets: list[str], row_counts: list[int], r
                 # big weights: fewer repeats (the head of 1B shapes is 150 MB in Q4_K, 1 GB dense)
                 reps = max(3, min(repeats, int(2e9 / max(1, dense.numel() * 4))))
                 memcpy_ms = _median_ms(lambda: dst.copy_(src), reps)
-                for m in row_counts:
+                for m, terms in ((m, t) for m in row_counts for t in terms_list):
                     x = torch.randn(m, k, generator=g)
-                    block_ms = _median_ms(lambda: ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, group)), reps)
+                    block_ms = _median_ms(
+                        lambda: ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, group, terms=terms)), reps)
                     dense_ms = _median_ms(lambda: F.linear(x, dense), reps)
-                    row = {"case": f"{set_name} {name} {qtype} rows {m}", "type": qtype, "rows": m,
+                    row = {"case": f"{set_name} {name} {qtype} rows {m} terms {terms}", "type": qtype, "rows": m,
+                           "terms": terms,
                            "block_ms": block_ms, "dense_fp32_ms": dense_ms, "speedup_vs_dense_fp32": dense_ms / block_ms,
                            "weight_bytes": raw.numel(), "dense_bytes": dense.numel() * 4, "isa": ggml_blocks.isa()}
                     if int4 is not None:
@@ -167,7 +170,7 @@ def block_rows(types: list[str], shape_sets: list[str], row_counts: list[int], r
                         row["stream_GBps"] = raw.numel() / block_ms / 1e6
                         row["memcpy_GBps"] = raw.numel() / memcpy_ms / 1e6  # bytes copied per second
                         row["stream_vs_memcpy"] = row["stream_GBps"] / row["memcpy_GBps"]
-                    y = ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, group)).double()
+                    y = ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, group, terms=terms)).double()
                     exact = x.double() @ dense.double().T
                     row["max_rel_err"] = float((y - exact).abs().max() / exact.abs().max())
                     rows.append(row)
@@ -177,7 +180,7 @@ def block_rows(types: list[str], shape_sets: list[str], row_counts: list[int], r
 
 
 def _block_line(r: dict) -> str:
-    line = (f"[gguf] {r['case']:<40} block ({r['isa']}) {r['block_ms']:.3f} ms  dense fp32 {r['dense_fp32_ms']:.3f} ms "
+    line = (f"[gguf] {r['case']:<48} block ({r['isa']}) {r['block_ms']:.3f} ms  dense fp32 {r['dense_fp32_ms']:.3f} ms "
             f"({r['speedup_vs_dense_fp32']:.2f}x)")
     if "torch_int4_ms" in r:
         line += f"  torch int4 {r['torch_int4_ms']:.3f} ms ({r['speedup_vs_torch_int4']:.2f}x)"
@@ -249,7 +252,8 @@ def main(args: argparse.Namespace) -> int:
     types = [t for t in args.block_types.split(",") if t]
     if types and ggml_blocks.available():
         report["gguf_blocks"] = block_rows(types, [s for s in args.block_shapes.split(",") if s],
-                                           [int(r) for r in args.block_rows.split(",")], args.repeats, args.threads)
+                                           [int(r) for r in args.block_rows.split(",")], args.repeats, args.threads,
+                                           [int(t) for t in args.block_terms.split(",")])
     elif types:
         print(f"stencil bench cpu_kernels: GGUF block kernel not available ({ggml_blocks.unavailable_reason()})")
     if native.available():
