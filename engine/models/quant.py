@@ -1,5 +1,10 @@
 """GGUF 4-bit and 8-bit blocks served as torch int4-packed weights on CPU, without re-quantizing.
 
+(This module's int4 planes serve the HF-directory models' ``--weights int4``. For GGUF-native
+loading, every supported block type kept as the file's bytes, it re-exports the factory API of
+``engine.models.gguf_layers``: ``linear_from_gguf``, ``fuse``, ``embedding_from_gguf``,
+``tied_lm_head``, ``SUPPORTED_TYPES``, ``check_type``.)
+
 Formats (ggml's ``ggml-common.h``; gguf-py's ``gguf.quants`` decodes them the same way), each
 block holds 32 consecutive weights of one row, ``d`` and ``m`` are fp16:
 
