@@ -66,12 +66,15 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build(cc: list[str]) -> Path:
-    source = b"\0".join(p.read_bytes() for p in SOURCES)
+def _build(cc: list[str], sources: list[Path] = SOURCES, flags: list[str] = _FLAGS,
+           name: str = "stencil_native") -> Path:
+    """Compile ``sources`` into one shared object in the cache (or find it there); its name
+    hashes the sources, the compiler's version, the CPU and the flags."""
+    source = b"\0".join(p.read_bytes() for p in sources)
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, version.encode(), _cpu_id().encode(),
-                                     " ".join(_FLAGS).encode()])).hexdigest()[:16]
-    out = _cache_dir() / f"stencil_native_{key}.so"
+                                     " ".join(flags).encode()])).hexdigest()[:16]
+    out = _cache_dir() / f"{name}_{key}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +82,7 @@ def _build(cc: list[str]) -> Path:
     os.close(fd)
     try:
         for extra in (["-fopenmp"], []):  # OpenMP threads if the compiler has them
-            r = subprocess.run([*cc, *_FLAGS, *extra, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
+            r = subprocess.run([*cc, *flags, *extra, "-o", tmp, *map(str, sources), "-lm"], capture_output=True,
                                text=True, timeout=300)
             if r.returncode == 0:
                 break

@@ -21,7 +21,7 @@ BENCHMARKS = {
     "maskbench": "MaskBench's own harness (jsonschemabench) on Stencil's grammar API",
     "throughput": "decode tokens/s and latency at several concurrencies",
     "spec": "speculative decoding on a copy-heavy extraction workload",
-    "cpu_kernels": "native CPU int4 GEMM and paged attention against torch's, same run",
+    "cpu_kernels": "native CPU GEMMs (int4, GGUF blocks) and paged attention against torch's, same run",
     "weights": "fp32 vs int4 weights: speed and quality",
     "soak": "long mixed load against a server; checks nothing leaks",
     "budget": "structured answers at 25-150% of their natural length: closed in time, valid",

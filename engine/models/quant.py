@@ -1,5 +1,10 @@
 """GGUF 4-bit and 8-bit blocks served as torch int4-packed weights on CPU, without re-quantizing.
 
+(This module's int4 planes serve the HF-directory models' ``--weights int4``. For GGUF-native
+loading, every supported block type kept as the file's bytes, it re-exports the factory API of
+``engine.models.gguf_layers``: ``linear_from_gguf``, ``fuse``, ``embedding_from_gguf``,
+``tied_lm_head``, ``SUPPORTED_TYPES``, ``check_type``.)
+
 Formats (ggml's ``ggml-common.h``; gguf-py's ``gguf.quants`` decodes them the same way), each
 block holds 32 consecutive weights of one row, ``d`` and ``m`` are fp16:
 
@@ -370,6 +375,17 @@ class GgufWeights:
         return torch.from_numpy(np.array(dequantize(np.asarray(t.data), t.tensor_type), np.float32)
                                 ).reshape(shape)
 
+    def linear(self, name: str, bias: torch.Tensor | None = None) -> "QuantLinear":
+        """``linear_from_gguf`` over 2-D tensor ``name`` (rows in the file's order; reorder with
+        ``raw[order]`` first where an architecture needs it). Raises KeyError, ValueError."""
+        t = self.tensors[name]
+        return linear_from_gguf(t.tensor_type.name, np.asarray(t.data), int(t.shape[0]), bias)
+
+    def embedding(self, name: str = "token_embd.weight") -> "QuantEmbedding":
+        """``embedding_from_gguf`` over tensor ``name``. Raises KeyError, ValueError."""
+        t = self.tensors[name]
+        return embedding_from_gguf(t.tensor_type.name, np.asarray(t.data), int(t.shape[0]))
+
     def count(self, types: frozenset[str] = INT4_TYPES) -> int:
         """How many tensors are of one of ``types``."""
         return sum(t.tensor_type.name in types for t in self.tensors.values())
@@ -443,3 +459,13 @@ def int4_projections(gguf: GgufWeights, num_layers: int, num_heads: int, num_kv_
 __all__ = ["GROUP", "INT4_TYPES", "GgufWeights", "Int4Linear", "Int4Planes", "RowRoute", "concat_planes",
            "int4_projections", "permute_rows", "planes_from_blocks",
            "qk_row_order"]
+
+
+# The GGUF-native factory API (any supported block type, blocks kept as they are): see
+# engine/models/gguf_layers.py. Imported last: that module needs nothing from this one.
+from engine.models.gguf_layers import (  # noqa: E402
+    SUPPORTED_TYPES, QuantEmbedding, QuantLinear, check_type, embedding_from_gguf, fuse, linear_from_gguf,
+    tied_lm_head)
+
+__all__ += ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "check_type", "embedding_from_gguf", "fuse",
+            "linear_from_gguf", "tied_lm_head"]

@@ -1,0 +1,579 @@
+/* Batch-invariant GEMM straight from GGUF's quantized blocks, int8 activations: y = x @ W.T.
+ *
+ * Why: a GGUF file's matrices are rows of blocks (ggml's ggml-common.h: block_q4_0 .. block_q6_K).
+ * Reading them as they are keeps the resident weight exactly the file's size (no repacking, no
+ * fp32 scale planes, no dense copy) and is what llama.cpp's vec_dot does for one row of
+ * activations: decode a block's codes in registers, multiply them with int8 activations in
+ * integer, scale in float. A decode step (1 row) is then bound by how fast the weights stream.
+ *
+ * Weight model. Every supported type decodes, per unit of 32 consecutive weights of a row, to
+ * codes c (uint8, Q8_0: |q| with the sign moved onto the activations) and, per 16 weights, an
+ * fp32 scale s and offset z: W[n, k] = c s + z (all exact in fp32: fp16 d times a <= 8-bit
+ * integer):
+ *   Q4_0  c = q (0..15)         s = d        z = -8 d          Q4_1  s = d, z = m
+ *   Q5_0  c = q (0..31)         s = d        z = -16 d         Q5_1  s = d, z = m
+ *   Q8_0  c = |q|, sign(q)      s = d        z = 0
+ *   Q4_K  c = q (0..15), Q5_K c = q (0..31): s = d sc_j, z = -(dmin m_j), j the sub-block of 32
+ *   Q6_K  c = q (0..63)         s = d sc_j   z = -32 s, j the sub-block of 16
+ *
+ * Activations (per row and group, the two int8 terms of vnni_gemm.c; a group is 32 inputs for
+ * the 32-weight types and a whole super-block of 256 for the k-quants, whose sub-block scales
+ * are then applied in integer): dq = max|x_g| / 127, q1 = clamp(round(x / dq)),
+ * q2 = clamp(round((x - q1 dq) 256 / dq)), both in -127..127, so x = dq (q1 + q2 / 256) + e,
+ * |e| <= max|x_g| / 32512; dx = dq / 256 (exact), stored once per 32 inputs. X16 = fp32 sum of
+ * each 16 raw x (the two halves added lane-wise, then hsum's order). With one term (q2 NULL) the
+ * activations are dq q1 alone (|e| <= max|x_g| / 254, as llama.cpp's Q8_0 / Q8_K blocks) and
+ * every dot product with q2 is skipped: half the integer work. stencil_gguf_quantize writes them; kernels/ggml_blocks.py's
+ * reference_activations is the same arithmetic in torch.
+ *
+ * Per output element y[r, n], in this order and nothing else (so a row's bits never depend on
+ * the batch, the columns asked for or the threads), acc and zacc 8 fp32 lanes from 0, for each
+ * span of 256 weights (8 units of 32; the last span of a 32-block type may have fewer):
+ *   k-quants: T1 = sum_u pairs(c_u, q1_u) . sc_u, T2 likewise with q2 (int32 lanes, exact:
+ *             pairs() are i16 sums of two products, sc_u the sub-block's integer scale)
+ *             acc = acc + (float(T1) * 256 + float(T2)) * (d dx)
+ *   32-blocks: per unit u, S = 256 dot(c_u, q1_u) + dot(c_u, q2_u) (exact, |S| < 2^24)
+ *             acc = acc + float(S) * (d_u dx_u)
+ *   both:     zacc = (zacc + z[0:8] X16[0:8]) + z[8:16] X16[8:16]
+ *   y = hsum(acc) + hsum(zacc), hsum in a fixed order.
+ * The file is compiled with -ffp-contract=off: no multiply-add is fused, so every ISA below gives
+ * the same bits (the integer sums are exact whichever instruction computes them).
+ *
+ * ISAs (chosen at compile time by -march=native): AVX512-VNNI and AVX-VNNI (VPDPWSSD applies
+ * the integer scales and accumulates in one instruction), AVX2 (VPMADDUBSW + VPMADDWD; no
+ * saturation: c <= 63 with |q| <= 127, or c = |q8| <= 128, keeps each i16 pair below 32767), or
+ * plain C (tests/test_kquants.py checks that it gives this build's bits). GCC vector extensions
+ * carry the rest, on 256-bit vectors.
+ *
+ * Layouts: w uint8 [N, row_bytes] (GGUF rows of blocks); q1, q2 int8 [M, K]; dx fp32
+ * [M, 8 S], X16 fp32 [M, 16 S] with S = ceil(K / 256) spans (padding zero); y fp32 [M, ldy].
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef int8_t i8x32 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+
+enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, NTYPES };
+static const int BLOCK_BYTES[NTYPES] = {18, 20, 22, 24, 34, 144, 176, 210};
+static const int BLOCK_WEIGHTS[NTYPES] = {32, 32, 32, 32, 32, 256, 256, 256};
+#define SPAN 256
+#define TILE_ROWS 4
+#define ROW_BLOCK 32 /* rows whose activations stay in cache while the columns stream past */
+
+static inline u8x32 load32(const void *p) {
+    u8x32 v;
+    memcpy(&v, p, 32);
+    return v;
+}
+
+/* IEEE half to float, exact (subnormals, infinities and NaNs included). */
+static inline float h2f(const uint8_t *p) {
+#ifdef __F16C__
+    return _cvtsh_ss((unsigned short)(p[0] | p[1] << 8));
+#endif
+    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    const uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 31, m = h & 1023;
+    uint32_t bits;
+    if (e == 0) {
+        float f = (float)m * 0x1p-24f; /* exact: m < 2^10 */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | m << 13;
+    } else {
+        bits = sign | (e + 112) << 23 | m << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* byte i of BIT_BYTES[b] is 16 where bit i of b is set: a 5th code bit in place. */
+static uint64_t BIT_BYTES[256];
+__attribute__((constructor)) static void init_bit_bytes(void) {
+    for (int b = 0; b < 256; ++b) {
+        uint64_t v = 0;
+        for (int i = 0; i < 8; ++i)
+            if (b >> i & 1) v |= (uint64_t)16 << (8 * i);
+        BIT_BYTES[b] = v;
+    }
+}
+
+/* The 32 high bits of a Q5_0 / Q5_1 block (little-endian uint32 qh) as 0 / 16 bytes. */
+static inline u8x32 high_bits32(const uint8_t *qh) {
+#if defined(__AVX2__)
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    /* lane i takes byte i / 8 of qh and keeps bit i % 8 of it */
+    const __m256i which = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), which), bit);
+    return (u8x32)_mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+#else
+    uint64_t t[4] = {BIT_BYTES[qh[0]], BIT_BYTES[qh[1]], BIT_BYTES[qh[2]], BIT_BYTES[qh[3]]};
+    u8x32 v;
+    memcpy(&v, t, 32);
+    return v;
+#endif
+}
+
+/* 16 bytes of nibbles -> 32 codes: the low nibbles (weights 0-15), then the high ones. */
+static inline u8x32 nibbles16(const uint8_t *qs) {
+#if defined(__AVX2__)
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return (u8x32)_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15));
+#endif
+    uint8_t t[32];
+    memcpy(t, qs, 16);
+    memcpy(t + 16, qs, 16);
+    const u8x32 v = load32(t);
+    const u8x32 lo = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+    return (v & lo) | ((v >> 4) & ~lo & 15);
+}
+
+static inline f32x8 splat(float f) { return (f32x8){f, f, f, f, f, f, f, f}; }
+
+static inline float hsum(f32x8 v) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+
+/* Exact i16 pair products: lane l = c[2l] a[2l] + c[2l+1] a[2l+1] (no saturation: c <= 128 and
+ * |a| <= 127, and c <= 63 when a pair can reach 2 * 128 * 127 > 32767 is impossible). */
+static inline i16x16 pairs(u8x32 c, i8x32 a) {
+#if defined(__AVX2__)
+    return (i16x16)_mm256_maddubs_epi16((__m256i)c, (__m256i)a);
+#else
+    i16x16 p;
+    for (int l = 0; l < 16; ++l) p[l] = (int16_t)(c[2 * l] * a[2 * l] + c[2 * l + 1] * a[2 * l + 1]);
+    return p;
+#endif
+}
+
+/* acc + lane sums of p * s over pairs of i16 lanes (exact in int32). */
+static inline i32x8 madd_acc(i32x8 acc, i16x16 p, i16x16 s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (i32x8)_mm256_dpwssd_epi32((__m256i)acc, (__m256i)p, (__m256i)s);
+#elif defined(__AVXVNNI__)
+    return (i32x8)_mm256_dpwssd_avx_epi32((__m256i)acc, (__m256i)p, (__m256i)s);
+#elif defined(__AVX2__)
+    return acc + (i32x8)_mm256_madd_epi16((__m256i)p, (__m256i)s);
+#else
+    for (int l = 0; l < 8; ++l) acc[l] += p[2 * l] * s[2 * l] + p[2 * l + 1] * s[2 * l + 1];
+    return acc;
+#endif
+}
+
+/* One span of one weight row, decoded. */
+typedef struct {
+    u8x32 c[8];     /* codes of units 0..7 */
+    i8x32 neg[8];   /* Q8_0: -1 where the weight is negative, else 0 */
+    i16x16 sc[8];   /* k-quants: the integer sub-block scale of each pair of weights of a unit */
+    f32x8 d;        /* k-quants: lane 0 the super-block's d; 32-blocks: each block's d */
+    f32x8 z[2];     /* offsets of the span's 16 groups of 16 weights (0 past the row's end) */
+    int units;
+} span_t;
+
+/* sc (bytes 0-7) and m (bytes 8-15) of Q4_K / Q5_K's 8 sub-blocks, 6 bits each, from the 12
+ * packed bytes (ggml's get_scale_min_k4, four words at a time). */
+static inline void scale_min_k4(const uint8_t *q, uint8_t *out) {
+    uint32_t w[3], o[4];
+    memcpy(w, q, 12);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+    o[0] = w[0] & low6;
+    o[1] = (w[2] & low4) | (((w[0] >> 6) & top2) << 4);
+    o[2] = w[1] & low6;
+    o[3] = ((w[2] >> 4) & low4) | (((w[1] >> 6) & top2) << 4);
+    memcpy(out, o, 16);
+}
+
+/* 8 halves at p, p + stride, ... as floats (exact). */
+static inline f32x8 halves8(const uint8_t *p, size_t stride, int n) {
+    uint16_t h[8] = {0};
+    for (int i = 0; i < n; ++i) memcpy(h + i, p + i * stride, 2);
+#ifdef __F16C__
+    __m128i v;
+    memcpy(&v, h, 16);
+    return (f32x8)_mm256_cvtph_ps(v);
+#else
+    f32x8 f;
+    for (int i = 0; i < 8; ++i) f[i] = h2f((const uint8_t *)(h + i));
+    return f;
+#endif
+}
+
+static const i32x8 PAIRS_LO = {0, 0, 1, 1, 2, 2, 3, 3}, PAIRS_HI = {4, 4, 5, 5, 6, 6, 7, 7};
+
+/* Decode span `span` of row `row` (K weights) into sp. */
+__attribute__((always_inline)) static inline void decode_span(const int type, const uint8_t *row, int k, int span,
+                                                              span_t *sp) {
+    if (type >= Q4_K) {
+        const uint8_t *b = row + (size_t)span * BLOCK_BYTES[type];
+        sp->units = 8;
+        if (type == Q6_K) {
+            const uint8_t *ql = b, *qh = b + 128;
+            const float d = h2f(b + 208);
+            sp->d = splat(d);
+            for (int n = 0; n < 2; ++n) {
+                const u8x32 l0 = load32(ql + 64 * n), l1 = load32(ql + 64 * n + 32), h = load32(qh + 32 * n);
+                sp->c[4 * n + 0] = (l0 & 15) | ((h & 3) << 4);
+                sp->c[4 * n + 1] = (l1 & 15) | (((h >> 2) & 3) << 4);
+                sp->c[4 * n + 2] = (l0 >> 4) | (((h >> 4) & 3) << 4);
+                sp->c[4 * n + 3] = (l1 >> 4) | (((h >> 6) & 3) << 4);
+            }
+            i8x16 sc8;
+            memcpy(&sc8, b + 192, 16);
+            const i16x16 sc = __builtin_convertvector(sc8, i16x16);
+#define UNIT_SCALES(u) __builtin_shuffle(sc, (i16x16){2 * u, 2 * u, 2 * u, 2 * u, 2 * u, 2 * u, 2 * u, 2 * u, \
+                                     2 * u + 1, 2 * u + 1, 2 * u + 1, 2 * u + 1, 2 * u + 1, 2 * u + 1, 2 * u + 1, 2 * u + 1})
+            sp->sc[0] = UNIT_SCALES(0); sp->sc[1] = UNIT_SCALES(1); sp->sc[2] = UNIT_SCALES(2);
+            sp->sc[3] = UNIT_SCALES(3); sp->sc[4] = UNIT_SCALES(4); sp->sc[5] = UNIT_SCALES(5);
+            sp->sc[6] = UNIT_SCALES(6); sp->sc[7] = UNIT_SCALES(7);
+#undef UNIT_SCALES
+            const f32x8 d32 = splat(-32.0f), dv = splat(d);
+            for (int h = 0; h < 2; ++h) {
+                i8x8 part;
+                memcpy(&part, b + 192 + 8 * h, 8);
+                sp->z[h] = d32 * (dv * __builtin_convertvector(__builtin_convertvector(part, i32x8), f32x8)); /* -32 (d sc) */
+            }
+            return;
+        }
+        const float d = h2f(b), dmin = h2f(b + 2);
+        sp->d = splat(d);
+        uint8_t sm[16];
+        scale_min_k4(b + 4, sm);
+        const uint8_t *qs = b + (type == Q4_K ? 16 : 48);
+        for (int i = 0; i < 4; ++i) {
+            const u8x32 v = load32(qs + 32 * i);
+            sp->c[2 * i] = v & 15;
+            sp->c[2 * i + 1] = v >> 4;
+        }
+        if (type == Q5_K) {
+            const u8x32 h = load32(b + 16);
+            for (int j = 0; j < 8; ++j) sp->c[j] |= ((h >> j) & 1) << 4;
+        }
+#if defined(__AVX2__)
+        const __m128i smv = _mm_loadu_si128((const __m128i *)sm);
+        int16_t sc16[8];
+        _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(smv));
+        for (int j = 0; j < 8; ++j) sp->sc[j] = (i16x16)_mm256_set1_epi16(sc16[j]);
+        const f32x8 m8 = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8)));
+#else
+        f32x8 m8;
+        for (int j = 0; j < 8; ++j) {
+            sp->sc[j] = (i16x16){0} + (int16_t)sm[j];
+            m8[j] = (float)sm[8 + j];
+        }
+#endif
+        const f32x8 mins = -(splat(dmin) * m8); /* -(dmin m) */
+        sp->z[0] = __builtin_shuffle(mins, PAIRS_LO);
+        sp->z[1] = __builtin_shuffle(mins, PAIRS_HI);
+        return;
+    }
+    const int first = span * 8, blocks = k / 32, units = blocks - first < 8 ? blocks - first : 8;
+    const int bb = BLOCK_BYTES[type];
+    const uint8_t *b0 = row + (size_t)first * bb;
+    sp->units = units;
+    sp->d = halves8(b0, bb, units);
+    f32x8 z = splat(0.0f);
+    if (type == Q4_0) z = splat(-8.0f) * sp->d;
+    if (type == Q5_0) z = splat(-16.0f) * sp->d;
+    if (type == Q4_1 || type == Q5_1) z = halves8(b0 + 2, bb, units);
+    sp->z[0] = __builtin_shuffle(z, PAIRS_LO);
+    sp->z[1] = __builtin_shuffle(z, PAIRS_HI);
+    for (int u = 0; u < units; ++u) {
+        const uint8_t *b = b0 + (size_t)u * bb;
+        switch (type) {
+        case Q4_0: sp->c[u] = nibbles16(b + 2); break;
+        case Q4_1: sp->c[u] = nibbles16(b + 4); break;
+        case Q5_0: sp->c[u] = nibbles16(b + 6) | high_bits32(b + 2); break;
+        case Q5_1: sp->c[u] = nibbles16(b + 8) | high_bits32(b + 4); break;
+        default: { /* Q8_0 */
+            const i8x32 q = (i8x32)load32(b + 2);
+            sp->neg[u] = q < 0;
+            sp->c[u] = (u8x32)((q ^ sp->neg[u]) - sp->neg[u]); /* |q|; -128 -> 128 as uint8 */
+        }
+        }
+    }
+}
+
+/* Lane u of a vector, in all lanes. */
+static const i32x8 LANE[8] = {{0, 0, 0, 0, 0, 0, 0, 0}, {1, 1, 1, 1, 1, 1, 1, 1}, {2, 2, 2, 2, 2, 2, 2, 2},
+                              {3, 3, 3, 3, 3, 3, 3, 3}, {4, 4, 4, 4, 4, 4, 4, 4}, {5, 5, 5, 5, 5, 5, 5, 5},
+                              {6, 6, 6, 6, 6, 6, 6, 6}, {7, 7, 7, 7, 7, 7, 7, 7}};
+
+typedef struct {
+    const int8_t *q1, *q2;
+    const float *dx, *x16;
+    int k, spans, terms; /* terms: 2, or 1 (q2 neither written nor read) */
+} acts_t;
+
+/* y[r * ldy] for rows r0 .. r0 + R - 1 of one weight row. */
+__attribute__((always_inline)) static inline void column_tile(const int type, const int TERMS, const uint8_t *row,
+                                                              const acts_t *a, int r0, const int R, float *y,
+                                                              size_t ldy) {
+    const i16x16 ONE = (i16x16){0} + 1, H256 = (i16x16){0} + 256;
+    f32x8 acc[TILE_ROWS], zacc[TILE_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = zacc[r] = splat(0.0f);
+    span_t sp;
+    for (int s = 0; s < a->spans; ++s) {
+        decode_span(type, row, a->k, s, &sp);
+        for (int r = 0; r < R; ++r) {
+            const size_t rr = (size_t)(r0 + r);
+            const int8_t *q1 = a->q1 + rr * a->k + (size_t)s * SPAN, *q2 = a->q2 + rr * a->k + (size_t)s * SPAN;
+            if (type >= Q4_K) { /* one activation scale per span: sub-block scales in integer */
+                i32x8 t1 = {0}, t2 = {0};
+                for (int u = 0; u < 8; ++u) {
+                    t1 = madd_acc(t1, pairs(sp.c[u], (i8x32)load32(q1 + 32 * u)), sp.sc[u]);
+                    if (TERMS == 2) t2 = madd_acc(t2, pairs(sp.c[u], (i8x32)load32(q2 + 32 * u)), sp.sc[u]);
+                }
+                const float scale = sp.d[0] * a->dx[(rr * a->spans + s) * 8];
+                acc[r] = acc[r] + (__builtin_convertvector(t1, f32x8) * 256.0f + __builtin_convertvector(t2, f32x8)) *
+                                      splat(scale);
+            } else { /* one activation scale per block of 32, as the weights */
+                f32x8 p;
+                memcpy(&p, a->dx + (rr * a->spans + s) * 8, 32);
+                p = sp.d * p;
+                for (int u = 0; u < sp.units; ++u) {
+                    i8x32 a1 = (i8x32)load32(q1 + 32 * u);
+                    if (type == Q8_0) a1 = (a1 ^ sp.neg[u]) - sp.neg[u];
+                    i32x8 S = madd_acc((i32x8){0}, pairs(sp.c[u], a1), H256);
+                    if (TERMS == 2) {
+                        i8x32 a2 = (i8x32)load32(q2 + 32 * u);
+                        if (type == Q8_0) a2 = (a2 ^ sp.neg[u]) - sp.neg[u];
+                        S = madd_acc(S, pairs(sp.c[u], a2), ONE);
+                    }
+                    acc[r] = acc[r] + __builtin_convertvector(S, f32x8) * __builtin_shuffle(p, LANE[u]);
+                }
+            }
+            f32x8 x0, x1;
+            memcpy(&x0, a->x16 + (rr * a->spans + s) * 16, 32);
+            memcpy(&x1, a->x16 + (rr * a->spans + s) * 16 + 8, 32);
+            zacc[r] = (zacc[r] + sp.z[0] * x0) + sp.z[1] * x1;
+        }
+    }
+    for (int r = 0; r < R; ++r) y[(size_t)r * ldy] = hsum(acc[r]) + hsum(zacc[r]);
+}
+
+/* One function per (type, rows of the tile): the type's branches and the tile's loops resolve at
+ * compile time and the accumulators stay in registers. */
+typedef void (*tile_fn)(const uint8_t *, const acts_t *, int, float *, size_t);
+#define TILE(T, N, R)                                                                                  \
+    static void tile_##T##_##N##_##R(const uint8_t *row, const acts_t *a, int r0, float *y, size_t ldy) { \
+        column_tile(T, N, row, a, r0, R, y, ldy);                                                      \
+    }
+#define TILES(T) TILE(T, 1, 1) TILE(T, 1, 2) TILE(T, 1, 3) TILE(T, 1, 4) \
+                 TILE(T, 2, 1) TILE(T, 2, 2) TILE(T, 2, 3) TILE(T, 2, 4)
+TILES(Q4_0) TILES(Q4_1) TILES(Q5_0) TILES(Q5_1) TILES(Q8_0) TILES(Q4_K) TILES(Q5_K) TILES(Q6_K)
+#define ROW(T) {{tile_##T##_1_1, tile_##T##_1_2, tile_##T##_1_3, tile_##T##_1_4}, \
+                {tile_##T##_2_1, tile_##T##_2_2, tile_##T##_2_3, tile_##T##_2_4}}
+static const tile_fn TILES_OF[NTYPES][2][TILE_ROWS] = {ROW(Q4_0), ROW(Q4_1), ROW(Q5_0), ROW(Q5_1),
+                                                       ROW(Q8_0), ROW(Q4_K), ROW(Q5_K), ROW(Q6_K)};
+
+static void column(int type, const uint8_t *row, const acts_t *a, int r0, int rows, float *y, size_t ldy) {
+    for (int r = r0; r < r0 + rows; r += TILE_ROWS) {
+        const int R = r0 + rows - r < TILE_ROWS ? r0 + rows - r : TILE_ROWS;
+        TILES_OF[type][a->terms - 1][R - 1](row, a, r, y + (size_t)r * ldy, ldy);
+    }
+}
+
+static int valid(int type, int k, long row_bytes) {
+    return type >= 0 && type < NTYPES && k > 0 && k % BLOCK_WEIGHTS[type] == 0 &&
+           row_bytes == (long)(k / BLOCK_WEIGHTS[type]) * BLOCK_BYTES[type];
+}
+
+/* The two terms of 32 inputs v for the group's amax (see the header); q1, q2 get 32 int8. */
+static inline void quantize32(const float *v, float step, float inv, float inv2, int8_t *q1, int8_t *q2) {
+    /* q2 == NULL: the first term only */
+#if defined(__AVX2__)
+    const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+    const __m256 vs = _mm256_set1_ps(step), vi = _mm256_set1_ps(inv), vi2 = _mm256_set1_ps(inv2);
+    __m256i a[4], b[4];
+    for (int j = 0; j < 4; ++j) {
+        const __m256 x = _mm256_loadu_ps(v + 8 * j);
+        __m256 u = _mm256_round_ps(_mm256_mul_ps(x, vi), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        u = _mm256_min_ps(_mm256_max_ps(u, nlim), lim);
+        __m256 w = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(x, _mm256_mul_ps(u, vs)), vi2),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        w = _mm256_min_ps(_mm256_max_ps(w, nlim), lim);
+        a[j] = _mm256_cvtps_epi32(u); /* exact: integral values */
+        b[j] = _mm256_cvtps_epi32(w);
+    }
+    /* packs interleave 128-bit lanes; the permutation puts the 32 bytes back in order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i p1 = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
+    const __m256i p2 = _mm256_packs_epi16(_mm256_packs_epi32(b[0], b[1]), _mm256_packs_epi32(b[2], b[3]));
+    _mm256_storeu_si256((__m256i *)q1, _mm256_permutevar8x32_epi32(p1, order));
+    if (q2) _mm256_storeu_si256((__m256i *)q2, _mm256_permutevar8x32_epi32(p2, order));
+#else
+    for (int i = 0; i < 32; ++i) {
+        float u = __builtin_rintf(v[i] * inv);
+        u = u > 127.0f ? 127.0f : (u < -127.0f ? -127.0f : u);
+        float w = __builtin_rintf((v[i] - u * step) * inv2);
+        w = w > 127.0f ? 127.0f : (w < -127.0f ? -127.0f : w);
+        q1[i] = (int8_t)u;
+        if (q2) q2[i] = (int8_t)w;
+    }
+#endif
+}
+
+static inline float amax32(const float *v) {
+    f32x8 m = splat(0.0f);
+    for (int j = 0; j < 4; ++j) {
+        f32x8 t;
+        memcpy(&t, v + 8 * j, 32);
+        t = (f32x8)((i32x8)t & 0x7fffffff); /* |t| */
+        const i32x8 bigger = (i32x8)(m > t);
+        m = (f32x8)(((i32x8)m & bigger) | ((i32x8)t & ~bigger));
+    }
+    float r = 0.0f;
+    for (int l = 0; l < 8; ++l) r = m[l] > r ? m[l] : r; /* max is exact: any order */
+    return r;
+}
+
+/* Quantize x fp32 [M, K] (K % group == 0) into q1, q2, dx, X16 (layouts in the header).
+ * X16[h] = hsum(x[16h .. 16h+7] + x[16h+8 .. 16h+15]) (lane-wise add, then hsum's fixed order). */
+int stencil_gguf_quantize(const float *x, int m, int k, int group, int8_t *q1, int8_t *q2, float *dx, float *x16,
+                          int threads) { /* q2 NULL: one term */
+    if (m <= 0 || k <= 0 || (group != 32 && group != SPAN) || k % group) return -1;
+    const int spans = (k + SPAN - 1) / SPAN;
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1) if (threads > 1 && m >= 16)
+    for (int r = 0; r < m; ++r) {
+        const float *xr = x + (size_t)r * k;
+        float *dr = dx + (size_t)r * spans * 8, *xs = x16 + (size_t)r * spans * 16;
+        memset(dr, 0, sizeof(float) * spans * 8);
+        memset(xs, 0, sizeof(float) * spans * 16);
+        for (int g = 0; g < k / group; ++g) {
+            const float *v = xr + (size_t)group * g;
+            float amax = 0.0f;
+            for (int i = 0; i < group; i += 32) {
+                const float t = amax32(v + i);
+                amax = t > amax ? t : amax;
+            }
+            const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f, inv2 = inv * 256.0f;
+            for (int i = 0; i < group; i += 32)
+                quantize32(v + i, step, inv, inv2, q1 + (size_t)r * k + (size_t)group * g + i,
+                           q2 ? q2 + (size_t)r * k + (size_t)group * g + i : NULL);
+            for (int b = 0; b < group / 32; ++b) dr[g * (group / 32) + b] = step / 256.0f; /* exact */
+        }
+        for (int h = 0; h < k / 16; ++h) {
+            f32x8 lo, hi;
+            memcpy(&lo, xr + 16 * h, 32);
+            memcpy(&hi, xr + 16 * h + 8, 32);
+            xs[h] = hsum(lo + hi);
+        }
+    }
+    return 0;
+}
+
+/* y[M, ncols] (row stride ldy) = x @ W[cols].T from stencil_gguf_quantize's activations;
+ * cols int32 [ncols] weight rows (NULL: 0 .. ncols - 1). Returns 0, or -1 on bad arguments. */
+int stencil_gguf_gemm(int type, const uint8_t *w, long row_bytes, int k, const int *cols, int ncols,
+                      int group, const int8_t *q1, const int8_t *q2, const float *dx, const float *x16, int m,
+                      float *y, long ldy, int threads) { /* q2 NULL: activations of one term */
+    if (!valid(type, k, row_bytes) || group != BLOCK_WEIGHTS[type] || m <= 0 || ncols <= 0 || ldy < ncols) return -1;
+    const acts_t a = {q1, q2, dx, x16, k, (k + SPAN - 1) / SPAN, q2 ? 2 : 1};
+    const int nt = threads > 0 ? threads : 1;
+    (void)nt;
+    /* Each thread owns a contiguous range of columns; row blocks run outer so that their
+     * activations stay in cache while the thread's weight rows stream past. */
+#pragma omp parallel num_threads(nt) if (nt > 1 && (size_t)ncols * m * k >= 65536)
+    {
+        int t = 0, n = 1;
+#ifdef _OPENMP
+        t = omp_get_thread_num();
+        n = omp_get_num_threads();
+#endif
+        const int c0 = (int)((long)ncols * t / n), c1 = (int)((long)ncols * (t + 1) / n);
+        for (int r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+            const int rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
+            for (int c = c0; c < c1; ++c) {
+                const int wr = cols ? cols[c] : c;
+                column(type, w + (size_t)wr * row_bytes, &a, r0, rows, y + c, (size_t)ldy);
+            }
+        }
+    }
+    return 0;
+}
+
+/* out fp32 [n, K] = rows `rows` (int64 [n]) of W, dequantized as gguf-py's
+ * gguf.quants.dequantize does (the same fp32 operations in the same order: bit for bit). */
+int stencil_gguf_dequantize(int type, const uint8_t *w, long row_bytes, int k, const int64_t *rows, int n,
+                            float *out) {
+    if (!valid(type, k, row_bytes) || n < 0) return -1;
+    for (int i = 0; i < n; ++i) {
+        const uint8_t *row = w + (size_t)rows[i] * row_bytes;
+        float *o = out + (size_t)i * k;
+        if (type >= Q4_K) {
+            for (int s = 0; s < k / SPAN; ++s, o += SPAN) {
+                const uint8_t *b = row + (size_t)s * BLOCK_BYTES[type];
+                if (type == Q6_K) {
+                    const float d = h2f(b + 208);
+                    const int8_t *sc = (const int8_t *)(b + 192);
+                    for (int j = 0; j < SPAN; ++j) {
+                        const int n2 = j / 128, t = (j % 128) / 32, l = j % 32;
+                        const uint8_t lq = b[64 * n2 + 32 * (t & 1) + l], hq = b[128 + 32 * n2 + l];
+                        const int q = ((t < 2 ? lq & 15 : lq >> 4) | ((hq >> (2 * t)) & 3) << 4) - 32;
+                        o[j] = (d * (float)sc[j / 16]) * (float)q;
+                    }
+                    continue;
+                }
+                const float d = h2f(b), dmin = h2f(b + 2);
+                uint8_t sm[16];
+                scale_min_k4(b + 4, sm);
+                const uint8_t *sc = sm, *m = sm + 8, *qs = b + (type == Q4_K ? 16 : 48);
+                for (int j = 0; j < SPAN; ++j) {
+                    const int sb = j / 32, l = j % 32;
+                    int q = sb & 1 ? qs[32 * (sb / 2) + l] >> 4 : qs[32 * (sb / 2) + l] & 15;
+                    if (type == Q5_K) q |= ((b[16 + l] >> sb) & 1) << 4;
+                    o[j] = (d * (float)sc[sb]) * (float)q - dmin * (float)m[sb];
+                }
+            }
+            continue;
+        }
+        for (int g = 0; g < k / 32; ++g, o += 32) {
+            const uint8_t *b = row + (size_t)g * BLOCK_BYTES[type];
+            const float d = h2f(b);
+            const int qs = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8; /* nibbles */
+            for (int j = 0; j < 32; ++j) {
+                const int nib = type == Q8_0 ? 0 : j < 16 ? b[qs + j] & 15 : b[qs + j - 16] >> 4;
+                switch (type) {
+                case Q4_0: o[j] = d * (float)(nib - 8); break;
+                case Q4_1: o[j] = d * (float)nib + h2f(b + 2); break;
+                case Q5_0: o[j] = d * (float)((nib | ((b[2 + j / 8] >> (j % 8)) & 1) << 4) - 16); break;
+                case Q5_1: o[j] = d * (float)(nib | ((b[4 + j / 8] >> (j % 8)) & 1) << 4) + h2f(b + 2); break;
+                default: o[j] = d * (float)(int8_t)b[2 + j]; break;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Which dot-product instructions this build uses: 3 AVX512-VNNI, 2 AVX-VNNI, 1 AVX2, 0 plain C. */
+int stencil_gguf_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 3;
+#elif defined(__AVXVNNI__)
+    return 2;
+#elif defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
