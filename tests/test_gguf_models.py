@@ -209,3 +209,14 @@ def test_cli_exits_non_zero_with_one_line_for_an_unsupported_model(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert lines == [f"stencil generate: unsupported GGUF architecture 'mamba' in mamba.gguf; supported: llama, "
                      "qwen2, qwen3, gemma3 (Mistral and SmolLM files are llama)"], proc.stderr
+
+
+def test_an_hf_gemma3_directory_loads_the_same_forward(tiny_gguf, tmp_path):
+    """A transformers ``gemma3_text`` checkpoint (norms stored as w) gives the GGUF's logits."""
+    _, ref = tiny_gguf("gemma3")
+    ref.save_pretrained(str(tmp_path))
+    ours, config = load_model(tmp_path)
+    assert config.model_type == "gemma3_text" and ours.spec.layer_types == tuple(ref.config.layer_types)
+    prompt = random_prompt(30, 11, ours.vocab_size)
+    batch = PagedBatch(ours)
+    assert_close_rel(batch.step([(batch.add(), prompt)]), hf_logits(ref, prompt))
