@@ -42,7 +42,8 @@ SERVER_MODES = ("json_schema", "unconstrained")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True, help="where to write the report")
-    p.add_argument("--model", type=Path, default=None, help="model directory (default: SmolLM2-135M)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a .gguf file, a directory with one, or an HF model directory (default: SmolLM2-135M)")
     p.add_argument("--items", type=int, default=48, help="items per workload")
     p.add_argument("--workloads", default="person,extraction", help="comma-separated: person, extraction")
     p.add_argument("--modes", default=",".join(LOCAL_MODES),

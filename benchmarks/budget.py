@@ -25,7 +25,8 @@ FRACTIONS = (0.25, 0.5, 1.0, 1.5)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True)
-    p.add_argument("--model", type=Path, default=None, help="model directory (default: SmolLM2-135M)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a .gguf file, a directory with one, or an HF model directory (default: SmolLM2-135M)")
     p.add_argument("--requests", type=int, default=12, help="extraction items from the workload")
     p.add_argument("--corpus", type=Path, default=None, help="MaskBench-format schemas to add")
     p.add_argument("--corpus-schemas", type=int, default=12)

@@ -302,9 +302,9 @@ def run_cluster(args: argparse.Namespace) -> dict:
         else:
             model = Path(args.model)
         workload = shared_prefix_workload(args.prompts, args.users, args.prompt_sentences, args.seed)
-        from transformers import AutoTokenizer
+        from engine.models.tokenizer import load_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(model))
+        tok = load_tokenizer(model)
         system_tokens = [len(tok.encode(tok.apply_chat_template(w["messages"][:1], tokenize=False),
                                         add_special_tokens=False)) for w in workload]
         blocks_per_prompt = max(system_tokens) // 16 + 1

@@ -49,7 +49,8 @@ STEP_PARTS = ("schedule", "grammar_mask", "forward", "update", "detokenize", "pr
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True, help="where to write the report")
-    p.add_argument("--model", type=Path, default=None, help="model directory (default: SmolLM2-135M)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a .gguf file, a directory with one, or an HF model directory (default: SmolLM2-135M)")
     p.add_argument("--requests", type=int, default=12, help="requests per variant (the first is cold)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--stream", action="store_true", help="streamed requests (SSE) instead of whole answers")

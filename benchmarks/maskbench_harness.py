@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="N schemas, evenly spaced")
     parser.add_argument("--timeout", type=float, default=10.0, help="Stencil's compile limit, s")
     parser.add_argument("--whitespace", choices=("compact", "flexible"), default="flexible")
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="tokenizer directory")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+                        help="model whose tokenizer to use: a .gguf file, a directory with one, or an HF directory")
     parser.add_argument("--compare", type=Path, default=None,
                         help="a `stencil bench conformance --failures` file to compare verdicts with")
     parser.add_argument("--json", type=Path, default=None)
@@ -93,12 +94,13 @@ def run(harness: Path, corpus: Path, limit: int | None, timeout_s: float, whites
     sys.path.insert(0, str(harness))
     from maskbench import runner  # the harness's own code
     from maskbench.engine import Engine
-    from transformers import AutoTokenizer
+
+    from engine.models.tokenizer import load_tokenizer
 
     engine = stencil_engine(Engine, whitespace, timeout_s)()
     engine.multi = False
     engine.debug = False
-    engine.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    engine.tokenizer = load_tokenizer(model_dir)
     engine.log_single = lambda s: None
     engine.init()
     files = sorted(corpus.glob("*.json"))

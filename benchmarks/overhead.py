@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--running", default="1,32,256", help="comma-separated numbers of running requests")
     p.add_argument("--steps", type=int, default=20, help="decode steps measured per level")
     p.add_argument("--warmup", type=int, default=3, help="decode steps run before measuring")
-    p.add_argument("--model", type=Path, default=None, help="model directory (default: SmolLM2-135M)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a .gguf file, a directory with one, or an HF model directory (default: SmolLM2-135M)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     p.add_argument("--constrained", type=float, default=0.5, help="share of requests under a JSON Schema")
     p.add_argument("--sampled", type=float, default=0.25, help="share sampled at temperature 0.8")

@@ -52,7 +52,8 @@ WARMUP_TOKENS = 16
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True)
-    p.add_argument("--model", type=Path, default=None, help="model directory (default: SmolLM2-135M)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a .gguf file, a directory with one, or an HF model directory (default: SmolLM2-135M)")
     p.add_argument("--requests", type=int, default=16, help="requests per workload and concurrency")
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--workloads", default="copy,no_copy", help="comma-separated: copy, no_copy")

@@ -31,7 +31,8 @@ from benchmarks.common import Trace, is_valid, make_validator, pct, run_closed_l
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True, help="where to write the report")
     p.add_argument("--plot", type=Path, default=None, help="PNG plot (default: next to --json)")
-    p.add_argument("--model", type=Path, default=None, help="model directory (default: SmolLM2-135M)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a .gguf file, a directory with one, or an HF model directory (default: SmolLM2-135M)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=int, default=160)

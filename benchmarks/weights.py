@@ -30,7 +30,8 @@ from benchmarks.common import is_valid, make_validator, run_closed_loop
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True, help="where to write the report")
-    p.add_argument("--model", type=Path, default=None, help="model directory (default: SmolLM2-135M)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a .gguf file, a directory with one, or an HF model directory (default: SmolLM2-135M)")
     p.add_argument("--gguf", type=Path, default=None, help="its GGUF file (default: found by the loader)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
     p.add_argument("--max-tokens", type=int, default=48, help="decoded tokens per request")

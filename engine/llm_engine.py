@@ -62,16 +62,15 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, cost_model: Callable[[StepShape], float] | None = None,
                  row_floor_ms: float | None = None):
-        from transformers import AutoTokenizer
-
+        from engine.models.tokenizer import load_tokenizer
         from grammar.compiler import GrammarCompiler
 
         self.config = config.validate()
         t0 = time.perf_counter()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(config.model))
+        self.tokenizer = load_tokenizer(config.model)
         self.runner = ModelRunner(config)
         hf = self.runner.hf_config
-        model_limit = int(getattr(hf, "max_position_embeddings", 2048))
+        model_limit = int(self.runner.model.max_context_len)
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  hash_prompt_boundary=self.runner.prompt_rows_routed)
@@ -79,7 +78,17 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:
             self.eos_token_id = getattr(hf, "eos_token_id", None)
-        self.grammar = GrammarCompiler(self.tokenizer, self.runner.vocab_size,
+        # Other tokens that end an output besides EOS: a GGUF's end-of-turn tokens (Gemma's
+        # <end_of_turn>; ``gguf_config.stop_token_ids``). An HF directory names only its EOS.
+        self.extra_stop_token_ids = frozenset(
+            t for t in getattr(hf, "stop_token_ids", ()) if t != self.eos_token_id)
+        vocab = None
+        if self.extra_stop_token_ids and self.eos_token_id is not None:
+            from grammar.vocab import build_vocabulary
+
+            vocab = build_vocabulary(self.tokenizer, model_vocab_size=self.runner.vocab_size,
+                                     eos_token_ids=(self.eos_token_id, *sorted(self.extra_stop_token_ids)))
+        self.grammar = GrammarCompiler(vocab or self.tokenizer, self.runner.vocab_size,
                                        max_workers=config.grammar_workers, timeout_s=config.grammar_timeout_s,
                                        backend=config.grammar_backend)
         self.default_spec = SpecConfig.from_dict(config.speculative)
@@ -138,7 +147,8 @@ class LLMEngine:
             self.check_budget(grammar, params)
         # No matcher and no detokenizer yet: the scheduler makes the matcher when it first runs
         # the request, _output the detokenizer at its first token (a queued request stays small).
-        req = Request(request_id, prompt_token_ids, params, self.eos_token_id, None, future, grammar=grammar)
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_id, None, future, grammar=grammar,
+                      stop_token_ids=self.extra_stop_token_ids)
         if spec is not None:
             req.spec_state = SpecState(spec)
         self.scheduler.add(req)

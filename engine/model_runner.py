@@ -115,7 +115,7 @@ class ModelRunner:
         rows = hidden[inp.logits_indices]
         timer.mark("forward")  # on CUDA the kernels may still run: "logits" waits for both
         if bitmask is not None and hasattr(self.model.lm_head, "forward_columns"):
-            logits = masked_logits(self.model.lm_head, rows, bitmask, self.vocab_size)
+            logits = self.model.finish_logits(masked_logits(self.model.lm_head, rows, bitmask, self.vocab_size))
         else:
             logits = self.model.compute_logits(rows).float()
         _sync(logits)

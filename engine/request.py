@@ -128,11 +128,12 @@ class Request:
                  "num_computed_tokens", "draft_token_ids", "block_ids", "status", "params",
                  "matcher", "grammar", "grammar_future", "eos_token_id", "metrics", "generator",
                  "error", "finish_reason_detail", "arrival_index", "num_cached_blocks",
-                 "output_logprobs", "output_top_logprobs", "spec_state")
+                 "output_logprobs", "output_top_logprobs", "spec_state", "stop_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: int | None, matcher: "GrammarMatcher | None" = None,
-                 grammar_future: "Future | None" = None, grammar=None):
+                 grammar_future: "Future | None" = None, grammar=None, *,
+                 stop_token_ids: frozenset[int] = frozenset()):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -147,6 +148,7 @@ class Request:
         self.grammar_future = grammar_future
         self.status = RequestStatus.WAITING_FOR_GRAMMAR if grammar_future is not None else RequestStatus.WAITING
         self.eos_token_id = eos_token_id
+        self.stop_token_ids = stop_token_ids  # end the output like EOS (end-of-turn tokens)
         self.metrics = RequestMetrics()
         self.generator = None  # torch.Generator, created lazily by the sampler
         self.error: str | None = None

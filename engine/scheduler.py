@@ -391,7 +391,7 @@ class Scheduler:
                 req.output_logprobs.append(lps[j])
             if tops:
                 req.output_top_logprobs.append(tops[j])
-            if t == req.eos_token_id and not params.ignore_eos:
+            if (t == req.eos_token_id or t in req.stop_token_ids) and not params.ignore_eos:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
             elif req.matcher is not None and req.matcher.is_terminated():
                 self.finish(req, RequestStatus.FINISHED_STOPPED)

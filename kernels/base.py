@@ -7,6 +7,12 @@ tokens), so query row ``j`` of sequence ``i`` sits at position ``seq_lens[i] - q
 and attends causally to positions ``0..that position``. K/V for all positions, the new
 ones included, are read from the paged cache through ``block_tables`` after
 ``reshape_and_cache`` has written the new tokens into their slots.
+
+A sliding-window layer (Mistral, Gemma 3's local layers) passes ``window=W``: the row at
+position ``p`` then sees only keys ``max(0, p - W + 1)..p``, the last ``W`` positions itself
+included (transformers' ``sliding_window_overlay``: key ``k`` visible when ``k > p - W``;
+llama.cpp's standard SWA masks ``p - k >= W``, the same set). A backend that cannot mask a
+window raises instead of attending to the whole prefix.
 """
 
 from __future__ import annotations
@@ -79,6 +85,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Causal attention of every query token over its sequence's cached K/V (GQA aware)."""
+        """Causal attention of every query token over its sequence's cached K/V (GQA aware);
+        with ``window``, over its last ``window`` positions only (see the module docstring)."""
         ...

@@ -48,10 +48,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return native.attention_supported(k_cache)
 
     def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:  # [T, H, D]
-        """Same contract as ``TorchAttentionBackend.forward``; ``[T, num_heads, head_dim]``."""
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:  # [T, H, D]
+        """Same contract as ``TorchAttentionBackend.forward`` (``window`` included);
+        ``[T, num_heads, head_dim]``."""
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 token, got {window}")
         if not native.attention_supported(k_cache):
-            return super().forward(query, k_cache, v_cache, meta, scale)
+            return super().forward(query, k_cache, v_cache, meta, scale, window)
         out = native.paged_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, scale)
+                                     meta.seq_lens, scale, window)
         return out.to(query.dtype)

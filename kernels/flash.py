@@ -114,12 +114,20 @@ class FlashAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Causal attention of every query row over its sequence's paged K/V (GQA aware).
 
+        ``window`` goes to flash-attn as ``window_size=(window - 1, 0)``: a row sees itself and
+        the ``window - 1`` keys before it (flash-attn 2's local attention, bottom-right aligned
+        like its causal mask), the rows ``kernels.base`` asks for.
+
         Raises:
-            ValueError: a dtype flash-attn does not support (only fp16 and bf16).
+            ValueError: a dtype flash-attn does not support (only fp16 and bf16), or ``window`` < 1.
         """
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 token, got {window}")
+        local = (-1, -1) if window is None else (window - 1, 0)
         if query.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"flash-attn supports fp16 and bf16, got {query.dtype}; "
                              "use the triton or torch backend for fp32")
@@ -128,7 +136,8 @@ class FlashAttentionBackend:
             k, v, cu_seqlens_k = gather_kv(k_cache, v_cache, meta)
             return self._varlen(query, k, v, cu_seqlens_q=meta.query_start_loc,
                                 cu_seqlens_k=cu_seqlens_k, max_seqlen_q=meta.max_query_len,
-                                max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True)
+                                max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
+                                window_size=local)
         num_seqs = meta.num_seqs
         if num_tokens == num_seqs * meta.max_query_len:
             # Every sequence has max_query_len rows, so the flat batch is a dense
@@ -136,10 +145,10 @@ class FlashAttentionBackend:
             q = query.view(num_seqs, meta.max_query_len, num_heads, head_dim)
             out = self._with_kvcache(q, k_cache, v_cache, cache_seqlens=meta.seq_lens,
                                      block_table=meta.block_tables, softmax_scale=scale,
-                                     causal=True)
+                                     causal=True, window_size=local)
             return out.view(num_tokens, num_heads, head_dim)
         cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
         return self._varlen(query, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
                             cu_seqlens_k=cu_seqlens_k, max_seqlen_q=meta.max_query_len,
                             max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
-                            block_table=meta.block_tables)
+                            block_table=meta.block_tables, window_size=local)

@@ -134,7 +134,7 @@ def library() -> ctypes.CDLL | None:
         lib.stencil_vnni_gemm.restype = ctypes.c_int
         lib.stencil_vnni_supported.restype = ctypes.c_int
         f = ctypes.c_float
-        lib.stencil_paged_attention.argtypes = [p, i, i, i, p, p, i, i, p, i, p, p, i, f, p, i]
+        lib.stencil_paged_attention.argtypes = [p, i, i, i, p, p, i, i, p, i, p, p, i, f, i, p, i]
         lib.stencil_paged_attention.restype = ctypes.c_int
         log.info("native CPU kernels (int4 GEMM, paged attention) loaded from %s", lib._name)
         _lib = lib
@@ -334,7 +334,7 @@ def _is_q8(scales: torch.Tensor, zeros: torch.Tensor) -> bool:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int | None = None) -> torch.Tensor:
     """Causal attention of every query row over its sequence's paged K/V (``attention.c``).
 
     Args:
@@ -344,6 +344,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_tables: int32 ``[num_seqs, max_blocks]``.
         query_start_loc: int32 ``[num_seqs + 1]``; seq_lens: int32 ``[num_seqs]``.
         scale: softmax scale.
+        window: each row sees only its last ``window`` positions (a sliding-window layer);
+            None: every earlier position.
 
     Returns:
         fp32 ``[T, num_heads, head_dim]``; each row the same bits in any batch.
@@ -369,7 +371,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(),
         int(k_cache.dtype == torch.bfloat16), block_size,
         tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.numel(),
-        float(scale), out.data_ptr(), torch.get_num_threads())
+        float(scale), int(window or 0), out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"attention kernel rejected heads={heads}/{kv_heads} head_dim={dim}")
     return out

@@ -73,24 +73,32 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Causal attention of every query row over its sequence's K/V (GQA: head ``h`` reads
-        kv head ``h // (num_heads // num_kv_heads)``, as transformers' ``repeat_kv``).
+        kv head ``h // (num_heads // num_kv_heads)``, as transformers' ``repeat_kv``); with
+        ``window``, each row sees its last ``window`` positions only (``kernels.base``).
 
         Returns:
             ``[T, num_heads, head_dim]`` in ``query.dtype``.
+
+        Raises:
+            ValueError: ``window`` < 1.
         """
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1 token, got {window}")
         out = torch.empty_like(query)
         starts = meta.query_start_loc_cpu
         for i in range(meta.num_seqs):
             n = starts[i + 1] - starts[i]
             if n == 1 or (n <= SHORT_QUERY and n < meta.seq_lens_cpu[i]):
-                self._rows(query, k_cache, v_cache, meta, scale, i, out)
+                self._rows(query, k_cache, v_cache, meta, scale, i, out, window)
             elif n > 1:
-                self._prefill(query, k_cache, v_cache, meta, scale, i, out)
+                self._prefill(query, k_cache, v_cache, meta, scale, i, out, window)
         return out
 
-    def _rows(self, query, k_cache, v_cache, meta, scale, i: int, out: torch.Tensor) -> None:
+    def _rows(self, query, k_cache, v_cache, meta, scale, i: int, out: torch.Tensor,
+              window: int | None = None) -> None:
         """Sequence ``i``'s new rows, each against exactly the keys it sees (see the module
         docstring): one unmasked SDPA per row, its query heads ``[1, Hkv, G, D]`` side by side
         as the rows of their kv group, so no K/V repeat is needed."""
@@ -98,34 +106,44 @@ class TorchAttentionBackend:
         group = query.shape[1] // kv_heads
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         seq_len = meta.seq_lens_cpu[i]
-        blocks = meta.block_tables[i, :-(-seq_len // block_size)].long()
+        first = seq_len - (end - start) + 1  # keys seen by the first new row
+        # Blocks from the one holding the first key any row sees (all of them without a window).
+        lo_block = 0 if window is None else max(0, first - window) // block_size
+        blocks = meta.block_tables[i, lo_block:-(-seq_len // block_size)].long()
+        base = lo_block * block_size  # position of the gathered keys' first row
         # [1, S, Hkv, D] -> [1, Hkv, S, D]
         k = _gather_blocks(k_cache, blocks).view(1, -1, kv_heads, dim).transpose(1, 2).float()
         v = _gather_blocks(v_cache, blocks).view(1, -1, kv_heads, dim).transpose(1, 2).float()
-        first = seq_len - (end - start) + 1  # keys seen by the first new row
         for j, t in enumerate(range(start, end)):
             q = query[t].reshape(1, kv_heads, group, dim).float()
             n = first + j
-            o = F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], scale=scale)
+            lo = 0 if window is None else max(0, n - window)
+            o = F.scaled_dot_product_attention(q, k[:, :, lo - base:n - base], v[:, :, lo - base:n - base],
+                                               scale=scale)
             out[t] = o.reshape(-1, dim).to(out.dtype)
 
-    def _prefill(self, query, k_cache, v_cache, meta, scale, i: int, out: torch.Tensor) -> None:
+    def _prefill(self, query, k_cache, v_cache, meta, scale, i: int, out: torch.Tensor,
+                 window: int | None = None) -> None:
         """Sequence ``i`` with several query tokens: the last ``q_len`` of ``seq_len`` positions."""
         block_size, kv_heads, dim = k_cache.shape[1:]
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
         q_len, seq_len = end - start, meta.seq_lens_cpu[i]
         num_blocks = -(-seq_len // block_size)
-        blocks = meta.block_tables[i, :num_blocks].long()
+        # With a window, keys before the first row's window are never read: gather from the
+        # block holding its first visible key.
+        lo_block = 0 if window is None else max(0, seq_len - q_len + 1 - window) // block_size
+        base = lo_block * block_size
+        blocks = meta.block_tables[i, lo_block:num_blocks].long()
         # [S, Hkv, D] -> [Hkv, S, D]
-        k = _gather_blocks(k_cache, blocks).view(-1, kv_heads, dim)[:seq_len]
-        v = _gather_blocks(v_cache, blocks).view(-1, kv_heads, dim)[:seq_len]
+        k = _gather_blocks(k_cache, blocks).view(-1, kv_heads, dim)[:seq_len - base]
+        v = _gather_blocks(v_cache, blocks).view(-1, kv_heads, dim)[:seq_len - base]
         k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()
         # Every call below is 4-D: torch's fused CPU kernel (flash attention) takes only 4-D
         # inputs with GQA or an additive mask; 3-D ones, GQA expansion by repeat or a boolean
         # mask go through the unfused path (300 of 300 causal: 2.6 vs 6.7 ms; 5 of 300 behind
         # a cached prefix: 0.07 vs 0.86 ms).
         k, v = k[None], v[None]
-        if q_len == seq_len:
+        if q_len == seq_len and (window is None or seq_len <= window):
             q = query[start:end].transpose(0, 1)[None].float()  # [1, H, q_len, D]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                enable_gqa=True)
@@ -137,9 +155,13 @@ class TorchAttentionBackend:
         group = query.shape[1] // kv_heads
         q = query[start:end].reshape(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)
         q = q.reshape(1, kv_heads, group * q_len, dim).float()
-        # Row j sits at position seq_len - q_len + j and sees keys 0..that position.
+        # Row j sits at position seq_len - q_len + j and sees keys 0..that position (the last
+        # ``window`` of them with a window); gathered key i sits at position base + i.
         rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
-        hidden = torch.arange(seq_len, device=q.device)[None, :] > rows
+        keys = torch.arange(base, seq_len, device=q.device)[None, :]
+        hidden = keys > rows
+        if window is not None:
+            hidden |= keys <= rows - window
         mask = torch.zeros(hidden.shape, device=q.device).masked_fill_(hidden, float("-inf"))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1)[None, None],
                                            scale=scale)

@@ -335,7 +335,13 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
 
         aeng.on_dead = dead
         aeng.start()
-        model_name = cfg.model_name or Path(aeng.engine.config.model).name
+        from engine.models.source import ModelPathError, resolve_model_path
+
+        try:  # a GGUF file's stem, or the directory's name
+            default_name = resolve_model_path(aeng.engine.config.model).name
+        except ModelPathError:
+            default_name = Path(aeng.engine.config.model).name
+        model_name = cfg.model_name or default_name
         holder.state = ServiceState(engine=aeng, config=cfg, metrics=Metrics(lambda: aeng),
                                     checker=OutputChecker(), model_name=model_name)
         log.info("serving %s", model_name)

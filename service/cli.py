@@ -38,7 +38,9 @@ BENCHMARKS = {
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", type=Path, default=None,
-                   help="HF-format model directory (default: SmolLM2-135M-Instruct, fetched once into the cache)")
+                   help="a .gguf file, a directory holding one, or an HF-format model directory (config.json + "
+                        "safetensors); architectures llama (Mistral, SmolLM), qwen2, qwen3, gemma3 "
+                        "(default: SmolLM2-135M-Instruct, fetched once into the cache)")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:0)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -74,7 +76,8 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None, help="require this key (default: $STENCIL_API_KEY; empty = none)")
-    g.add_argument("--model-name", default=None, help="model id reported to clients (default: directory name)")
+    g.add_argument("--model-name", default=None,
+                   help="model id reported to clients (default: the GGUF file's stem or the directory name)")
     g.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (bytes)")
     g.add_argument("--request-timeout", type=float, default=300.0, help="per-request deadline (s)")
@@ -107,15 +110,31 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica (1: one replica per GPU)")
 
 
+class ModelArgError(Exception):
+    """``--model`` names no model, or one Stencil cannot serve; the message is one line."""
+
+
 def engine_config_from_args(args: argparse.Namespace):
-    """``EngineConfig`` from parsed engine arguments (the default model is fetched if needed)."""
+    """``EngineConfig`` from parsed engine arguments (the default model is fetched if needed).
+
+    Raises:
+        ModelArgError: ``--model`` names no model or an unsupported one (checked from its
+            metadata before anything loads).
+    """
     from engine.config import EngineConfig
+    from engine.models.gguf_config import UnsupportedModelError
+    from engine.models.loader import check_model
+    from engine.models.source import ModelPathError
 
     model = args.model
     if model is None:
         from engine.models.default_model import ensure_default_model
 
         model = ensure_default_model()
+    try:
+        check_model(model)
+    except (ModelPathError, UnsupportedModelError) as e:
+        raise ModelArgError(str(e)) from None
     return EngineConfig(
         model=Path(model), device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         weights=args.weights,
@@ -195,14 +214,15 @@ async def _generate_once(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             _progress(f"error: cannot read schema {args.schema}: {e}")
             return 2
+    config = engine_config_from_args(args)  # a model we cannot serve fails here, in one line
     t0 = time.perf_counter()
     _progress("loading model ...")
-    aeng = await asyncio.to_thread(AsyncEngine, engine_config_from_args(args))
+    aeng = await asyncio.to_thread(AsyncEngine, config)
     aeng.start()
     _progress(f"model ready in {time.perf_counter() - t0:.1f} s")
     cfg = ServiceConfig(max_tokens_cap=max(args.max_tokens, 1), default_max_tokens=max(args.max_tokens, 1))
     state = ServiceState(engine=aeng, config=cfg.validate(), metrics=Metrics(lambda: aeng),
-                         checker=OutputChecker(), model_name=Path(aeng.engine.config.model).name)
+                         checker=OutputChecker(), model_name=model_id(aeng.engine.config.model))
     try:
         messages = None if args.raw else [{"role": "user", "content": args.prompt}]
         prompt_ids = await generation.tokenize(state, prompt=args.prompt if args.raw else None, messages=messages,
@@ -239,6 +259,17 @@ async def _generate_once(args: argparse.Namespace) -> int:
         from service.app import stop_engine
 
         await asyncio.to_thread(stop_engine, aeng)
+
+
+def model_id(path) -> str:
+    """The id clients see for a model path: a GGUF file's stem, else the directory's name (as
+    ``service.app``)."""
+    from engine.models.source import ModelPathError, resolve_model_path
+
+    try:
+        return resolve_model_path(path).name
+    except ModelPathError:
+        return Path(path).name
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -321,7 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModelArgError as e:  # one line, no traceback: the user gave a path we cannot serve
+        print(f"stencil {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -231,8 +231,8 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None = 
     never code.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise InputError("this model has no chat template (a base model): send a plain 'prompt' to /generate "
-                         "or use /v1/completions", field="messages")
+        raise InputError("this model has no chat template (tokenizer.chat_template; a base model); send a plain "
+                         "'prompt' to /generate or use /v1/completions", field="messages")
     msgs = []
     for i, m in enumerate(messages):
         msg = dict(m)

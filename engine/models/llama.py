@@ -75,10 +75,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     """Self-attention over the paged cache: fused QKV, optional q/k norm, RoPE, cache write,
-    backend attention, output projection. ``[T, hidden] -> [T, hidden]``."""
+    backend attention, output projection. ``[T, hidden] -> [T, hidden]``.
 
-    def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype, device: torch.device) -> None:
+    ``window``: the layer's sliding window (tokens; None: full causal attention), masked by the
+    backend exactly (``kernels.base``)."""
+
+    def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype, device: torch.device,
+                 window: int | None = None) -> None:
         super().__init__()
+        self.window = window
         self.num_heads, self.num_kv_heads, self.head_dim = (
             spec.num_heads, spec.num_kv_heads, spec.head_dim)
         self.q_size = spec.num_heads * spec.head_dim
@@ -103,7 +108,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        if self.window is None:
+            o = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        else:
+            o = backend.forward(q, k_cache, v_cache, meta, self.scale, window=self.window)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -125,11 +133,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``."""
 
-    def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype, device: torch.device,
+                 window: int | None = None) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.input_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
-        self.attn = Attention(spec, **kw)
+        self.attn = Attention(spec, window=window, **kw)
         self.post_attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.mlp = MLP(spec, **kw)
 
@@ -166,7 +175,8 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _empty_param((spec.vocab_size, spec.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(spec, **kw) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, window=spec.layer_window(i), **kw)
+                                    for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.lm_head = DenseLinear(spec.hidden_size, spec.vocab_size, False, **kw)
         self.build_rope_tables(device, dtype)
@@ -209,11 +219,9 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def max_context_len(self) -> int:
-        """Longest sequence this forward computes exactly: the position table's length, or the
-        sliding window when the model has one (within it, windowed and full attention agree)."""
-        window = self.spec.sliding_window
-        limit = self.spec.max_position_embeddings
-        return limit if window is None else min(limit, window)
+        """Longest sequence this forward computes exactly: the position table's length (sliding
+        windows are masked by the attention backend, so they set no limit)."""
+        return self.spec.max_position_embeddings
 
     def tie_weights(self) -> None:
         """Make a dense LM head share the embedding matrix (``tie_word_embeddings``); a
@@ -275,7 +283,12 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: ``hidden [R, hidden_size]`` -> fp32 logits ``[R, vocab_size]``."""
-        return self.lm_head(hidden).float()
+        return self.finish_logits(self.lm_head(hidden).float())
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """What follows the LM head's product (nothing here; Gemma's soft-capping): the runner
+        calls it on logits it computed from ``lm_head`` itself (a grammar's sparse columns)."""
+        return logits
 
 
 def _empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

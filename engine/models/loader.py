@@ -1,4 +1,9 @@
-"""Load a Llama-family model from an HF-format directory (config.json + safetensors).
+"""Load a model from what ``--model`` names: a GGUF file (or a directory holding one), or an
+HF-format directory (config.json + safetensors); ``source.resolve_model_path`` tells which.
+
+From a GGUF (``load_gguf_model``), everything comes from the file: the architecture from its
+metadata (``gguf_config``), the weights from its tensors (``gguf_weights``): Q4_0/Q4_1/Q8_0
+projections as int4 layers when int4 is chosen, everything else decoded to ``dtype``.
 
 The config is read with ``transformers.AutoConfig``; weights are read straight from the
 safetensors files (every shard named by ``model.safetensors.index.json`` when present) and
@@ -24,6 +29,7 @@ import torch
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
+from engine.models.source import resolve_model_path
 from engine.models.spec import LlamaSpec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,7 +43,8 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
     """Build our model from ``model_dir`` and fill its weights.
 
     Args:
-        model_dir: directory with ``config.json`` and ``*.safetensors`` (optionally sharded).
+        model_dir: a ``.gguf`` file or a directory holding one (``load_gguf_model``), or a
+            directory with ``config.json`` and ``*.safetensors`` (optionally sharded).
         dtype: weight dtype (tensors are cast on load; int4 layers take and return it).
         device: target device.
         weights: ``"fp32"`` (every weight dense in ``dtype``), ``"int4"`` (GGUF 4/8-bit blocks
@@ -51,9 +58,12 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
             which gives every row the same bits at any row count).
 
     Returns:
-        ``(model, hf_config)``: a ``LlamaForCausalLM`` in eval mode and the transformers config.
+        ``(model, config)``: a ``LlamaForCausalLM`` (or ``Gemma3ForCausalLM``) in eval mode and
+        the transformers config (for a GGUF: its ``gguf_config.GgufModelInfo``).
 
     Raises:
+        ModelPathError: ``model_dir`` names no model.
+        UnsupportedModelError: a GGUF of another architecture or tensor type.
         ValueError: unsupported ``model_type`` (names it and the supported list) or RoPE.
         FileNotFoundError: no safetensors file in ``model_dir``.
         KeyError: a weight the architecture needs is missing from the checkpoint.
@@ -61,20 +71,118 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
     """
     from transformers import AutoConfig
 
-    model_dir = Path(model_dir)
+    source = resolve_model_path(model_dir)
+    if source.kind == "gguf":
+        return load_gguf_model(source.path, dtype=dtype, device=device, weights=weights,
+                               prompt_weights=prompt_weights)
+    model_dir = source.path
     hf_config = AutoConfig.from_pretrained(str(model_dir))
-    spec = LlamaSpec.from_hf_config(hf_config)
+    spec = spec_from_hf_config(hf_config)
     kind, gguf_path = resolve_weights(weights, model_dir, device, gguf_file)
     # Placeholders on meta cost no memory, so the peak is one copy of the weights.
-    model = LlamaForCausalLM(spec, dtype=dtype, device="meta")
+    model = build_model(spec, dtype=dtype, device="meta")
     if kind == "int4":
         # Before load_weights: int4 layers hold no parameters.
-        _install_int4(model, gguf_path, _prompt_route(prompt_weights))
+        from engine.models.gguf_file import GgufFile
+
+        _install_int4(model, GgufFile(gguf_path), _prompt_route(prompt_weights))
     with ExitStack() as stack:
         get = _open_checkpoint(model_dir, stack)
         load_weights(model, get, device=device)
     model.build_rope_tables(device, dtype)
     return model.eval(), hf_config
+
+
+def check_model(path: Path | str) -> str:
+    """Check, without loading weights, that ``path`` names a model Stencil serves; return a
+    one-line description (``"gemma3 GGUF gemma-3-270m-q4_k_m.gguf"``).
+
+    Raises:
+        ModelPathError: the path names no model.
+        UnsupportedModelError: an architecture, tensor type or setting Stencil lacks, or a
+            file that is no readable GGUF; the message is one line naming it and what is supported.
+    """
+    from engine.models.gguf_config import UnsupportedModelError, read_gguf_info
+    from engine.models.gguf_file import GgufFormatError
+
+    source = resolve_model_path(path)
+    if source.kind == "gguf":
+        try:
+            info = read_gguf_info(source.path)
+        except KeyError as e:
+            raise UnsupportedModelError(str(e).strip("'\"")) from None
+        except GgufFormatError as e:
+            raise UnsupportedModelError(str(e)) from None
+        return f"{info.architecture} GGUF {source.path.name}"
+    from transformers import AutoConfig
+
+    try:
+        spec_from_hf_config(AutoConfig.from_pretrained(str(source.path)))
+    except (ValueError, OSError) as e:
+        raise UnsupportedModelError(f"{source.path}: {e}".splitlines()[0]) from None
+    return f"HF directory {source.path}"
+
+
+def spec_from_hf_config(hf_config):
+    """``LlamaSpec`` or ``Gemma3Spec`` of a transformers config.
+
+    Raises:
+        ValueError: an unsupported ``model_type`` (names it and the supported ones).
+    """
+    if getattr(hf_config, "model_type", None) == "gemma3_text":
+        from engine.models.gemma3 import Gemma3Spec
+
+        return Gemma3Spec.from_hf_config(hf_config)
+    return LlamaSpec.from_hf_config(hf_config)
+
+
+def build_model(spec, *, dtype: torch.dtype, device: torch.device | str):
+    """The model class of ``spec`` (``Gemma3ForCausalLM`` for a ``Gemma3Spec``, else
+    ``LlamaForCausalLM``), built with uninitialised parameters."""
+    if spec.model_type == "gemma3":
+        from engine.models.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM(spec, dtype=dtype, device=device)
+    return LlamaForCausalLM(spec, dtype=dtype, device=device)
+
+
+def load_gguf_model(path: Path | str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                    weights: str = "auto", prompt_weights: str = "auto"):
+    """Build our model from a GGUF file alone.
+
+    Args:
+        path: the ``.gguf`` file.
+        dtype, device, prompt_weights: as ``load_model``.
+        weights: ``"fp32"`` (every tensor decoded to ``dtype``), ``"int4"`` (Q4_0/Q4_1/Q8_0
+            projections and LM head as int4 layers; CPU only) or ``"auto"`` (int4 on CPU when
+            the file has Q4_0/Q4_1 tensors, as ``resolve_weights``).
+
+    Returns:
+        ``(model, info)``: the model in eval mode and its ``gguf_config.GgufModelInfo``.
+
+    Raises:
+        UnsupportedModelError: architecture, tensor type or settings Stencil lacks (one line).
+        KeyError: a tensor or metadata key the architecture needs is missing.
+        ValueError: bad ``weights``, or int4 on a device other than CPU.
+    """
+    from engine.models.gguf_config import read_gguf_info
+    from engine.models.gguf_file import GgufFile
+    from engine.models.gguf_weights import load_gguf_weights
+
+    if weights not in ("auto", "fp32", "int4"):
+        raise ValueError(f"weights must be auto, fp32 or int4, got {weights!r}")
+    gguf = GgufFile(path)
+    info = read_gguf_info(gguf)
+    on_cpu = torch.device(device).type == "cpu"
+    if weights == "int4" and not on_cpu:
+        raise ValueError(f"int4 weights run on CPU only, not on {device}")
+    int4 = weights == "int4" or (weights == "auto" and on_cpu and gguf.count(_Q4) > 0)
+    model = build_model(info.spec, dtype=dtype, device="meta")
+    if int4:
+        _install_int4(model, gguf, _prompt_route(prompt_weights))
+    load_gguf_weights(model, gguf, device=device)
+    model.build_rope_tables(device, dtype)
+    return model.eval(), info
 
 
 def find_gguf(model_dir: Path | str) -> Path | None:
@@ -118,9 +226,9 @@ def resolve_weights(weights: str, model_dir: Path | str, device: torch.device | 
         return "int4", path
     if not on_cpu or path is None or not path.is_file():
         return "fp32", None
-    from engine.models.quant import GgufWeights
+    from engine.models.gguf_file import GgufFile
 
-    return ("int4", path) if GgufWeights(path).count(_Q4) else ("fp32", None)
+    return ("int4", path) if GgufFile(path).count(_Q4) else ("fp32", None)
 
 
 def _prompt_route(prompt_weights: str):
@@ -137,16 +245,18 @@ def _prompt_route(prompt_weights: str):
     return RowRoute() if prompt_weights == "bf16" else None
 
 
-def _install_int4(model: LlamaForCausalLM, gguf_path: Path, route=None) -> None:
+def _install_int4(model: LlamaForCausalLM, gguf, route=None) -> None:
     """Replace the projections (and the LM head) whose GGUF blocks are int4-servable; with a
-    ``RowRoute``, layer projections read prompt rows through a dense bf16 copy."""
-    from engine.models.quant import GgufWeights, int4_projections
+    ``RowRoute``, layer projections read prompt rows through a dense bf16 copy. ``gguf``: a
+    ``gguf_file.GgufFile`` (or ``quant.GgufWeights``: the same calls)."""
+    from engine.models.quant import int4_projections
 
+    gguf_path = gguf.path
     spec = model.spec
     # One LM-head kernel for every row count: a dense bf16 copy is faster past ~4 rows, but
     # switching kernels by row count changes a request's logits with the batch around it (up
     # to 0.08 here), and greedy outputs must not depend on batching or speculation.
-    layers = int4_projections(GgufWeights(gguf_path), spec.num_layers, spec.num_heads,
+    layers = int4_projections(gguf, spec.num_layers, spec.num_heads,
                               spec.num_kv_heads, lm_head=True, route=route)
     for name, module in layers.items():
         old = model.get_submodule(name)
@@ -175,7 +285,7 @@ def load_weights(model: LlamaForCausalLM, get: Callable[[str], torch.Tensor], *,
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue
-        tensor = _hf_tensor(name, get)
+        tensor = _hf_tensor(name, get, spec.model_type)
         if tensor.shape != param.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
                              f"expected {tuple(param.shape)}")
@@ -187,8 +297,12 @@ def load_weights(model: LlamaForCausalLM, get: Callable[[str], torch.Tensor], *,
         model.tie_weights()
 
 
-def _hf_tensor(name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+def _hf_tensor(name: str, get: Callable[[str], torch.Tensor], model_type: str = "llama") -> torch.Tensor:
     """The HF tensor(s) behind our parameter ``name``, fused where we fuse."""
+    if model_type == "gemma3":
+        from engine.models.gemma3 import hf_tensor
+
+        return hf_tensor(name, get)
     if name == "lm_head.weight":
         return get("lm_head.weight")
     if name in ("embed_tokens.weight", "norm.weight"):

@@ -12,6 +12,11 @@ Supported ``rope_type`` values:
   reference, ``apply_scaling``; the same rule as transformers' ``_compute_llama3_parameters``).
 
 Others (dynamic NTK, YaRN, LongRoPE, ...) raise ``ValueError``.
+
+A GGUF converted from a Llama 3.1-style config carries the result of that scaling as a tensor
+of per-frequency divisors (``rope_freqs.weight``, llama.cpp's ``freq_factors``: it rotates
+dimension pair ``i`` by ``theta ** (-2i / d) / freq_factors[i]``); ``RopeSpec.freq_factors``
+holds it, and ``inv_frequencies`` divides by it after any other rule.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class RopeSpec:
         theta: base wavelength.
         factor: scaling factor ("linear", "llama3"); 1.0 otherwise.
         low_freq_factor, high_freq_factor, original_max_position_embeddings: "llama3" only.
+        freq_factors: per-pair divisors of the inverse frequencies (a GGUF's ``rope_freqs``),
+            ``head_dim // 2`` floats, or None.
     """
 
     rope_type: str = "default"
@@ -41,6 +48,7 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] | None = None
 
     @classmethod
     def from_hf_config(cls, config) -> "RopeSpec":
@@ -54,11 +62,21 @@ class RopeSpec:
         if not params:
             params = dict(getattr(config, "rope_scaling", None) or {})
             params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return cls.from_parameters(params, getattr(config, "partial_rotary_factor", 1.0))
+
+    @classmethod
+    def from_parameters(cls, params: dict, partial_rotary_factor: float = 1.0) -> "RopeSpec":
+        """Read one ``rope_parameters`` dict (``{"rope_type": ..., "rope_theta": ...}``; Gemma 3
+        keeps one per layer type).
+
+        Raises:
+            ValueError: an unsupported ``rope_type`` or partial rotary embedding.
+        """
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: "
                              f"{list(SUPPORTED_ROPE_TYPES)}")
-        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        partial = params.get("partial_rotary_factor", partial_rotary_factor)
         if partial != 1.0:
             raise ValueError(f"partial rotary embedding (partial_rotary_factor={partial}) "
                              "is not supported")
@@ -78,6 +96,10 @@ def inv_frequencies(spec: RopeSpec, head_dim: int) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` fp32 (radians per position)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (spec.theta ** exponents)
+    if spec.freq_factors is not None:
+        if len(spec.freq_factors) != head_dim // 2:
+            raise ValueError(f"{len(spec.freq_factors)} rope freq_factors for head_dim {head_dim}")
+        inv_freq = inv_freq / torch.tensor(spec.freq_factors, dtype=torch.float32)
     if spec.rope_type == "linear":
         return inv_freq / spec.factor
     if spec.rope_type == "llama3":

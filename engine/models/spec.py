@@ -27,6 +27,8 @@ class LlamaSpec:
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         tie_word_embeddings: the LM head is the embedding matrix.
         sliding_window: attention window (tokens) when any layer uses one, else ``None``.
+        sliding_layers: which layers use it (``layer_types`` of the config); ``None`` with a
+            ``sliding_window``: every layer (Mistral).
     """
 
     model_type: str
@@ -46,6 +48,13 @@ class LlamaSpec:
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer ``layer`` (tokens), or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        return self.sliding_window if self.sliding_layers is None or self.sliding_layers[layer] else None
 
     @classmethod
     def from_hf_config(cls, config) -> "LlamaSpec":
@@ -58,7 +67,7 @@ class LlamaSpec:
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: "
-                             f"{list(SUPPORTED_MODEL_TYPES)}")
+                             f"{list(SUPPORTED_MODEL_TYPES) + ['gemma3_text']}")
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} for {model_type}; only 'silu'")
@@ -83,6 +92,7 @@ class LlamaSpec:
             qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=_sliding_window(config),
+            sliding_layers=_sliding_layers(config),
         )
 
 
@@ -97,3 +107,10 @@ def _sliding_window(config) -> int | None:
     if getattr(config, "use_sliding_window", True) is False:
         return None
     return int(window)
+
+
+def _sliding_layers(config) -> tuple[bool, ...] | None:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or _sliding_window(config) is None:
+        return None
+    return tuple(t == "sliding_attention" for t in layer_types)

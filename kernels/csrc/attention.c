@@ -17,7 +17,10 @@
  * load) [num_blocks, block_size, Hkv, D];
  * block_tables int32 [num_seqs, max_blocks]; query_start_loc int32 [num_seqs + 1]; seq_lens
  * int32 [num_seqs]. Row t = query_start_loc[i] + j of sequence i sits at position
- * seq_lens[i] - q_len + j and sees keys 0 .. that position. Head h reads kv head h / (H / Hkv).
+ * seq_lens[i] - q_len + j and sees keys 0 .. that position, or with window > 0 only the last
+ * `window` of them (keys p - window + 1 .. p: a sliding-window layer). Head h reads kv head
+ * h / (H / Hkv). A windowed row walks its keys from the window's first one, so its result is
+ * still a function of the row alone.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -78,22 +81,23 @@ static inline __attribute__((always_inline)) __m512 dot_key(const __m512 *qv, in
     return acc;
 }
 
-/* One query row's `group` heads (they share kv head h_off / d) over keys 0 .. n-1.
- * q, out: [group][d]; scores: scratch of >= group * (n + 16) floats. */
+/* One query row's `group` heads (they share kv head h_off / d) over keys lo .. n-1.
+ * q, out: [group][d]; scores: scratch of >= group * (n - lo + 16) floats, key j at j - lo. */
 static inline __attribute__((always_inline)) void attend_row(
-    const float *q, int group, const int d, int n, const void *k_cache, const void *v_cache, int block_size,
-    int kv_stride, int h_off, const int *table, float scale, float *scores, float *out, const int bf16) {
-    const int dv = d / 16, stride = n + 16;
+    const float *q, int group, const int d, int lo, int n, const void *k_cache, const void *v_cache,
+    int block_size, int kv_stride, int h_off, const int *table, float scale, float *scores, float *out,
+    const int bf16) {
+    const int dv = d / 16, span = n - lo, stride = span + 16;
     for (int g = 0; g < group; ++g) {
         __m512 qv[MAX_DV];
         for (int c = 0; c < dv; ++c)
             qv[c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * d + 16 * c), _mm512_set1_ps(scale));
         float *sg = scores + (size_t)g * stride;
         __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int j0 = 0; j0 < n; j0 += 16) {
+        for (int j0 = lo; j0 < n; j0 += 16) {
             const int len = n - j0 < 16 ? n - j0 : 16;
             __m512 t[16];
-            if (len == 16 && block_size % 16 == 0) { /* 16 keys of one block, kv_stride apart */
+            if (len == 16 && j0 % block_size + 16 <= block_size) { /* 16 keys of one block, kv_stride apart */
                 const size_t k = ((size_t)table[j0 / block_size] * block_size + j0 % block_size) * kv_stride + h_off;
 #pragma GCC unroll 16
                 for (int o = 0; o < 16; ++o) t[o] = dot_key(qv, dv, k_cache, k + (size_t)o * kv_stride, bf16);
@@ -107,20 +111,20 @@ static inline __attribute__((always_inline)) void attend_row(
             }
             const __mmask16 live = len == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << len) - 1);
             const __m512 sv = sum16(t);
-            _mm512_mask_storeu_ps(sg + j0, live, sv);
+            _mm512_mask_storeu_ps(sg + (j0 - lo), live, sv);
             mx = _mm512_mask_max_ps(mx, live, mx, sv);
         }
         const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 lsum = _mm512_setzero_ps();
-        for (int j = 0; j < n; j += 16) {
-            const __mmask16 live = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        for (int j = 0; j < span; j += 16) {
+            const __mmask16 live = span - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (span - j)) - 1);
             __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + j), mv));
             e = _mm512_maskz_mov_ps(live, e);
             _mm512_mask_storeu_ps(sg + j, live, e);
             lsum = _mm512_add_ps(lsum, e);
         }
         /* 1 / l folded into the probabilities' final scaling below */
-        sg[n] = 1.0f / _mm512_reduce_add_ps(lsum);
+        sg[span] = 1.0f / _mm512_reduce_add_ps(lsum);
     }
     /* P @ V for up to MAX_ACC / dv heads at a time (they share each V load); every head's sum
      * runs over j in order, so how heads are chunked never changes a bit. */
@@ -129,20 +133,22 @@ static inline __attribute__((always_inline)) void attend_row(
         const int gn = group - g0 < chunk ? group - g0 : chunk;
         __m512 acc[MAX_ACC];
         for (int a = 0; a < gn * dv; ++a) acc[a] = _mm512_setzero_ps();
-        for (int j0 = 0, b = 0; j0 < n; j0 += block_size, ++b) {
-            size_t v = (size_t)table[b] * block_size * kv_stride + h_off;
-            const int len = n - j0 < block_size ? n - j0 : block_size;
+        for (int j0 = lo; j0 < n;) { /* the run of keys j0 .. j0 + len - 1 inside one block */
+            const int off = j0 % block_size;
+            size_t v = ((size_t)table[j0 / block_size] * block_size + off) * kv_stride + h_off;
+            const int len = n - j0 < block_size - off ? n - j0 : block_size - off;
             for (int o = 0; o < len; ++o, v += kv_stride) {
                 __m512 vv[MAX_DV];
                 for (int c = 0; c < dv; ++c) vv[c] = load16(v_cache, v + 16 * c, bf16);
                 for (int g = 0; g < gn; ++g) {
-                    const __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * stride + j0 + o]);
+                    const __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * stride + (j0 - lo) + o]);
                     for (int c = 0; c < dv; ++c) acc[g * dv + c] = _mm512_fmadd_ps(p, vv[c], acc[g * dv + c]);
                 }
             }
+            j0 += len;
         }
         for (int g = 0; g < gn; ++g) {
-            const __m512 iv = _mm512_set1_ps(scores[(size_t)(g0 + g) * stride + n]);
+            const __m512 iv = _mm512_set1_ps(scores[(size_t)(g0 + g) * stride + span]);
             for (int c = 0; c < dv; ++c)
                 _mm512_storeu_ps(out + (g0 + g) * d + 16 * c, _mm512_mul_ps(acc[g * dv + c], iv));
         }
@@ -150,12 +156,12 @@ static inline __attribute__((always_inline)) void attend_row(
 }
 
 /* head_dim 64 and 128 and each cache dtype get their own copies, so the loops unroll. */
-typedef void (*attend_fn)(const float *, int, int, int, const void *, const void *, int, int, int, const int *,
-                          float, float *, float *);
-#define ATTEND(NAME, D, BF16)                                                                          \
-    static void NAME(const float *q, int group, int d, int n, const void *kc, const void *vc, int bs,    \
-                     int kv_stride, int h_off, const int *table, float scale, float *scores, float *out) { \
-        attend_row(q, group, D ? D : d, n, kc, vc, bs, kv_stride, h_off, table, scale, scores, out, BF16); \
+typedef void (*attend_fn)(const float *, int, int, int, int, const void *, const void *, int, int, int,
+                          const int *, float, float *, float *);
+#define ATTEND(NAME, D, BF16)                                                                               \
+    static void NAME(const float *q, int group, int d, int lo, int n, const void *kc, const void *vc, int bs, \
+                     int kv_stride, int h_off, const int *table, float scale, float *scores, float *out) {      \
+        attend_row(q, group, D ? D : d, lo, n, kc, vc, bs, kv_stride, h_off, table, scale, scores, out, BF16); \
     }
 ATTEND(attend_64, 64, 0)
 ATTEND(attend_128, 128, 0)
@@ -168,8 +174,8 @@ ATTEND(attend_any_bf16, 0, 1)
 int stencil_paged_attention(const float *q, int heads, int kv_heads, int d, const void *k_cache,
                             const void *v_cache, int cache_bf16, int block_size, const int *block_tables,
                             int max_blocks, const int *query_start_loc, const int *seq_lens, int num_seqs,
-                            float scale, float *out, int threads) {
-    if (d % 16 || d / 16 > MAX_DV || kv_heads <= 0 || heads % kv_heads || block_size <= 0) return -1;
+                            float scale, int window, float *out, int threads) {
+    if (d % 16 || d / 16 > MAX_DV || kv_heads <= 0 || heads % kv_heads || block_size <= 0 || window < 0) return -1;
     const int group = heads / kv_heads, kv_stride = kv_heads * d;
     int longest = 0;
     for (int i = 0; i < num_seqs; ++i) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
@@ -194,8 +200,9 @@ int stencil_paged_attention(const float *q, int heads, int kv_heads, int d, cons
             const int *table = block_tables + (size_t)i * max_blocks;
             for (int j = 0; j < q_len; ++j) {
                 const size_t row = ((size_t)(start + j) * heads + (size_t)hk * group) * d;
-                attend(q + row, group, d, first + j, k_cache, v_cache, block_size, kv_stride, hk * d, table,
-                           scale, scores, out + row);
+                const int n = first + j, lo = window > 0 && n > window ? n - window : 0;
+                attend(q + row, group, d, lo, n, k_cache, v_cache, block_size, kv_stride, hk * d, table, scale,
+                       scores, out + row);
             }
         }
         free(scores);

@@ -62,12 +62,17 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Causal attention of every query row over its sequence's paged K/V (GQA aware),
         fp32 accumulation; see ``kernels.triton.paged_attention.paged_attention``.
 
         Raises:
-            ValueError: shapes, dtypes or strides the kernel cannot serve.
+            ValueError: shapes, dtypes or strides the kernel cannot serve, or a ``window``
+                (the kernel has no sliding-window mask yet: it would read the whole prefix).
             RuntimeError: CPU tensors without the Triton interpreter.
         """
+        if window is not None:
+            raise ValueError(f"the triton attention backend has no sliding window (asked for {window} "
+                             "tokens); use the flash or torch backend for this model")
         return self._attention(query, k_cache, v_cache, meta, scale)
