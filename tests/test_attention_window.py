@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, vec_attention
 from kernels.base import AttentionMetadata
 from kernels.torch_ref import TorchAttentionBackend
 from test_kernels_flash import fake_flash  # noqa: F401 - the stand-in flash_attn fixture
@@ -35,7 +35,7 @@ def windowed_reference(dense, seqs, scale: float, window: int) -> torch.Tensor:
 
 def _backends():
     out = [pytest.param(TorchAttentionBackend, id="torch")]
-    if native.available():
+    if native.available() or vec_attention.available():
         from kernels.cpu import CpuAttentionBackend
 
         out.append(pytest.param(CpuAttentionBackend, id="cpu"))
@@ -57,7 +57,8 @@ def test_windowed_batch_matches_masked_dense_sdpa(make, window, heads, kv_heads,
         assert float((full - ref).abs().max()) > 0.1
 
 
-@pytest.mark.skipif(not native.available(), reason="native kernels need a C compiler and AVX512-BF16")
+@pytest.mark.skipif(not (native.available() or vec_attention.available()),
+                    reason="native attention needs a C compiler on x86-64")
 @pytest.mark.parametrize("window", [5, 16, 37])
 def test_native_windowed_rows_are_the_same_bits_alone_and_in_a_batch(window):
     from kernels.cpu import CpuAttentionBackend

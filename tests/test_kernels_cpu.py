@@ -1,17 +1,18 @@
-"""The native CPU attention backend (kernels/cpu.py) against dense causal SDPA, and its exact
-batch invariance: every row, prefill rows included, the same bits in any batch or chunking."""
+"""The native CPU attention backend (kernels/cpu.py: the AVX512 kernel where it builds, else the
+portable one) against dense causal SDPA, and its exact batch invariance: every row, prefill rows
+included, the same bits in any batch or chunking."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import native
+from kernels import native, vec_attention
 from kernels.base import AttentionMetadata
 from test_kernels_torch import dense_reference, paged_case, random_seqs
 
-pytestmark = pytest.mark.skipif(not native.available(),
-                                reason="native kernels need a C compiler and AVX512-BF16")
+pytestmark = pytest.mark.skipif(not (native.available() or vec_attention.available()),
+                                reason="native attention needs a C compiler on x86-64")
 
 
 def _backend():
@@ -28,7 +29,7 @@ def _run(seqs, heads, kv_heads, dim, seed):
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (6, 2, 16), (9, 3, 64), (8, 1, 128)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (6, 2, 16), (9, 3, 64), (8, 1, 128), (4, 1, 256)])
 def test_mixed_varlen_batch_matches_dense_sdpa(seed, heads, kv_heads, dim):
     seqs = random_seqs(seed, 4) + [(0, 23), (37, 1), (19, 5), (300, 2)]
     backend, q, k_cache, v_cache, meta, dense = _run(seqs, heads, kv_heads, dim, seed)
@@ -68,13 +69,14 @@ def test_threads_do_not_change_bits():
 
 def test_unsupported_inputs_fall_back_to_the_reference():
     seqs = [(20, 1), (0, 9)]
-    q, k, v, k_cache, v_cache, meta, dense = paged_case(seqs, 4, 2, 8, seed=3)  # head_dim 8
+    q, k, v, k_cache, v_cache, meta, dense = paged_case(seqs, 4, 2, 12, seed=3)  # head_dim 12: no kernel's
     backend = _backend()
+    assert not backend.supports_cache(k_cache)
     backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = backend.forward(q, k_cache, v_cache, meta, 8 ** -0.5)
-    torch.testing.assert_close(out, dense_reference(dense, seqs, 8 ** -0.5), atol=1e-5, rtol=1e-5)
+    out = backend.forward(q, k_cache, v_cache, meta, 12 ** -0.5)
+    torch.testing.assert_close(out, dense_reference(dense, seqs, 12 ** -0.5), atol=1e-5, rtol=1e-5)
     kc, vc = k_cache.bfloat16(), v_cache.bfloat16()  # bf16 cache
-    out = backend.forward(q.bfloat16(), kc, vc, meta, 8 ** -0.5)
+    out = backend.forward(q.bfloat16(), kc, vc, meta, 12 ** -0.5)
     assert out.dtype == torch.bfloat16
 
 
