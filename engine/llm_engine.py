@@ -92,10 +92,15 @@ class LLMEngine:
                                        max_workers=config.grammar_workers, timeout_s=config.grammar_timeout_s,
                                        backend=config.grammar_backend)
         self.default_spec = SpecConfig.from_dict(config.speculative)
+        from engine.models.gguf_layers import QuantLinear
         from engine.models.quant import Int4Linear
+        from kernels import ggml_blocks
 
         int4 = [m for m in self.runner.model.modules() if isinstance(m, Int4Linear)]
         self._int4_gemm = "none" if not int4 else "native" if all(m.native is not None for m in int4) else "torch"
+        blocks = [m for m in self.runner.model.modules() if isinstance(m, QuantLinear)]
+        self._gguf_gemm = ("none" if not blocks else "torch" if not all(m.native for m in blocks)
+                           else f"{ggml_blocks.isa()}, {'/'.join(sorted({str(m.terms) for m in blocks}))} term(s)")
         # Rows torch's CPU int4 kernel multiplies together (4): speculation sizes drafts to it.
         # The native kernel (kernels/native.py) has no such tile.
         self.row_tile = 4 if self._int4_gemm == "torch" else 1
@@ -231,13 +236,14 @@ class LLMEngine:
     def kernels(self) -> dict[str, str]:
         """What computes the model: ``attention`` (backend name, plus "(torch fallback)" when the
         native backend cannot take this KV-cache dtype), ``int4_gemm`` ("native", "torch", or
-        "none" without int4 weights) and ``kv_cache_dtype``."""
+        "none" without int4 weights), ``gguf_gemm`` (the GGUF block kernel's ISA and activation
+        terms, "torch" for its fallback, "none" without block layers) and ``kv_cache_dtype``."""
         backend = self.runner.backend
         attention = backend.name
         supports = getattr(backend, "supports_cache", None)
         if supports is not None and not supports(self.runner.kv_caches[0][0]):
             attention += " (torch fallback)"
-        return {"attention": attention, "int4_gemm": self._int4_gemm,
+        return {"attention": attention, "int4_gemm": self._int4_gemm, "gguf_gemm": self._gguf_gemm,
                 "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch.")}
 
     def stats(self) -> dict:

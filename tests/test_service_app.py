@@ -219,9 +219,9 @@ def test_health_and_openapi(client):
     assert body["engine"]["running"] == 0 and body["engine"]["kv_blocks_free"] == 256
     from kernels import native
 
-    # The tiny test model is dense fp32: no int4 GEMM; attention native where it builds.
+    # The tiny test model is dense fp32: no int4 or block GEMM; attention native where it builds.
     assert body["kernels"] == {"attention": "cpu" if native.available() else "torch", "int4_gemm": "none",
-                               "kv_cache_dtype": "float32"}
+                               "gguf_gemm": "none", "kv_cache_dtype": "float32"}
     schema = client.get("/schema/openapi.json").json()
     props = schema["components"]["schemas"]["GenerateRequest"]["properties"]
     assert {"prompt", "messages", "response_schema", "regex", "choice", "stream"} <= set(props)

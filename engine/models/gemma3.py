@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.llama import DenseLinear, LlamaForCausalLM, _empty_param, apply_rope
+from engine.models.llama import DenseEmbedding, DenseLinear, LlamaForCausalLM, _empty_param, apply_rope
 from engine.models.rope import RopeSpec, rope_cos_sin
 from kernels.base import AttentionBackend, AttentionMetadata
 
@@ -224,8 +224,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         device = torch.device(device)
         kw = dict(dtype=dtype, device=device)
         self.spec = spec
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _empty_param((spec.vocab_size, spec.hidden_size), dtype, device)
+        self.embed_tokens = DenseEmbedding(spec.vocab_size, spec.hidden_size, **kw)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(spec, i, **kw) for i in range(spec.num_layers))
         self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
         self.lm_head = DenseLinear(spec.hidden_size, spec.vocab_size, False, **kw)
@@ -256,9 +255,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"expected {len(self.layers)} KV cache pairs, got {len(kv_caches)}")
         tables = {False: (self.rope_cos[positions], self.rope_sin[positions]),
                   True: (self.local_rope_cos[positions], self.local_rope_sin[positions])}
-        weight = self.embed_tokens.weight
-        # as transformers: sqrt(hidden) as an fp32 tensor, cast to the weight's dtype
-        h = F.embedding(input_ids, weight) * torch.tensor(self.spec.hidden_size ** 0.5).to(weight.dtype)
+        h = self.embed_tokens(input_ids)
+        # as transformers: sqrt(hidden) as an fp32 tensor, cast to the rows' dtype (a quantized
+        # embedding's rows are fp32, exactly gguf's dequantized values)
+        h = h * torch.tensor(self.spec.hidden_size ** 0.5).to(h.dtype)
+        if h.dtype != self.dtype:
+            h = h.to(self.dtype)
         if self.row_route is not None:
             self.row_route.set(prompt_mask)
         try:

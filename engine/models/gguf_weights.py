@@ -7,8 +7,12 @@ Names: llama.cpp's (``gguf-py``'s ``constants.py``, ``MODEL_TENSORS``): ``token_
 in transformers' order (``quant.qk_row_order``: llama.cpp's converter interleaves each head's
 rotary halves). A file without ``output.weight`` ties the LM head to the embedding.
 
-Every tensor that is not served by a quantized layer (``quant.int4_projections``) is decoded to
-fp32 by ``dequantize_tensor`` and cast to the model's dtype.
+``quantized_modules`` builds the quantized layers (projections, LM head, embedding) by the rule
+of ``kernel_policy.layer_kind``: a quantized matrix stays the file's blocks (``QuantLinear``,
+``QuantEmbedding``; a tied LM head shares the embedding's bytes), or int4 planes where the
+AVX512 int4 kernels run. ``load_gguf_weights`` then fills the parameters that remain (norms,
+float matrices, types no kernel reads), each decoded to fp32 by ``dequantize_tensor`` and cast
+to the model's dtype.
 """
 
 from __future__ import annotations
@@ -73,6 +77,130 @@ def dequantize_tensor(tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(dequantize(data, tensor.tensor_type), np.float32)).reshape(shape)
 
 
+_PARTS = {  # our projection (after "layers.{i}.") -> GGUF tensors whose rows it stacks, in our row order
+    "attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+def quantized_modules(gguf, spec, *, embedding: bool = True, route=None, terms: int | None = None) -> dict:
+    """The modules that serve ``gguf``'s quantized matrices, keyed by our dotted module names
+    (``layers.{i}.attn.qkv_proj``, ``.attn.o_proj``, ``.mlp.gate_up_proj``, ``.mlp.down_proj``,
+    ``lm_head``, ``embed_tokens``); a layer ``kernel_policy.layer_kind`` calls dense is left out.
+
+    Q and K rows of the ``llama`` architecture are reordered (``quant.qk_row_order``: whole
+    rows of blocks, exact); biases are read as fp32. The LM head is ``output.weight``, else (tied
+    embeddings) ``token_embd.weight``: with a ``QuantEmbedding`` the head shares its bytes
+    (``gguf_layers.tied_lm_head``).
+
+    Args:
+        gguf: a ``gguf_file.GgufFile``.
+        spec: the model's ``LlamaSpec`` / ``Gemma3Spec``.
+        embedding: also build ``embed_tokens`` (a GGUF-native model; an HF directory reads its
+            embedding from its safetensors).
+        route: ``quant.RowRoute`` for the int4 layer projections (dense bf16 prompt rows).
+        terms: the block kernel's activation terms (default ``kernel_policy.BLOCK_TERMS``).
+
+    Raises:
+        KeyError: a tensor the architecture needs is missing (named).
+    """
+    from engine.models.kernel_policy import BLOCK_TERMS, layer_kind
+
+    terms = BLOCK_TERMS if terms is None else terms
+    out: dict[str, nn.Module] = {}
+    permute = gguf.architecture == "llama"
+    for i in range(spec.num_layers):
+        for ours, theirs in _PARTS.items():
+            names = [f"blk.{i}.{t}.weight" for t in theirs]
+            for n in names:
+                if n not in gguf.tensors:
+                    raise KeyError(f"{gguf.path}: tensor {n} (for layers.{i}.{ours}) is missing")
+            kind = layer_kind(gguf.tensors[n].tensor_type.name for n in names)
+            if kind == "dense":
+                continue
+            orders = [qk_order(t, gguf.tensors[n], spec) if permute else None for t, n in zip(theirs, names)]
+            biases = [_bias(gguf, f"blk.{i}.{t}.bias", o) for t, o in zip(theirs, orders)]
+            out[f"layers.{i}.{ours}"] = _layer(kind, [gguf.tensors[n] for n in names], orders, biases, route, terms)
+    from engine.models.gguf_layers import embedding_from_gguf, tied_lm_head
+    from engine.models.kernel_policy import BLOCK_TYPES
+
+    emb = gguf.tensors.get("token_embd.weight")
+    if emb is None:
+        raise KeyError(f"{gguf.path}: tensor token_embd.weight is missing")
+    if embedding and emb.tensor_type.name in BLOCK_TYPES:
+        out["embed_tokens"] = embedding_from_gguf(emb.tensor_type.name, emb.data, int(emb.shape[0]))
+    head = gguf.tensors.get("output.weight", emb)
+    kind = layer_kind([head.tensor_type.name])
+    if kind == "blocks" and head is emb and "embed_tokens" in out:
+        out["lm_head"] = tied_lm_head(out["embed_tokens"], terms=terms)
+    elif kind != "dense":
+        out["lm_head"] = _layer(kind, [head], [None], [None], None, terms)
+    return out
+
+
+def qk_order(kind: str, tensor, spec) -> torch.Tensor | None:
+    """For the ``llama`` architecture's ``attn_q`` / ``attn_k``: the row order that undoes
+    llama.cpp's Q/K permutation (``quant.qk_row_order``); None for other tensors."""
+    from engine.models.quant import qk_row_order
+
+    heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads}.get(kind)
+    return None if heads is None else qk_row_order(_rows(tensor), heads)
+
+
+def _rows(tensor) -> int:
+    return int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
+
+
+def _bias(gguf, name: str, order: torch.Tensor | None) -> torch.Tensor | None:
+    if name not in gguf.tensors:
+        return None
+    b = dequantize_tensor(gguf.tensors[name])
+    return b if order is None else b[order]
+
+
+def _layer(kind: str, tensors: list, orders: list, biases: list, route, terms: int) -> nn.Module:
+    """One (fused) layer over GGUF tensors, rows reordered by ``orders`` (None: as stored),
+    with per-part fp32 biases (None: zeros)."""
+    if kind == "int4":
+        from engine.models.quant import Int4Linear, concat_planes, permute_rows, planes_from_blocks
+
+        planes = [planes_from_blocks(np.asarray(t.data), t.tensor_type.name) for t in tensors]
+        planes = [p if o is None else permute_rows(p, o) for p, o in zip(planes, orders)]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else torch.zeros(p.shape[0]) for b, p in zip(biases, planes)])
+        return Int4Linear(planes[0] if len(planes) == 1 else concat_planes(planes), bias, route=route)
+    from engine.models.gguf_layers import fuse, linear_from_gguf
+
+    layers = []
+    for t, o, b in zip(tensors, orders, biases):
+        raw = np.asarray(t.data)
+        layers.append(linear_from_gguf(t.tensor_type.name, raw if o is None else raw[o.numpy()], int(t.shape[0]), b,
+                                       terms=terms))
+    return layers[0] if len(layers) == 1 else fuse(*layers)
+
+
+def install(model: nn.Module, modules: dict) -> None:
+    """Put ``modules`` (from ``quantized_modules``) in place of the model's submodules of the
+    same names, checking their shapes.
+
+    Raises:
+        ValueError: a module's shape differs from what the model needs.
+    """
+    for name, module in modules.items():
+        old = model.get_submodule(name)
+        if name == "embed_tokens":
+            got, want = (module.num_embeddings, module.embedding_dim), (old.num_embeddings, old.embedding_dim)
+        else:
+            got, want = (module.out_features, module.in_features), (old.out_features, old.in_features)
+        if got != want:
+            raise ValueError(f"{name}: the GGUF gives {list(got)}, the model needs {list(want)}")
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
 def gguf_names(name: str, model_type: str) -> tuple[str, ...]:
     """The GGUF tensors behind our parameter ``name`` (rows stacked in this order).
 
@@ -131,4 +259,5 @@ def load_gguf_weights(model: nn.Module, gguf, *, device: torch.device | str | No
         model.tie_weights()
 
 
-__all__ = ["DENSE_TYPES", "dequantize_tensor", "gguf_names", "load_gguf_weights"]
+__all__ = ["DENSE_TYPES", "dequantize_tensor", "gguf_names", "install", "load_gguf_weights", "qk_order",
+           "quantized_modules"]

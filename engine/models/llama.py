@@ -48,6 +48,23 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class DenseEmbedding(nn.Module):
+    """Token embedding ``ids int64 [...] -> [..., dim]`` from a frozen dense matrix.
+
+    Attributes:
+        weight: ``[num_embeddings, dim]``. A quantized module with the same call
+            (``gguf_layers.QuantEmbedding``) can replace it by attribute assignment.
+    """
+
+    def __init__(self, num_embeddings: int, dim: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, dim
+        self.weight = _empty_param((num_embeddings, dim), dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 (as HF)."""
 
@@ -173,8 +190,7 @@ class LlamaForCausalLM(nn.Module):
         device = torch.device(device)
         kw = dict(dtype=dtype, device=device)
         self.spec = spec
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _empty_param((spec.vocab_size, spec.hidden_size), dtype, device)
+        self.embed_tokens = DenseEmbedding(spec.vocab_size, spec.hidden_size, **kw)
         self.layers = nn.ModuleList(DecoderLayer(spec, window=spec.layer_window(i), **kw)
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
@@ -211,11 +227,12 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The activations' dtype: the final norm's (norms are never quantized)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def max_context_len(self) -> int:
@@ -224,9 +241,10 @@ class LlamaForCausalLM(nn.Module):
         return self.spec.max_position_embeddings
 
     def tie_weights(self) -> None:
-        """Make a dense LM head share the embedding matrix (``tie_word_embeddings``); a
-        quantized head (``engine.models.quant``) keeps its own copy of the same weights."""
-        if isinstance(self.lm_head, DenseLinear):
+        """Make a dense LM head share a dense embedding's matrix (``tie_word_embeddings``); a
+        quantized head is tied by its loader (``gguf_layers.tied_lm_head`` shares the
+        embedding's bytes; an int4 head holds its own planes of the same weights)."""
+        if isinstance(self.lm_head, DenseLinear) and isinstance(self.embed_tokens, DenseEmbedding):
             self.lm_head.weight = self.embed_tokens.weight
 
     def linear_layers(self) -> Iterator[tuple[str, nn.Module]]:
@@ -269,7 +287,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"expected {len(self.layers)} KV cache pairs, got {len(kv_caches)}")
         # One table lookup per step, shared by every layer.
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        h = F.embedding(input_ids, self.embed_tokens.weight)
+        h = self.embed_tokens(input_ids)
+        if h.dtype != self.dtype:  # a quantized embedding gives fp32 rows
+            h = h.to(self.dtype)
         if self.row_route is not None:
             self.row_route.set(prompt_mask)
         try:
@@ -295,5 +315,5 @@ def _empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-__all__ = ["Attention", "DecoderLayer", "DenseLinear", "LlamaForCausalLM", "LlamaSpec", "MLP",
+__all__ = ["Attention", "DecoderLayer", "DenseEmbedding", "DenseLinear", "LlamaForCausalLM", "LlamaSpec", "MLP",
            "RMSNorm", "RopeSpec", "apply_rope"]

@@ -2,8 +2,18 @@
 HF-format directory (config.json + safetensors); ``source.resolve_model_path`` tells which.
 
 From a GGUF (``load_gguf_model``), everything comes from the file: the architecture from its
-metadata (``gguf_config``), the weights from its tensors (``gguf_weights``): Q4_0/Q4_1/Q8_0
-projections as int4 layers when int4 is chosen, everything else decoded to ``dtype``.
+metadata (``gguf_config``), the weights from its tensors (``gguf_weights``): on CPU every
+quantized matrix stays quantized, the kernel chosen by ``kernel_policy.layer_kind``:
+
+* Q4_0/Q4_1/Q8_0 projections (and LM head) on a CPU where ``kernels.native`` builds (x86 with
+  AVX512-BF16): int4 planes on its VNNI / bf16 kernels, measured faster than torch's there
+  (the default model's greedy outputs on such machines are those of before);
+* every other quantized matrix, and those types on any other CPU (AVX2 only, as this project's
+  AMD EPYC machines): the file's own blocks, read in place by ``csrc/gguf_gemm.c``
+  (``kernels.ggml_blocks``) with one int8 term per activation (``kernel_policy.BLOCK_TERMS``);
+* the embedding as a ``QuantEmbedding`` and a tied LM head over the same bytes.
+
+Everything else (norms, float matrices) is decoded to ``dtype``.
 
 The config is read with ``transformers.AutoConfig``; weights are read straight from the
 safetensors files (every shard named by ``model.safetensors.index.json`` when present) and
@@ -11,9 +21,9 @@ mapped onto our fused parameters: ``q_proj``/``k_proj``/``v_proj`` rows are stac
 ``qkv_proj`` and ``gate_proj``/``up_proj`` into ``gate_up_proj``. Unfused tensors are used as
 read (no copy when dtype and device already match).
 
-With ``weights="int4"`` the projections are instead built from the model's GGUF file
-(``engine.models.quant``): its Q4_0/Q4_1/Q8_0 blocks become int4 layers as they are, and only
-the rest (embeddings, norms, other block types) is read from the safetensors. The GGUF is
+With ``weights="int4"`` the projections and LM head are instead built from the model's GGUF
+file by the same rule (int4 planes where the AVX512 kernels build, else the blocks as they are),
+and only the rest (embedding, norms, float tensors) is read from the safetensors. The GGUF is
 named by ``gguf_file=``, else by ``stencil.json``'s ``"gguf_file"`` in the model directory
 (written by ``engine.models.default_model``), else it is the one ``*.gguf`` in the directory.
 """
@@ -39,7 +49,7 @@ _Q4 = frozenset({"Q4_0", "Q4_1"})
 
 def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", weights: str = "fp32",
-               gguf_file: Path | str | None = None, prompt_weights: str = "auto"):
+               gguf_file: Path | str | None = None, prompt_weights: str = "auto", block_terms: int | None = None):
     """Build our model from ``model_dir`` and fill its weights.
 
     Args:
@@ -56,6 +66,8 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
             GEMM's low bits may depend on how many prompt rows a step reads, so greedy outputs
             may change with chunking and prefix caching), ``"int4"``, or ``"auto"`` (int4,
             which gives every row the same bits at any row count).
+        block_terms: int8 terms per activation of the GGUF block layers, 1 or 2 (default
+            ``kernel_policy.BLOCK_TERMS``).
 
     Returns:
         ``(model, config)``: a ``LlamaForCausalLM`` (or ``Gemma3ForCausalLM``) in eval mode and
@@ -74,7 +86,7 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
     source = resolve_model_path(model_dir)
     if source.kind == "gguf":
         return load_gguf_model(source.path, dtype=dtype, device=device, weights=weights,
-                               prompt_weights=prompt_weights)
+                               prompt_weights=prompt_weights, block_terms=block_terms)
     model_dir = source.path
     hf_config = AutoConfig.from_pretrained(str(model_dir))
     spec = spec_from_hf_config(hf_config)
@@ -85,7 +97,7 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
         # Before load_weights: int4 layers hold no parameters.
         from engine.models.gguf_file import GgufFile
 
-        _install_int4(model, GgufFile(gguf_path), _prompt_route(prompt_weights))
+        _install_int4(model, GgufFile(gguf_path), _prompt_route(prompt_weights), block_terms)
     with ExitStack() as stack:
         get = _open_checkpoint(model_dir, stack)
         load_weights(model, get, device=device)
@@ -147,15 +159,23 @@ def build_model(spec, *, dtype: torch.dtype, device: torch.device | str):
 
 
 def load_gguf_model(path: Path | str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                    weights: str = "auto", prompt_weights: str = "auto"):
+                    weights: str = "auto", prompt_weights: str = "auto", block_terms: int | None = None):
     """Build our model from a GGUF file alone.
+
+    With quantized weights (``"auto"`` on CPU, or ``"int4"``), every quantized matrix stays
+    quantized, by the rule of ``kernel_policy.layer_kind``: Q4_0/Q4_1/Q8_0 projections as int4
+    layers where the AVX512 int4 kernels build, everything else (and those types on any other
+    CPU) as the file's own blocks (``gguf_layers.QuantLinear`` on ``csrc/gguf_gemm.c``); the
+    embedding as a ``QuantEmbedding`` (rows dequantized on lookup), a tied LM head sharing its
+    bytes. So the weights resident after load are about the file's size. Norms, float matrices
+    and types no kernel reads (Q2_K, Q3_K) are decoded to ``dtype``.
 
     Args:
         path: the ``.gguf`` file.
-        dtype, device, prompt_weights: as ``load_model``.
-        weights: ``"fp32"`` (every tensor decoded to ``dtype``), ``"int4"`` (Q4_0/Q4_1/Q8_0
-            projections and LM head as int4 layers; CPU only) or ``"auto"`` (int4 on CPU when
-            the file has Q4_0/Q4_1 tensors, as ``resolve_weights``).
+        dtype, device, prompt_weights, block_terms: as ``load_model``.
+        weights: ``"fp32"`` (every tensor decoded to ``dtype``: the reference), ``"int4"``
+            (quantized layers as above; CPU only; the name is kept from when only 4-bit blocks
+            were served) or ``"auto"`` (quantized on CPU when the file has quantized tensors).
 
     Returns:
         ``(model, info)``: the model in eval mode and its ``gguf_config.GgufModelInfo``.
@@ -163,11 +183,12 @@ def load_gguf_model(path: Path | str, *, dtype: torch.dtype = torch.float32, dev
     Raises:
         UnsupportedModelError: architecture, tensor type or settings Stencil lacks (one line).
         KeyError: a tensor or metadata key the architecture needs is missing.
-        ValueError: bad ``weights``, or int4 on a device other than CPU.
+        ValueError: bad ``weights``, or quantized weights on a device other than CPU.
     """
     from engine.models.gguf_config import read_gguf_info
     from engine.models.gguf_file import GgufFile
-    from engine.models.gguf_weights import load_gguf_weights
+    from engine.models.gguf_weights import install, load_gguf_weights, quantized_modules
+    from engine.models.kernel_policy import BLOCK_TYPES
 
     if weights not in ("auto", "fp32", "int4"):
         raise ValueError(f"weights must be auto, fp32 or int4, got {weights!r}")
@@ -176,10 +197,12 @@ def load_gguf_model(path: Path | str, *, dtype: torch.dtype = torch.float32, dev
     on_cpu = torch.device(device).type == "cpu"
     if weights == "int4" and not on_cpu:
         raise ValueError(f"int4 weights run on CPU only, not on {device}")
-    int4 = weights == "int4" or (weights == "auto" and on_cpu and gguf.count(_Q4) > 0)
+    quant = weights == "int4" or (weights == "auto" and on_cpu and gguf.count(BLOCK_TYPES) > 0)
     model = build_model(info.spec, dtype=dtype, device="meta")
-    if int4:
-        _install_int4(model, gguf, _prompt_route(prompt_weights))
+    if quant:
+        route = _prompt_route(prompt_weights)
+        install(model, quantized_modules(gguf, info.spec, route=route, terms=block_terms))
+        model.row_route = route
     load_gguf_weights(model, gguf, device=device)
     model.build_rope_tables(device, dtype)
     return model.eval(), info
@@ -245,26 +268,19 @@ def _prompt_route(prompt_weights: str):
     return RowRoute() if prompt_weights == "bf16" else None
 
 
-def _install_int4(model: LlamaForCausalLM, gguf, route=None) -> None:
-    """Replace the projections (and the LM head) whose GGUF blocks are int4-servable; with a
-    ``RowRoute``, layer projections read prompt rows through a dense bf16 copy. ``gguf``: a
-    ``gguf_file.GgufFile`` (or ``quant.GgufWeights``: the same calls)."""
-    from engine.models.quant import int4_projections
+def _install_int4(model: LlamaForCausalLM, gguf, route=None, terms: int | None = None) -> None:
+    """Replace the projections and the LM head whose GGUF tensors are quantized by the modules
+    ``kernel_policy.layer_kind`` picks (int4 layers where the AVX512 int4 kernels build, else
+    the file's blocks on ``csrc/gguf_gemm.c``); with a ``RowRoute``, int4 layer projections read
+    prompt rows through a dense bf16 copy. ``gguf``: a ``gguf_file.GgufFile``. The embedding
+    stays the HF directory's.
 
-    gguf_path = gguf.path
-    spec = model.spec
-    # One LM-head kernel for every row count: a dense bf16 copy is faster past ~4 rows, but
-    # switching kernels by row count changes a request's logits with the batch around it (up
-    # to 0.08 here), and greedy outputs must not depend on batching or speculation.
-    layers = int4_projections(gguf, spec.num_layers, spec.num_heads,
-                              spec.num_kv_heads, lm_head=True, route=route)
-    for name, module in layers.items():
-        old = model.get_submodule(name)
-        if (old.in_features, old.out_features) != (module.in_features, module.out_features):
-            raise ValueError(f"{name}: GGUF {gguf_path} gives [{module.out_features}, {module.in_features}], "
-                             f"the model needs [{old.out_features}, {old.in_features}]")
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, module)
+    One LM-head kernel for every row count: a dense bf16 copy is faster past ~4 rows, but
+    switching kernels by row count changes a request's logits with the batch around it (up to
+    0.08 here), and greedy outputs must not depend on batching or speculation."""
+    from engine.models.gguf_weights import install, quantized_modules
+
+    install(model, quantized_modules(gguf, model.spec, embedding=False, route=route, terms=terms))
     model.row_route = route
 
 
