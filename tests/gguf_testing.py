@@ -4,7 +4,8 @@ transformers model holding the very same (dequantized) weights as the reference.
 ``write_tiny_gguf`` builds a tiny transformers model of an architecture, turns each weight into
 its GGUF tensor (llama.cpp's names; the ``llama`` architecture's Q/K rows permuted as
 ``convert_hf_to_gguf.py``'s ``LlamaModel.permute`` does; Gemma norms stored as ``1 + w``),
-quantizes the chosen ones with ``gguf.quants.quantize``, and copies the dequantized values back
+quantizes the chosen ones (``gguf.quants.quantize`` for the 32-weight types, ``kquant_writer``
+for Q4_K / Q5_K / Q6_K, which gguf-py does not write), and copies the dequantized values back
 into the transformers model, so both sides compute with identical weights. The file carries
 SmolLM2's vocabulary (GPT-2 BPE: tokens, types, merges), so transformers converts a real
 tokenizer from it.
@@ -102,6 +103,7 @@ def write_tiny_gguf(out: Path, arch: str, vocab: dict, *, seed: int = 0, quant: 
         arch: ``"llama"``, ``"qwen2"``, ``"qwen3"`` or ``"gemma3"``.
         vocab: ``smol_vocab(...)``.
         quant: GGUF tensor-name suffix -> type name (``{"ffn_down.weight": "Q8_0"}``); the rest F32.
+            k-quants need rows of whole 256-weight super-blocks (``hidden_size=256``, say).
         chat_template: written as ``tokenizer.chat_template`` (None: a base model without one).
         extra_kv: ``f(writer)`` adding more metadata.
         overrides: config fields.
@@ -109,6 +111,8 @@ def write_tiny_gguf(out: Path, arch: str, vocab: dict, *, seed: int = 0, quant: 
     import gguf
     from gguf.quants import dequantize, quantize
     from transformers import AutoModelForCausalLM
+
+    from kquant_writer import quantize_k
 
     config = hf_config(arch, **overrides)
     torch.manual_seed(seed)
@@ -173,7 +177,7 @@ def write_tiny_gguf(out: Path, arch: str, vocab: dict, *, seed: int = 0, quant: 
             back = w
         else:
             kind = gguf.GGMLQuantizationType[qtype]
-            data = quantize(w, kind)
+            data = quantize_k(w, qtype) if qtype in ("Q4_K", "Q5_K", "Q6_K") else quantize(w, kind)
             writer.add_tensor(name, data, raw_dtype=kind)
             back = np.asarray(dequantize(data, kind), np.float32).reshape(w.shape)
         if arch == "llama" and heads:
