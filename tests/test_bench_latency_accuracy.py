@@ -70,17 +70,23 @@ def test_latency_command_times_both_variants_on_the_tiny_model(tiny_model_dir, t
     p = argparse.ArgumentParser()
     latency.add_arguments(p)
     args = p.parse_args(["--json", str(tmp_path / "lat.json"), "--requests", "2", "--max-tokens", "24",
+                         "--variants", "json_schema,json_schema_cold,none", "--prompt-tokens", "120",
                          "--serve-args", f"--model {tiny_model_dir} --num-kv-blocks 128 --speculative ngram"])
     assert latency.main(args) == 0
     report = json.loads(args.json.read_text())
-    assert report["speculative"] == {"method": "ngram"} and set(report["variants"]) == {"json_schema", "none"}
+    assert report["speculative"] == {"method": "ngram"}
+    assert set(report["variants"]) == {"json_schema", "json_schema_cold", "none"}
     for v in report["variants"].values():
         assert len(v["requests"]) == 2 and len(v["texts"]) == 2
         for r in v["requests"]:
             assert sum(r["phases"].values()) == pytest.approx(r["total_ms"], rel=1e-6)
             assert all(x >= 0 for x in r["phases"].values()) and r["num_steps"] >= 1
-    assert report["variants"]["json_schema"]["cold"]["phases"]["grammar"] > 0
-    assert report["variants"]["none"]["warm"]["phases"]["grammar"] == 0
+            assert 0 < r["ttft_ms"] <= r["total_ms"] and r["phases"]["grammar"] >= 0
+    v = report["variants"]
+    assert v["json_schema"]["cold"]["compile_ms"] > 0
+    assert all(r["compile_ms"] > 0 for r in v["json_schema_cold"]["requests"])
+    assert all(r["compile_ms"] == r["phases"]["grammar"] == 0 for r in v["none"]["requests"])
+    assert report["ttft_cold_over_warm"] > 0 and report["prompt_tokens"] == 120
 
 
 # -- accuracy: scoring ----------------------------------------------------------------------------
