@@ -39,7 +39,7 @@ from schemas.generate import (GenerateRequest, GenerateResponse, HealthResponse,
 from service import generation
 from service.errors import ServiceError, Unauthorized, log_refused, named_as, to_problem
 from service.metrics import Metrics
-from service.openapi_docs import StreamableOperation, error_responses
+from service.openapi_docs import StreamableOperation, StrictStructSchemaPlugin, error_responses
 from service.state import ServiceConfig, ServiceState
 from service.validation import OutputChecker
 from service.wire import invalid_field, strict_body
@@ -367,6 +367,7 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
         middleware=[_observe_middleware(holder, lambda: known_paths)],
         request_max_body_size=cfg.max_body_bytes,
         logging_config=None,  # the CLI configures logging (structured, with request ids)
+        plugins=[StrictStructSchemaPlugin()],  # the document says which bodies refuse unknown fields
         openapi_config=OpenAPIConfig(title="Stencil", version="0.1.0",
                                      description="Structured generation: JSON that matches your schema."),
         state=State({"stencil": holder}),
