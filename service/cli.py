@@ -24,6 +24,7 @@ BENCHMARKS = {
     "cpu_kernels": "native CPU int4 GEMM and paged attention against torch's, same run",
     "weights": "fp32 vs int4 weights: speed and quality",
     "soak": "long mixed load against a server; checks nothing leaks",
+    "slowclients": "others' inter-token latency while a client reads a byte a second and 200 dribble headers",
     "fuzz": "schemathesis fuzzing of the API at any size (random, seeded; stateful; under a soak load)",
     "budget": "structured answers at 25-150% of their natural length: closed in time, valid",
     "cluster": "replicas on Ray Serve: prefix-affinity vs round-robin routing, and a replica kill",

@@ -14,7 +14,7 @@ uvicorn's httptools protocol with, per connection:
 * ``body_timeout_s``: from the end of the head to the end of the body; past it ``408`` and close
   (the handler waiting for the body is told the client left).
 * ``send_timeout_s``: the longest the server's writes may stay paused because the client takes
-  no bytes (nginx's ``send_timeout``); past it the connection is dropped (reset), so the
+  no bytes (nginx's ``send_timeout``); past it the connection is reset (``SO_LINGER`` 0), so the
   handler sees ``http.disconnect`` and the engine request is aborted, its KV blocks freed.
 * ``write_buffer_bytes`` / ``send_buffer_bytes``: what a response may queue for a slow client,
   in the transport (high-water mark; the handler waits above it) and in the kernel
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -186,6 +187,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if not self.flow.write_paused:
             return
         log.info("dropping %s: it took no response bytes for %g s", _peer(self.client), self.limits.send_timeout_s)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            # A reset, not a FIN behind the unsent bytes: the kernel frees the socket's buffers at
+            # once instead of probing a zero window for minutes (an orphan socket).
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
         self.transport.abort()  # close() would wait for the client to read the buffer
 
     def _refuse(self, status: int, why: str) -> None:
