@@ -177,3 +177,15 @@ def test_found_top_p_below_float32_keeps_the_first_token():
 def test_found_unspellable_regex_is_a_client_error(server):
     r = httpx.post(server.url + "/generate", json={"prompt": "fuzz", "regex": "a\x06"}, timeout=60)
     assert 400 <= r.status_code < 500, r.text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}), ("/v1/responses", {"input": "x", "max_output_tokens": 2})])
+def test_found_seed_beyond_int64_is_refused_and_the_engine_lives(server, path, body):
+    """A seed past int64 passed admission and killed the engine loop in the sampler (fixed in schemas)."""
+    r = httpx.post(server.url + path, json={**body, "seed": 2**64, "temperature": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    r = httpx.post(server.url + path, json={**body, "seed": -2**63, "temperature": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
