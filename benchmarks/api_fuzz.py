@@ -181,12 +181,22 @@ class Tally:
     examples: int = 0
     failures: int = 0
     statuses: Counter = field(default_factory=Counter)
+    kinds: Counter = field(default_factory=Counter)  # failures by kind: schemathesis's names, AssertionError...
     kept: list[Failure] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"operation": self.operation, "mode": self.mode, "examples": self.examples,
-                "failures": self.failures, "statuses": {str(k): v for k, v in sorted(self.statuses.items(), key=str)},
+                "failures": self.failures, "failure_kinds": dict(self.kinds), "statuses": {str(k): v for k, v in sorted(self.statuses.items(), key=str)},
                 "kept_failures": [{"message": f.message, "curl": f.curl} for f in self.kept]}
+
+
+def failure_kinds(exc: BaseException) -> list[str]:
+    """What failed, by kind: schemathesis's failure names (``ServerError``, ``JsonSchemaError``,
+    ``UndefinedStatusCode``, ``AcceptedNegativeData``...), ``AssertionError`` for the checks
+    beyond the document, the transport error's name for no answer."""
+    if isinstance(exc, FailureGroup):
+        return sorted({type(e).__name__ for e in exc.exceptions})
+    return [type(exc).__name__]
 
 
 def _describe(exc: BaseException) -> str:
@@ -220,6 +230,8 @@ class _Checker:
 
     def record(self, case, exc: BaseException) -> None:
         self.tally.failures += 1
+        for kind in failure_kinds(exc):
+            self.tally.kinds[kind] += 1
         if len(self.tally.kept) < MAX_KEPT_FAILURES:
             try:
                 curl = case.as_curl_command()
@@ -319,6 +331,7 @@ def run_stateful(api, url: str, *, examples: int, seed: int | None = None, deran
             raise AssertionError(f"transport error in a stateful step: {e!r}") from None
         tally.examples += 1
         tally.failures += 1
+        tally.kinds[type(e).__name__] += 1
         tally.kept.append(Failure(tally.operation, tally.mode, f"transport error: {e!r}", ""))
     finally:
         session.close()

@@ -42,6 +42,10 @@ SERVER_ARGS = ("--num-kv-blocks", "256", "--max-num-seqs", "16", "--grammar-time
                "--max-body-bytes", str(256 << 10), "--request-timeout", "60")
 MAX_TOKENS = 16  # the server's cap, and the soak's largest request
 SOAK_ROUND_S = 10.0
+# schemathesis's failures that mean an answer the document does not declare.
+OUTSIDE_DOCUMENT = {"UndefinedStatusCode", "UndefinedContentType", "MalformedMediaType", "JsonSchemaError",
+                    "MissingHeaders", "MissingContentType", "MalformedJson", "ContentDeserializationError",
+                    "DiscriminatorMismatch"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,9 +171,15 @@ def main(args: argparse.Namespace) -> int:
     cases = sum(t.examples for t in tallies)
     failures = sum(t.failures for t in tallies)
     fivexx = sum(n for t in tallies for k, n in t.statuses.items() if int(str(k).rsplit(" ", 1)[-1]) >= 500)
+    kinds: dict[str, int] = {}
+    for t in tallies:
+        for k, n in t.kinds.items():
+            kinds[k] = kinds.get(k, 0) + n
+    outside = sum(n for k, n in kinds.items() if k in OUTSIDE_DOCUMENT)
     soak_counts = load.tally.counts if load is not None else None
     invariants = {
         "no_failed_check": failures == 0,
+        "no_answer_outside_document": outside == 0,
         "no_5xx": fivexx == 0 and (soak_counts is None or soak_counts["errors_5xx"] == 0),
         "soak_no_transport_errors": soak_counts is None or soak_counts["transport_errors"] == 0,
         "soak_ran": soak_counts is None or soak_counts["answered"] > 0,
@@ -180,7 +190,8 @@ def main(args: argparse.Namespace) -> int:
     }
     report = {
         "seed": seed, "replay": _replay_command(args, seed), "examples_per_operation_and_mode": args.examples,
-        "modes": args.modes, "cases": cases, "failures": failures, "responses_5xx": fivexx,
+        "modes": args.modes, "cases": cases, "failures": failures, "failure_kinds": kinds, "responses_5xx": fivexx,
+        "responses_outside_document": outside,
         "by_operation_and_mode": [t.as_dict() for t in tallies],
         "under_soak": args.under_soak, "soak": ({**soak_counts, "rounds": load.rounds,
                                                  "concurrency": args.soak_concurrency,
