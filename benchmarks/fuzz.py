@@ -11,7 +11,8 @@ arguments replays them (each failure kept also has a curl command). A failing ca
 the run: every failure is counted.
 
 ``--under-soak`` runs the same fuzzing while ``benchmarks.soak``'s load generator keeps
-``--soak-concurrency`` clients busy on the same server (in 10 s rounds until the fuzzing ends):
+``--soak-concurrency`` clients busy on the same server (in ``--soak-round-s`` rounds, 10 s, until
+the fuzzing ends):
 mixed requests, streamed or not, clients that hang up or give up.
 
 Unless ``--url`` is given, the benchmark starts ``stencil serve`` on 127.0.0.1 with the tiny
@@ -59,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=6, help="most calls in one stateful scenario")
     p.add_argument("--under-soak", action="store_true", help="fuzz while a soak load runs on the same server")
     p.add_argument("--soak-concurrency", type=int, default=8, help="soak clients with --under-soak")
+    p.add_argument("--soak-round-s", type=float, default=SOAK_ROUND_S,
+                   help="length of one soak round (s); rounds follow each other until the fuzzing ends")
     p.add_argument("--url", default=None, help="server to fuzz (loopback only); default: start one")
     p.add_argument("--model", default="tiny", help="model directory, or 'tiny' (default)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -67,10 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class SoakThread:
     """``benchmarks.soak``'s load generator in rounds on a thread, until ``stop``."""
 
-    def __init__(self, url: str, concurrency: int):
+    def __init__(self, url: str, concurrency: int, round_s: float = SOAK_ROUND_S):
         parser = argparse.ArgumentParser()
         soak.add_arguments(parser)
-        self.args = parser.parse_args(["--duration", str(SOAK_ROUND_S), "--concurrency", str(concurrency),
+        self.args = parser.parse_args(["--duration", str(round_s), "--concurrency", str(concurrency),
                                        "--max-tokens", str(MAX_TOKENS), "--ramp", "1"])
         self.url = url
         self.tally = soak.Tally()
@@ -127,6 +130,8 @@ def _replay_command(args, seed: int) -> str:
         parts.append(f"--steps {args.steps}")
     if args.under_soak:
         parts.append(f"--under-soak --soak-concurrency {args.soak_concurrency}")
+        if args.soak_round_s != SOAK_ROUND_S:
+            parts.append(f"--soak-round-s {args.soak_round_s:g}")
     parts.append(f"--url {args.url}" if args.url else f"--model {args.model}")
     return " ".join(parts)
 
@@ -153,7 +158,7 @@ def main(args: argparse.Namespace) -> int:
         if server is not None:
             server.wait_ready()
         url = server.url if server is not None else args.url.rstrip("/")
-        load = SoakThread(url, args.soak_concurrency).start() if args.under_soak else None
+        load = SoakThread(url, args.soak_concurrency, args.soak_round_s).start() if args.under_soak else None
         try:
             tallies = fuzz_all(url, args, seed, log=lambda m: print(m, file=sys.stderr))
         finally:

@@ -296,8 +296,10 @@ def main(args: argparse.Namespace) -> int:
         pid = server.proc.pid if server is not None else None
         asyncio.run(_phase(url, argparse.Namespace(**{**vars(args), "requests": 1})))  # warm-up
         rss_before = soak._rss_mb(pid) if pid else None
-        for _ in range(args.rounds):
+        for k in range(args.rounds):
+            _progress(f"round {k + 1}: idle phase")
             idle.append(asyncio.run(_phase(url, args)))
+            _progress(f"round {k + 1}: attacked phase")
             attack = Attack(url, args).start()
             t0 = time.monotonic()
             time.sleep(2.0)  # the connections are open and dribbling, the readers' buffers filling
@@ -347,6 +349,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"stencil bench slowclients: invariants failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _progress(msg: str) -> None:
+    print(f"stencil bench slowclients: {msg}", file=sys.stderr, flush=True)
 
 
 def _cpu_model() -> str | None:

@@ -18,7 +18,8 @@ def _run(tmp_path, *argv: str) -> tuple[int, dict]:
 
 def test_bench_fuzz_reports_every_case_and_leaves_nothing(tmp_path, default_model_dir):
     rc, report = _run(tmp_path, "--examples", "3", "--seed", "12345", "--modes", "positive,servable",
-                      "--operations", "/health,/generate", "--under-soak", "--soak-concurrency", "2")
+                      "--operations", "/health,/generate", "--under-soak", "--soak-concurrency", "2",
+                      "--soak-round-s", "3")
     assert rc == 0, report["invariants"]
     assert all(report["invariants"].values()) and report["failures"] == 0 == report["responses_5xx"]
     assert report["seed"] == 12345 and "--seed 12345" in report["replay"] and "--under-soak" in report["replay"]
