@@ -5,8 +5,9 @@
 [--max-itl-ratio 1.1] [--json PATH]``
 
 Two phases in one run against one server (loopback only): **idle**, ``C`` normal clients each
-stream ``R`` greedy ``/generate`` requests of ``M`` tokens (speculation off: one token per
-event) and the gaps between their token events are the inter-token latencies (ITL); then
+stream ``R`` greedy chat-templated ``/generate`` requests of at most ``M`` tokens (speculation
+off), and the gaps between their token events, shared by the tokens of an event (counted by its
+logprobs), are the inter-token latencies (ITL); then
 **attacked**, the same workload while, from a separate process,
 
 * ``--slow-headers`` connections send a request head one byte a second (and reconnect when the
@@ -15,8 +16,9 @@ event) and the gaps between their token events are the inter-token latencies (IT
   events) on a socket with a 4 KiB receive buffer and read it one byte a second (again when
   dropped).
 
-The attacked phase lasts at least ``max(header, send time-out) + 5`` s, so that the server's
-time-outs are seen to act. Reported: ITL p50 / p90 and TTFT p50 of each phase and the ratio
+The attacked phase lasts at least ``max(header, send time-out) + 5`` s and until every slow reader
+was dropped once (a stream must fill the server's buffers first; at most ``--max-attack-s``), so
+that the server's time-outs are seen to act. Reported: ITL p50 / p90 and TTFT p50 of each phase and the ratio
 attacked / idle of the ITL p50 (the target: at most ``--max-itl-ratio``); for the attackers,
 the connections the server closed, with a 408, and how long they were held; for the slow
 readers, how long until the server dropped them and what they had read; the server's RSS
@@ -65,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--send-timeout", type=float, default=10.0, help="the started server's --send-timeout")
     p.add_argument("--server-arg", action="append", default=[],
                    help="one more flag for the started server (repeat; e.g. --server-arg=--threads=2)")
+    p.add_argument("--max-attack-s", type=float, default=300.0,
+                   help="longest attacked phase while waiting for the slow readers to be dropped (s)")
     p.add_argument("--rounds", type=int, default=1, help="idle + attacked pairs (ITL pooled per phase kind)")
     p.add_argument("--max-itl-ratio", type=float, default=1.1,
                    help="bound on attacked / idle ITL p50 (0: not checked)")
@@ -75,8 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 async def _normal_client(ac: httpx.AsyncClient, i: int, args, out: dict) -> None:
     for k in range(args.requests):
-        body = {"prompt": PROMPTS[(i + k) % len(PROMPTS)], "max_tokens": args.max_tokens, "temperature": 0,
-                "stream": True, "speculative": False}
+        body = {"messages": [{"role": "user", "content": PROMPTS[(i + k) % len(PROMPTS)]}],
+                "max_tokens": args.max_tokens, "temperature": 0, "stream": True, "speculative": False,
+                "logprobs": True}
         t0 = time.perf_counter()
         last, done, status = None, False, None
         async with ac.stream("POST", "/generate", json=body, timeout=600) as r:
@@ -88,10 +93,13 @@ async def _normal_client(ac: httpx.AsyncClient, i: int, args, out: dict) -> None
                 if line == "data: [DONE]":
                     done = True
                 elif '"type":"delta"' in line:
+                    # An event may carry several tokens (a late UTF-8 byte, a lagging reader):
+                    # they share its gap, as in the server's own ITL metric.
+                    n = max(1, len(json.loads(line[len("data: "):]).get("logprobs") or ()))
                     if last is None:
                         out["ttft"].append(now - t0)
                     else:
-                        out["itl"].append(now - last)
+                        out["itl"].extend([(now - last) / n] * n)
                     last = now
         out["answered" if status == 200 and done else "failed"] += 1
 
@@ -154,7 +162,7 @@ async def _slow_head(host: str, port: int, stop: asyncio.Event, stats: dict) -> 
             writer.close()
 
 
-async def _slow_reader(host: str, port: int, max_tokens: int, stop: asyncio.Event, stats: dict) -> None:
+async def _slow_reader(host: str, port: int, max_tokens: int, stop: asyncio.Event, stats: dict, drops) -> None:
     loop = asyncio.get_running_loop()
     body = json.dumps({**SLOW_READER_BODY, "max_tokens": max_tokens}).encode()
     while not stop.is_set():
@@ -194,6 +202,8 @@ async def _slow_reader(host: str, port: int, max_tokens: int, stop: asyncio.Even
             ended = True
         if ended:
             stats["dropped"] += 1
+            with drops.get_lock():
+                drops.value += 1  # the parent waits on it
             stats["dropped_after_s"].append(time.monotonic() - t0)
         sock.close()
 
@@ -207,7 +217,7 @@ def _peer_closed(sock: socket.socket) -> bool:
         return False
 
 
-def _attack(host: str, port: int, heads: int, readers: int, max_tokens: int, stop_evt, conn) -> None:
+def _attack(host: str, port: int, heads: int, readers: int, max_tokens: int, stop_evt, drops, conn) -> None:
     """Process body: run the attackers until ``stop_evt``; send their stats over ``conn``."""
     heads_stats = {"opened": 0, "closed_by_server": 0, "answered_408": 0, "bytes_sent": 0, "connect_errors": 0,
                    "held_s": []}
@@ -222,7 +232,7 @@ def _attack(host: str, port: int, heads: int, readers: int, max_tokens: int, sto
             stop.set()
 
         await asyncio.gather(watch(), *(_slow_head(host, port, stop, heads_stats) for _ in range(heads)),
-                             *(_slow_reader(host, port, max_tokens, stop, reader_stats) for _ in range(readers)))
+                             *(_slow_reader(host, port, max_tokens, stop, reader_stats, drops) for _ in range(readers)))
 
     asyncio.run(run())
     conn.send({"slow_headers": heads_stats, "slow_readers": reader_stats})
@@ -235,9 +245,11 @@ class Attack:
         ctx = multiprocessing.get_context("spawn")
         u = httpx.URL(url)
         self._stop = ctx.Event()
+        self.drops = ctx.Value("i", 0)  # slow-reader connections the server dropped so far
         self._recv, send = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_attack, args=(u.host, u.port, args.slow_headers, args.slow_readers,
-                                                       args.slow_max_tokens, self._stop, send), daemon=True)
+                                                       args.slow_max_tokens, self._stop, self.drops, send),
+                                 daemon=True)
 
     def start(self) -> "Attack":
         self._proc.start()
@@ -304,7 +316,11 @@ def main(args: argparse.Namespace) -> int:
             t0 = time.monotonic()
             time.sleep(2.0)  # the connections are open and dribbling, the readers' buffers filling
             attacked.append(asyncio.run(_phase(url, args)))
-            time.sleep(max(0.0, min_attack_s - (time.monotonic() - t0)))
+            # Then on until the time-outs have acted: every slow reader dropped once (its stream must
+            # first fill the server's buffers), within --max-attack-s.
+            while time.monotonic() - t0 < args.max_attack_s and (
+                    time.monotonic() - t0 < min_attack_s or attack.drops.value < args.slow_readers):
+                time.sleep(0.5)
             attacks.append(_attack_summary(attack.stop(), time.monotonic() - t0))
         rss_after = soak._rss_mb(pid) if pid else None
         health, _ = soak._settle(url)
