@@ -185,8 +185,9 @@ class Tally:
     kept: list[Failure] = field(default_factory=list)
 
     def as_dict(self) -> dict:
+        statuses = {str(k): v for k, v in sorted(self.statuses.items(), key=str)}
         return {"operation": self.operation, "mode": self.mode, "examples": self.examples,
-                "failures": self.failures, "failure_kinds": dict(self.kinds), "statuses": {str(k): v for k, v in sorted(self.statuses.items(), key=str)},
+                "failures": self.failures, "failure_kinds": dict(self.kinds), "statuses": statuses,
                 "kept_failures": [{"message": f.message, "curl": f.curl} for f in self.kept]}
 
 
@@ -237,7 +238,8 @@ class _Checker:
                 curl = case.as_curl_command()
             except Exception:  # noqa: BLE001 - the report must still be written
                 curl = repr(case.body)
-            curl = curl.replace("http://localhost", self.url, 1) if curl.startswith("curl") else curl
+            head, found, tail = curl.rpartition("http://localhost")  # the document names no server
+            curl = head + self.url + tail if found else curl
             self.tally.kept.append(Failure(self.tally.operation, self.tally.mode, _describe(exc), curl))
 
     def call_and_check(self, case) -> None:
