@@ -42,6 +42,7 @@ from grammar.base import MAX_REPEAT_COUNT, GrammarError, GrammarTimeout, Program
 from grammar.json_schema.arrays import compile_array
 from grammar.json_schema.canonical import canonical_json
 from grammar.json_schema.complement import NOT_PATTERNS, NOT_STRINGS, ComplementError, complement
+from grammar.json_schema.interning import ContentIds
 from grammar.json_schema.merge import MergeError, json_key, merge
 from grammar.json_schema.multiples import multiple_rules
 from grammar.json_schema.objects import compile_object
@@ -114,6 +115,8 @@ class SchemaCompiler:
     terminals: list[str] = field(default_factory=list)  # terminal number → regex (grammar mode)
     term_ids: dict[str, int] = field(default_factory=dict)  # regex → terminal number
     memo: dict = field(default_factory=dict)  # (keyword, schema text, types) → regex (grammar mode)
+    sub_memo: dict = field(default_factory=dict)  # (content number, types) → regex (grammar mode)
+    ids: ContentIds = field(default_factory=ContentIds)  # content numbers of schemas (interning)
     resolver: RefResolver = field(init=False)
     validator: object = field(init=False)
     old_draft: bool = field(init=False)
@@ -233,24 +236,46 @@ class SchemaCompiler:
 
     # -- the recursive walk --------------------------------------------------------------------
     def sub(self, schema: object, path: str, only_types: tuple[str, ...] | None = None) -> Rx:
-        """Regex of ``schema`` at JSON pointer ``path``; None when it admits nothing."""
+        """Regex of ``schema`` at JSON pointer ``path``; None when it admits nothing.
+
+        In grammar mode each schema is compiled once per type restriction, however often it is
+        reached (a definition under many properties, an ``allOf`` of references merged anew in
+        every place that uses it: equal contents share a number, ``interning.ContentIds``): the
+        regex does not depend on where the schema stands, only the
+        messages of errors and warnings do (they name the first place). Recursion does not break
+        this: a reference to a definition being compiled is a rule reference, whose body is the
+        same wherever it is written. Regex mode unrolls recursion to a depth counted along the
+        path, so there the place matters and nothing is memoized."""
         if self.opts.deadline is not None and time.monotonic() > self.opts.deadline:
             raise GrammarTimeout("schema compilation exceeded its time limit")
-        return self._finish(self._sub(schema, path, only_types), path)
+        if not (self.opts.grammar and isinstance(schema, dict)):
+            return self._finish(self._sub(schema, path, only_types), path)
+        key = (self.ids.of(schema), only_types if only_types is None else tuple(only_types))
+        if key in self.sub_memo:
+            out = self.sub_memo[key]
+            if out is not None:
+                self._count(out, path)
+            return out
+        out = self._finish(self._sub(schema, path, only_types), path)
+        self.sub_memo[key] = out
+        return out
 
     def _finish(self, out: Rx, path: str) -> Rx:
         """``sub``'s last step: a terminal in grammar mode, and the size limit."""
         if out is not None and self.opts.grammar:
             out = self.term(out)
         if out is not None:
-            # Unrolled recursion and shared definitions are copied into the text; stop before
-            # an exponential schema exhausts memory.
-            self.emitted += len(out)
-            if self.emitted > self.opts.max_regex_chars or len(out) > self.opts.max_regex_chars:
-                raise GrammarError(f"the regex grows beyond {self.opts.max_regex_chars} characters "
-                                   "(lower max_recursion_depth or simplify the schema)",
-                                   keyword="$ref" if any(self.ref_depth.values()) else "schema", path=path)
+            self._count(out, path)
         return out
+
+    def _count(self, out: str, path: str) -> None:
+        """Add ``out`` to the characters written so far. Unrolled recursion and shared
+        definitions are copied into the text; stop before an exponential schema exhausts memory."""
+        self.emitted += len(out)
+        if self.emitted > self.opts.max_regex_chars or len(out) > self.opts.max_regex_chars:
+            raise GrammarError(f"the regex grows beyond {self.opts.max_regex_chars} characters "
+                               "(lower max_recursion_depth or simplify the schema)",
+                               keyword="$ref" if any(self.ref_depth.values()) else "schema", path=path)
 
     def _sub(self, schema: object, path: str, only_types: tuple[str, ...] | None) -> Rx:
         if schema is True or schema == {}:
@@ -278,7 +303,7 @@ class SchemaCompiler:
                 return self._one_of(schema, path, only_types)
             # The same oneOf written in many places (a definition's union inlined under every
             # property) is proved and compiled once; a reference in it is a rule either way.
-            key = ("oneOf", json.dumps(schema, default=str), only_types)
+            key = ("oneOf", self.ids.of(schema), only_types)
             if key not in self.memo:
                 self.memo[key] = self._one_of(schema, path, only_types)
             return self.memo[key]
