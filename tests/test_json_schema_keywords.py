@@ -200,7 +200,7 @@ def test_regex_format_is_a_subset_of_compilable_patterns():
         with pytest.raises(re.error):
             re.compile(text)
     # Every string of the language compiles (hypothesis walks the regex itself).
-    from hypothesis import HealthCheck, given, settings, strategies as st
+    from hypothesis import HealthCheck, assume, given, settings, strategies as st
     from grammar.json_schema.formats import format_pattern
 
     @settings(max_examples=400, deadline=None, derandomize=True,
@@ -208,6 +208,9 @@ def test_regex_format_is_a_subset_of_compilable_patterns():
     @given(st.from_regex(re.compile("(?:" + format_pattern("regex") + ")"), fullmatch=True))
     def compiles(pattern):
         re.compile(pattern)
+        # strings are written without controls that lack a named escape, and without U+007F
+        # (grammar.json_schema.charset): those patterns are left out of the language
+        assume(not re.search("[\x00-\x07\x0b\x0e-\x1f\x7f]", pattern))
         assert re.fullmatch(regex, json.dumps(pattern, ensure_ascii=False))
 
     compiles()

@@ -50,7 +50,7 @@ from grammar.json_schema.oneof import (disjoint, exclusive_required, promote_dis
                                        without_empty_object)
 from grammar.json_schema.refs import RefResolver
 from grammar.json_schema.rules import REF_OPEN, expand, has_refs, is_empty, minus, ref, term_ref, to_lark
-from grammar.json_schema.rx import Rx, alt, repeat, seq
+from grammar.json_schema.rx import Rx, alt, opt, repeat, seq
 from grammar.json_schema.strings import (ANY_CHAR, StringError, StringSpec, excluded_keys_regex,
                                         pattern_superset_regex, string_regex)
 
@@ -218,12 +218,23 @@ class SchemaCompiler:
         comma, colon = self.ws + "," + self.ws, self.ws + ":" + self.ws
         n = self.opts.any_max_length
         more = None if n is None else max(n - 1, 0)
-        array = seq("\\[", self.ws, alt(["", seq(inner, repeat(seq(comma, inner), 0, more))]),
-                    self.ws, "\\]")
+        array = self.bracket("\\[", "\\]", seq(inner, repeat(seq(comma, inner), 0, more)), True)
         member = seq('"' + self._any_char() + '*"', colon, inner)
-        obj = seq("\\{", self.ws, alt(["", seq(member, repeat(seq(comma, member), 0, more))]),
-                  self.ws, "\\}")
+        obj = self.bracket("\\{", "\\}", seq(member, repeat(seq(comma, member), 0, more)), True)
         return self._share(alt([self._share(scalar), array, obj]))  # type: ignore[list-item]
+
+    def bracket(self, open_: str, close: str, body: Rx, empty_ok: bool) -> Rx:
+        """An object or array: ``open_``, then ``body`` (its non-empty member lists; None: none),
+        or nothing when ``empty_ok``, then ``close``, with one run of the whitespace mode's
+        whitespace between any two of these tokens: ``{ }`` has one run, not two in a row (so
+        that every gap between two tokens takes the same single run, as llguidance's JSON front
+        end writes it: ``json_schema.handover``)."""
+        ws = self.ws
+        if body is None or body == "":
+            return seq(open_, ws, close) if empty_ok or body == "" else None
+        if not empty_ok:
+            return seq(open_, ws, body, ws, close)
+        return seq(open_, ws, opt(seq(body, ws)), close)
 
     def _share(self, rx: Rx) -> Rx:
         """``rx`` as a shared terminal in grammar mode (itself otherwise)."""
@@ -642,9 +653,11 @@ class SchemaCompiler:
         """An enum/const value as the grammar writes it: canonical JSON, with the whitespace mode's
         free runs between the tokens of objects and arrays (none in compact mode)."""
         from grammar.json_schema import charset as cs
-        if self.ws == "" or not isinstance(value, (dict, list)) or not value:
+        if self.ws == "" or not isinstance(value, (dict, list)):
             return cs.literal(canonical_json(value))
         ws = self.ws
+        if not value:
+            return ("\\[" if isinstance(value, list) else "\\{") + ws + ("\\]" if isinstance(value, list) else "\\}")
         if isinstance(value, list):
             inner = (ws + "," + ws).join(self._literal(v) for v in value)
             return "\\[" + ws + inner + ws + "\\]"
