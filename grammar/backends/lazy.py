@@ -4,9 +4,11 @@ llguidance (guidance-ai/llguidance, MIT) keeps a lexer of lazily built derivativ
 (Brzozowski derivatives; Owens, Reppy and Turon 2009, "Regular-expression derivatives
 re-examined") under an Earley parser, so nothing is computed for a state until a sequence reaches
 it: a grammar is ready in about a millisecond, whatever its size, and a mask costs microseconds to
-a few hundred (``docs/optimizations.md`` of the project). Its own JSON-Schema front end is not used:
-the input is the regex (or Lark grammar) that :mod:`grammar.json_schema` wrote, so exactness, key
-order and whitespace are the same as on the eager backend.
+a few hundred (``docs/optimizations.md`` of the project). The input is the regex (or Lark grammar)
+that :mod:`grammar.json_schema` wrote, so exactness, key order and whitespace are the same as on
+the eager backend; or, for a "json" program, a schema for llguidance's own JSON front end whose
+language is provably that same one (``json_schema.handover``), built through its C API
+(``llg_c``), which needs no Lark text and forces no tokens.
 
 The alphabet is the :class:`~grammar.vocab.TokenVocabulary` itself (its token bytes, not the
 tokenizer's own decoder), so both backends see the same bytes for every id; ids outside the
@@ -27,6 +29,7 @@ import threading
 import numpy as np
 import torch
 
+from grammar.backends.llg_c import CMatcher
 from grammar.base import GrammarError, Program
 from grammar.vocab import TokenVocabulary
 
@@ -75,7 +78,7 @@ class LazyBackend:
     """
 
     name = "lazy"
-    kinds = frozenset({"regex", "lark"})
+    kinds = frozenset({"regex", "lark", "json"})
 
     def __init__(self, vocab: TokenVocabulary, limits=None):
         import llguidance
@@ -88,6 +91,11 @@ class LazyBackend:
         self._executor = None
         self._lock = threading.Lock()
         self.eos = frozenset(vocab.eos_token_ids)
+        self._c_tokenizer = None  # llg_c.CTokenizer, for "json" programs
+        from grammar.backends.llg_c import library
+
+        if library() is not None:
+            self.c_tokenizer()  # ~0.5 s for 49 k tokens, like the Python tokenizer: paid up front
         self.eos_bits = tuple((e >> 5, np.uint32(1 << (e & 31))) for e in sorted(self.eos))
 
     def build(self, program: Program) -> "LazyGrammar":
@@ -98,6 +106,12 @@ class LazyBackend:
                 and column of the fault in ``position``-free text and ``line``/``column``).
         """
         llg = self._llg
+        if program.kind == "json":
+            root = self.c_tokenizer().matcher("json", program.text)
+            if root.is_error():
+                raise GrammarError("llguidance refused the schema handed to it: "
+                                   + (root.get_error().strip().splitlines() or ["?"])[0])
+            return LazyGrammar(self, root, program)
         if program.kind == "regex" and not program.terminals:
             top = json.loads(llg.LLMatcher.grammar_from_regex(program.text))
         elif program.kind in ("regex", "lark"):
@@ -116,6 +130,16 @@ class LazyBackend:
         if root.is_error():
             raise _explain(program, root.get_error())
         return LazyGrammar(self, root, program)
+
+    def c_tokenizer(self):
+        """The vocabulary as a tokenizer of llguidance's C API (``llg_c``: JSON programs are built
+        there, without token forcing and without the Lark front end); made once, ~0.5 s."""
+        with self._lock:
+            if self._c_tokenizer is None:
+                from grammar.backends.llg_c import CTokenizer
+
+                self._c_tokenizer = CTokenizer(self.vocab)
+            return self._c_tokenizer
 
     def executor(self):
         """A shared ``llguidance.LLExecutor`` for filling many rows at once (created on first use)."""
@@ -434,6 +458,8 @@ class LazyMatcher:
         bytes; empty where the output may end); no state change."""
         if self._terminated:
             return b""
+        if isinstance(self._m, CMatcher):  # from masks (llg_c), the first one this state's own
+            return self._m.compute_ff_bytes(max_bytes, self._view if self._mask_valid else None)
         return bytes(self._m.compute_ff_bytes())[:max_bytes]
 
     def forced_text_after(self, token_ids: list[int], max_bytes: int = 64) -> bytes | None:
@@ -447,6 +473,8 @@ class LazyMatcher:
             return self.forced_text(max_bytes)
         self._m.consume_tokens(list(token_ids))
         try:
+            if isinstance(self._m, CMatcher):
+                return self._m.compute_ff_bytes(max_bytes)
             return bytes(self._m.compute_ff_bytes())[:max_bytes]
         finally:
             self._m.rollback(len(token_ids))
@@ -469,7 +497,9 @@ def prefetch_masks(matchers: list[LazyMatcher], executor) -> list[tuple[LazyMatc
         ``(matcher, error)`` for each matcher whose mask could not be made (its next call
         raises it again, so its request fails alone); the others' masks are valid.
     """
-    todo = [m for m in matchers if m.needs_mask]
+    # The executor takes the Python bindings' matchers only; a JSON program's matcher (llg_c)
+    # computes its mask when asked.
+    todo = [m for m in matchers if m.needs_mask and not isinstance(m._m, CMatcher)]
     if not todo:
         return []
     words = todo[0]._words
