@@ -599,3 +599,20 @@ def test_pattern_properties_are_disjoint_only_with_distinct_literal_prefixes(a, 
     if disjoint:  # no key that Python's re matches with both
         probes = ["a", "ab", "ac", "b", "c", "x-1", "y_1", "foo", "bar", "baz"]
         assert not any(re.search(a, k) and re.search(b, k) for k in probes)
+
+
+def test_one_of_told_apart_by_a_required_discriminator_is_proved_in_one_pass():
+    from grammar.json_schema.compiler import SchemaCompiler, SchemaOptions
+    from grammar.json_schema.oneof import by_discriminator
+
+    def branch(kind, extra=None):
+        return {"type": "object", "properties": {"kind": {"const": kind}, **(extra or {})}, "required": ["kind"]}
+
+    c = SchemaCompiler({}, SchemaOptions(grammar=True))
+    assert by_discriminator(c, [branch("a"), branch("b", {"x": {"type": "integer"}}), branch("c")])
+    assert not by_discriminator(c, [branch("a"), {**branch("a"), "properties": {"kind": {"enum": ["a", "z"]}}}])
+    assert not by_discriminator(c, [branch("a"), {**branch("b"), "type": ["object", "string"]}])  # strings match both
+    assert not by_discriminator(c, [branch("a"), {"properties": {"kind": {"const": "b"}}, "type": "object"}])
+    # and the schema compiles as the union of its branches
+    regex, _ = schema_to_regex({"oneOf": [branch("a"), branch("b")]})
+    assert re.fullmatch(regex, '{"kind":"b"}') and not re.fullmatch(regex, '{"kind":"c"}')

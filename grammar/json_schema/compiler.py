@@ -46,8 +46,8 @@ from grammar.json_schema.interning import ContentIds
 from grammar.json_schema.merge import MergeError, json_key, merge
 from grammar.json_schema.multiples import multiple_rules
 from grammar.json_schema.objects import compile_object
-from grammar.json_schema.oneof import (disjoint, exclusive_required, promote_discriminators,
-                                       without_empty_object)
+from grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required,
+                                       promote_discriminators, without_empty_object)
 from grammar.json_schema.refs import RefResolver
 from grammar.json_schema.rules import REF_OPEN, expand, has_refs, is_empty, minus, ref, term_ref, to_lark
 from grammar.json_schema.rx import Rx, alt, opt, repeat, seq
@@ -117,6 +117,7 @@ class SchemaCompiler:
     memo: dict = field(default_factory=dict)  # (keyword, schema text, types) → regex (grammar mode)
     sub_memo: dict = field(default_factory=dict)  # (content number, types) → regex (grammar mode)
     ids: ContentIds = field(default_factory=ContentIds)  # content numbers of schemas (interning)
+    deref_memo: dict = field(default_factory=dict)  # id(schema) → (schema, ``_deref`` of it)
     resolver: RefResolver = field(init=False)
     validator: object = field(init=False)
     old_draft: bool = field(init=False)
@@ -461,7 +462,18 @@ class SchemaCompiler:
         return ref(number)
 
     def _deref(self, schema: object, path: str) -> object:
-        """Inline top-level ``$ref``s of an ``allOf`` member (one level, cycle-safe)."""
+        """Inline top-level ``$ref``s of an ``allOf`` member (one level, cycle-safe); the result is
+        kept per schema object (the ``oneOf`` proofs ask for the same branches again and again)."""
+        if not isinstance(schema, dict):
+            return schema
+        hit = self.deref_memo.get(id(schema))
+        if hit is not None:
+            return hit[1]
+        out = self._deref_uncached(schema, path)
+        self.deref_memo[id(schema)] = (schema, out)  # the object kept: its id stays its own
+        return out
+
+    def _deref_uncached(self, schema: object, path: str) -> object:
         seen = 0
         while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and seen < 32:
             base = self.resolver.base_of(schema, self.resolver.root_base)
@@ -532,12 +544,13 @@ class SchemaCompiler:
         # disjoint; each is written without the finite values (decided above).
         index = [i for i, f in enumerate(finite) if f is None]
         infinite = without_empty_object(self, [branches[i] for i in index])
-        infinite = promote_discriminators(self, infinite)
-        for a in range(len(infinite)):
-            for b in range(a + 1, len(infinite)):
-                if not disjoint(self, infinite[a], infinite[b]):
-                    self.unsupported("oneOf", f"{path}/oneOf",
-                                     f"branches {index[a]} and {index[b]} may both match")
+        if not by_discriminator(self, infinite):  # else all disjoint, in one pass
+            infinite = promote_discriminators(self, infinite)
+            for a in range(len(infinite)):
+                for b in range(a + 1, len(infinite)):
+                    if not disjoint(self, infinite[a], infinite[b]):
+                        self.unsupported("oneOf", f"{path}/oneOf",
+                                         f"branches {index[a]} and {index[b]} may both match")
         parts = [self._enum({}, path, only_types, kept)] if kept else []
         for i, b in zip(index, infinite):
             inside = [v for v in values if self.value_valid(v, b)]

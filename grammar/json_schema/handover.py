@@ -176,6 +176,10 @@ class _Writer:
         self.keep: list = []  # targets named (their ids must stay valid)
         self._compiler = None  # a SchemaCompiler of the root, for Stencil's own allOf merge
         self.depth = 0  # nesting of ``node`` calls
+        from grammar.json_schema.interning import ContentIds
+
+        self.ids = ContentIds()  # content numbers of the schemas met (the memo's keys)
+        self.memo: dict[int, dict] = {}  # content number → its llguidance schema
 
     def write(self) -> tuple[dict, dict]:
         body = self.node(self.root)
@@ -186,13 +190,19 @@ class _Writer:
     def node(self, s: object) -> dict:
         """The llguidance schema of ``s``, in the order of Stencil's ``SchemaCompiler._sub``:
         a reference, then finite values, ``allOf``, ``anyOf``, ``oneOf``, then the types."""
+        key = self.ids.of(s) if isinstance(s, dict) else None
+        if key is not None and key in self.memo:  # equal contents are written once (oneOf proofs)
+            return self.memo[key]
         self.depth += 1
         try:
             if self.depth > MAX_DEPTH:  # far from Python's recursion limit, which jsonschema
                 raise _Refused("nesting")  # (inside value_valid) does not survive
-            return self._node(s)
+            out = self._node(s)
         finally:
             self.depth -= 1
+        if key is not None:
+            self.memo[key] = out
+        return out
 
     def _node(self, s: object) -> dict:
         if s is True or s == {}:
@@ -272,8 +282,8 @@ class _Writer:
         that also holds finite values Stencil writes with ``not`` around them: refused."""
         from grammar.json_schema.compiler import _ANNOTATIONS
         from grammar.json_schema.merge import MergeError, merge
-        from grammar.json_schema.oneof import (disjoint, exclusive_required, promote_discriminators,
-                                               without_empty_object)
+        from grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required,
+                                               promote_discriminators, without_empty_object)
 
         if not isinstance(s["oneOf"], list) or not s["oneOf"]:
             raise _Refused("oneOf")
@@ -310,11 +320,13 @@ class _Writer:
                 raise _Refused("empty oneOf")
             return {"enum": kept}
         index = [i for i, f in enumerate(finite) if f is None]
-        infinite = promote_discriminators(c, without_empty_object(c, [branches[i] for i in index]))
-        for x in range(len(infinite)):
-            for y in range(x + 1, len(infinite)):
-                if not disjoint(c, infinite[x], infinite[y]):
-                    raise _Refused("oneOf not disjoint")
+        infinite = without_empty_object(c, [branches[i] for i in index])
+        if not by_discriminator(c, infinite):  # as Stencil's _one_of
+            infinite = promote_discriminators(c, infinite)
+            for x in range(len(infinite)):
+                for y in range(x + 1, len(infinite)):
+                    if not disjoint(c, infinite[x], infinite[y]):
+                        raise _Refused("oneOf not disjoint")
         self.keep.append(infinite)
         parts = [{"enum": kept}] if kept else []
         for i, b in zip(index, infinite):
