@@ -181,10 +181,11 @@ def _finite_item_values(c: "SchemaCompiler", items: object, path: str) -> list |
         if not isinstance(types, list) or not types or not set(types) <= {"boolean", "null"}:
             return None
         values = ([True, False] if "boolean" in types else []) + ([None] if "null" in types else [])
+    check = c.value_check(schema, "enum" in schema or "const" in schema)
     out, seen = [], set()
     for v in values:
         key = json_key(v)
-        if key not in seen and c.value_valid(v, schema):
+        if key not in seen and (check is None or c.value_valid(v, check)):
             seen.add(key)
             out.append(v)
     return out
