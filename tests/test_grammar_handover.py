@@ -81,6 +81,17 @@ SCHEMAS = [
     {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
      "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
     {"allOf": [{"type": "string"}, {"enum": ["x", "yy", 3, "zzzz"]}], "maxLength": 2},
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/x", "minimum": 1}}, "$defs": {"x": {"type": "integer"}}},
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}, "minProperties": 1,
+     "maxProperties": 5},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"], "minProperties": 2},
+    {"$schema": "http://json-schema.org/draft-04/schema#", "type": "array",
+     "items": [{"type": "integer"}, {"enum": ["x", "y"]}], "additionalItems": {"type": "null"}, "maxItems": 4},
+    {"type": "array", "prefixItems": [{"type": "boolean"}], "items": False},
+    # a reference inside a resource with its own $id is resolved against that $id
+    {"$defs": {"inner": {"$id": "http://example.com/inner.json", "$defs": {"b": {"type": "boolean"}},
+                         "type": "object", "properties": {"q": {"$ref": "#/$defs/b"}}, "required": ["q"]}},
+     "type": "object", "properties": {"p": {"$ref": "#/$defs/inner"}}},
     # negated classes: llguidance quotes a class with every control with every escape (see _decoded)
     {"type": "array", "items": {"anyOf": [{"type": "string", "pattern": "^[^\\\\]*$"},
                                           {"type": "string", "pattern": "^[^\"a]{1,3}$"},
@@ -93,10 +104,9 @@ REFUSED = [
     {"type": "number", "minimum": -1}, {"type": "number", "exclusiveMinimum": 0}, {"type": "number", "minimum": 0.5},
     {"type": "number", "minimum": 2, "maximum": 2}, {"type": "number", "maximum": 5},
     {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]},  # not disjoint
-    {"type": "object", "properties": {"a": {"$ref": "#/$defs/x", "minimum": 1}}, "$defs": {"x": {"type": "integer"}}},
+    {"type": "object", "properties": {"a": {"$ref": "http://example.com/remote.json"}}},
     {"enum": [1.5]}, {"enum": ["\x01"]}, {"type": "integer", "multipleOf": 2},
     {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
-    {"type": "object", "properties": {"a": {"$id": "x", "type": "string"}}},
     {"type": "string", "x-guidance": {"lenient": True}},
     {"type": "integer", "minimum": 3, "maximum": 2},
     {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # no finite instance

@@ -51,7 +51,11 @@ both is dropped. For each whitelisted construct, Stencil's text (``compiler``, `
   declared names' literals, Stencil the strings whose decoded value is none of them; the same
   set, since a name without control characters has one encoding. Names have no control
   character and no U+007F (``serde_json`` and ``json.dumps`` write them alike).
-* **arrays** -- ``items`` (a schema), ``minItems``/``maxItems`` (at most ``MAX_REPEAT_COUNT``).
+* **arrays** -- ``prefixItems`` (or a draft-04 list of ``items`` with ``additionalItems``),
+  ``items``, ``minItems``/``maxItems`` (at most ``MAX_REPEAT_COUNT``).
+* **minProperties/maxProperties** -- only where every object Stencil writes satisfies them
+  (dropped), or "at least one property" of a closed object without required ones
+  (llguidance's own special case writes the same union).
 * **enum/const** -- values of null, booleans, integers (|v| < 2^53), strings as above, and
   arrays/objects of such values, kept when they pass the schema's ``type`` (as Stencil's
   ``_enum`` keeps the values that validate); llguidance compiles each as a constant schema
@@ -65,8 +69,9 @@ both is dropped. For each whitelisted construct, Stencil's text (``compiler``, `
   Stencil writes, ``objects._disjoint_patterns``) and matching no declared name: the key
   patterns as Stencil reads them (below, **pattern**); llguidance proves them disjoint itself
   or refuses (then Stencil's own translation serves the schema).
-* **$ref** to ``#``-pointers of this document without
-  sibling keywords and without ``$id``/``$anchor`` below the root (recursion is a rule in both),
+* **$ref** within the document (resolved as Stencil's ``refs.RefResolver`` does where it has
+  identifiers below its root; recursion is a rule in both), its target as a definition; with
+  asserting siblings (2019-09 on) merged with them, as Stencil's ``_ref`` does,
   **type** as a name or list (``integer`` under ``number`` adds nothing in either). A schema
   without ``type`` has the types its keywords imply (``compiler._admitted_types``), or all,
   written out.
@@ -101,7 +106,8 @@ MAX_DEPTH = 48  # schemas nested deeper are not handed over
 # Stencil acts on these (``compiler._ASSERTIONS`` and a few more); only the handled ones pass.
 _HANDLED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
             "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-            "enum", "const", "anyOf", "$ref", "pattern", "format", "allOf", "patternProperties", "oneOf"}
+            "enum", "const", "anyOf", "$ref", "pattern", "format", "allOf", "patternProperties", "oneOf",
+            "minProperties", "maxProperties", "prefixItems", "additionalItems"}
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 ESCAPES = 'nrbtf\\"'  # llguidance's json_allowed_escapes: the named escapes, no \u
@@ -124,9 +130,9 @@ def llguidance_schema(schema: object, whitespace: str) -> dict | None:
         return None
     try:
         cls = validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        if cls is jsonschema.Draft3Validator or _ids_below(schema):
+        if cls is jsonschema.Draft3Validator or _internal_keys(schema):
             return None
-        body, defs = _Writer(schema).write()
+        body, defs = _Writer(schema, _ids_below(schema)).write()
     except (_Refused, RecursionError, TypeError, ValueError, KeyError, AttributeError):
         return None
     options = {"json_allowed_escapes": ESCAPES}
@@ -140,18 +146,33 @@ def llguidance_schema(schema: object, whitespace: str) -> dict | None:
     return out
 
 
-def _ids_below(root: dict) -> bool:
-    """Whether anything below the root has an ``$id``, ``id`` or ``$anchor`` string (a base URI of
-    its own would change what a ``#`` pointer inside it means); internal or llguidance keys too."""
-    stack: list = [v for v in root.values() if isinstance(v, (dict, list))]
-    if any(k == "x-guidance" or k.startswith("x-stencil") for k in root):
-        return True
+def _internal_keys(root: dict) -> bool:
+    """Whether some object of the document has a key llguidance reads (``x-guidance``) or one
+    of Stencil's internal ones (``x-stencil-*``)."""
+    stack: list = [root]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
             for k, v in node.items():
-                if (k in ("$id", "id", "$anchor") and isinstance(v, str)) or k == "x-guidance" \
-                        or k.startswith("x-stencil"):
+                if k == "x-guidance" or k.startswith("x-stencil"):
+                    return True
+                if isinstance(v, (dict, list)):
+                    stack.append(v)
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return False
+
+
+def _ids_below(root: dict) -> bool:
+    """Whether anything below the root has an ``$id``, ``id`` or ``$anchor`` string (a base URI of
+    its own changes what a reference inside it means: then references are resolved as the
+    compiler resolves them, ``refs.RefResolver``)."""
+    stack: list = [v for v in root.values() if isinstance(v, (dict, list))]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in ("$id", "id", "$anchor") and isinstance(v, str):
                     return True
                 if isinstance(v, (dict, list)):
                     stack.append(v)
@@ -163,10 +184,11 @@ def _ids_below(root: dict) -> bool:
 class _Writer:
     """One rewrite: schemas in, llguidance schemas out; referenced definitions under ``$defs``."""
 
-    def __init__(self, root: dict):
+    def __init__(self, root: dict, ids: bool = False):
         from grammar.json_schema.compiler import _ANNOTATIONS, _ASSERTIONS
 
         self.root = root
+        self.ids = ids  # the document has identifiers below its root: the compiler's resolver
         self.known = (_ASSERTIONS | {"$dynamicRef", "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor",
                                      "dependentSchemas", "unevaluatedItems", "unevaluatedProperties",
                                      "propertyNames", "contentSchema"}) - _HANDLED
@@ -212,10 +234,12 @@ class _Writer:
         from grammar.json_schema.compiler import _normalize
 
         if isinstance(s.get("$ref"), str):
-            if any(k != "$ref" and k not in self.annotations and (k in _HANDLED or k in self.known)
-                   for k in s):
-                raise _Refused("$ref with siblings")
-            return {"$ref": self.ref(s["$ref"])}
+            siblings = {k: v for k, v in s.items() if k != "$ref"}
+            if any(k not in self.annotations and (k in _HANDLED or k in self.known) for k in siblings) \
+                    and not self.compiler().old_draft:
+                # asserted beside the reference (2019-09 on): as Stencil's _ref, both at once
+                return self.node(self.merged({"allOf": [self.target(s), siblings]}))
+            return {"$ref": self.ref(s)}
         s = _normalize(s)
         if any(k.startswith("x-stencil") or k == "x-guidance" for k in s):
             raise _Refused("internal keyword")
@@ -399,13 +423,14 @@ class _Writer:
     def obj(self, s: dict) -> dict:
         props = s.get("properties", {})
         required = s.get("required", [])
+        patterns = s.get("patternProperties")
         if not isinstance(props, dict) or not isinstance(required, list):
             raise _Refused("properties")
-        if len(set(required)) != len(required) or any(r not in props for r in required):
+        if len(set(required)) != len(required) or any(not isinstance(r, str) for r in required):
             raise _Refused("required")
         addl = s.get("additionalProperties")
         if addl is None:  # Stencil's default: closed when anything is declared, else free-form
-            addl_out: object = False if props or s.get("patternProperties") else self.any_value()
+            addl_out: object = False if props or patterns else self.any_value()
         elif addl is False:
             addl_out = False
         else:
@@ -420,13 +445,42 @@ class _Writer:
                 out_props[name] = False
                 continue
             out_props[name] = self.node(sub)
+        undeclared = [r for r in required if r not in props]
+        if undeclared:
+            # Stencil writes them after the declared ones with additionalProperties' schema
+            # (any value where it is absent); llguidance writes required names so as well
+            declared_addl = s.get("additionalProperties", True)
+            if patterns or declared_addl is False:
+                raise _Refused("required")
+            for name in undeclared:
+                if not _plain_text(name, keys=True):
+                    raise _Refused("property name")
+                out_props[name] = self.node(declared_addl)
         out = {"type": "object", "properties": out_props, "additionalProperties": addl_out}
-        patterns = s.get("patternProperties")
         if patterns:
             out["patternProperties"] = self.patterns(patterns, list(props), addl)
         if required:
             out["required"] = list(required)
+        self.counts(s, out, sum(1 for v in out_props.values() if v is not False), len(required))
         return out
+
+    @staticmethod
+    def counts(s: dict, out: dict, members: int, n_req: int) -> None:
+        """``minProperties``/``maxProperties`` where Stencil writes them (``compile_object``):
+        satisfied by every object it writes (then nothing is handed over), or "at least one" of
+        optional members of a closed object (llguidance's own special case of it)."""
+        lo, hi = s.get("minProperties", 0), s.get("maxProperties")
+        if not _count(lo) or (hi is not None and not _count(hi)):
+            raise _Refused("minProperties")
+        closed = out["additionalProperties"] is False and "patternProperties" not in out
+        if hi is not None and (hi < n_req or not closed or hi < members):
+            raise _Refused("maxProperties")
+        if lo > max(n_req, 1) or lo > members:
+            raise _Refused("minProperties")
+        if lo >= 1 and n_req == 0:
+            if not closed:
+                raise _Refused("minProperties")
+            out["minProperties"] = 1
 
     def patterns(self, patterns: object, declared: list[str], addl: object) -> dict:
         """``patternProperties`` where Stencil writes them (closed object, patterns with
@@ -457,13 +511,30 @@ class _Writer:
         return out
 
     def array(self, s: dict) -> dict:
+        """Arrays as Stencil lays them out (``arrays._layout``): ``prefixItems`` (or a draft-04
+        list of ``items``) then the rest (``items``, or ``additionalItems`` after a list); written
+        in the 2020-12 form."""
         items = s.get("items", True)
-        if not isinstance(items, dict) and items is not True:
+        if isinstance(s.get("prefixItems"), list):
+            prefix, rest = s["prefixItems"], (True if items is None else items)
+        elif isinstance(items, list):
+            prefix, rest = items, s.get("additionalItems", True)
+        else:
+            prefix, rest = [], items
+        if not isinstance(rest, dict) and rest not in (True, False):
             raise _Refused("items")
         lo, hi = s.get("minItems", 0), s.get("maxItems")
         if not _count(lo) or (hi is not None and (not _count(hi) or hi < lo)):
             raise _Refused("item counts")
-        out = {"type": "array", "items": self.node(items)}
+        out: dict = {"type": "array"}
+        if prefix:
+            out["prefixItems"] = [self.node(x) for x in prefix]
+        if rest is False:
+            if lo > len(prefix):
+                raise _Refused("item counts")
+            out["items"] = False
+        else:
+            out["items"] = self.node(rest)
         if lo:
             out["minItems"] = lo
         if hi is not None:
@@ -505,8 +576,19 @@ class _Writer:
                                                             {"type": "object", "additionalProperties": inner}]}
         return {"$ref": f"#/$defs/{name}"}
 
-    def ref(self, ref: object) -> str:
-        if not isinstance(ref, str) or not ref.startswith("#"):
+    def target(self, s: dict) -> object:
+        """The schema ``s["$ref"]`` names: by JSON pointer into the document, or, where the
+        document has identifiers below its root, as Stencil's resolver finds it."""
+        ref = s["$ref"]
+        if self.ids:
+            from grammar.base import GrammarError
+
+            c = self.compiler()
+            try:
+                return c.resolver.resolve(ref, c.resolver.base_of(s, c.resolver.root_base), "#").schema
+            except GrammarError:
+                raise _Refused("$ref") from None
+        if not ref.startswith("#"):
             raise _Refused("$ref")
         target = self.root
         pointer = unquote(ref[1:])
@@ -521,6 +603,11 @@ class _Writer:
                     target = target[int(token)]
                 else:
                     raise _Refused("$ref target")
+        return target
+
+    def ref(self, s: dict) -> str:
+        """The name in ``$defs`` of what ``s`` refers to (written once, recursion included)."""
+        target = self.target(s)
         name = self.names.get(id(target))
         if name is None:
             name = self.names[id(target)] = f"h{len(self.names)}"
