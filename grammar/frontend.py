@@ -59,7 +59,7 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         from grammar.json_schema import schema_to_program
 
         if grammar and handover:
-            handed = _handed_over(schema, spec.whitespace)
+            handed = _handed_over(schema, spec.whitespace, spec.value)
             if handed is not None:
                 return handed
         return schema_to_program(schema, whitespace=spec.whitespace, strict=spec.strict,
@@ -76,7 +76,7 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
 
-def _handed_over(schema: object, whitespace: str) -> Program | None:
+def _handed_over(schema: object, whitespace: str, text: str | None = None) -> Program | None:
     """The "json" program of ``schema`` when it may be handed to llguidance (its C API is the
     verified release), else None."""
     from grammar.backends.llg_c import library
@@ -84,7 +84,7 @@ def _handed_over(schema: object, whitespace: str) -> Program | None:
 
     if library() is None:
         return None
-    out = llguidance_schema(schema, whitespace)
+    out = llguidance_schema(schema, whitespace, text)
     return None if out is None else Program("json", dumps(out))
 
 

@@ -92,14 +92,24 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from decimal import Decimal
 from urllib.parse import unquote
 
 import jsonschema
 from jsonschema import validators
 
-from grammar.base import MAX_REPEAT_COUNT
-from grammar.json_schema.merge import json_key
+from grammar.base import MAX_REPEAT_COUNT, GrammarError
+from grammar.json_schema import charset as cs
+from grammar.json_schema import pattern as sp
+from grammar.json_schema.compiler import (_ANNOTATIONS, _ASSERTIONS, _TYPE_KEYWORDS, FLEXIBLE_WS, GRAMMAR_ANY_DEPTH,
+                                          SchemaCompiler, SchemaOptions, _normalize)
+from grammar.json_schema.formats import format_pattern
+from grammar.json_schema.merge import MergeError, json_key, merge
+from grammar.json_schema.objects import _disjoint_patterns
+from grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required, promote_discriminators,
+                                       without_empty_object)
+from grammar.json_schema.rx import alt, repeat, seq
 
 MAX_EXACT_INT = 2 ** 53
 MAX_DEPTH = 48  # schemas nested deeper are not handed over
@@ -117,22 +127,30 @@ class _Refused(Exception):
     """The schema is outside the argument of the module docstring."""
 
 
-def llguidance_schema(schema: object, whitespace: str) -> dict | None:
+def llguidance_schema(schema: object, whitespace: str, text: str | None = None) -> dict | None:
     """The schema to hand llguidance's JSON front end for ``schema``, or None (see the module).
 
     Args:
         schema: the user's schema (not modified).
         whitespace: "compact" or "flexible" (Stencil's ``FLEXIBLE_WS`` between tokens).
+        text: ``schema`` as JSON text, when the caller has it: a key it lacks as a substring
+            is nowhere in the document, which saves a walk of it.
     """
-    from grammar.json_schema.compiler import FLEXIBLE_WS
 
     if not isinstance(schema, dict) or whitespace not in ("compact", "flexible"):
         return None
     try:
         cls = validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        if cls is jsonschema.Draft3Validator or _internal_keys(schema):
+        if cls is jsonschema.Draft3Validator:
             return None
-        body, defs = _Writer(schema, _ids_below(schema)).write()
+        if text is not None and '"x-' not in text and '"$id"' not in text and '"id"' not in text \
+                and '"$anchor"' not in text:
+            internal = ids = False
+        else:
+            internal, ids = _scan(schema)
+        if internal:
+            return None
+        body, defs = _Writer(schema, ids).write()
     except (_Refused, RecursionError, TypeError, ValueError, KeyError, AttributeError):
         return None
     options = {"json_allowed_escapes": ESCAPES}
@@ -146,46 +164,37 @@ def llguidance_schema(schema: object, whitespace: str) -> dict | None:
     return out
 
 
-def _internal_keys(root: dict) -> bool:
-    """Whether some object of the document has a key llguidance reads (``x-guidance``) or one
-    of Stencil's internal ones (``x-stencil-*``)."""
-    stack: list = [root]
+def _scan(root: dict) -> tuple[bool, bool]:
+    """One walk of the document: (whether some object has a key llguidance reads, ``x-guidance``,
+    or one of Stencil's internal ones, ``x-stencil-*``; whether something below the root has an
+    ``$id``, ``id`` or ``$anchor`` string, a base URI of its own that changes what a reference
+    inside it means: then references are resolved as the compiler resolves them)."""
+    internal = ids = False
+    stack: list = [(root, True)]
     while stack:
-        node = stack.pop()
+        node, top = stack.pop()
         if isinstance(node, dict):
             for k, v in node.items():
-                if k == "x-guidance" or k.startswith("x-stencil"):
-                    return True
+                if k[:2] == "x-" and (k == "x-guidance" or k.startswith("x-stencil")):
+                    return True, ids
+                if not top and k in ("$id", "id", "$anchor") and isinstance(v, str):
+                    ids = True
                 if isinstance(v, (dict, list)):
-                    stack.append(v)
+                    stack.append((v, False))
         elif isinstance(node, list):
-            stack.extend(v for v in node if isinstance(v, (dict, list)))
-    return False
+            stack.extend((v, False) for v in node if isinstance(v, (dict, list)))
+    return internal, ids
 
 
 def _ids_below(root: dict) -> bool:
-    """Whether anything below the root has an ``$id``, ``id`` or ``$anchor`` string (a base URI of
-    its own changes what a reference inside it means: then references are resolved as the
-    compiler resolves them, ``refs.RefResolver``)."""
-    stack: list = [v for v in root.values() if isinstance(v, (dict, list))]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            for k, v in node.items():
-                if k in ("$id", "id", "$anchor") and isinstance(v, str):
-                    return True
-                if isinstance(v, (dict, list)):
-                    stack.append(v)
-        elif isinstance(node, list):
-            stack.extend(v for v in node if isinstance(v, (dict, list)))
-    return False
+    """Whether something below the root has an identifier of its own (``_scan``)."""
+    return _scan(root)[1]
 
 
 class _Writer:
     """One rewrite: schemas in, llguidance schemas out; referenced definitions under ``$defs``."""
 
     def __init__(self, root: dict, ids: bool = False):
-        from grammar.json_schema.compiler import _ANNOTATIONS, _ASSERTIONS
 
         self.root = root
         self.ids = ids  # the document has identifiers below its root: the compiler's resolver
@@ -198,10 +207,7 @@ class _Writer:
         self.keep: list = []  # targets named (their ids must stay valid)
         self._compiler = None  # a SchemaCompiler of the root, for Stencil's own allOf merge
         self.depth = 0  # nesting of ``node`` calls
-        from grammar.json_schema.interning import ContentIds
-
-        self.ids = ContentIds()  # content numbers of the schemas met (the memo's keys)
-        self.memo: dict[int, dict] = {}  # content number → its llguidance schema
+        self.memo: dict[int, tuple] = {}  # id(schema) → (schema, its llguidance schema)
 
     def write(self) -> tuple[dict, dict]:
         body = self.node(self.root)
@@ -212,9 +218,9 @@ class _Writer:
     def node(self, s: object) -> dict:
         """The llguidance schema of ``s``, in the order of Stencil's ``SchemaCompiler._sub``:
         a reference, then finite values, ``allOf``, ``anyOf``, ``oneOf``, then the types."""
-        key = self.ids.of(s) if isinstance(s, dict) else None
-        if key is not None and key in self.memo:  # equal contents are written once (oneOf proofs)
-            return self.memo[key]
+        key = id(s) if isinstance(s, dict) else None
+        if key is not None and key in self.memo:  # a schema object reached twice is written once
+            return self.memo[key][1]
         self.depth += 1
         try:
             if self.depth > MAX_DEPTH:  # far from Python's recursion limit, which jsonschema
@@ -223,7 +229,7 @@ class _Writer:
         finally:
             self.depth -= 1
         if key is not None:
-            self.memo[key] = out
+            self.memo[key] = (s, out)  # the object kept: its id stays its own
         return out
 
     def _node(self, s: object) -> dict:
@@ -231,7 +237,6 @@ class _Writer:
             return self.any_value()
         if not isinstance(s, dict):
             raise _Refused("false or not a schema")
-        from grammar.json_schema.compiler import _normalize
 
         if isinstance(s.get("$ref"), str):
             siblings = {k: v for k, v in s.items() if k != "$ref"}
@@ -240,9 +245,7 @@ class _Writer:
                 # asserted beside the reference (2019-09 on): as Stencil's _ref, both at once
                 return self.node(self.merged({"allOf": [self.target(s), siblings]}))
             return {"$ref": self.ref(s)}
-        s = _normalize(s)
-        if any(k.startswith("x-stencil") or k == "x-guidance" for k in s):
-            raise _Refused("internal keyword")
+        s = _normalize(s)  # (internal keys were looked for in the whole document: _scan)
         if "enum" in s or "const" in s or "allOf" in s:
             finite = self.finite(s)
             if finite is not None:
@@ -269,7 +272,6 @@ class _Writer:
     def compiler(self):
         """A ``SchemaCompiler`` of the root: Stencil's own helpers for ``allOf``, finite values
         and ``oneOf`` (made on first need: it indexes the document)."""
-        from grammar.json_schema.compiler import SchemaCompiler, SchemaOptions
 
         if self._compiler is None:
             self._compiler = SchemaCompiler(self.root, SchemaOptions(grammar=True))
@@ -304,10 +306,6 @@ class _Writer:
         the other branches proved pairwise disjoint (``oneof.disjoint``, after its
         ``without_empty_object`` and ``promote_discriminators``) and written as a union. A branch
         that also holds finite values Stencil writes with ``not`` around them: refused."""
-        from grammar.json_schema.compiler import _ANNOTATIONS
-        from grammar.json_schema.merge import MergeError, merge
-        from grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required,
-                                               promote_discriminators, without_empty_object)
 
         if not isinstance(s["oneOf"], list) or not s["oneOf"]:
             raise _Refused("oneOf")
@@ -367,7 +365,6 @@ class _Writer:
         """``allOf`` as Stencil compiles it: the members (references inlined, nested ``allOf``
         flattened: ``SchemaCompiler._flatten_all_of``) merged into one schema (``merge.merge``);
         a member with ``enum``/``const`` (Stencil's finite-value path) is refused."""
-        from grammar.json_schema.merge import MergeError, merge
 
         members: list = []
         self.compiler()._flatten_all_of(s, "#", members)
@@ -383,13 +380,15 @@ class _Writer:
         return out
 
     def types(self, s: dict) -> list[str]:
-        from grammar.json_schema.compiler import _TYPE_KEYWORDS
-
         t = s.get("type")
+        if isinstance(t, str):
+            if t not in _TYPES:
+                raise _Refused("type")
+            return [t]
         if t is None:
             types = [k for k, kws in _TYPE_KEYWORDS.items() if any(x in s for x in kws)] or list(_TYPES)
         else:
-            types = [t] if isinstance(t, str) else t
+            types = t
             if not isinstance(types, list) or not types or any(x not in _TYPES for x in types):
                 raise _Refused("type")
         if "number" in types:
@@ -490,7 +489,6 @@ class _Writer:
         minus the declared names it matches (none), as Stencil does."""
         import re
 
-        from grammar.json_schema.objects import _disjoint_patterns
 
         if not isinstance(patterns, dict) or addl not in (None, False):
             raise _Refused("patternProperties")
@@ -554,8 +552,8 @@ class _Writer:
                 raise _Refused("enum value")
             if types is not None and not _has_type(v, types):
                 continue
-            if json_key(v) not in seen:
-                seen.add(json_key(v))
+            if _key(v) not in seen:
+                seen.add(_key(v))
                 kept.append(v)
         if not kept:
             raise _Refused("empty enum")
@@ -564,7 +562,6 @@ class _Writer:
     def any_value(self) -> dict:
         """Stencil's free-form value (``SchemaCompiler.any_value``): scalars, and arrays and
         objects of such values nested at most ``GRAMMAR_ANY_DEPTH`` deep, as definitions."""
-        from grammar.json_schema.compiler import GRAMMAR_ANY_DEPTH
 
         name = f"any{GRAMMAR_ANY_DEPTH}"
         if name not in self.defs:
@@ -581,7 +578,6 @@ class _Writer:
         document has identifiers below its root, as Stencil's resolver finds it."""
         ref = s["$ref"]
         if self.ids:
-            from grammar.base import GrammarError
 
             c = self.compiler()
             try:
@@ -664,7 +660,6 @@ def _string_pattern(s: dict) -> str | None:
     if pattern is not None and fmt is not None:
         raise _Refused("pattern with format")
     if fmt is not None:
-        from grammar.json_schema.formats import format_pattern
 
         if not isinstance(fmt, str):
             raise _Refused("format")
@@ -689,7 +684,6 @@ def _string_pattern(s: dict) -> str | None:
 def _pattern_text(pattern: str) -> str | None:
     """``_string_pattern``'s text for one pattern (None: refused); kept across requests, since
     the same formats and patterns come back in schema after schema."""
-    from grammar.json_schema import pattern as sp
 
     try:
         parts = sp.branches(sp.parse(pattern))
@@ -714,9 +708,6 @@ _UNWRITTEN = ((0x00, 0x07), (0x0B, 0x0B), (0x0E, 0x1F), (0x7F, 0x7F))  # charset
 def _decoded(node) -> str | None:
     """Rust regex (Python ``re`` reads it alike) for an anchor-free pattern AST over decoded
     characters: the language ``pattern.emit`` writes over their JSON encodings (None: empty)."""
-    from grammar.json_schema import charset as cs
-    from grammar.json_schema import pattern as sp
-    from grammar.json_schema.rx import alt, repeat, seq
 
     if isinstance(node, sp.Atom):
         chars = cs.subtract(node.chars, ((0xD800, 0xDFFF),))
@@ -774,13 +765,13 @@ def _integers(lo: int | None, hi: int | None) -> dict:
     return parts[0] if len(parts) == 1 else {"anyOf": parts}
 
 
+_NOT_PLAIN = re.compile("[\x00-\x07\x0b\x0e-\x1f\x7f\ud800-\udfff]")
+_NOT_PLAIN_KEY = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+
+
 def _plain_text(text: str, keys: bool = False) -> bool:
     """No character without a named escape among the controls, no U+007F (keys: no control at all)."""
-    for c in text:
-        o = ord(c)
-        if o == 0x7F or (o < 0x20 and (keys or c not in "\b\f\n\r\t")) or 0xD800 <= o <= 0xDFFF:
-            return False
-    return True
+    return (_NOT_PLAIN_KEY if keys else _NOT_PLAIN).search(text) is None
 
 
 def _plain_value(v: object) -> bool:
@@ -795,6 +786,13 @@ def _plain_value(v: object) -> bool:
     if isinstance(v, dict):
         return all(_plain_text(k, keys=True) and _plain_value(x) for k, x in v.items())
     return False  # floats: the two write them differently (repr vs Rust's shortest form)
+
+
+def _key(v: object) -> object:
+    """``merge.json_key`` for the values handed over (no floats): the cheap form for scalars."""
+    if isinstance(v, (dict, list)):
+        return json_key(v)
+    return (type(v).__name__, v)
 
 
 def _has_type(v: object, types: list[str]) -> bool:
