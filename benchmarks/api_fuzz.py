@@ -65,6 +65,7 @@ _RESPONSE_EVENTS = {"response.created", "response.in_progress", "response.output
                     "response.content_part.done", "response.output_item.done",
                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
                     "response.completed", "response.incomplete", "response.failed", "error"}
+_RESPONSE_TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 
 
 def load_api(url: str):
@@ -117,6 +118,10 @@ def check_beyond_schema(path: str, response) -> None:
             assert int(_header(response, "retry-after")) >= 1
     if status == 200 and ctype.startswith("text/event-stream"):
         events = [ln[len("data: "):] for ln in response.text.splitlines() if ln.startswith("data: ")]
+        if path == "/v1/responses":
+            # OpenAI's Responses streams end with a typed terminal event, not ``[DONE]``.
+            assert events and msgspec.json.decode(events[-1])["type"] in _RESPONSE_TERMINAL, response.text[-300:]
+            events.append("[DONE]")
         assert events and events[-1] == "[DONE]", response.text[-300:]
         for payload in events[:-1]:
             if path == "/generate":
