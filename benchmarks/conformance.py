@@ -285,7 +285,11 @@ def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 1
             prog = program
             t1 = time.perf_counter()
             try:
-                if b == "eager" and program.kind == "lark":
+                if b == "eager" and program.kind == "json":
+                    # Handed to llguidance's JSON front end: the index is of Stencil's own
+                    # translation, the same language (grammar.json_schema.handover).
+                    prog = to_program(spec, deadline=time.monotonic() + timeout_s, handover=False)
+                if b == "eager" and prog.kind == "lark":
                     # What `--grammar-backend eager` serves for a recursive schema: the unrolled regex.
                     prog = to_program(spec, deadline=time.monotonic() + timeout_s, grammar=False)
                 grammar = built[b].build(prog, spec) if b == "eager" else built[b].build(prog)

@@ -14,12 +14,24 @@ microsecond each):
 
 ``http_in`` client send → the ASGI app · ``validate`` body decoding, wire types, request checks
 (→ the template) · ``template_tokenize`` chat template and tokenizer · ``params`` sampling
-parameters, schema checks, grammar spec · ``grammar`` compile or cache lookup (the compiler's
-pool) and the budget check · ``admit`` engine checks, submission to the engine thread ·
-``queue`` → the first engine step · ``prefill`` the first step (the prompt and the first token)
-· ``decode`` every later step · ``loop`` the engine loop between steps (delivery of outputs,
-inbox, waits) · ``deliver`` last step → the service has the whole answer · ``validate_output``
-jsonschema on the answer · ``response`` → the client has the last byte (encoding, HTTP).
+parameters, schema checks, grammar spec · ``admit`` the compile started (it runs on the
+compiler's pool from here), engine checks, submission to the engine thread · ``queue`` → the
+first engine step · ``prefill`` the steps up to the one that gave the first token (the prompt
+read in chunks, all but its last token while the grammar compiles) · ``grammar`` the time
+between those steps: what the compile added to TTFT beyond the prefill (about 0 when the
+compile hides behind it) · ``decode`` every later step · ``loop`` the engine loop between
+those steps (delivery of outputs, inbox, waits) · ``deliver`` last step → the service has the
+whole answer · ``validate_output`` jsonschema on the answer · ``response`` → the client has the
+last byte (encoding, HTTP). Besides the phases: ``ttft_ms`` (send → the engine's first token)
+and ``compile_ms`` (the compile's own time, overlapping the phases).
+
+Variants: ``json_schema`` (the same schema every time: the first request is cold, the rest hit
+the compiler's cache), ``json_schema_cold`` (a schema never seen before on every request: one
+more optional property with a fresh name), ``none`` (no response format). A warm-up request
+(another schema) runs first, so ``cold`` means a cold grammar, not a cold model.
+``--prompt-tokens N`` pads each prompt with filler sentences to about N tokens; ``--schema FILE``
+asks for that schema instead of the person schema. The report's ``ttft_cold_over_warm`` is the
+median TTFT of ``json_schema_cold`` over that of ``json_schema``'s warm requests.
 
 Inside the steps, ``steps`` splits the step time into ``schedule``, ``grammar_mask``,
 ``forward`` (model, LM head, sampling), ``update`` (append, stop checks, matcher advance),
@@ -42,7 +54,7 @@ import threading
 import time
 from pathlib import Path
 
-PHASES = ("http_in", "validate", "template_tokenize", "params", "grammar", "admit", "queue", "prefill",
+PHASES = ("http_in", "validate", "template_tokenize", "params", "admit", "queue", "prefill", "grammar",
           "decode", "loop", "deliver", "validate_output", "response")
 STEP_PARTS = ("schedule", "grammar_mask", "forward", "update", "detokenize", "propose")
 
@@ -56,7 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", action="store_true", help="streamed requests (SSE) instead of whole answers")
     p.add_argument("--serve-args", default="", help="options of stencil serve for the app, in one string "
                    "(e.g. \"--speculative off --threads 1\"); host and port are the benchmark's")
-    p.add_argument("--variants", default="json_schema,none", help="comma-separated: json_schema, none")
+    p.add_argument("--variants", default="json_schema,none",
+                   help="comma-separated: json_schema, json_schema_cold, none")
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="pad each prompt with filler sentences to about this many tokens (0: as it is)")
+    p.add_argument("--schema", type=Path, default=None,
+                   help="a JSON Schema file to ask for (default: the person schema of the items)")
 
 
 # -- probes ----------------------------------------------------------------------------------------
@@ -124,6 +141,25 @@ def install(probes: Probes, state) -> None:
     probes.wrap(generation, "sampling_params", "sampling_params")
     probes.wrap(generation, "grammar_spec", "grammar_spec")
     probes.wrap(state.engine, "compile_grammar", "compile")
+    start_compile = state.engine.grammar_future
+
+    def grammar_future(*a, **k):  # the compile starts here and ends when its future does
+        t = time.perf_counter()
+        future = start_compile(*a, **k)
+        future.add_done_callback(lambda _: probes.events.append(("compile", t, time.perf_counter())))
+        return future
+
+    probes._undo.append((state.engine, "grammar_future", None))
+    state.engine.grammar_future = grammar_future
+    output = eng._output
+
+    def first_output(req, new):  # the engine's first token of a request
+        if new and not req.output_token_ids[:-len(new)]:
+            probes.mark("first_token")
+        return output(req, new)
+
+    probes._undo.append((eng, "_output", None))
+    eng._output = first_output
     probes.wrap(eng, "add_request", "add_request")
     probes.wrap(eng, "step", "step")
     probes.wrap(eng.scheduler, "schedule", "schedule")
@@ -153,25 +189,31 @@ def phases(events: list[tuple[str, float, float]], sent: float, received: float)
     first = {}
     for name, s, e in events:
         first.setdefault(name, (s, e))
+    forwards = [s for n, s, e in events if n == "forward"]
     steps = sorted((s, e) for n, s, e in events if n == "step")
-    # Steps of this request only: the engine may also step while nothing of ours runs (never at c=1).
-    steps = [(s, e) for s, e in steps if s >= first["add_request"][1]] if "add_request" in first else []
+    # Steps of this request only (the engine may also step while nothing of ours runs: never at
+    # c=1), and only those that ran the model (an idle step waits for a grammar).
+    steps = [(s, e) for s, e in steps if s >= first["add_request"][1] and any(s <= f <= e for f in forwards)] \
+        if "add_request" in first else []
     check = first.get("validate_output", (received, received))
     tok = first["tokenize"]
     add = first["add_request"]
     compile_ = first.get("compile")
     bounds = {"http_in": (sent, first["asgi_in"][0]), "validate": (first["asgi_in"][0], tok[0]),
               "template_tokenize": tok}
-    params_end = compile_[0] if compile_ else add[0]
+    params_end = min(compile_[0], add[0]) if compile_ else add[0]
     bounds["params"] = (tok[1], params_end)
-    bounds["grammar"] = compile_ if compile_ else (params_end, params_end)
-    bounds["admit"] = (bounds["grammar"][1], add[1])
-    bounds["queue"] = (add[1], steps[0][0] if steps else add[1])
+    bounds["admit"] = (params_end, max(add[1], params_end))
+    bounds["queue"] = (bounds["admit"][1], steps[0][0] if steps else bounds["admit"][1])
     out = {k: (e - s) * 1e3 for k, (s, e) in bounds.items()}
-    out["prefill"] = (steps[0][1] - steps[0][0]) * 1e3 if steps else 0.0
-    decode = [(e - s) * 1e3 for s, e in steps[1:]]
+    token_at = first.get("first_token", (steps[0][1], steps[0][1]) if steps else (add[1], add[1]))[0]
+    k = next((i for i, (s, e) in enumerate(steps) if s <= token_at <= e), 0) + 1 if steps else 0
+    prefill, later = steps[:k], steps[k:]
+    out["prefill"] = sum((e - s) * 1e3 for s, e in prefill)
+    out["grammar"] = sum((b[0] - a[1]) * 1e3 for a, b in zip(prefill, prefill[1:]))
+    decode = [(e - s) * 1e3 for s, e in later]
     out["decode"] = sum(decode)
-    out["loop"] = sum((b[0] - a[1]) * 1e3 for a, b in zip(steps, steps[1:]))
+    out["loop"] = sum((b[0] - a[1]) * 1e3 for a, b in zip(steps[k - 1:k] + later, later)) if later else 0.0
     last = steps[-1][1] if steps else add[1]
     out["deliver"] = (check[0] - last) * 1e3
     out["validate_output"] = (check[1] - check[0]) * 1e3
@@ -184,7 +226,8 @@ def phases(events: list[tuple[str, float, float]], sent: float, received: float)
                 parts[name] += (e - s) * 1e3
         parts["update"] -= parts["detokenize"]  # detokenizing runs inside the update
     return {"phases": out, "total_ms": (received - sent) * 1e3, "steps": parts, "num_steps": len(steps),
-            "decode_step_ms_p50": statistics.median(decode) if decode else None}
+            "decode_step_ms_p50": statistics.median(decode) if decode else None,
+            "ttft_ms": (token_at - sent) * 1e3, "compile_ms": (compile_[1] - compile_[0]) * 1e3 if compile_ else 0.0}
 
 
 def _medians(rows: list[dict]) -> dict:
@@ -193,6 +236,8 @@ def _medians(rows: list[dict]) -> dict:
             "steps": {k: statistics.median(r["steps"][k] for r in rows) for k in STEP_PARTS},
             "total_ms": statistics.median(r["total_ms"] for r in rows),
             "num_steps": statistics.median(r["num_steps"] for r in rows),
+            "ttft_ms": statistics.median(r["ttft_ms"] for r in rows),
+            "compile_ms": statistics.median(r["compile_ms"] for r in rows),
             "decode_step_ms_p50": statistics.median(r["decode_step_ms_p50"] or 0.0 for r in rows)}
 
 
@@ -226,14 +271,46 @@ def _send(http, url: str, body: dict, stream: bool) -> tuple[float, float, str]:
     return sent, time.perf_counter(), text
 
 
+_FILLER = ("The archive keeps letters, ledgers and notes from many years, sorted by the clerks who wrote "
+           "them, and nothing in this paragraph names the person asked about. ")
+
+
+def padded(messages: list[dict], tokenizer, tokens: int) -> list[dict]:
+    """``messages`` with filler sentences before the last one's text, to about ``tokens`` prompt
+    tokens (the chat template's own tokens counted; never fewer than the messages had)."""
+    out = [dict(m) for m in messages]
+    if tokens <= 0:
+        return out
+    have = len(tokenizer.encode(tokenizer.apply_chat_template(out, add_generation_prompt=True, tokenize=False),
+                                add_special_tokens=False))
+    per = max(1, len(tokenizer.encode(_FILLER, add_special_tokens=False)))
+    out[-1]["content"] = _FILLER * max(0, (tokens - have) // per) + out[-1]["content"]
+    return out
+
+
+def fresh_schema(schema: dict, k: int) -> dict:
+    """``schema`` with one more optional property, ``note_<k>``: a schema never compiled before."""
+    s = json.loads(json.dumps(schema))
+    if isinstance(s.get("properties"), dict):
+        s["properties"][f"note_{k}"] = {"type": "string", "maxLength": 8}
+    else:
+        s = {"allOf": [s], "$comment": f"fresh {k}"}
+    return s
+
+
 def run_variant(http, url: str, model: str, probes: Probes, items, variant: str, max_tokens: int,
-                stream: bool) -> dict:
+                stream: bool, tokenizer=None, prompt_tokens: int = 0, schema: dict | None = None,
+                fresh_from: int = 0) -> dict:
     """``len(items)`` requests one after the other; the first is the cold one."""
     from benchmarks.serve import Job, request_body
 
     rows, texts = [], []
-    for it in items:
-        body = request_body(Job(it.messages(), it.schema), model, max_tokens, stream=False)
+    for k, it in enumerate(items):
+        messages = padded(it.messages(), tokenizer, prompt_tokens) if tokenizer is not None else it.messages()
+        ask = schema if schema is not None else it.schema
+        if variant == "json_schema_cold":
+            ask = fresh_schema(ask, fresh_from + k)
+        body = request_body(Job(messages, ask), model, max_tokens, stream=False)
         if variant == "none":
             del body["response_format"]
         probes.take()
@@ -274,14 +351,26 @@ def main(args: argparse.Namespace) -> int:
             if time.monotonic() > deadline or not thread.is_alive():
                 raise RuntimeError("the app did not start")
             time.sleep(0.1)
-        install(probes, service_state(app))
+        state = service_state(app)
+        install(probes, state)
         items = person_items(args.requests, seed=11)
+        schema = json.loads(args.schema.read_text()) if args.schema is not None else None
+        tok = state.engine.tokenizer
+        report["prompt_tokens"] = args.prompt_tokens
         with httpx.Client(timeout=600) as http:
+            # Warm-up: the first forward and the first compile of the run are not the cold grammar's.
+            run_variant(http, url, state.model_name, probes, items[:1], "json_schema_cold", args.max_tokens,
+                        args.stream, tok, args.prompt_tokens, schema, fresh_from=10**6)
             for variant in [v for v in args.variants.split(",") if v]:
-                r = run_variant(http, url, service_state(app).model_name, probes, items, variant, args.max_tokens,
-                                args.stream)
+                r = run_variant(http, url, state.model_name, probes, items, variant, args.max_tokens,
+                                args.stream, tok, args.prompt_tokens, schema)
                 report["variants"][variant] = r
                 _print(variant, r)
+        v = report["variants"]
+        if "json_schema_cold" in v and "json_schema" in v:
+            cold = statistics.median(r["ttft_ms"] for r in v["json_schema_cold"]["requests"])
+            report["ttft_cold_over_warm"] = round(cold / v["json_schema"]["warm"]["ttft_ms"], 4)
+            print(f"[latency] TTFT of a never-seen schema over a warm one: {report['ttft_cold_over_warm']:.3f}")
     finally:
         probes.restore()
         server.should_exit = True
@@ -297,7 +386,8 @@ def _print(variant: str, r: dict) -> None:
         x = r[label]
         ph = ", ".join(f"{k} {v:.1f}" for k, v in x["phases"].items())
         st = ", ".join(f"{k} {v:.1f}" for k, v in x["steps"].items())
-        print(f"[latency] {variant} {label}: total {x['total_ms']:.1f} ms, {x['num_steps']:.0f} steps "
+        print(f"[latency] {variant} {label}: total {x['total_ms']:.1f} ms, ttft {x['ttft_ms']:.1f} ms, "
+              f"compile {x['compile_ms']:.1f} ms, {x['num_steps']:.0f} steps "
               f"(decode p50 {x['decode_step_ms_p50'] or 0:.1f} ms)\n    phases: {ph}\n    steps: {st}", flush=True)
 
 

@@ -137,9 +137,9 @@ def _rss_mb(pid: int) -> float | None:
 
 
 class OwnServer:
-    """``stencil serve`` in a child process on a free loopback port."""
+    """``stencil serve`` in a child process on a free loopback port (``extra_args``: more flags)."""
 
-    def __init__(self, model: Path, args: argparse.Namespace):
+    def __init__(self, model: Path, args: argparse.Namespace, extra_args: tuple[str, ...] = ()):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -153,6 +153,7 @@ class OwnServer:
                             ("--max-waiting", args.max_waiting)):
             if value is not None:
                 cmd += [flag, str(value)]
+        cmd += list(extra_args)  # other benchmarks' server flags (``bench fuzz``, ``bench slowclients``)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         # The log goes to a file, not a pipe: nobody reads a pipe during the run, and a full one
         # would block the server.

@@ -72,10 +72,13 @@ class GrammarTimeout(GrammarError):
 @dataclass(frozen=True, slots=True)
 class Program:
     """What the front end hands a backend: a regex (Python ``re`` / Rust ``regex`` common
-    dialect, implicitly anchored) or a Lark grammar in llguidance's dialect (``start`` rule).
+    dialect, implicitly anchored), a Lark grammar in llguidance's dialect (``start`` rule), or a
+    JSON Schema for llguidance's own JSON front end (``json_schema.handover``: only where its
+    language is provably the one Stencil's compiler writes for the spec; the eager index and
+    the closing automaton translate the spec themselves, ``CompiledGrammar.own_program``).
 
     Attributes:
-        kind: "regex" or "lark".
+        kind: "regex", "lark" or "json".
         text: the regex or the grammar. A schema's regex may use *terminal references* to
             ``terminals`` (pieces written once, used many times; ``json_schema.rules``).
         warnings: notes from the translation (keywords relaxed, bounds applied).
@@ -85,7 +88,7 @@ class Program:
             empty for regexes and hand-written grammars.
     """
 
-    kind: Literal["regex", "lark"]
+    kind: Literal["regex", "lark", "json"]
     text: str
     warnings: tuple[str, ...] = ()
     terminals: tuple[str, ...] = ()
@@ -120,9 +123,12 @@ class Program:
         return expand(self.text, self.terminals)
 
     def lark(self) -> str:
-        """The program as a Lark grammar (a regex program: one terminal, the same language)."""
+        """The program as a Lark grammar (a regex program: one terminal, the same language; a
+        JSON one: llguidance's ``%json``)."""
         if self.kind == "lark":
             return self.text
+        if self.kind == "json":
+            return "start: %json " + self.text + "\n"
         from grammar.json_schema.rules import to_lark
 
         return to_lark(self.text, {}, self.terminals)

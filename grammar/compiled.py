@@ -41,6 +41,8 @@ class CompiledGrammar:
         self._closing: Future | None = None  # the closing automaton (grammar.closing), once asked for
         self._closing_pool = None  # an executor for building it off the caller's thread
         self._min_bytes: int | None = None
+        self._own: Program | None = None  # Stencil's own translation of a "json" program's spec
+        self._translate = None  # spec → that translation (set by the compiler: its options)
 
     # -- what the engine uses ----------------------------------------------------------------
     def matcher(self, backend: str | None = None):
@@ -96,10 +98,34 @@ class CompiledGrammar:
                     self._closing = f
             return self._closing
 
+    def own_program(self) -> Program:
+        """Stencil's own translation of the spec: the program itself, unless it is a "json"
+        program handed to llguidance, whose spec is then translated once (the same language,
+        ``json_schema.handover``), for the eager index and the closing automaton.
+
+        Raises:
+            GrammarError: the translation fails (it cannot, where the handover's argument holds;
+                a size or time limit can).
+        """
+        if self.program.kind != "json":
+            return self.program
+        with self._lock:
+            own = self._own
+        if own is None:
+            if self._translate is not None:
+                own = self._translate(self.spec)
+            else:
+                from grammar.frontend import to_program
+
+                own = to_program(self.spec, handover=False)
+            with self._lock:
+                self._own = own
+        return own
+
     def _build_closing(self):
         from grammar.closing import ClosingAutomaton
 
-        program = self.program
+        program = self.own_program()
         if program.kind == "lark" and program.root is None:  # written by hand: read through lark
             from grammar.lark_closing import lark_program
 
@@ -113,18 +139,20 @@ class CompiledGrammar:
         if self._min_bytes is None:
             from grammar.json_schema.rules import min_bytes
 
-            p = self.program
             try:
+                p = self.own_program()
                 if p.kind == "regex":
                     self._min_bytes = min_bytes(p.text, p.terminals)
                 elif p.root is not None:
                     self._min_bytes = min_bytes(p.root, p.terminals, dict(p.rules))
                 else:
                     self._min_bytes = 0
+            except GrammarError:  # not translated (a limit): no admission check
+                return None
             except ValueError:  # a user regex outside the compiler's dialect: 4 bytes a character
                 import re._parser as sre_parse
 
-                self._min_bytes = 4 * sre_parse.parse(p.text).getwidth()[0]
+                self._min_bytes = 4 * sre_parse.parse(self.program.text).getwidth()[0]
         if max_tokens >= self._min_bytes:
             return None
         try:

@@ -37,7 +37,7 @@ from grammar.compiled import CompiledGrammar
 from grammar.frontend import to_program, warm_up
 from grammar.vocab import TokenVocabulary, build_vocabulary
 
-_FORMAT = "stencil-grammar-2"  # bump when the front end's output changes meaning
+_FORMAT = "stencil-grammar-3"  # bump when the front end's output changes meaning
 _VERSIONS = [version("outlines-core"), registry.lazy_version()]
 POLICIES = ("auto", "eager", "lazy")
 
@@ -126,10 +126,10 @@ class GrammarCompiler:
                 ``line``/``column`` for Lark grammars, ``keyword``/``path`` for schemas).
             GrammarTimeout: the compile exceeded ``timeout_s``.
         """
-        return self.submit(spec, backend, hot=hot).result()
+        return self.submit(spec, backend, hot=hot, _inline=True).result()
 
     def submit(self, spec: GrammarSpec, backend: str | None = None, *, hot: bool = False,
-               client: str | None = None) -> "Future[CompiledGrammar]":
+               client: str | None = None, _inline: bool = False) -> "Future[CompiledGrammar]":
         """Start compiling ``spec``; never blocks. The future raises as :meth:`compile`.
 
         Args:
@@ -171,8 +171,21 @@ class GrammarCompiler:
                 out: Future = Future()
                 running.add_done_callback(lambda f: self._chain(f, out, policy, True, pin))
                 return out
-            first = self._start(spec, key, policy, client)
+            if _inline and client is None:
+                # ``compile`` waits anyway: the first compile runs on the caller's thread, which
+                # saves the hand-over to a pool thread (a wake-up, ~1.5 ms on a busy 2-core
+                # machine, on every request's time to first mask). Others asking meanwhile share
+                # this future as usual.
+                first = Future()
+                first.set_running_or_notify_cancel()
+            else:
+                first = self._start(spec, key, policy, client)
             self._inflight[key] = first
+        if _inline and client is None:
+            try:
+                first.set_result(self._compile_and_store(spec, key, policy))
+            except BaseException as e:  # noqa: BLE001 - the future carries it, as a pool's would
+                first.set_exception(e)
         out = Future()
         first.add_done_callback(lambda f: self._chain(f, out, policy, hot, pin))
         return out
@@ -264,8 +277,10 @@ class GrammarCompiler:
                 return _done(grammar.using(policy) if pin else grammar)
             return self._ensure(grammar, policy, wait=True, pin=pin)
         # auto: whatever is ready now; the eager index later, in the background, when hot.
-        if hot and grammar.program.regular and not grammar.has("eager") and grammar.error("eager") is None:
-            self._ensure(grammar, "eager", wait=False)
+        if (hot and (grammar.program.regular or grammar.program.kind == "json") and not grammar.has("eager")
+                and grammar.error("eager") is None):
+            # (a "json" program is regular when Stencil's own translation is: found in the build)
+            self._ensure(grammar, "eager", wait=False, exact_only=True)
         if grammar.has("eager") or grammar.has("lazy"):
             return _done(grammar)
         return self._ensure(grammar, "lazy", wait=True, pin=False)
@@ -273,8 +288,11 @@ class GrammarCompiler:
     def backend_kinds(self, name: str) -> frozenset:
         return registry.kinds(name)
 
-    def _ensure(self, grammar: CompiledGrammar, name: str, *, wait: bool, pin: bool = False) -> Future:
-        """Build ``grammar``'s ``name`` backend once (shared future); a future of the result."""
+    def _ensure(self, grammar: CompiledGrammar, name: str, *, wait: bool, pin: bool = False,
+                exact_only: bool = False) -> Future:
+        """Build ``grammar``'s ``name`` backend once (shared future); a future of the result.
+        ``exact_only``: an eager index only of the very language the lazy backend serves (the
+        background build of ``auto``), never the regex-mode subset of an eager-only request."""
         with grammar._lock:
             pending = grammar._pending.get(name)
             if pending is None:
@@ -283,7 +301,7 @@ class GrammarCompiler:
                     return _done(exc=err.copy())
                 pool = self._eager_pool if name == "eager" else self._pool
                 try:
-                    pending = pool.submit(self._build_backend, grammar, name)
+                    pending = pool.submit(self._build_backend, grammar, name, exact_only)
                 except RuntimeError as e:  # pool shut down
                     return _done(exc=e)
                 grammar._pending[name] = pending
@@ -301,10 +319,10 @@ class GrammarCompiler:
         pending.add_done_callback(done)
         return out
 
-    def _build_backend(self, grammar: CompiledGrammar, name: str) -> CompiledGrammar:
+    def _build_backend(self, grammar: CompiledGrammar, name: str, exact_only: bool = False) -> CompiledGrammar:
         start = time.perf_counter()
         try:
-            built = self._build(name, grammar.program, grammar.spec)
+            built = self._build(name, self._program_for(grammar, name, exact_only), grammar.spec)
         except GrammarError as e:
             grammar._fail(name, e)
             with self._lock:
@@ -322,6 +340,19 @@ class GrammarCompiler:
                 self._evict()
             self.stats.record_compile_ms((time.perf_counter() - start) * 1e3)
         return grammar
+
+    @staticmethod
+    def _program_for(grammar: CompiledGrammar, name: str, exact_only: bool) -> Program:
+        """The program ``name`` builds: the grammar's, or for the eager index of a "json" program
+        (handed to llguidance) Stencil's own translation of its spec, the same language."""
+        program = grammar.program
+        if name == "eager" and program.kind == "json":
+            program = grammar.own_program()
+            if exact_only and not program.regular:
+                raise GrammarError("the eager backend cannot serve this schema's language (it needs "
+                                   "grammar rules or intersections): it stays on the lazy backend",
+                                   keyword="grammar_backend")
+        return program
 
     def _build(self, name: str, program: Program, spec: GrammarSpec):
         backend = self.backend(name)
@@ -349,10 +380,18 @@ class GrammarCompiler:
         try:
             program = to_program(spec, max_recursion_depth=self._depth,
                                  deadline=time.monotonic() + self._timeout_s)
-            grammar = CompiledGrammar(spec, program, self.vocab, policy)
-            grammar._closing_pool = self._closing_pool
+            grammar = self._new_grammar(spec, program, policy)
             first = "eager" if policy == "eager" else "lazy"
-            grammar._set(first, self._build(first, program, spec))
+            try:
+                built = self._build(first, self._program_for(grammar, first, False), spec)
+            except GrammarError:
+                if program.kind != "json" or first != "lazy":
+                    raise
+                # llguidance refused what was handed to it (one of its own limits): Stencil's
+                # own translation, the same language, in its place.
+                grammar = self._new_grammar(spec, grammar.own_program(), policy)
+                built = self._build(first, grammar.program, spec)
+            grammar._set(first, built)
             with self._lock:
                 self._store(key, grammar)
                 self.stats.compiles += 1
@@ -372,6 +411,13 @@ class GrammarCompiler:
         finally:
             with self._lock:
                 self._inflight.pop(key, None)
+
+    def _new_grammar(self, spec: GrammarSpec, program: Program, policy: str) -> CompiledGrammar:
+        grammar = CompiledGrammar(spec, program, self.vocab, policy)
+        grammar._closing_pool = self._closing_pool
+        grammar._translate = lambda s: to_program(s, max_recursion_depth=self._depth, handover=False,
+                                                  deadline=time.monotonic() + self._timeout_s)
+        return grammar
 
     # -- caches -------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ MAX_GRAMMAR_CHARS = 1_000_000  # a user Lark grammar longer than this is refused
 
 
 def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: float | None = None,
-               grammar: bool = True) -> Program:
+               grammar: bool = True, handover: bool = True) -> Program:
     """Translate ``spec``.
 
     Args:
@@ -29,6 +29,9 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         grammar: schemas that refer to themselves become Lark grammars (exact); ``False``
             unrolls their recursion ``max_recursion_depth`` times into a regex (a subset, for a
             backend that takes regexes only).
+        handover: (grammar mode) a schema llguidance's JSON front end provably reads as Stencil
+            does becomes a "json" program for it (``json_schema.handover``); ``False``: always
+            Stencil's own translation.
 
     Raises:
         GrammarError: the spec is invalid or cannot be enforced exactly (named keyword, JSON
@@ -55,6 +58,10 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
             raise GrammarError(f"schema is not valid JSON: {e.msg}") from None
         from grammar.json_schema import schema_to_program
 
+        if grammar and handover:
+            handed = _handed_over(schema, spec.whitespace, spec.value)
+            if handed is not None:
+                return handed
         return schema_to_program(schema, whitespace=spec.whitespace, strict=spec.strict,
                                  max_recursion_depth=max_recursion_depth, deadline=deadline,
                                  grammar=grammar)
@@ -67,6 +74,18 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
                                f"{MAX_GRAMMAR_CHARS}", keyword="grammar")
         return Program("lark", spec.value)
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+
+
+def _handed_over(schema: object, whitespace: str, text: str | None = None) -> Program | None:
+    """The "json" program of ``schema`` when it may be handed to llguidance (its C API is the
+    verified release), else None."""
+    from grammar.backends.llg_c import library
+    from grammar.json_schema.handover import dumps, llguidance_schema
+
+    if library() is None:
+        return None
+    out = llguidance_schema(schema, whitespace, text)
+    return None if out is None else Program("json", dumps(out))
 
 
 def check_deadline(deadline: float | None) -> None:
@@ -99,4 +118,6 @@ def warm_up() -> None:
     _unicode_sets()
     for ws in ("compact", "flexible"):
         to_program(GrammarSpec.json_schema(_WARM_SCHEMA, whitespace=ws)).lark()
+        to_program(GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}},
+                                           whitespace=ws))
 

@@ -13,10 +13,14 @@ and ``warnings``.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
+
+# OpenAI documents ``seed`` as an int64; a torch generator takes no more (a larger one failed in
+# the engine's sampler, after admission).
+Seed = Annotated[int, msgspec.Meta(ge=-2**63, le=2**63 - 1)]
 
 # -- requests ------------------------------------------------------------------------------------
 
@@ -135,7 +139,7 @@ class ChatCompletionRequest(Struct, forbid_unknown_fields=True):
     top_p: float | None = None
     n: int | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None
@@ -192,7 +196,7 @@ class CompletionRequest(Struct, forbid_unknown_fields=True):
     top_p: float | None = None
     n: int | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logprobs: int | None = None

@@ -17,6 +17,8 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
+from schemas.openai import Seed
+
 # -- requests ------------------------------------------------------------------------------------
 
 
@@ -117,7 +119,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True):
     store: bool | None = None
     service_tier: str | None = None
     truncation: str | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     top_k: int | None = None
     close_on_budget: bool | None = None  # Stencil extension (see schemas.openai)
     soft_limits: dict[str, int] | bool | None = None

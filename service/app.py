@@ -37,9 +37,10 @@ from schemas.common import Problem
 from schemas.generate import (GenerateRequest, GenerateResponse, HealthResponse, StreamDelta, StreamError,
                               StreamFinal)
 from service import generation
-from service.errors import InputError, ServiceError, Unauthorized, log_refused, named_as, to_problem
+from service.errors import (InputError, ServiceError, Unauthorized, client_left_during_body, log_refused, named_as,
+                            to_problem)
 from service.metrics import Metrics
-from service.openapi_docs import StreamableOperation, error_responses
+from service.openapi_docs import StreamableOperation, StrictStructSchemaPlugin, error_responses
 from service.state import ServiceConfig, ServiceState
 from service.validation import OutputChecker
 from service.wire import invalid_field, strict_body
@@ -83,6 +84,12 @@ def _problem_response(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ValidationException):
         problem, headers = _validation_problem(exc), {}
         problem.request_id = rid
+    elif client_left_during_body(exc):
+        # Litestar says 500, but the client left (or ``service.http_limits`` timed its body out):
+        # nobody will read this answer, and it is no server fault.
+        problem = Problem(title="Request Timeout", status=408, detail="the client left before sending the whole body",
+                          request_id=rid)
+        headers = {}
     elif isinstance(exc, HTTPException) and not isinstance(exc, ServiceError):
         detail = str(exc.detail)
         if isinstance(exc.__cause__, SerializationException):  # the body could not be decoded
@@ -379,6 +386,7 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
         middleware=[_observe_middleware(holder, lambda: known_paths)],
         request_max_body_size=cfg.max_body_bytes,
         logging_config=None,  # the CLI configures logging (structured, with request ids)
+        plugins=[StrictStructSchemaPlugin()],  # the document says which bodies refuse unknown fields
         openapi_config=OpenAPIConfig(title="Stencil", version="0.1.0",
                                      description="Structured generation: JSON that matches your schema."),
         state=State({"stencil": holder}),

@@ -24,6 +24,8 @@ BENCHMARKS = {
     "cpu_kernels": "native CPU GEMMs (int4, GGUF blocks) and paged attention against torch's, same run",
     "weights": "fp32 vs int4 weights: speed and quality",
     "soak": "long mixed load against a server; checks nothing leaks",
+    "slowclients": "others' inter-token latency while a client reads a byte a second and 200 dribble headers",
+    "fuzz": "schemathesis fuzzing of the API at any size (random, seeded; stateful; under a soak load)",
     "budget": "structured answers at 25-150% of their natural length: closed in time, valid",
     "cluster": "replicas on Ray Serve: prefix-affinity vs round-robin routing, and a replica kill",
     "serve": "the throughput workload over HTTP against one or two OpenAI-compatible servers (loopback)",
@@ -91,6 +93,45 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
                         "whitespace")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--log-format", default="json", choices=["json", "text"])
+
+
+def _add_connection_args(p: argparse.ArgumentParser) -> None:
+    from service.http_limits import ConnectionLimits
+
+    d = ConnectionLimits()
+    g = p.add_argument_group("connections", "bounds on each HTTP connection, against slow or stalled clients "
+                             "(README, Slow clients; not applied with --replicas, where Ray Serve's proxy "
+                             "takes the connections)")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help="seconds from a connection's open (or a request's first byte) to the end of the request "
+                        "head; past it 408 and close (default: %(default)s)")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help="seconds from the end of the head to the end of the body; past it 408 and close (default: %(default)s)")
+    g.add_argument("--send-timeout", type=float, default=d.send_timeout_s,
+                   help="seconds a response may wait for a client that reads nothing; past it the connection "
+                        "is dropped and its request aborted (default: %(default)s)")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout_s,
+                   help="seconds an idle kept-alive connection stays open (default: %(default)s)")
+    g.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
+                   help="largest request line plus headers (bytes); more is 431 (default: %(default)s)")
+    g.add_argument("--write-buffer-bytes", type=int, default=d.write_buffer_bytes,
+                   help="response bytes queued per connection before the handler waits for the client (default: %(default)s)")
+    g.add_argument("--send-buffer-bytes", type=int, default=d.send_buffer_bytes,
+                   help="kernel send buffer per connection (SO_SNDBUF; 0: the kernel's autotuning) (default: %(default)s)")
+    g.add_argument("--limit-concurrency", type=int, default=None,
+                   help="connections plus running requests before new requests get uvicorn's 503 "
+                        "(default: no limit; the waiting queue and its 429s bound the work)")
+
+
+def connection_limits_from_args(args: argparse.Namespace):
+    """``ConnectionLimits`` from parsed ``stencil serve`` arguments."""
+    from service.http_limits import ConnectionLimits
+
+    return ConnectionLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                            send_timeout_s=args.send_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+                            max_header_bytes=args.max_header_bytes, write_buffer_bytes=args.write_buffer_bytes,
+                            send_buffer_bytes=args.send_buffer_bytes or None,
+                            limit_concurrency=args.limit_concurrency).validate()
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -170,9 +211,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scfg = service_config_from_args(args)
     if args.replicas is not None:
         return _serve_cluster(args, scfg)
+    limits = connection_limits_from_args(args)
     runner = ServerRunner()
     app = create_app(engine_config_from_args(args), scfg, on_engine_dead=runner.engine_dead)
-    return runner.run(app, args.host, args.port, grace_s=args.shutdown_grace, log_level=args.log_level)
+    return runner.run(app, args.host, args.port, grace_s=args.shutdown_grace, log_level=args.log_level,
+                      limits=limits)
 
 
 def _serve_cluster(args: argparse.Namespace, scfg) -> int:
@@ -318,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "dies the process exits 1.")
     _add_engine_args(p)
     _add_service_args(p)
+    _add_connection_args(p)
     _add_cluster_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -189,6 +189,13 @@ def named_as(names: dict[str, str]) -> Iterator[None]:
                          position=getattr(e, "position", None)) from None
 
 
+def client_left_during_body(exc: BaseException) -> bool:
+    """Whether ``exc`` is Litestar's 500 for a body that never ended because the client left (or
+    ``service.http_limits`` timed the body out): no server fault, and nobody reads the answer."""
+    return (getattr(exc, "status_code", None) == 500 and not isinstance(exc, ServiceError)
+            and str(getattr(exc, "detail", "")) == "client disconnected prematurely")
+
+
 def log_refused(method: str, path: str, status: int, field: str | None, message: str,
                 request_id: str | None) -> None:
     """One INFO line for a request answered with a 4xx: method, path, status, field and the

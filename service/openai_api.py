@@ -41,6 +41,7 @@ import msgspec
 from litestar import Request, Response, Router, get, post
 from litestar.di import Provide
 from litestar.openapi import ResponseSpec
+from litestar.openapi.spec import Link, Operation
 from litestar.response import Stream
 
 from schemas.openai import (
@@ -57,7 +58,7 @@ from service.openai_common import (
     openai_exception_handler, openai_temperature, refuse_unserved, relaxed, run_all, sse, start_all, token_bytes,
     token_logprobs, token_text, verdict, vocab_size, warnings_header,
 )
-from service.openapi_docs import StreamableOperation, error_responses
+from service.openapi_docs import StreamableOperation, error_responses, with_links
 from service.state import ServiceState
 from service.tool_parser import ToolCallParser, ToolEvent
 from service.tools import ToolPlan, new_call_id, plan_tools, template_messages, template_supports_tools
@@ -372,7 +373,8 @@ async def _chat_events(svc: ServiceState, job: _ChatJob, streams: list[gen.Gener
 @post("/chat/completions", status_code=200, summary="OpenAI-compatible chat completion",
       responses={200: ResponseSpec(ChatCompletion, description="the completion, or its chunks as server-sent "
                                    "events with `\"stream\": true`"), **GENERATION_ERRORS},
-      operation_class=StreamableOperation, guards=[strict_body(ChatCompletionRequest)])
+      operation_class=StreamableOperation, guards=[strict_body(ChatCompletionRequest)],
+      operation_id="createChatCompletion")
 async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, request: Request) -> Any:
     """Create a chat completion (OpenAI ``POST /v1/chat/completions``), whole or streamed.
 
@@ -463,7 +465,8 @@ def _prompts(svc: ServiceState, prompt: Any) -> list[str | list[int]]:
 @post("/completions", status_code=200, summary="OpenAI-compatible text completion (legacy)",
       responses={200: ResponseSpec(Completion, description="the completion, or its chunks as server-sent "
                                    "events with `\"stream\": true`"), **GENERATION_ERRORS},
-      operation_class=StreamableOperation, guards=[strict_body(CompletionRequest)])
+      operation_class=StreamableOperation, guards=[strict_body(CompletionRequest)],
+      operation_id="createCompletion")
 async def completions(data: CompletionRequest, svc: ServiceState, request: Request) -> Any:
     """Create a text completion (OpenAI ``POST /v1/completions``), whole or streamed."""
     model = check_model(svc, data.model)
@@ -542,13 +545,30 @@ def _model(svc: ServiceState) -> Model:
     return Model(id=svc.model_name, created=created)
 
 
-@get("/models", summary="Models served (OpenAI-compatible)", responses=_LIST_ERRORS)
+# The served model's id, as every other /v1 operation takes it (OpenAPI links: clients and
+# schemathesis's stateful tests follow them from the list to the model and to generation).
+_MODEL_ID = "$response.body#/data/0/id"
+_MODEL_LINKS = {"200": {
+    "RetrieveModel": Link(operation_id="retrieveModel", parameters={"model_id": _MODEL_ID},
+                          description="the listed model, by id"),
+    "CreateChatCompletion": Link(operation_id="createChatCompletion", request_body={"model": _MODEL_ID},
+                                 description="a chat completion with the listed model"),
+    "CreateCompletion": Link(operation_id="createCompletion", request_body={"model": _MODEL_ID},
+                             description="a text completion with the listed model"),
+    "CreateResponse": Link(operation_id="createResponse", request_body={"model": _MODEL_ID},
+                           description="a response with the listed model"),
+}}
+
+
+@get("/models", summary="Models served (OpenAI-compatible)", responses=_LIST_ERRORS, operation_id="listModels",
+     operation_class=with_links(Operation, _MODEL_LINKS))
 async def list_models(svc: ServiceState) -> ModelList:
     """The one model this server serves."""
     return ModelList(data=[_model(svc)])
 
 
-@get("/models/{model_id:path}", summary="One model (OpenAI-compatible)", responses=_LOOKUP_ERRORS)
+@get("/models/{model_id:path}", summary="One model (OpenAI-compatible)", responses=_LOOKUP_ERRORS,
+     operation_id="retrieveModel")
 async def get_model(model_id: str, svc: ServiceState) -> Model:
     """The served model by id; 404 for any other id."""
     check_model(svc, model_id.lstrip("/"))

@@ -25,8 +25,8 @@ from grammar.base import GrammarError, GrammarSpec
 from schemas.openai import ErrorBody, ErrorResponse, FunctionDefinition, TokenLogprob, TopLogprob
 from service import generation as gen
 from service.openapi_docs import error_responses
-from service.errors import ClientDisconnected, GenerationFailed, InputError, ServiceError, log_refused, named_as, \
-    to_problem
+from service.errors import ClientDisconnected, GenerationFailed, InputError, ServiceError, client_left_during_body, \
+    log_refused, named_as, to_problem
 from service.state import ServiceState
 from service.tool_parser import ParsedCall, parse_answer
 from service.tools import ToolError, ToolPlan, arguments_schema, is_strict, tool_regex
@@ -95,6 +95,8 @@ def _openai_error_fields(request: Request, exc: Exception,
             return 400, "the body is empty: send a JSON object", None, None, None
         details = "; ".join(f"{e.get('key') or 'body'}: {e.get('message', '')}" for e in items)
         return 400, f"{exc.detail}{': ' + details if details else ''}", invalid_field(items), None, None
+    if client_left_during_body(exc):
+        return 408, "the client left before sending the whole body", None, None, None
     if isinstance(exc, HTTPException) and not isinstance(exc, ServiceError):
         message = str(exc.detail)
         if exc.status_code == 404:

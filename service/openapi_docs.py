@@ -4,15 +4,20 @@ Litestar derives the success response from a handler's return annotation and add
 400 for body validation; it cannot know that ``stream: true`` turns a 200 into server-sent
 events, nor the shape of the errors our own exception handlers write. Without these, a client
 (or a schema-driven fuzzer such as schemathesis) would be told a 429 or an event stream is
-undocumented, and the error bodies could not be checked against any schema.
+undocumented, and the error bodies could not be checked against any schema. Two more things
+it cannot infer: which request types refuse unknown fields (``StrictStructSchemaPlugin``) and
+which answers feed which operations (``with_links``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from litestar._openapi.schema_generation import SchemaCreator
+from litestar._openapi.schema_generation.plugins.struct import StructSchemaPlugin
 from litestar.openapi import ResponseSpec
-from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
+from litestar.openapi.spec import Link, OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Operation, Schema
+from litestar.typing import FieldDefinition
 
 EVENT_STREAM = "text/event-stream"
 
@@ -57,3 +62,53 @@ class StreamableOperation(Operation):
                            properties={"data": Schema(type=OpenAPIType.STRING),
                                        "event": Schema(type=OpenAPIType.STRING)})
             ok.content = {**(ok.content or {}), EVENT_STREAM: OpenAPIMediaType(schema=event)}
+
+
+def with_links(base: type[Operation], links: dict[str, dict[str, Link]]) -> type[Operation]:
+    """A subclass of the operation class ``base`` whose responses carry OpenAPI ``links``.
+
+    Litestar's ``ResponseSpec`` cannot say that a value of one answer is the input of another
+    operation; links do (``status code → name → Link``), so a client, and schemathesis's
+    stateful testing, can chain calls: list the models, then fetch one or generate with it.
+
+    Raises:
+        KeyError: when building the document, a status code that the operation does not document.
+    """
+    def __post_init__(self) -> None:
+        parent = getattr(base, "__post_init__", None)
+        if parent is not None:
+            parent(self)
+        for code, named in links.items():
+            response = (self.responses or {})[code]
+            if isinstance(response, OpenAPIResponse):
+                response.links = {**(response.links or {}), **named}
+
+    cls = type(f"{base.__name__}WithLinks", (base,), {"__post_init__": __post_init__})
+    return dataclass(cls)  # a fresh __init__ that calls this __post_init__
+
+
+class StrictStructSchemaPlugin(StructSchemaPlugin):
+    """Litestar's msgspec Struct schemas, plus ``additionalProperties: false`` where the Struct
+    says ``forbid_unknown_fields=True``.
+
+    Litestar's own plugin drops that fact, so the document told clients that any extra field
+    is allowed while the server answers it with a 422 (and a fuzzer's "valid" bodies carried
+    unknown fields). Registered with the app, it is consulted before the built-in one.
+    """
+
+    def to_openapi_schema(self, field_definition: FieldDefinition, schema_creator: SchemaCreator) -> Schema:
+        schema = super().to_openapi_schema(field_definition, schema_creator)
+        if field_definition.type_.__struct_config__.forbid_unknown_fields:
+            schema.additional_properties = False
+        return schema
+
+
+@dataclass
+class RefusedOperation(Operation):
+    """An operation that never succeeds (a route kept so clients of another API get a clear
+    error): the success response Litestar infers from the handler is dropped from the document,
+    leaving the documented errors."""
+
+    def __post_init__(self) -> None:
+        for code in [c for c in (self.responses or {}) if c.startswith("2")]:
+            del self.responses[code]

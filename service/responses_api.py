@@ -29,9 +29,10 @@ from typing import Any
 import msgspec
 from litestar import Request, Response, get, post
 from litestar.openapi import ResponseSpec
+from litestar.openapi.spec import Link
 from litestar.response import Stream
 
-from schemas.openai import ChatMessage, FunctionCall, FunctionDefinition, ToolCall
+from schemas.openai import ChatMessage, ErrorResponse, FunctionCall, FunctionDefinition, ToolCall
 from schemas.responses import (
     FunctionCallItem, FunctionTool, IncompleteDetails, InputContent, InputTokensDetails, NamedFunction, OutputItem,
     OutputLogprob, OutputMessage, OutputText, Response as ResponseObject, ResponseError, ResponsesRequest,
@@ -43,7 +44,7 @@ from service.openai_common import (
     GENERATION_ERRORS, SSE_HEADERS, Constraint, NotFound, check_model, constraint, error_fields, openai_temperature,
     refuse_unserved, relaxed, run_all, sse, start_all, token_bytes, token_text, verdict, warnings_header,
 )
-from service.openapi_docs import StreamableOperation
+from service.openapi_docs import RefusedOperation, StreamableOperation, error_responses, with_links
 from service.state import ServiceState
 from service.tool_parser import ToolCallParser, ToolEvent
 from service.tools import plan_tools, template_messages, template_supports_tools
@@ -378,10 +379,18 @@ async def _events(svc: ServiceState, job: _Job, stream: gen.GenerationStream, re
                                           error=ResponseError(code=err.type, message=err.message))})
 
 
+# Stateless, the API's way to go on is to send the answer back: the output items are input items
+# (an OpenAPI link, which schemathesis's stateful tests follow).
+_CONTINUE = {"200": {"ContinueConversation": Link(
+    operation_id="createResponse", request_body={"input": "$response.body#/output"},
+    description="the next turn: this response's output items sent back as input")}}
+
+
 @post("/responses", status_code=200, summary="OpenAI-compatible response (Responses API)",
       responses={200: ResponseSpec(ResponseObject, description="the response, or its typed events as server-sent "
                                    "events with `\"stream\": true`"), **GENERATION_ERRORS},
-      operation_class=StreamableOperation, guards=[strict_body(ResponsesRequest)])
+      operation_class=with_links(StreamableOperation, _CONTINUE), guards=[strict_body(ResponsesRequest)],
+      operation_id="createResponse")
 async def create_response(data: ResponsesRequest, svc: ServiceState, request: Request) -> Any:
     """Create a model response (OpenAI ``POST /v1/responses``), whole or streamed.
 
@@ -407,7 +416,10 @@ async def create_response(data: ResponsesRequest, svc: ServiceState, request: Re
 
 
 @get("/responses/{response_id:str}", summary="Retrieve a response (not served: Stencil stores none)",
-     include_in_schema=False)
+     operation_id="getResponse", operation_class=RefusedOperation,
+     responses={**error_responses(ErrorResponse, "application/json", (400, 401)),
+                404: ResponseSpec(ErrorResponse, description="no response is stored", media_type="application/json")},
+     description="Always 404 in OpenAI's error shape: Stencil is stateless and stores no response.")
 async def get_response(response_id: str) -> None:
     """Always 404: Stencil is stateless and keeps no responses."""
     raise NotFound(f"response {response_id!r} was not stored: Stencil is stateless (store is always false)",

@@ -13,6 +13,10 @@ Thousands of clients: the listen backlog is 4096 (uvicorn's default 2048 would d
 of a burst of 2,000 new connections once the loop falls behind accepting them; the kernel caps
 it at ``net.core.somaxconn``), and the soft limit on open files is raised to the hard one at
 start, since every connection is a file descriptor (the usual soft limit is 1024).
+
+Slow clients: the connections are served by ``service.http_limits``'s protocol (uvicorn's
+httptools one with header, body and send time-outs, a bound on the request head, and bounded
+write buffers), configured by a ``ConnectionLimits``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import threading
 import uvicorn
 
 from service.app import service_state
+from service.http_limits import ConnectionLimits, protocol_class
 
 log = logging.getLogger("stencil.server")
 
@@ -95,7 +100,8 @@ class ServerRunner:
             self.server.should_exit = True  # uvicorn's main loop polls this flag every 0.1 s
 
     def run(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 30.0,
-            sock: socket.socket | None = None, log_level: str = "info", backlog: int = 4096) -> int:
+            sock: socket.socket | None = None, log_level: str = "info", backlog: int = 4096,
+            limits: ConnectionLimits | None = None) -> int:
         """Serve until a stop signal or engine death; return the process exit status.
 
         Args:
@@ -105,13 +111,17 @@ class ServerRunner:
             sock: an already bound socket (tests use port 0).
             log_level: uvicorn's log level.
             backlog: pending connections the listening socket holds.
+            limits: per-connection time-outs and buffers (``None``: ``ConnectionLimits()``).
         """
         self.app = app
         self.grace_s = grace_s
         raise_open_files_limit()
+        limits = (limits or ConnectionLimits()).validate()
         config = uvicorn.Config(app, host=host, port=port, lifespan="on", log_config=None,
                                 log_level=log_level, timeout_graceful_shutdown=grace_s + ABORT_MARGIN_S,
-                                access_log=False, backlog=backlog)
+                                access_log=False, backlog=backlog, http=protocol_class(limits),
+                                timeout_keep_alive=limits.keep_alive_timeout_s,
+                                limit_concurrency=limits.limit_concurrency)
         self.server = _Server(config, self)
         self.server.run(sockets=[sock] if sock is not None else None)
         if not self.server.started and self.exit_code == 0:

@@ -20,7 +20,8 @@ class LiveServer:
             ``runner.run`` returned once the thread ended (None while it runs).
     """
 
-    def __init__(self, engine_config, service_config=None, grace_s: float = 5.0):
+    def __init__(self, engine_config, service_config=None, grace_s: float = 5.0, limits=None):
+        self.limits = limits  # service.http_limits.ConnectionLimits; None: the defaults
         self.runner = ServerRunner()
         self.app = create_app(engine_config, service_config, on_engine_dead=self.runner.engine_dead)
         self.sock = socket.socket()
@@ -30,7 +31,8 @@ class LiveServer:
         self.thread = threading.Thread(target=self._run, args=(grace_s,), daemon=True)
 
     def _run(self, grace_s: float) -> None:
-        self.exit_code = self.runner.run(self.app, sock=self.sock, grace_s=grace_s, log_level="warning")
+        self.exit_code = self.runner.run(self.app, sock=self.sock, grace_s=grace_s, log_level="warning",
+                                         limits=self.limits)
 
     def start(self, timeout_s: float = 120.0) -> "LiveServer":
         self.thread.start()

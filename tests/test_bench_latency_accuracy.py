@@ -15,36 +15,43 @@ from benchmarks.workload import PERSON_SHORT_SCHEMA, WorkItem, person_items
 
 # -- latency: the timeline of one request -----------------------------------------------------------
 
-def _events(t0: float = 100.0) -> list[tuple[str, float, float]]:
+def _events(t0: float = 100.0, token_ms: float = 50.5, compile_: bool = True) -> list[tuple[str, float, float]]:
     """A made-up request (seconds): arrival 100.010, template 100.012-100.014, compile
-    100.015-100.020, added 100.021-100.022, steps at 100.023 (prefill, 30 ms) then two decodes."""
+    100.015-100.040 (behind the prefill), added 100.016-100.017, a prefill chunk 100.018-100.028,
+    an idle step while the grammar compiles, the step with the first token 100.041-100.051,
+    then two decodes."""
     at = lambda ms: t0 + ms / 1e3  # noqa: E731
     return [("asgi_in", at(10), at(10)), ("tokenize", at(12), at(14)), ("grammar_spec", at(14), at(14.5)),
-            ("compile", at(15), at(20)), ("add_request", at(21), at(22)),
-            ("step", at(23), at(53)), ("schedule", at(23), at(23.5)), ("forward", at(24), at(50)),
-            ("update", at(50), at(52)), ("detokenize", at(51), at(51.5)),
-            ("step", at(54), at(64)), ("forward", at(54), at(63)),
-            ("step", at(66), at(78)), ("forward", at(66), at(77)), ("grammar_mask", at(77), at(77.5)),
-            ("validate_output", at(80), at(81))]
+            *([("compile", at(15), at(40))] if compile_ else []), ("add_request", at(16), at(17)),
+            ("step", at(18), at(28)), ("schedule", at(18), at(18.5)), ("forward", at(19), at(27)),
+            ("step", at(30), at(30.2)),  # nothing to run: only a request waiting for its grammar
+            ("step", at(41), at(51)), ("forward", at(42), at(50)), ("update", at(50), at(51)),
+            ("detokenize", at(50.2), at(50.6)), ("first_token", at(token_ms), at(token_ms)),
+            ("step", at(53), at(63)), ("forward", at(53), at(62)),
+            ("step", at(65), at(75)), ("forward", at(65), at(74)),
+            ("validate_output", at(78), at(79))]
 
 
 def test_phases_cut_the_request_into_consecutive_spans_that_add_up():
     r = latency.phases(_events(), sent=100.0, received=100.090)
     ph = r["phases"]
-    expected = {"http_in": 10, "validate": 2, "template_tokenize": 2, "params": 1, "grammar": 5, "admit": 2,
-                "queue": 1, "prefill": 30, "decode": 22, "loop": 3, "deliver": 2, "validate_output": 1,
-                "response": 9}
+    expected = {"http_in": 10, "validate": 2, "template_tokenize": 2, "params": 1, "admit": 2, "queue": 1,
+                "prefill": 20, "grammar": 13, "decode": 20, "loop": 4, "deliver": 3, "validate_output": 1,
+                "response": 11}
     assert set(ph) == set(latency.PHASES) and ph == pytest.approx(expected)
     assert sum(ph.values()) == pytest.approx(r["total_ms"]) == pytest.approx(90)
-    assert r["num_steps"] == 3 and r["decode_step_ms_p50"] == pytest.approx(11)
-    assert r["steps"] == pytest.approx({"schedule": 0.5, "grammar_mask": 0.5, "forward": 46, "update": 1.5,
-                                        "detokenize": 0.5, "propose": 0})
+    assert r["num_steps"] == 4 and r["decode_step_ms_p50"] == pytest.approx(10)
+    assert r["ttft_ms"] == pytest.approx(50.5) and r["compile_ms"] == pytest.approx(25)
+    assert r["steps"] == pytest.approx({"schedule": 0.5, "grammar_mask": 0, "forward": 34, "update": 0.6,
+                                        "detokenize": 0.4, "propose": 0})
 
 
 def test_phases_of_an_unconstrained_request_have_no_grammar_time():
-    events = [e for e in _events() if e[0] != "compile"]
-    ph = latency.phases(events, sent=100.0, received=100.090)["phases"]
-    assert ph["grammar"] == 0 and ph["params"] == pytest.approx(7)  # template end -> add_request
+    r = latency.phases(_events(token_ms=27.5, compile_=False), sent=100.0, received=100.090)
+    ph = r["phases"]
+    assert ph["grammar"] == 0 and r["compile_ms"] == 0 and ph["params"] == pytest.approx(2)  # template -> add
+    assert ph["prefill"] == pytest.approx(10) and ph["decode"] == pytest.approx(30)
+    assert ph["loop"] == pytest.approx(13 + 2 + 2) and sum(ph.values()) == pytest.approx(90)
 
 
 def test_probes_record_calls_and_put_everything_back():
@@ -70,17 +77,23 @@ def test_latency_command_times_both_variants_on_the_tiny_model(tiny_model_dir, t
     p = argparse.ArgumentParser()
     latency.add_arguments(p)
     args = p.parse_args(["--json", str(tmp_path / "lat.json"), "--requests", "2", "--max-tokens", "24",
+                         "--variants", "json_schema,json_schema_cold,none", "--prompt-tokens", "120",
                          "--serve-args", f"--model {tiny_model_dir} --num-kv-blocks 128 --speculative ngram"])
     assert latency.main(args) == 0
     report = json.loads(args.json.read_text())
-    assert report["speculative"] == {"method": "ngram"} and set(report["variants"]) == {"json_schema", "none"}
+    assert report["speculative"] == {"method": "ngram"}
+    assert set(report["variants"]) == {"json_schema", "json_schema_cold", "none"}
     for v in report["variants"].values():
         assert len(v["requests"]) == 2 and len(v["texts"]) == 2
         for r in v["requests"]:
             assert sum(r["phases"].values()) == pytest.approx(r["total_ms"], rel=1e-6)
             assert all(x >= 0 for x in r["phases"].values()) and r["num_steps"] >= 1
-    assert report["variants"]["json_schema"]["cold"]["phases"]["grammar"] > 0
-    assert report["variants"]["none"]["warm"]["phases"]["grammar"] == 0
+            assert 0 < r["ttft_ms"] <= r["total_ms"] and r["phases"]["grammar"] >= 0
+    v = report["variants"]
+    assert v["json_schema"]["cold"]["compile_ms"] > 0
+    assert all(r["compile_ms"] > 0 for r in v["json_schema_cold"]["requests"])
+    assert all(r["compile_ms"] == r["phases"]["grammar"] == 0 for r in v["none"]["requests"])
+    assert report["ttft_cold_over_warm"] > 0 and report["prompt_tokens"] == 120
 
 
 # -- accuracy: scoring ----------------------------------------------------------------------------

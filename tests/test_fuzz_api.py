@@ -1,69 +1,43 @@
 """Schema-driven fuzzing of the HTTP API (schemathesis) against a live server on the tiny model.
 
-The OpenAPI document the server publishes at ``/schema/openapi.json`` is the contract: for every
-operation, schemathesis generates bodies that follow it (positive) and bodies that break it
-(negative), and every answer must
+The checks are ``benchmarks.api_fuzz``'s (its docstring lists them): every answer is never a
+5xx, is what the published OpenAPI document declares (status, content type, headers, body; 4xx
+bodies against the problem-details / OpenAI error shapes), schema-breaking bodies get a 4xx,
+errors name the problem, streams are made of documented events; sequences that follow the
+document's links get the same checks; and after the whole run no request is left in the engine
+and every KV block is free.
 
-* never be a 5xx (``not_a_server_error``),
-* carry a status code, content type, headers and body that the document declares
-  (``status_code_conformance``, ``content_type_conformance``, ``response_headers_conformance``,
-  ``response_schema_conformance``); 4xx bodies are validated against the declared
-  problem-details / OpenAI error shapes,
-* refuse schema-breaking bodies with a 4xx (``negative_data_rejection``),
-
-and beyond the document: every error names the problem in words, a 429 says when to retry,
-every event of a stream decodes as one of the documented event types, and after the whole run
-no request is left in the engine and every KV block is free.
-
-Bounded for CI: ``STENCIL_FUZZ_EXAMPLES`` (default 25) examples per operation and mode, derandomized
-(the same cases every run; set ``STENCIL_FUZZ_RANDOM=1`` to explore new ones), a cap of 16 output
-tokens (the default of ``/v1/completions``) and a 2 s grammar-compile timeout on the server.
+Bounded for CI: ``STENCIL_FUZZ_EXAMPLES`` (default 25) examples per operation and mode,
+derandomized (the same cases every run; ``STENCIL_FUZZ_RANDOM=1`` explores new ones), a cap of
+16 output tokens and a 2 s grammar-compile timeout on the server. The deep, random runs are
+``stencil bench fuzz`` (README, Benchmarks).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
 import httpx
 import msgspec
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
-from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-# The built-in OpenAPI checks live here (schemathesis 4.x registers them from this module).
-from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
-                                               response_headers_conformance, response_schema_conformance,
-                                               status_code_conformance)
+import torch
 
 import schemas.generate
 import schemas.openai
 import schemas.responses
+from benchmarks import api_fuzz
 from engine.config import EngineConfig
-from schemas.generate import StreamDelta, StreamError, StreamFinal
-from schemas.openai import ChatCompletionChunk, Completion, ErrorResponse
-from service.openai_api import UNSERVED_CHAT
-from service.responses_api import UNSERVED as UNSERVED_RESPONSES
 from service.state import ServiceConfig
 from service_live import LiveServer
 
 EXAMPLES = int(os.environ.get("STENCIL_FUZZ_EXAMPLES", "25"))
 DERANDOMIZE = os.environ.get("STENCIL_FUZZ_RANDOM", "") != "1"
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance, negative_data_rejection]
 OPERATIONS = [("/generate", "POST"), ("/health", "GET"), ("/metrics", "GET"), ("/v1/chat/completions", "POST"),
-              ("/v1/completions", "POST"), ("/v1/responses", "POST"), ("/v1/models", "GET"),
-              ("/v1/models/{model_id}", "GET")]
-_GENERATE_EVENT = msgspec.json.Decoder(StreamDelta | StreamFinal | StreamError)
-_STREAM_TYPES = {"/v1/chat/completions": msgspec.json.Decoder(ChatCompletionChunk),
-                 "/v1/completions": msgspec.json.Decoder(Completion)}
-_OPENAI_ERROR = msgspec.json.Decoder(ErrorResponse)
-_RESPONSE_EVENTS = {"response.created", "response.in_progress", "response.output_item.added",
-                    "response.content_part.added", "response.output_text.delta", "response.output_text.done",
-                    "response.content_part.done", "response.output_item.done",
-                    "response.function_call_arguments.delta", "response.function_call_arguments.done",
-                    "response.completed", "response.incomplete", "response.failed", "error"}
+              ("/v1/completions", "POST"), ("/v1/models", "GET"), ("/v1/models/{model_id}", "GET"),
+              ("/v1/responses", "POST"), ("/v1/responses/{response_id}", "GET")]
+WITH_BODY = [(p, m) for p, m in OPERATIONS if m == "POST"]
 
 
 @pytest.fixture(scope="module")
@@ -75,128 +49,94 @@ def server(tiny_model_dir):
     srv.stop()
 
 
-def _declare_forbidden_unknown_fields(doc: dict) -> None:
-    """Mark request types that refuse unknown fields with ``additionalProperties: false``.
-
-    Our Structs say ``forbid_unknown_fields=True`` but Litestar's schema generator drops that
-    fact; without it a "positive" case may carry an unknown field (then 422 is right) and no
-    negative case tries one.
-    """
-    components = doc.get("components", {}).get("schemas", {})
-    for module in (schemas.generate, schemas.openai, schemas.responses):
-        for name, obj in vars(module).items():
-            if (isinstance(obj, type) and issubclass(obj, msgspec.Struct)
-                    and obj.__struct_config__.forbid_unknown_fields and name in components):
-                components[name]["additionalProperties"] = False
-
-
 @pytest.fixture(scope="module")
 def api(server):
-    doc = httpx.get(server.url + "/schema/openapi.json", timeout=30).json()
-    _declare_forbidden_unknown_fields(doc)
-    return schemathesis.openapi.from_dict(doc)
+    return api_fuzz.load_api(server.url)
 
 
-def _header(response, name: str) -> str:
-    """First value of a header (schemathesis keeps headers as ``{name: [values]}``)."""
-    for key, values in response.headers.items():
-        if key.lower() == name:
-            return values[0] if isinstance(values, list) else values
-    return ""
+def test_document_lists_the_operations_fuzzed_here(api):
+    assert api_fuzz.operations(api, "positive") == OPERATIONS
+    assert api_fuzz.operations(api, "negative") == WITH_BODY
+    assert api_fuzz.operations(api, "servable") == WITH_BODY
 
 
-def _check_beyond_schema(path: str, response) -> None:
-    """What the document cannot say: errors name the problem; streams are made of documented events."""
-    status = response.status_code
-    ctype = _header(response, "content-type")
-    if status >= 400:
-        rid = _header(response, "x-request-id")
-        assert rid.startswith("req-"), response.headers
-        if path.startswith("/v1"):
-            assert _OPENAI_ERROR.decode(response.content).error.message.strip(), response.text
-        else:
-            problem = msgspec.json.decode(response.content)
-            assert problem["detail"].strip() and problem["request_id"] == rid, problem
-        if status == 429:
-            assert int(_header(response, "retry-after")) >= 1
-    if status == 200 and ctype.startswith("text/event-stream"):
-        events = [ln[len("data: "):] for ln in response.text.splitlines() if ln.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", response.text[-300:]
-        for payload in events[:-1]:
-            if path == "/generate":
-                event = _GENERATE_EVENT.decode(payload)
-                if isinstance(event, StreamError):
-                    assert event.error.status < 500, event
-            elif path == "/v1/responses":
-                event = msgspec.json.decode(payload)
-                assert event["type"] in _RESPONSE_EVENTS, event
-                assert event["type"] != "error" or event["code"] != "server_error", event
-            elif '"error"' in payload[:10]:
-                assert _OPENAI_ERROR.decode(payload).error.type != "server_error", payload
-            else:
-                _STREAM_TYPES[path].decode(payload)
+def test_document_says_which_bodies_refuse_unknown_fields(api):
+    """Every request Struct with ``forbid_unknown_fields`` is ``additionalProperties: false`` in
+    the published document (Litestar's generator alone drops it), and only those."""
+    components = api.raw_schema["components"]["schemas"]
+    checked = 0
+    for module in (schemas.generate, schemas.openai, schemas.responses):
+        for name, obj in vars(module).items():
+            if isinstance(obj, type) and issubclass(obj, msgspec.Struct) and name in components:
+                forbids = obj.__struct_config__.forbid_unknown_fields
+                assert (components[name].get("additionalProperties") is False) == forbids, name
+                checked += forbids
+    assert checked >= 5  # GenerateRequest, ChatCompletionRequest, CompletionRequest, ResponsesRequest, ...
 
 
-def _run(api, server, path: str, method: str, strategy) -> None:
-    operation = api[path][method]
+def test_document_links_the_models_list_to_its_consumers(api):
+    links = api.raw_schema["paths"]["/v1/models"]["get"]["responses"]["200"]["links"]
+    assert {link["operationId"] for link in links.values()} == {
+        "retrieveModel", "createChatCompletion", "createCompletion", "createResponse"}
+    cont = api.raw_schema["paths"]["/v1/responses"]["post"]["responses"]["200"]["links"]["ContinueConversation"]
+    assert cont["requestBody"] == {"input": "$response.body#/output"}
 
-    @given(case=strategy(operation))
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=DERANDOMIZE,
-              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate, Phase.shrink])
-    def check(case):
-        response = case.call(base_url=server.url, timeout=60)
-        case.validate_response(response, checks=CHECKS)
-        try:
-            _check_beyond_schema(path, response)
-        except AssertionError as e:
-            raise AssertionError(f"{e}\nrequest body: {case.body!r}") from None
 
-    check()
+# Control bytes no token of SmolLM2's vocabulary spells, and top_p values that round to 0 in
+# float32: the two engine defects pinned at the end of this file. Remove with them.
+_UNSPELLABLE = {chr(b) for b in (0x04, 0x06, 0x13, 0x14, 0x16, 0x1D)}
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield k
+            yield from _leaves(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def _known(case) -> bool:
+    """Whether a case would only meet a defect pinned below (a tiny top_p, an unspellable byte)."""
+    for leaf in _leaves(case.body):
+        if isinstance(leaf, float) and 0 < leaf < 1e-30:
+            return True
+        if isinstance(leaf, str) and _UNSPELLABLE & set(leaf):
+            return True
+    return False
+
+
+def _run(api, server, path, method, mode):
+    tally = api_fuzz.run_mode(api, server.url, path, method, mode, examples=EXAMPLES, derandomize=DERANDOMIZE,
+                              skip=_known)
+    assert tally.examples >= 1 and tally.failures == 0
 
 
 @pytest.mark.parametrize("path, method", OPERATIONS)
 def test_fuzz_positive(api, server, path, method):
-    _run(api, server, path, method, lambda op: op.as_strategy(generation_mode=GenerationMode.POSITIVE))
+    _run(api, server, path, method, "positive")
 
 
-@pytest.mark.parametrize("path, method", [(p, m) for p, m in OPERATIONS if m == "POST"])
+@pytest.mark.parametrize("path, method", WITH_BODY)
 def test_fuzz_negative(api, server, path, method):
-    _run(api, server, path, method, lambda op: op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
+    _run(api, server, path, method, "negative")
 
 
-def _servable(path: str):
-    """Map a generated body onto one the server can run (one prompt, at most one constraint), so the
-    fuzzer reaches generation, streaming and output checking rather than stopping at 400."""
-    def fix(case):
-        body = case.body
-        if not isinstance(body, dict):
-            return case
-        body.pop("model", None)
-        for key in ("best_of", "suffix", *UNSERVED_CHAT, *UNSERVED_RESPONSES):
-            body.pop(key, None)  # refused by design (400), which the other tests already reach
-        for key, top in (("max_tokens", 8), ("max_completion_tokens", 8), ("max_output_tokens", 8), ("n", 2)):
-            value = body.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e300:
-                body[key] = 1 + int(abs(value)) % top
-        if path == "/generate":
-            body.pop("messages", None)
-            body["prompt"] = "fuzz"
-            for key in [k for k in ("response_schema", "regex", "choice") if body.get(k) is not None][1:]:
-                body.pop(key)
-        elif path == "/v1/chat/completions":
-            body["messages"] = [{"role": "user", "content": "fuzz"}]
-        elif path == "/v1/responses":
-            body["input"] = "fuzz"
-        else:
-            body["prompt"] = "fuzz"
-        return case
-    return fix
+@pytest.mark.parametrize("path, method", WITH_BODY)
+def test_fuzz_servable_bodies(api, server, path, method):
+    _run(api, server, path, method, "servable")
 
 
-@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions", "/v1/completions", "/v1/responses"])
-def test_fuzz_servable_bodies(api, server, path):
-    _run(api, server, path, "POST",
-         lambda op: op.as_strategy(generation_mode=GenerationMode.POSITIVE).map(_servable(path)))
+def test_fuzz_stateful_links(api, server):
+    tally = api_fuzz.run_stateful(api, server.url, examples=EXAMPLES, derandomize=DERANDOMIZE, skip=_known)
+    followed = {key.rsplit(" ", 1)[0] for key in tally.statuses}
+    # The links were followed: from the model list to the model and to generation.
+    assert {"GET /v1/models", "GET /v1/models/{model_id}"} <= followed and len(followed) >= 4, tally.statuses
+    assert tally.statuses["GET /v1/models/{model_id} 200"] >= 1, tally.statuses
+    assert tally.failures == 0
 
 
 def test_nothing_left_behind(server):
@@ -211,3 +151,41 @@ def test_nothing_left_behind(server):
         time.sleep(0.2)
     assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["inflight"] == 0
     assert idle, stats
+
+
+# -- what `stencil bench fuzz` found --------------------------------------------------------------
+# Engine defects (engine/ is outside this change): pinned here as strict xfails, so the fix makes
+# them pass and the marker must go; the CI fuzz cases above steer around them (``_KNOWN``).
+
+@pytest.mark.xfail(strict=True, reason="engine/sampler.py: top-p drops every token when top_p rounds to 0 in "
+                   "fp32 ((cumsum - p) >= 0 holds for the first token), the draw lands past the vocabulary "
+                   "and the engine loop dies (one request stops the server)")
+def test_found_top_p_below_float32_keeps_the_first_token():
+    from engine.request import Request, SamplingParams
+    from engine.sampler import Sampler
+
+    logits = torch.randn(1, 10)
+    req = Request("r", [1], SamplingParams(seed=0, temperature=0.7, top_p=1e-46), eos_token_id=None)
+    tokens, lps, _ = Sampler()(logits, [req], [[]], want_logprobs=True)
+    assert tokens == [[int(torch.argmax(logits))]]  # the nucleus is the top token alone
+    assert math.isfinite(lps[0][0])
+
+
+@pytest.mark.xfail(strict=True, reason="a constraint the vocabulary cannot spell (SmolLM2 has no token for "
+                   "byte 0x06) is found mid-generation; the scheduler reports every matcher error as an "
+                   "internal error, so the client gets a 500 instead of a 4xx naming the constraint")
+def test_found_unspellable_regex_is_a_client_error(server):
+    r = httpx.post(server.url + "/generate", json={"prompt": "fuzz", "regex": "a\x06"}, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}), ("/v1/responses", {"input": "x", "max_output_tokens": 2})])
+def test_found_seed_beyond_int64_is_refused_and_the_engine_lives(server, path, body):
+    """A seed past int64 passed admission and killed the engine loop in the sampler (fixed in schemas)."""
+    r = httpx.post(server.url + path, json={**body, "seed": 2**64, "temperature": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+    r = httpx.post(server.url + path, json={**body, "seed": -2**63, "temperature": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"

@@ -152,7 +152,7 @@ def _accepts(grammar, tokenizer, text: str) -> bool:
 
 def test_recursive_schema_is_a_grammar_exact_at_any_depth(real_compilers, tokenizer):
     _, lazy = real_compilers
-    prog = to_program(GrammarSpec.json_schema(TREE))
+    prog = to_program(GrammarSpec.json_schema(TREE), handover=False)  # Stencil's own translation
     assert prog.kind == "lark" and "r0" in prog.text
     g = lazy.compile(GrammarSpec.json_schema(TREE))
     deep = '{"name":"a","children":[]}'
@@ -326,7 +326,7 @@ def test_shared_terminals_write_the_same_regex():
     language (checked with Python's re on both), and its Lark form is one terminal."""
     schema = {"type": "object", "properties": {k: {"type": "string"} for k in "abcdef"} |
               {"n": {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "string"}}}}}}
-    prog = to_program(GrammarSpec.json_schema(schema))
+    prog = to_program(GrammarSpec.json_schema(schema), handover=False)
     assert prog.regular and prog.terminals and len(prog.text) < prog.regex_size()
     rx = re.compile(prog.regex())
     for doc in ('{"a":"1","c":"x\\"y","n":[{"x":"q"},{}]}', '{}', '{"b":"","f":"z"}'):
@@ -344,7 +344,7 @@ def test_separators_are_shared_terminals_but_not_before_a_quantifier():
     from grammar.json_schema.compiler import FLEXIBLE_WS, SchemaCompiler, SchemaOptions
 
     schema = {"type": "object", "properties": {k: {"type": "integer"} for k in "abcd"}, "required": ["a"]}
-    prog = to_program(GrammarSpec.json_schema(schema, whitespace="flexible"))
+    prog = to_program(GrammarSpec.json_schema(schema, whitespace="flexible"), handover=False)
     ws = prog.terminals.index(FLEXIBLE_WS)
     w = rules.term_ref(ws)
     assert w + "," + w in prog.terminals and w + ":" + w in prog.terminals
@@ -418,7 +418,7 @@ def test_maskbench_instances_get_the_same_verdicts_and_masks_on_both_backends(to
                 break
             case = json.loads(f.read_text())
             try:
-                prog = to_program(GrammarSpec.json_schema(case["schema"]))
+                prog = to_program(GrammarSpec.json_schema(case["schema"]), handover=False)
                 if not prog.regular:
                     continue
                 ge, gl = eager.build(prog), lazy.build(prog)

@@ -4,9 +4,11 @@ llguidance (guidance-ai/llguidance, MIT) keeps a lexer of lazily built derivativ
 (Brzozowski derivatives; Owens, Reppy and Turon 2009, "Regular-expression derivatives
 re-examined") under an Earley parser, so nothing is computed for a state until a sequence reaches
 it: a grammar is ready in about a millisecond, whatever its size, and a mask costs microseconds to
-a few hundred (``docs/optimizations.md`` of the project). Its own JSON-Schema front end is not used:
-the input is the regex (or Lark grammar) that :mod:`grammar.json_schema` wrote, so exactness, key
-order and whitespace are the same as on the eager backend.
+a few hundred (``docs/optimizations.md`` of the project). The input is the regex (or Lark grammar)
+that :mod:`grammar.json_schema` wrote, so exactness, key order and whitespace are the same as on
+the eager backend; or, for a "json" program, a schema for llguidance's own JSON front end whose
+language is provably that same one (``json_schema.handover``), built through its C API
+(``llg_c``), which needs no Lark text and forces no tokens.
 
 The alphabet is the :class:`~grammar.vocab.TokenVocabulary` itself (its token bytes, not the
 tokenizer's own decoder), so both backends see the same bytes for every id; ids outside the
@@ -19,6 +21,7 @@ Source of the API: llguidance 1.9 ``python/llguidance/_lib.pyi`` (``LLMatcher``,
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import threading
@@ -26,6 +29,7 @@ import threading
 import numpy as np
 import torch
 
+from grammar.backends.llg_c import CMatcher
 from grammar.base import GrammarError, Program
 from grammar.vocab import TokenVocabulary
 
@@ -74,7 +78,7 @@ class LazyBackend:
     """
 
     name = "lazy"
-    kinds = frozenset({"regex", "lark"})
+    kinds = frozenset({"regex", "lark", "json"})
 
     def __init__(self, vocab: TokenVocabulary, limits=None):
         import llguidance
@@ -86,6 +90,13 @@ class LazyBackend:
                                                 eos_token=list(vocab.eos_token_ids))
         self._executor = None
         self._lock = threading.Lock()
+        self.eos = frozenset(vocab.eos_token_ids)
+        self._c_tokenizer = None  # llg_c.CTokenizer, for "json" programs
+        from grammar.backends.llg_c import library
+
+        if library() is not None:
+            self.c_tokenizer()  # ~0.5 s for 49 k tokens, like the Python tokenizer: paid up front
+        self.eos_bits = tuple((e >> 5, np.uint32(1 << (e & 31))) for e in sorted(self.eos))
 
     def build(self, program: Program) -> "LazyGrammar":
         """A grammar ready for matchers; the first mask is computed here, so errors show now.
@@ -95,6 +106,12 @@ class LazyBackend:
                 and column of the fault in ``position``-free text and ``line``/``column``).
         """
         llg = self._llg
+        if program.kind == "json":
+            root = self.c_tokenizer().matcher("json", program.text)
+            if root.is_error():
+                raise GrammarError("llguidance refused the schema handed to it: "
+                                   + (root.get_error().strip().splitlines() or ["?"])[0])
+            return LazyGrammar(self, root, program)
         if program.kind == "regex" and not program.terminals:
             top = json.loads(llg.LLMatcher.grammar_from_regex(program.text))
         elif program.kind in ("regex", "lark"):
@@ -113,6 +130,16 @@ class LazyBackend:
         if root.is_error():
             raise _explain(program, root.get_error())
         return LazyGrammar(self, root, program)
+
+    def c_tokenizer(self):
+        """The vocabulary as a tokenizer of llguidance's C API (``llg_c``: JSON programs are built
+        there, without token forcing and without the Lark front end); made once, ~0.5 s."""
+        with self._lock:
+            if self._c_tokenizer is None:
+                from grammar.backends.llg_c import CTokenizer
+
+                self._c_tokenizer = CTokenizer(self.vocab)
+            return self._c_tokenizer
 
     def executor(self):
         """A shared ``llguidance.LLExecutor`` for filling many rows at once (created on first use)."""
@@ -166,6 +193,7 @@ class LazyGrammar:
         self.vocab = backend.vocab
         self._root = root
         self._root_lock = threading.Lock()
+        self._handed_out = False  # a cursor shares the root (the first one: ``matcher``)
         try:
             # Warms the start's lexer states; the mask is kept for every matcher's first step.
             self._root_mask = LazyMatcher(self, root)._current_mask()
@@ -177,9 +205,17 @@ class LazyGrammar:
         self.nbytes = 0
 
     def matcher(self) -> "LazyMatcher":
+        """A cursor at the start, with the root's mask (its buffer shared until the cursor's
+        first own mask). The first cursor of a grammar also shares the root matcher until its
+        first step, so the grammar's first mask costs no copy (``deep_copy``, 0.1-0.3 ms); later
+        cursors get their copy here, before their first step, so no step of theirs waits for it."""
         with self._root_lock:
-            copy = self._root.deep_copy()
-        return LazyMatcher(self, copy, self._root_mask.clone())
+            first, self._handed_out = not self._handed_out, True
+        return LazyMatcher(self, None if first else self._copy_root(), self._root_mask, shared=True)
+
+    def _copy_root(self):
+        with self._root_lock:
+            return self._root.deep_copy()
 
 
 class LazyMatcher:
@@ -188,23 +224,46 @@ class LazyMatcher:
     The mask of the current state is computed once and kept until the state changes: the
     scheduler asks for forced tokens after every step and the engine for the bitmask row before
     the next one, both from the same state. Not thread-safe; owned by one request.
+
+    The per-token path is kept to a few calls into llguidance, because Python around them cost
+    more than llguidance's own work (MaskBench-dev, median token: about 10 us in llguidance, 100
+    us in the wrapper before): the mask is checked with one ``count_nonzero`` (not a list of its
+    set words), copied into the caller's row with one ``memmove``, and a token the valid mask
+    allows is consumed without a separate validation.
     """
 
-    __slots__ = ("_grammar", "_m", "_vocab", "_eos", "_words", "_num_tokens", "_terminated", "_mask",
-                 "_mask_valid")
+    __slots__ = ("_grammar", "_m", "_vocab", "_eos", "_eos_bits", "_words", "_num_tokens", "_terminated",
+                 "_mask", "_view", "_mask_ptr", "_mask_valid", "_checked", "_mask_shared")
 
-    def __init__(self, grammar: LazyGrammar, m, mask: torch.Tensor | None = None):
-        """``mask``: the current state's mask when the caller knows it (int32 ``[1, words]``,
-        owned by this matcher from now on), else None (computed on first use)."""
+    def __init__(self, grammar: LazyGrammar, m, mask: torch.Tensor | None = None, shared: bool = False):
+        """``m``: llguidance's matcher, or None for the grammar's root, copied at the first step
+        (``_own``). ``mask``: the current state's mask when the caller knows it (int32
+        ``[1, words]``; ``shared``: the root's, never written, else owned by this matcher from now
+        on), or None (computed on first use)."""
         self._grammar = grammar
         self._m = m
         self._vocab = grammar.backend.vocab
-        self._eos = frozenset(self._vocab.eos_token_ids)
+        self._eos = grammar.backend.eos
+        self._eos_bits = grammar.backend.eos_bits
         self._words = self._vocab.bitmask_words
         self._num_tokens = 0
         self._terminated = False
-        self._mask = torch.zeros((1, self._words), dtype=torch.int32) if mask is None else mask
+        self._set_buffer(torch.zeros((1, self._words), dtype=torch.int32) if mask is None else mask)
+        self._mask_shared = shared
         self._mask_valid = mask is not None
+        self._checked = None  # (bitmask, row stride in bytes, rows) of the last bitmask checked
+
+    def _own(self) -> None:
+        """Copy the root matcher for this cursor alone (before its first step)."""
+        if self._m is None:
+            self._m = self._grammar._copy_root()
+
+    def _set_buffer(self, mask: torch.Tensor) -> None:
+        """Keep the current state's mask in ``mask`` (int32 ``[1, words]``, contiguous)."""
+        self._mask_shared = False
+        self._mask = mask
+        self._view = mask[0].numpy().view(np.uint32)
+        self._mask_ptr = mask.data_ptr()
 
     @property
     def grammar(self) -> LazyGrammar:
@@ -222,9 +281,15 @@ class LazyMatcher:
         return self._terminated
 
     def is_accepting(self) -> bool:
-        return not self._terminated and self._m.is_accepting()
+        if self._terminated:
+            return False
+        if self._m is None:
+            with self._grammar._root_lock:
+                return self._grammar._root.is_accepting()
+        return self._m.is_accepting()
 
     def _check(self) -> None:
+        self._own()
         if self._m.is_error():
             if "NoExtension" in self._m.get_error() or "NoExtension" in str(self._m.stop_reason()):
                 raise _dead_end()
@@ -238,6 +303,7 @@ class LazyMatcher:
         and leave the matcher accepting."""
         if self._terminated or not token_ids:
             return 0
+        self._own()
         size = self._vocab.model_vocab_size
         cut = len(token_ids)
         for k, t in enumerate(token_ids):
@@ -261,7 +327,24 @@ class LazyMatcher:
         """Advance over all of ``token_ids``; if any is refused, return False and change nothing."""
         if not token_ids:
             return True
-        if self.validate_tokens(token_ids) != len(token_ids):
+        if len(token_ids) == 1 and self._mask_valid and not self._terminated:
+            # One token against the mask of this very state (the decode step's case): the mask
+            # says whether it is allowed, EOS included, so no validation is needed.
+            t = token_ids[0]
+            if not 0 <= t < self._vocab.model_vocab_size or not (int(self._view[t >> 5]) >> (t & 31)) & 1:
+                return False
+            if t in self._eos:
+                self._terminated = True
+            else:
+                if self._m is None:
+                    self._own()
+                if not self._m.consume_token(t):
+                    self._check()
+                    raise RuntimeError("llguidance refused a token its mask allowed")
+            self._num_tokens += 1
+            self._mask_valid = False
+            return True
+        if self.validate_tokens(token_ids) != len(token_ids):  # (owns the matcher)
             return False
         eos = token_ids[-1] in self._eos
         body = list(token_ids[:-1] if eos else token_ids)
@@ -285,6 +368,7 @@ class LazyMatcher:
             return
         inner = num_tokens - (1 if self._terminated else 0)  # EOS was never given to llguidance
         if inner:
+            self._own()
             self._m.rollback(inner)
             self._check()
         self._num_tokens -= num_tokens
@@ -299,7 +383,10 @@ class LazyMatcher:
                 vocabulary cannot spell what the grammar requires next).
         """
         if not self._mask_valid:
-            self._m.unsafe_compute_mask_ptr(self._mask.data_ptr(), self._words * 4)
+            self._own()
+            if self._mask_shared:  # the root's buffer: this state's mask goes in a buffer of its own
+                self._set_buffer(torch.zeros((1, self._words), dtype=torch.int32))
+            self._m.unsafe_compute_mask_ptr(self._mask_ptr, self._words * 4)
             self._finish_mask()
         return self._mask
 
@@ -309,30 +396,30 @@ class LazyMatcher:
         return not self._mask_valid and not self._terminated
 
     def _finish_mask(self) -> None:
-        """Check llguidance's raw mask in ``self._mask`` and set the EOS bits; mark it valid."""
-        self._check()
-        view = self._mask[0].numpy().view(np.uint32)
-        accepting = self._m.is_accepting()
-        if self._m.is_stopped():  # nothing can follow: llguidance's mask is then a stand-in
+        """Check llguidance's raw mask in ``self._mask`` and set the EOS bits; mark it valid.
+
+        llguidance computes a real mask unless the matcher is stopped or failed, when it writes
+        its EOS set as a stand-in (``compute_mask_or_eos`` in its ``python_ext/src/llmatcher.rs``);
+        a failure is an error state (``_check``), a stop is asked for. So an EOS bit in the mask
+        of a state that is not accepting marks a stand-in, the one case that needs a closer look.
+        """
+        m = self._m
+        if m.is_error():
+            self._check()
+        view = self._view
+        accepting = m.is_accepting()
+        if m.is_stopped():  # nothing can follow: llguidance's mask is then a stand-in
             if not accepting:
                 raise _dead_end()
             view[:] = 0
-        elif not accepting:
-            nz = np.flatnonzero(view)
-            word = int(view[nz[0]]) if nz.size == 1 else 0
-            if nz.size == 0 or (word and word & (word - 1) == 0):
-                # With no token allowed llguidance 1.9 returns a one-token stand-in mask.
-                t = int(nz[0]) * 32 + word.bit_length() - 1 if nz.size else -1
-                if t < 0 or self._m.validate_tokens([t]) == 0:
-                    raise _dead_end()
-        for e in self._eos:
-            if accepting:
-                view[e >> 5] |= np.uint32(1 << (e & 31))
-            else:
-                view[e >> 5] &= np.uint32(~(1 << (e & 31)) & 0xFFFFFFFF)
-        if not accepting and not view.any():
-            raise RuntimeError("no token can continue the output here: the vocabulary cannot "
-                               "spell what the grammar requires next")
+        if accepting:
+            for w, bit in self._eos_bits:
+                view[w] |= bit
+        elif any(view[w] & bit for w, bit in self._eos_bits):
+            for w, bit in self._eos_bits:
+                view[w] &= ~bit
+            if not view.any():
+                raise _dead_end()
         self._mask_valid = True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -346,14 +433,22 @@ class LazyMatcher:
             ValueError: wrong dtype, device, width or layout, or a row out of range.
             RuntimeError: llguidance hit one of its limits (the request fails alone).
         """
-        _check_bitmask(bitmask, row, self._words)
+        checked = self._checked
+        if checked is None or checked[0] is not bitmask:
+            _check_bitmask(bitmask, row, self._words)
+            checked = self._checked = (bitmask, bitmask.stride(0) * 4, bitmask.shape[0])
+        if not 0 <= row < checked[2]:
+            raise ValueError(f"row {row} outside [0, {checked[2]})")
+        dst = bitmask.data_ptr() + row * checked[1]
         if self._terminated:
-            bitmask[row] = 0
-            view = bitmask[row].numpy().view(np.uint32)
-            for e in self._eos:
-                view[e >> 5] |= np.uint32(1 << (e & 31))
+            ctypes.memset(dst, 0, self._words * 4)
+            row_view = bitmask[row].numpy().view(np.uint32)
+            for w, bit in self._eos_bits:
+                row_view[w] |= bit
             return
-        bitmask[row] = self._current_mask()[0]
+        if not self._mask_valid:
+            self._current_mask()
+        ctypes.memmove(dst, self._mask_ptr, self._words * 4)
 
     def forced_tokens(self, max_n: int) -> list[int]:
         """Tokens allowed alone, in a row, from the current state (≤ ``max_n``); no state change.
@@ -363,6 +458,7 @@ class LazyMatcher:
         """
         if self._terminated:
             return []
+        self._own()
         out: list[int] = []
         while len(out) < max_n:
             mask = self._current_mask()[0].numpy().view(np.uint8)
@@ -395,6 +491,9 @@ class LazyMatcher:
         bytes; empty where the output may end); no state change."""
         if self._terminated:
             return b""
+        self._own()
+        if isinstance(self._m, CMatcher):  # from masks (llg_c), the first one this state's own
+            return self._m.compute_ff_bytes(max_bytes, self._view if self._mask_valid else None)
         return bytes(self._m.compute_ff_bytes())[:max_bytes]
 
     def forced_text_after(self, token_ids: list[int], max_bytes: int = 64) -> bytes | None:
@@ -408,6 +507,8 @@ class LazyMatcher:
             return self.forced_text(max_bytes)
         self._m.consume_tokens(list(token_ids))
         try:
+            if isinstance(self._m, CMatcher):
+                return self._m.compute_ff_bytes(max_bytes)
             return bytes(self._m.compute_ff_bytes())[:max_bytes]
         finally:
             self._m.rollback(len(token_ids))
@@ -430,7 +531,9 @@ def prefetch_masks(matchers: list[LazyMatcher], executor) -> list[tuple[LazyMatc
         ``(matcher, error)`` for each matcher whose mask could not be made (its next call
         raises it again, so its request fails alone); the others' masks are valid.
     """
-    todo = [m for m in matchers if m.needs_mask]
+    # The executor takes the Python bindings' matchers only; a JSON program's matcher (llg_c)
+    # computes its mask when asked.
+    todo = [m for m in matchers if m.needs_mask and m._m is not None and not isinstance(m._m, CMatcher)]
     if not todo:
         return []
     words = todo[0]._words
@@ -442,11 +545,11 @@ def prefetch_masks(matchers: list[LazyMatcher], executor) -> list[tuple[LazyMatc
         return []
     failed = []
     for k, m in enumerate(todo):
-        m._mask = rows[k:k + 1]
+        m._set_buffer(rows[k:k + 1])
         try:
             m._finish_mask()
         except Exception as e:  # noqa: BLE001 - reported to the caller, request by request
-            m._mask = torch.zeros((1, words), dtype=torch.int32)
+            m._set_buffer(torch.zeros((1, words), dtype=torch.int32))
             failed.append((m, e))
     return failed
 

@@ -26,7 +26,7 @@ def _layout(s: dict, path: str) -> tuple[list[tuple[object, str]], object, str]:
 
 
 def compile_array(c: "SchemaCompiler", s: dict, path: str) -> Rx:
-    ws, comma = c.ws, c.ws + "," + c.ws
+    comma = c.ws + "," + c.ws
     lo = s.get("minItems", 0)
     hi = s.get("maxItems")
     if lo > MAX_REPEAT_COUNT:
@@ -63,7 +63,7 @@ def compile_array(c: "SchemaCompiler", s: dict, path: str) -> Rx:
             c.unsupported("uniqueItems", path, "uniqueItems with tuple items or contains cannot be "
                                                "enforced exactly")
     if "contains" in s:
-        return _contains(c, s, path, prefix, rest, lo, hi, ws, comma)
+        return _contains(c, s, path, prefix, rest, lo, hi, comma)
     prefix = prefix[:hi] if hi is not None else prefix
 
     def tail(i: int) -> Rx:
@@ -77,16 +77,12 @@ def compile_array(c: "SchemaCompiler", s: dict, path: str) -> Rx:
         return step if i < lo else opt(step)
 
     if hi == 0:
-        body: Rx = ""
-    else:
-        first = prefix[0] if prefix else rest
-        body = seq(first, tail(1))
-        if lo == 0:
-            body = opt(body)
-    return seq("\\[", ws, body, ws, "\\]")
+        return c.bracket("\\[", "\\]", None, True)
+    first = prefix[0] if prefix else rest
+    return c.bracket("\\[", "\\]", seq(first, tail(1)), lo == 0)
 
 
-def _contains(c, s, path, prefix, rest, lo, hi, ws, comma) -> Rx:
+def _contains(c, s, path, prefix, rest, lo, hi, comma) -> Rx:
     if prefix or hi is not None or lo > 1 or s.get("minContains", 1) != 1 or "maxContains" in s:
         c.unsupported("contains", path, "contains with tuple items, maxItems or min/maxContains")
         return None
@@ -99,7 +95,7 @@ def _contains(c, s, path, prefix, rest, lo, hi, ws, comma) -> Rx:
         body = hit
     else:
         body = seq(repeat(seq(rest, comma), 0, None), hit, repeat(seq(comma, rest), 0, None))
-    return seq("\\[", ws, alt([body]), ws, "\\]")
+    return c.bracket("\\[", "\\]", alt([body]), False)
 
 
 _IGNORED = object()  # _unique could not enforce uniqueItems and warned (strict off): arrays as usual
@@ -130,9 +126,9 @@ def _unique(c: "SchemaCompiler", items: object, items_path: str, lo: int, hi: in
     top = k if hi is None else min(hi, k)
     if lo > top:
         return None
-    ws, comma = c.ws, c.ws + "," + c.ws
+    comma = c.ws + "," + c.ws
     if top == 0:
-        return seq("\\[", ws, ws, "\\]")
+        return c.bracket("\\[", "\\]", None, True)
     from math import comb, perm
     if c.opts.grammar:
         cost = sum(comb(k, u) * (k - u) for u in range(top))
@@ -166,12 +162,7 @@ def _unique(c: "SchemaCompiler", items: object, items_path: str, lo: int, hi: in
         memo[unused] = out
         return out
 
-    body = rest((1 << k) - 1)
-    if lo == 0:
-        body = "" if body is None else "(?:" + body + ")?"
-    elif body is None:
-        return None
-    return seq("\\[", ws, body, ws, "\\]")
+    return c.bracket("\\[", "\\]", rest((1 << k) - 1), lo == 0)
 
 
 def _finite_item_values(c: "SchemaCompiler", items: object, path: str) -> list | None:
@@ -190,10 +181,11 @@ def _finite_item_values(c: "SchemaCompiler", items: object, path: str) -> list |
         if not isinstance(types, list) or not types or not set(types) <= {"boolean", "null"}:
             return None
         values = ([True, False] if "boolean" in types else []) + ([None] if "null" in types else [])
+    check = c.value_check(schema, "enum" in schema or "const" in schema)
     out, seen = [], set()
     for v in values:
         key = json_key(v)
-        if key not in seen and c.value_valid(v, schema):
+        if key not in seen and (check is None or c.value_valid(v, check)):
             seen.add(key)
             out.append(v)
     return out

@@ -9,9 +9,13 @@ on their Unicode meaning.
 
 Canonical JSON strings: the grammar writes each decoded character one way only, the way
 ``json.dumps(..., ensure_ascii=False)`` does (RFC 8259 §7 escapes): ``\\"``, ``\\\\``, ``\\b``,
-``\\f``, ``\\n``, ``\\r``, ``\\t``, other controls below U+0020 as ``\\u00xx`` (lower-case hex),
-everything else literal (``/`` unescaped, non-ASCII as UTF-8). One encoding per character makes
-string languages comparable (enum exclusion, ``oneOf`` disjointness) and keeps automata small.
+``\\f``, ``\\n``, ``\\r``, ``\\t``, everything else literal (``/`` unescaped, non-ASCII as
+UTF-8). One encoding per character makes string languages comparable (enum exclusion,
+``oneOf`` disjointness) and keeps automata small. Decoded strings take no other control
+character (U+0000-U+001F without a named escape, which ``json.dumps`` writes ``\\u00xx``) and
+no U+007F: a subset of the strings, so still exact, and the alphabet of llguidance's JSON front
+end with ``json_allowed_escapes`` ``nrbtf\\"\\\\`` (no ``u``), so that a sub-schema handed to it
+(``json_schema.handover``) has the same strings. No MaskBench-dev instance has such a character.
 """
 
 from __future__ import annotations
@@ -131,28 +135,23 @@ def class_regex(s: CharSet) -> str | None:
     return "[" + ("^" if negate else "") + "".join(body) + "]"
 
 
-_ESCAPED: CharSet = charset((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
+_ESCAPED: CharSet = charset((0, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0x7F, 0x7F))  # never raw
 
 
 @functools.lru_cache(maxsize=8192)
 def json_char(s: CharSet) -> str | None:
     """Regex for one decoded character of ``s`` written canonically inside a JSON string.
 
-    Returns None when ``s`` is empty. See the module docstring for the canonical escapes.
+    Returns None when no character of ``s`` can be written (``s`` empty, or only controls
+    without a named escape and U+007F). See the module docstring for the canonical escapes.
     """
     alts = []
     plain = class_regex(subtract(s, _ESCAPED))
     if plain is not None:
         alts.append(plain)
     escaped = intersect(s, _ESCAPED)
-    named = [cp for lo, hi in escaped for cp in range(lo, hi + 1)]
-    unicode_escaped = [cp for cp in named if cp not in _NAMED_ESCAPES]
-    alts.extend(_NAMED_ESCAPES[cp] for cp in named if cp in _NAMED_ESCAPES)
-    if unicode_escaped:
-        if len(unicode_escaped) == 0x20 - len([c for c in _NAMED_ESCAPES if c < 0x20]):
-            alts.append("\\\\u00(?:0[0-7]|0b|0e|0f|1[0-9a-f])")
-        else:
-            alts.extend(f"\\\\u00{cp:02x}" for cp in unicode_escaped)
+    # the named escapes only: other controls and U+007F are left out (module docstring)
+    alts.extend(_NAMED_ESCAPES[cp] for lo, hi in escaped for cp in range(lo, hi + 1) if cp in _NAMED_ESCAPES)
     if not alts:
         return None
     return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"

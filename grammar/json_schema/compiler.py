@@ -42,14 +42,15 @@ from grammar.base import MAX_REPEAT_COUNT, GrammarError, GrammarTimeout, Program
 from grammar.json_schema.arrays import compile_array
 from grammar.json_schema.canonical import canonical_json
 from grammar.json_schema.complement import NOT_PATTERNS, NOT_STRINGS, ComplementError, complement
+from grammar.json_schema.interning import ContentIds
 from grammar.json_schema.merge import MergeError, json_key, merge
 from grammar.json_schema.multiples import multiple_rules
 from grammar.json_schema.objects import compile_object
-from grammar.json_schema.oneof import (disjoint, exclusive_required, promote_discriminators,
-                                       without_empty_object)
+from grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required,
+                                       promote_discriminators, without_empty_object)
 from grammar.json_schema.refs import RefResolver
 from grammar.json_schema.rules import REF_OPEN, expand, has_refs, is_empty, minus, ref, term_ref, to_lark
-from grammar.json_schema.rx import Rx, alt, repeat, seq
+from grammar.json_schema.rx import Rx, alt, opt, repeat, seq
 from grammar.json_schema.strings import (ANY_CHAR, StringError, StringSpec, excluded_keys_regex,
                                         pattern_superset_regex, string_regex)
 
@@ -114,6 +115,9 @@ class SchemaCompiler:
     terminals: list[str] = field(default_factory=list)  # terminal number → regex (grammar mode)
     term_ids: dict[str, int] = field(default_factory=dict)  # regex → terminal number
     memo: dict = field(default_factory=dict)  # (keyword, schema text, types) → regex (grammar mode)
+    sub_memo: dict = field(default_factory=dict)  # (content number, types) → regex (grammar mode)
+    ids: ContentIds = field(default_factory=ContentIds)  # content numbers of schemas (interning)
+    deref_memo: dict = field(default_factory=dict)  # id(schema) → (schema, ``_deref`` of it)
     resolver: RefResolver = field(init=False)
     validator: object = field(init=False)
     old_draft: bool = field(init=False)
@@ -144,6 +148,16 @@ class SchemaCompiler:
             return self.validator.evolve(schema=schema).is_valid(value)
         except Exception:  # an invalid subschema counts as admitting nothing
             return False
+
+    def value_check(self, schema: dict, own_values: bool) -> dict | None:
+        """What a value must still validate against to be kept among ``schema``'s finite values
+        (None: nothing). ``own_values``: the values are ``schema``'s own ``enum``/``const``. Where
+        the schema says nothing else but a type, the type alone: checking a value against an enum
+        of n values is n comparisons, n^2 in all (a 5,000-name enum took seconds)."""
+        own = {k for k in schema if k not in _ANNOTATIONS}
+        if own <= {"type"} or (own_values and own <= {"enum", "const", "type"}):
+            return {"type": schema["type"]} if "type" in schema else None
+        return schema
 
     def string_for(self, schema: object, path: str) -> Rx:
         """Regex of the string literals ``schema`` admits (used for keys), written out."""
@@ -215,12 +229,23 @@ class SchemaCompiler:
         comma, colon = self.ws + "," + self.ws, self.ws + ":" + self.ws
         n = self.opts.any_max_length
         more = None if n is None else max(n - 1, 0)
-        array = seq("\\[", self.ws, alt(["", seq(inner, repeat(seq(comma, inner), 0, more))]),
-                    self.ws, "\\]")
+        array = self.bracket("\\[", "\\]", seq(inner, repeat(seq(comma, inner), 0, more)), True)
         member = seq('"' + self._any_char() + '*"', colon, inner)
-        obj = seq("\\{", self.ws, alt(["", seq(member, repeat(seq(comma, member), 0, more))]),
-                  self.ws, "\\}")
+        obj = self.bracket("\\{", "\\}", seq(member, repeat(seq(comma, member), 0, more)), True)
         return self._share(alt([self._share(scalar), array, obj]))  # type: ignore[list-item]
+
+    def bracket(self, open_: str, close: str, body: Rx, empty_ok: bool) -> Rx:
+        """An object or array: ``open_``, then ``body`` (its non-empty member lists; None: none),
+        or nothing when ``empty_ok``, then ``close``, with one run of the whitespace mode's
+        whitespace between any two of these tokens: ``{ }`` has one run, not two in a row (so
+        that every gap between two tokens takes the same single run, as llguidance's JSON front
+        end writes it: ``json_schema.handover``)."""
+        ws = self.ws
+        if body is None or body == "":
+            return seq(open_, ws, close) if empty_ok or body == "" else None
+        if not empty_ok:
+            return seq(open_, ws, body, ws, close)
+        return seq(open_, ws, opt(seq(body, ws)), close)
 
     def _share(self, rx: Rx) -> Rx:
         """``rx`` as a shared terminal in grammar mode (itself otherwise)."""
@@ -233,24 +258,46 @@ class SchemaCompiler:
 
     # -- the recursive walk --------------------------------------------------------------------
     def sub(self, schema: object, path: str, only_types: tuple[str, ...] | None = None) -> Rx:
-        """Regex of ``schema`` at JSON pointer ``path``; None when it admits nothing."""
+        """Regex of ``schema`` at JSON pointer ``path``; None when it admits nothing.
+
+        In grammar mode each schema is compiled once per type restriction, however often it is
+        reached (a definition under many properties, an ``allOf`` of references merged anew in
+        every place that uses it: equal contents share a number, ``interning.ContentIds``): the
+        regex does not depend on where the schema stands, only the
+        messages of errors and warnings do (they name the first place). Recursion does not break
+        this: a reference to a definition being compiled is a rule reference, whose body is the
+        same wherever it is written. Regex mode unrolls recursion to a depth counted along the
+        path, so there the place matters and nothing is memoized."""
         if self.opts.deadline is not None and time.monotonic() > self.opts.deadline:
             raise GrammarTimeout("schema compilation exceeded its time limit")
-        return self._finish(self._sub(schema, path, only_types), path)
+        if not (self.opts.grammar and isinstance(schema, dict)):
+            return self._finish(self._sub(schema, path, only_types), path)
+        key = (self.ids.of(schema), only_types if only_types is None else tuple(only_types))
+        if key in self.sub_memo:
+            out = self.sub_memo[key]
+            if out is not None:
+                self._count(out, path)
+            return out
+        out = self._finish(self._sub(schema, path, only_types), path)
+        self.sub_memo[key] = out
+        return out
 
     def _finish(self, out: Rx, path: str) -> Rx:
         """``sub``'s last step: a terminal in grammar mode, and the size limit."""
         if out is not None and self.opts.grammar:
             out = self.term(out)
         if out is not None:
-            # Unrolled recursion and shared definitions are copied into the text; stop before
-            # an exponential schema exhausts memory.
-            self.emitted += len(out)
-            if self.emitted > self.opts.max_regex_chars or len(out) > self.opts.max_regex_chars:
-                raise GrammarError(f"the regex grows beyond {self.opts.max_regex_chars} characters "
-                                   "(lower max_recursion_depth or simplify the schema)",
-                                   keyword="$ref" if any(self.ref_depth.values()) else "schema", path=path)
+            self._count(out, path)
         return out
+
+    def _count(self, out: str, path: str) -> None:
+        """Add ``out`` to the characters written so far. Unrolled recursion and shared
+        definitions are copied into the text; stop before an exponential schema exhausts memory."""
+        self.emitted += len(out)
+        if self.emitted > self.opts.max_regex_chars or len(out) > self.opts.max_regex_chars:
+            raise GrammarError(f"the regex grows beyond {self.opts.max_regex_chars} characters "
+                               "(lower max_recursion_depth or simplify the schema)",
+                               keyword="$ref" if any(self.ref_depth.values()) else "schema", path=path)
 
     def _sub(self, schema: object, path: str, only_types: tuple[str, ...] | None) -> Rx:
         if schema is True or schema == {}:
@@ -266,7 +313,8 @@ class SchemaCompiler:
         if finite is not None:
             # A finite value set makes every other keyword (not, oneOf, if, ...) decidable:
             # keep the values that jsonschema accepts against the whole schema.
-            return self._enum(schema, path, only_types, finite)
+            own = "enum" in schema or "const" in schema  # its own values (else an allOf member's)
+            return self._enum(schema, path, only_types, None if own else finite)
         if "allOf" in schema:
             return self._all_of(schema, path, only_types)
         if "anyOf" in schema:
@@ -278,7 +326,7 @@ class SchemaCompiler:
                 return self._one_of(schema, path, only_types)
             # The same oneOf written in many places (a definition's union inlined under every
             # property) is proved and compiled once; a reference in it is a rule either way.
-            key = ("oneOf", json.dumps(schema, default=str), only_types)
+            key = ("oneOf", self.ids.of(schema), only_types)
             if key not in self.memo:
                 self.memo[key] = self._one_of(schema, path, only_types)
             return self.memo[key]
@@ -425,7 +473,18 @@ class SchemaCompiler:
         return ref(number)
 
     def _deref(self, schema: object, path: str) -> object:
-        """Inline top-level ``$ref``s of an ``allOf`` member (one level, cycle-safe)."""
+        """Inline top-level ``$ref``s of an ``allOf`` member (one level, cycle-safe); the result is
+        kept per schema object (the ``oneOf`` proofs ask for the same branches again and again)."""
+        if not isinstance(schema, dict):
+            return schema
+        hit = self.deref_memo.get(id(schema))
+        if hit is not None:
+            return hit[1]
+        out = self._deref_uncached(schema, path)
+        self.deref_memo[id(schema)] = (schema, out)  # the object kept: its id stays its own
+        return out
+
+    def _deref_uncached(self, schema: object, path: str) -> object:
         seen = 0
         while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and seen < 32:
             base = self.resolver.base_of(schema, self.resolver.root_base)
@@ -496,12 +555,13 @@ class SchemaCompiler:
         # disjoint; each is written without the finite values (decided above).
         index = [i for i, f in enumerate(finite) if f is None]
         infinite = without_empty_object(self, [branches[i] for i in index])
-        infinite = promote_discriminators(self, infinite)
-        for a in range(len(infinite)):
-            for b in range(a + 1, len(infinite)):
-                if not disjoint(self, infinite[a], infinite[b]):
-                    self.unsupported("oneOf", f"{path}/oneOf",
-                                     f"branches {index[a]} and {index[b]} may both match")
+        if not by_discriminator(self, infinite):  # else all disjoint, in one pass
+            infinite = promote_discriminators(self, infinite)
+            for a in range(len(infinite)):
+                for b in range(a + 1, len(infinite)):
+                    if not disjoint(self, infinite[a], infinite[b]):
+                        self.unsupported("oneOf", f"{path}/oneOf",
+                                         f"branches {index[a]} and {index[b]} may both match")
         parts = [self._enum({}, path, only_types, kept)] if kept else []
         for i, b in zip(index, infinite):
             inside = [v for v in values if self.value_valid(v, b)]
@@ -600,6 +660,7 @@ class SchemaCompiler:
         return None
 
     def _enum(self, schema: dict, path: str, only_types, values: list | None = None) -> Rx:
+        check = self.value_check(schema, values is None)
         values = _enum_values(schema) if values is None else values
         if not values and "enum" in schema:
             raise GrammarError("enum is empty: no value can match", keyword="enum", path=path)
@@ -608,7 +669,7 @@ class SchemaCompiler:
             if only_types is not None and _json_type(v) not in only_types and not (
                     _json_type(v) == "integer" and "number" in only_types):
                 continue
-            if not self.value_valid(v, schema):
+            if check is not None and not self.value_valid(v, check):
                 continue
             out.append(self._literal(v))
         return alt(out)
@@ -617,9 +678,11 @@ class SchemaCompiler:
         """An enum/const value as the grammar writes it: canonical JSON, with the whitespace mode's
         free runs between the tokens of objects and arrays (none in compact mode)."""
         from grammar.json_schema import charset as cs
-        if self.ws == "" or not isinstance(value, (dict, list)) or not value:
+        if self.ws == "" or not isinstance(value, (dict, list)):
             return cs.literal(canonical_json(value))
         ws = self.ws
+        if not value:
+            return ("\\[" if isinstance(value, list) else "\\{") + ws + ("\\]" if isinstance(value, list) else "\\}")
         if isinstance(value, list):
             inner = (ws + "," + ws).join(self._literal(v) for v in value)
             return "\\[" + ws + inner + ws + "\\]"
@@ -866,11 +929,14 @@ def _bounds(s: dict) -> tuple[Decimal | None, bool, Decimal | None, bool]:
 
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
            "minContains", "maxContains")
+_NORMALIZED = frozenset(_COUNTS + ("exclusiveMinimum", "exclusiveMaximum"))
 
 
 def _normalize(schema: dict) -> dict:
     """Rewrite draft-04 boolean ``exclusiveMinimum``/``exclusiveMaximum`` into the numeric form,
     and integral floats of the count keywords (``"maxLength": 2.0``, valid since draft 6) as ints."""
+    if schema.keys().isdisjoint(_NORMALIZED):  # the common case, at C speed
+        return schema
     out = schema
     for key in _COUNTS:
         v = out.get(key)

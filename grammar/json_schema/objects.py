@@ -29,22 +29,23 @@ def _key_literal(name: str) -> str:
     return '"' + cs.literal(cs.json_escape_text(name)) + '"'
 
 
-def _declared_part(items: list[tuple[str, bool]], comma: str, min_one: bool) -> Rx:
+def _declared_part(items: list[tuple[str, bool]], comma: str, min_one: bool) -> tuple[Rx, bool]:
     """Members in order; optional ones may be skipped; commas only between written members.
 
-    Returns None for the empty language; "" when only the empty member list is possible and
-    allowed. ``min_one`` forbids writing no member at all.
+    Returns ``(members, may_be_empty)``: the regex of the non-empty member lists (None when
+    there is none) and whether writing no member at all is allowed too (``min_one`` forbids it).
+    The object's braces and whitespace are the caller's (``SchemaCompiler.bracket``), so that an
+    empty object has one run of whitespace, not two.
     """
     first_required = next((i for i, (_, req) in enumerate(items) if req), None)
     if first_required is not None:
         head = "".join(opt(seq(m, comma)) for m, _ in items[:first_required])
         tail = "".join(seq(comma, m) if req else opt(seq(comma, m))
                        for m, req in items[first_required + 1:])
-        return head + items[first_required][0] + tail
+        return head + items[first_required][0] + tail, False
     if not items:
-        return None if min_one else ""
-    body = _ordered_subsets([m for m, _ in items], comma)
-    return body if min_one else opt(body)
+        return None, not min_one
+    return _ordered_subsets([m for m, _ in items], comma), not min_one
 
 
 _CHAIN = 12
@@ -71,7 +72,7 @@ def _ordered_subsets(members: list[str], comma: str) -> str:
 
 
 def compile_object(c: "SchemaCompiler", s: dict, path: str) -> Rx:
-    ws, comma, colon = c.ws, c.ws + "," + c.ws, c.ws + ":" + c.ws
+    comma, colon = c.ws + "," + c.ws, c.ws + ":" + c.ws
     props: dict = s.get("properties", {}) if isinstance(s.get("properties"), dict) else {}
     required = [r for r in s.get("required", []) if isinstance(r, str)]
     patterns: dict = s.get("patternProperties") or {}
@@ -128,20 +129,20 @@ def compile_object(c: "SchemaCompiler", s: dict, path: str) -> Rx:
     min_one = min_p >= 1 and n_req == 0
     try:
         if extra is None:
-            body = _declared_part(members, comma, min_one)
+            body, empty_ok = _declared_part(members, comma, min_one)
+            if body is None and not empty_ok:
+                return None
         else:
             extras = "(?:" + comma + extra + ")*"
             if n_req:
-                body = seq(_declared_part(members, comma, False), extras)
+                body, empty_ok = seq(_declared_part(members, comma, False)[0], extras), False
             else:
-                declared = _declared_part(members, comma, True)
-                body = alt([seq(declared, extras), seq(extra, extras)])
-                if not min_one:
-                    body = opt(body)
+                declared = _declared_part(members, comma, True)[0]
+                body, empty_ok = alt([seq(declared, extras), seq(extra, extras)]), not min_one
     except OverflowError:
         c.unsupported("properties", path, "too many optional properties to write exactly")
         return None
-    return seq("\\{", ws, body, ws, "\\}")
+    return c.bracket("\\{", "\\}", body, empty_ok)
 
 
 def _escape(name: str) -> str:

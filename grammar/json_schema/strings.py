@@ -118,8 +118,13 @@ def pattern_superset_regex(pattern: str) -> Rx:
     return seq('"', _pattern_body(pattern, 0, None, over=True), '"')
 
 
+@functools.lru_cache(maxsize=1024)
 def string_regex(spec: StringSpec) -> Rx:
     """Regex of the JSON string literals (with quotes) that satisfy ``spec``; None if none.
+
+    Kept across requests (``spec`` is a frozen value): the same formats and patterns come back
+    in schema after schema, and translating one (``format: "regex"``, an email) costs
+    milliseconds. A refusal (``StringError``) is not kept; it is raised anew each time.
 
     Raises:
         StringError: a pattern we cannot translate, a checked format we do not cover, or a
