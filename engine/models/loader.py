@@ -10,7 +10,7 @@ quantized matrix stays quantized, the kernel chosen by ``kernel_policy.layer_kin
   (the default model's greedy outputs on such machines are those of before);
 * every other quantized matrix, and those types on any other CPU (AVX2 only, as this project's
   AMD EPYC machines): the file's own blocks, read in place by ``csrc/gguf_gemm.c``
-  (``kernels.ggml_blocks``) with one int8 term per activation (``kernel_policy.BLOCK_TERMS``);
+  (``kernels.ggml_blocks``) with two int8 terms per activation (``kernel_policy.BLOCK_TERMS``);
 * the embedding as a ``QuantEmbedding`` and a tied LM head over the same bytes.
 
 Everything else (norms, float matrices) is decoded to ``dtype``.
