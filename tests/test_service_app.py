@@ -217,10 +217,12 @@ def test_health_and_openapi(client):
     body = h.json()
     assert body["status"] == "ok" and body["engine"]["kv_blocks_total"] == 256
     assert body["engine"]["running"] == 0 and body["engine"]["kv_blocks_free"] == 256
-    from kernels import native
+    from kernels import native, vec_attention
 
-    # The tiny test model is dense fp32: no int4 or block GEMM; attention native where it builds.
-    assert body["kernels"] == {"attention": "cpu" if native.available() else "torch", "int4_gemm": "none",
+    # The tiny test model is dense fp32: no int4 or block GEMM; attention native (AVX512 or the
+    # portable vector kernel) where one builds.
+    cpu = native.available() or vec_attention.available()
+    assert body["kernels"] == {"attention": "cpu" if cpu else "torch", "int4_gemm": "none",
                                "gguf_gemm": "none", "kv_cache_dtype": "float32"}
     schema = client.get("/schema/openapi.json").json()
     props = schema["components"]["schemas"]["GenerateRequest"]["properties"]
