@@ -12,7 +12,7 @@ the logits of every position:
   49,152 tokens have near ties: the smallest gap seen was 0.0014 against errors up to 0.014;
   at a near tie our token must be one of the reference's tied tokens, and the reference's token
   is fed on, so the comparison continues);
-* one term (llama.cpp's activation precision, the default): <= 0.2, top-1 agreement >= 0.6:
+* one term (llama.cpp's activation precision, ``block_terms=1``): <= 0.2, top-1 agreement >= 0.6:
   random weights are the worst case for one term (measured 0.13 and 0.70 here); the measured
   agreement on real models is in the README (``stencil bench agreement``).
 
