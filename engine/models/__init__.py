@@ -6,7 +6,7 @@ the loaders (``loader``: HF safetensors directories and GGUF files; ``gguf_file`
 
 from engine.models.llama import DenseLinear, LlamaForCausalLM
 from engine.models.loader import load_model, load_weights
-from engine.models.spec import SUPPORTED_MODEL_TYPES, LlamaSpec
+from engine.models.architecture import SUPPORTED_MODEL_TYPES, LlamaSpec
 
 __all__ = ["DenseLinear", "LlamaForCausalLM", "LlamaSpec", "SUPPORTED_MODEL_TYPES", "load_model",
            "load_weights"]
