@@ -19,10 +19,10 @@ across all pairs of a workload and concurrency, and where they vary by more than
 ``NOISE_LIMIT`` (20%) the row is flagged *noisy* and printed as such, not as a result. Beside
 the speedups stand the goodput switch's decisions in each "on" side: the share of steps that
 drafted, its stops, trials and re-measurements, and the price of a draft row at the end
-(``engine.spec.goodput``).
+(``engine.speculative.goodput``).
 
 Before the pairs, each workload runs once per side with at most 16 new tokens (``--no-warmup``
-skips it): lazily built grammar states and the draft row's floor (``engine.spec.row_cost``)
+skips it): lazily built grammar states and the draft row's floor (``engine.speculative.row_cost``)
 are then paid outside the measured runs. ``--repeat N`` runs N pairs; ``--background-load``
 keeps one core busy with another process throughout (the engine's off-switch must hold up when
 the machine is not its own).

@@ -37,7 +37,7 @@ class EngineConfig:
         block_size: tokens per KV-cache block.
         num_kv_blocks: KV-cache blocks per layer; ``None`` = derive from ``kv_cache_gib``.
         kv_cache_gib: KV-cache size in GiB (K and V, all layers); ``None`` = a default from
-            the machine's free memory (see ``engine.kv_cache.default_kv_cache_bytes``).
+            the machine's free memory (see ``engine.model_runner.default_kv_cache_bytes``).
         max_num_seqs: most requests running in one step. 256: the per-step CPU work around the
             model stays under 10 % of a step there (``stencil bench overhead``), and a server
             under thousands of clients keeps that many moving.

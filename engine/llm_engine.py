@@ -18,8 +18,8 @@ from engine.model_runner import ModelRunner, ModelRunnerOutput
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape
-from engine.spec.drafter import pending_rows
+from engine.speculative import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape
+from engine.speculative.drafter import pending_rows
 from engine.step_timing import StepTimer
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,10 @@ class LLMEngine:
         config: the engine's settings.
         cost_model: what a decode step costs, in ms, given its ``StepShape``; None (the
             default) measures it on the wall clock. Speculation decides from these costs
-            (``engine.spec.goodput``); tests inject one so their decisions never depend on the
+            (``engine.speculative.goodput``); tests inject one so their decisions never depend on the
             machine's speed or load.
         row_floor_ms: least price of a draft row (ms). None: measured on the model's own
-            projections before the first drafting step (``engine.spec.row_cost``), or 0 with a
+            projections before the first drafting step (``engine.speculative.row_cost``), or 0 with a
             ``cost_model`` (no clock is read then).
     """
 
@@ -361,7 +361,7 @@ class LLMEngine:
         self._propose_ms = (time.perf_counter() - t0) * 1e3
 
     def _measure_row_floor(self) -> None:
-        from engine.spec.row_cost import decoder_row_ms
+        from engine.speculative.row_cost import decoder_row_ms
 
         self.goodput.row_floor_ms = decoder_row_ms(self.runner.model)
         log.info("a draft row costs at least %.3f ms (the decoder's projections, measured)", self.goodput.row_floor_ms)

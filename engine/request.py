@@ -157,7 +157,7 @@ class Request:
         self.output_logprobs: list[float] = []
         # Per output token, when ``params.top_logprobs``: [(token id, logprob), ...], best first.
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
-        self.spec_state = None  # its speculation settings and record (engine.spec.state.SpecState)
+        self.spec_state = None  # its speculation settings and record (engine.speculative.state.SpecState)
 
     @property
     def num_prompt_tokens(self) -> int:

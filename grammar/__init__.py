@@ -1,7 +1,8 @@
-"""Grammar-constrained decoding: vocabulary, compiler, matchers, bitmasks (DESIGN.md §3).
+"""Grammar-constrained decoding: vocabulary, compiler, matchers, bitmasks (docs/architecture.md,
+"Grammar backends").
 
 Exports resolve lazily (PEP 562): the index-building child process imports
-``grammar.index_worker`` and must not pay for torch.
+``grammar.backends.index_worker`` and must not pay for torch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Grammar interfaces the engine relies on (DESIGN.md §3).
+"""Grammar interfaces the engine relies on (docs/architecture.md, "Grammar backends").
 
 A ``CompiledGrammar`` is immutable and shared (cached by spec + tokenizer); a
 ``GrammarMatcher`` is a cheap per-request cursor over it. Bitmasks are int32 tensors

@@ -106,7 +106,7 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
         stop: a stop string or a list of them (not included in the output).
         logprobs: return each chosen token's log-probability.
         speculative: ``True``/``False`` switches n-gram speculation on/off; a dict gives its
-            settings (``engine.spec.SpecConfig`` fields); ``None`` = the server default.
+            settings (``engine.speculative.SpecConfig`` fields); ``None`` = the server default.
         top_logprobs: alternatives per position to report (0..20; implies ``logprobs``).
         logit_bias / presence_penalty / frequency_penalty / repetition_penalty: see
             ``engine.logits_process``.

@@ -73,7 +73,8 @@ def oracle_allowed(fsm, text: str) -> set:
     return out
 
 
-# -- the outlines-core 0.2.14 defect, pinned (DESIGN.md §3) -----------------------------------
+# -- the outlines-core 0.2.14 defect, pinned: a token that passes through an accepting state and ends
+# inside a longer match is dropped; the end sentinel (grammar.vocab.END_SENTINEL) keeps it -----------
 
 def test_number_reaches_fraction_and_eos_only_when_complete(compiler):
     m = regex_matcher(compiler, r"-?\d+(\.\d+)?")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.spec.layout import JsonLayout, Position, position
+from engine.speculative.layout import JsonLayout, Position, position
 
 # Whitespace, then one token: a string (to its closing quote, or to the end of an unfinished
 # one, a lone trailing backslash included) or any other single character.

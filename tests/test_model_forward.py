@@ -12,7 +12,7 @@ import torch
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
 from engine.models.rope import RopeSpec, rope_cos_sin
-from engine.models.spec import LlamaSpec
+from engine.models.architecture import LlamaSpec
 from kernels.base import AttentionMetadata
 from kernels.torch_ref import TorchAttentionBackend
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from engine.request import Request, SamplingParams
-from engine.spec import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape, TokenSplits
-from engine.spec.drafter import trim_to_tile
-from engine.spec.layout import JsonLayout, Position, position
-from engine.spec.goodput import LinearFit
-from engine.spec.lookup import propose_ngram, propose_text, propose_value, span_end
+from engine.speculative import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape, TokenSplits
+from engine.speculative.drafter import trim_to_tile
+from engine.speculative.layout import JsonLayout, Position, position
+from engine.speculative.goodput import LinearFit
+from engine.speculative.lookup import propose_ngram, propose_text, propose_value, span_end
 
 
 def test_propose_ngram_takes_the_longest_most_recent_suffix_match():
@@ -321,7 +321,7 @@ def test_goodput_never_reads_draft_rows_as_free_once_drafts_ran():
 
 
 def test_plain_steps_judge_near_in_time_and_confirm_a_change_of_speed():
-    from engine.spec.plain_steps import PlainStep, PlainSteps
+    from engine.speculative.plain_steps import PlainStep, PlainSteps
 
     rec = PlainSteps(confirm=3, horizon=20, nearest=3)
     for t, requests, ms in ((1, 8, 40.0), (2, 8, 41.0), (3, 4, 20.0), (4, 8, 39.0), (31, 8, 42.0)):
@@ -344,7 +344,7 @@ def test_decoder_row_floor_is_the_projections_cost_of_one_more_row(monkeypatch):
     row (no clock is read): 4 projections a layer, 3 layers, so one more row costs 0.24 ms."""
     import torch
 
-    from engine.spec import row_cost
+    from engine.speculative import row_cost
 
     now = [0.0]
 
@@ -725,7 +725,7 @@ class _Recording:
        | st.lists(st.sampled_from(['"', ",", ":", " ", "\n", "  ", "{", "}", "<|im_end|>", "é", "12", "Ab"]),
                   max_size=12).map("".join))
 def test_plain_encoder_spells_every_text_as_the_tokenizers_encode(tokenizer, text):
-    from engine.spec.drafter import plain_encoder
+    from engine.speculative.drafter import plain_encoder
 
     fast = plain_encoder(tokenizer)
     assert fast.__name__ == "fast"  # SmolLM2's fast tokenizer takes the shortcut

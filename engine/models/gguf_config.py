@@ -26,7 +26,7 @@ from engine.models.gemma3 import (DEFAULT_LOCAL_ROPE_THETA, DEFAULT_SLIDING_WIND
 from engine.models.gguf_file import GgufFile
 from engine.models.gguf_weights import DENSE_TYPES
 from engine.models.rope import RopeSpec
-from engine.models.spec import LlamaSpec
+from engine.models.architecture import LlamaSpec
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 """``general.architecture`` values served (Mistral and SmolLM files are ``llama``)."""

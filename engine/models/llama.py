@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.rope import RopeSpec, rope_cos_sin
-from engine.models.spec import LlamaSpec
+from engine.models.architecture import LlamaSpec
 from kernels.base import AttentionBackend, AttentionMetadata
 
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.source import resolve_model_path
-from engine.models.spec import LlamaSpec
+from engine.models.architecture import LlamaSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 META_FILE = "stencil.json"  # our notes next to a converted model: {"gguf_file": path}

@@ -2,7 +2,7 @@
 
 A Python thread cannot be stopped, and ``outlines_core.Index(...)`` holds no checkpoints, so a
 time limit that really frees the CPU needs a process. Each :class:`IndexWorker` owns one child
-(``python -m grammar.index_worker``) that loads the vocabulary once and then answers build
+(``python -m grammar.backends.index_worker``) that loads the vocabulary once and then answers build
 requests; on a timeout the parent kills it and the next request starts a fresh one.
 
 Frames on the pipes: 8-byte little-endian length, then a pickle of a tuple. Only the parent's own

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.spec.config import SpecConfig
+from engine.speculative.config import SpecConfig
 
 if TYPE_CHECKING:
-    from engine.spec.splits import TokenSplits
+    from engine.speculative.splits import TokenSplits
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """What one more row costs the model's own kernels on this machine: the floor of a draft row's price.
 
-The goodput switch (``engine.spec.goodput``) prices a draft row from step times: a drafting
+The goodput switch (``engine.speculative.goodput``) prices a draft row from step times: a drafting
 step's time above the plain steps near it, fitted against its draft rows. On a shared machine
 that fit can read zero (noise makes more rows look no dearer), and a price of zero lets every
 draft through however unlikely (issue 35: ``draft_row_ms`` 0.0 while drafting steps took twice

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from engine.spec.layout import JsonLayout, position
-from engine.spec.lookup import propose_ngram, propose_text, propose_value, span_end
-from engine.spec.splits import TokenSplits
-from engine.spec.state import SpecState
+from engine.speculative.layout import JsonLayout, position
+from engine.speculative.lookup import propose_ngram, propose_text, propose_value, span_end
+from engine.speculative.splits import TokenSplits
+from engine.speculative.state import SpecState
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -36,7 +36,7 @@ class DraftBudget:
 
     Attributes:
         threshold: least chance of acceptance at which a draft is worth its row
-            (``engine.spec.goodput.Goodput.threshold``; 0: every draft is). Applies to
+            (``engine.speculative.goodput.Goodput.threshold``; 0: every draft is). Applies to
             requests whose settings are ``cost_aware``.
         tile: rows the model's matmul kernel multiplies together (1: no tiles); a request's
             ``row_tile`` setting overrides it.
@@ -230,7 +230,7 @@ class Drafter:
         """``draft`` and the text the grammar forces after it, carried on across free whitespace.
 
         Where the grammar leaves whitespace free (``whitespace="flexible"`` JSON), it forces
-        nothing at a separator; there the answer's own layout (``engine.spec.layout``: a line
+        nothing at a separator; there the answer's own layout (``engine.speculative.layout``: a line
         break and the indent, a space after the colon, as ``written`` shows them) is guessed,
         and past it the forcing goes on (``",\n  \"age\": "`` instead of ``","``); after a
         value, the one structural character the grammar allows next (a comma, or a closer

@@ -21,7 +21,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from engine.spec.fit import LinearFit
+from engine.speculative.fit import LinearFit
 
 
 @dataclass(frozen=True, slots=True)
