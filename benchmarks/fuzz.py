@@ -165,7 +165,11 @@ def main(args: argparse.Namespace) -> int:
             if load is not None:
                 load.stop()
         wall = time.perf_counter() - t0
-        health, _ = soak._settle(url)
+        try:
+            health, _ = soak._settle(url)
+        except httpx.TransportError as exc:  # the server died: report it (with its log) as a failed run
+            health = {"status": f"unreachable: {exc!r}", "inflight": -1,
+                      "engine": {"running": -1, "waiting": -1, "kv_blocks_free": -1, "kv_blocks_total": 0}}
     finally:
         exit_code = server.stop() if server is not None else None
         log_tail = server.log_tail(4000) if server is not None else ""
@@ -214,7 +218,7 @@ def main(args: argparse.Namespace) -> int:
     print(text)
     failed = [k for k, ok in invariants.items() if not ok]
     if failed:
-        if fivexx and log_tail:
+        if (fivexx or not invariants["engine_alive"] or not invariants["clean_shutdown"]) and log_tail:
             print(f"server log (tail):\n{log_tail}", file=sys.stderr)
         print(f"stencil bench fuzz: invariants failed: {', '.join(failed)} (replay: {report['replay']})",
               file=sys.stderr)

@@ -81,6 +81,9 @@ def _filtered(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torc
         sm = torch.softmax(sorted_x, dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
         drop_sorted = (sm.cumsum(dim=-1) - sm) >= top_p[p_rows].unsqueeze(1)
+        # A top_p below fp32's smallest value (1e-101 is a valid float64 > 0) is 0 here: the
+        # comparison above would then drop every token, and an all -inf row has no distribution.
+        drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         x[p_rows] = sub.masked_fill(drop, float("-inf"))
     return x

@@ -139,3 +139,15 @@ def test_inverse_cdf_picks_only_tokens_with_mass_and_handles_u_near_one():
     u = torch.tensor([0.5, 0.5])
     assert _inverse_cdf(probs, u).tolist() == [3, 2]
     assert _inverse_cdf(probs, torch.tensor([0.99999994, 0.0])).tolist() == [3, 2]
+
+
+def test_a_top_p_below_fp32s_smallest_value_keeps_the_top_token():
+    """``top_p`` 1e-101 is a positive float64 but 0 in fp32: the most likely token must still
+    be kept (an all -inf row once drew token id == vocab size and killed the engine loop)."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5]])
+    for top_p in (1e-101, 5e-324, 1e-45):
+        r = _req(0, temperature=2.00001, top_p=top_p)
+        probs = _probs(logits.clone(), r)[0]
+        assert probs.tolist() == [0.0, 1.0, 0.0, 0.0], top_p
+        tokens, lps, _ = Sampler()(logits.clone(), [r], [[]], want_logprobs=True)
+        assert tokens == [[1]] and math.isfinite(lps[0][0])
