@@ -154,12 +154,9 @@ def test_nothing_left_behind(server):
 
 
 # -- what `stencil bench fuzz` found --------------------------------------------------------------
-# Engine defects (engine/ is outside this change): pinned here as strict xfails, so the fix makes
-# them pass and the marker must go; the CI fuzz cases above steer around them (``_KNOWN``).
+# Engine defects it found: each pinned by a test. A defect not fixed yet is a strict xfail, so the
+# fix makes it pass and the marker must go.
 
-@pytest.mark.xfail(strict=True, reason="engine/sampler.py: top-p drops every token when top_p rounds to 0 in "
-                   "fp32 ((cumsum - p) >= 0 holds for the first token), the draw lands past the vocabulary "
-                   "and the engine loop dies (one request stops the server)")
 def test_found_top_p_below_float32_keeps_the_first_token():
     from engine.request import Request, SamplingParams
     from engine.sampler import Sampler
