@@ -26,7 +26,9 @@ outcome counts of the report are the rounds' sums; its RSS keys are the last rou
 status is 1 if any invariant fails. The report also has the
 server's RSS every 5 s until the last client is done (``rss_timeline_mb``, the drain of queued
 requests after the deadline included), at 10 % of the run, at half-time, at the deadline and
-after the settle.
+at rest: after the settle (the engine idle) and one heap-trim interval more
+(``engine.malloc.DEFAULT_INTERVAL_S`` + 2 s), so the end RSS is measured after the idle engine
+handed freed memory back, not at whichever moment of the trim cycle the settle ended.
 
 Only loopback addresses are contacted; every loop is bounded by the deadline (clients finish
 the request they have in flight, which the server's own request deadline bounds).
@@ -51,6 +53,10 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import pct
+from engine.malloc import DEFAULT_INTERVAL_S
+
+# After the settle, the end RSS waits this long: one heap-trim interval of the idle engine and 2 s.
+REST_S = DEFAULT_INTERVAL_S + 2.0
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -98,6 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bound on the rounds' peak RSS over the reference phase's (0: not checked)")
     p.add_argument("--max-round-rss-ratio", type=float, default=1.05,
                    help="bound on the last round's end RSS over the first round's (0: not checked)")
+    p.add_argument("--rest-s", type=float, default=REST_S,
+                   help="seconds after the settle before a phase's end RSS (default: the engine's "
+                        "heap-trim interval + 2 s, so the idle engine has trimmed; 0: at once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the report here")
 
@@ -469,6 +478,8 @@ def _phase(name: str, url: str, pid: int | None, args, concurrency: int, duratio
     finally:
         probes = probe.stop()
     health, metrics = _settle(url)
+    if pid and args.rest_s > 0:
+        time.sleep(args.rest_s)  # at rest: the idle engine's next heap trim has run (engine/malloc.py)
     rss["end"] = _rss_mb(pid) if pid else None
     if rss["end"] is not None:
         rss["peak"] = max(rss["peak"] or 0.0, rss["end"])

@@ -367,7 +367,20 @@ class LLMEngine:
         log.info("a draft row costs at least %.3f ms (the decoder's projections, measured)", self.goodput.row_floor_ms)
 
     def _fail(self, req: Request, stage: str, exc: BaseException) -> None:
-        """Finish one request with an error (its blocks freed); the batch goes on without it."""
+        """Finish one request with an error (its blocks freed); the batch goes on without it.
+
+        A ``DeadEndError`` (the constraint asks for text this vocabulary cannot spell) is the
+        request's own fault: its message goes to the client and the output says
+        ``constraint_error``, which the service answers with a 400 naming the constraint.
+        """
+        from grammar.base import DeadEndError
+
+        if isinstance(exc, DeadEndError):
+            log.info("request %s failed while %s: %s", req.request_id, stage, exc)
+            req.error = str(exc)
+            req.finish_reason_detail = "dead_end"
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            return
         log.error("request %s failed while %s", req.request_id, stage, exc_info=exc)
         # The client sees the stage and the exception type, not internal messages.
         req.error = f"internal error while {stage} ({type(exc).__name__}); see the server log"
@@ -460,6 +473,7 @@ class LLMEngine:
             new_logprobs=req.output_logprobs[len(req.output_logprobs) - len(new):] if req.params.logprobs and new else [],
             closed_by_budget=finished and (bool(getattr(req.matcher, "closed_by_budget", False))
                                            or req.finish_reason_detail == "budget"),
+            constraint_error=req.finish_reason_detail == "dead_end",
             budget_cuts=list(getattr(req.matcher, "narrowed", ())) if finished else [],
             guard_hits=list(getattr(req.matcher, "guarded", ())) if finished else [],
             new_top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - len(new):]

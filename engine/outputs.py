@@ -19,6 +19,9 @@ class RequestOutput:
         num_prompt_tokens / num_output_tokens: usage counts so far.
         num_cached_tokens: prompt tokens served from the prefix cache.
         error: message when ``finish_reason == "error"``.
+        constraint_error: with ``finish_reason == "error"``: the request's constraint asked for
+            text this model's vocabulary cannot spell (``grammar.base.DeadEndError``), the
+            client's fault; ``error`` says so. False for every other error (internal).
         ttft_ms: time from arrival to first output token (ms), once known.
         total_ms: time from arrival to finish (ms), once finished.
         num_draft_tokens / num_accepted_tokens / num_forced_tokens: speculation counters.
@@ -40,6 +43,7 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
+    constraint_error: bool = False
     ttft_ms: float | None = None
     total_ms: float | None = None
     num_draft_tokens: int = 0

@@ -10,6 +10,7 @@ problem (``application/problem+json``) in one place, ``_problem_response``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import time
@@ -309,7 +310,8 @@ def stop_engine(aeng: AsyncEngine) -> None:
 
 def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig | None = None, *,
                route_handlers: Sequence = (), include_openai: bool = True,
-               on_engine_dead: Callable[[BaseException], None] | None = None) -> Litestar:
+               on_engine_dead: Callable[[BaseException], None] | None = None,
+               freeze_heap: bool = False) -> Litestar:
     """Build the Stencil app.
 
     Args:
@@ -323,6 +325,10 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
         include_openai: also serve the OpenAI-compatible ``/v1`` routes (``service.openai_api``).
         on_engine_dead: called (on the engine thread) with the exception if the engine loop
             dies; the CLI uses it to make the server exit non-zero.
+        freeze_heap: once the engine is up, move every object alive into the collector's
+            permanent generation (``gc.freeze``), so full collections scan only what requests
+            made. For a process that serves one app for its life (``stencil serve``); a process
+            that builds many apps (tests) would keep their cyclic garbage for ever.
 
     Returns:
         A Litestar app serving ``POST /generate``, ``GET /health``, ``GET /metrics``, the
@@ -351,6 +357,15 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
         model_name = cfg.model_name or default_name
         holder.state = ServiceState(engine=aeng, config=cfg, metrics=Metrics(lambda: aeng),
                                     checker=OutputChecker(), model_name=model_name)
+        # With freeze_heap, what loading left (tokenizer tables, vocabularies, modules: ~363k
+        # objects with the default model) lives as long as the server: out of the collector's
+        # sight, so a full collection scans only what requests made. Measured on the loaded
+        # default model: a full gc.collect() took 185-203 ms (holding the GIL: event loop and
+        # engine loop both stood still), 0 ms after the freeze; under 2,000 soak clients
+        # /health's p99 showed those pauses.
+        if freeze_heap:
+            gc.collect()
+            gc.freeze()
         log.info("serving %s", model_name)
         try:
             yield

@@ -214,7 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_cluster(args, scfg)
     limits = connection_limits_from_args(args)
     runner = ServerRunner()
-    app = create_app(engine_config_from_args(args), scfg, on_engine_dead=runner.engine_dead)
+    app = create_app(engine_config_from_args(args), scfg, on_engine_dead=runner.engine_dead, freeze_heap=True)
     return runner.run(app, args.host, args.port, grace_s=args.shutdown_grace, log_level=args.log_level,
                       limits=limits)
 

@@ -15,7 +15,9 @@ through these functions so that limits, errors, validation, metrics and logs are
 Errors (all mapped to HTTP by ``service.errors.to_problem``): ``InputError`` (400),
 ``grammar.base.GrammarError`` (400, naming keyword/path/position), ``engine.llm_engine.EngineError``
 (400, e.g. prompt too long), ``EngineOverloaded`` (429), ``Unavailable`` / ``EngineDeadError``
-(503), ``GenerationTimeout`` (504), ``GenerationFailed`` (500). ``start`` raises all of those
+(503), ``GenerationTimeout`` (504), ``GenerationFailed`` (500); a constraint found mid-generation
+to need text the vocabulary cannot spell (``grammar.base.DeadEndError``) is an ``InputError``
+naming the constraint's field (in-band for a stream). ``start`` raises all of those
 that can be known before the first token, so a streaming handler can still answer with a
 status code instead of a broken stream.
 """
@@ -440,6 +442,9 @@ class GenerationStream:
                     raise GenerationTimeout(f"request {self.request_id} ran past its {st.config.request_timeout_s:g} s "
                                             "deadline and was aborted") from None
                 if out.finish_reason == "error":
+                    if out.constraint_error:  # the constraint cannot be spelled: the client's fault
+                        field = _SPEC_FIELDS.get(self.spec.kind) if self.spec is not None else None
+                        raise InputError(f"the constraint cannot be met by this model: {out.error}", field=field)
                     raise GenerationFailed(f"request {self.request_id} failed in the engine: {out.error}")
                 if out.finish_reason == "abort":
                     raise Unavailable(f"request {self.request_id} was aborted: the server is shutting down")

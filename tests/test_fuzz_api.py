@@ -168,12 +168,19 @@ def test_found_top_p_below_float32_keeps_the_first_token():
     assert math.isfinite(lps[0][0])
 
 
-@pytest.mark.xfail(strict=True, reason="a constraint the vocabulary cannot spell (SmolLM2 has no token for "
-                   "byte 0x06) is found mid-generation; the scheduler reports every matcher error as an "
-                   "internal error, so the client gets a 500 instead of a 4xx naming the constraint")
 def test_found_unspellable_regex_is_a_client_error(server):
+    """SmolLM2's vocabulary has no token for byte 0x06: the regex compiles, and after ``a`` no
+    token can go on. That dead end is the constraint's fault: a 400 naming ``regex`` (it was a
+    500), ``param`` under /v1, and the server goes on serving."""
     r = httpx.post(server.url + "/generate", json={"prompt": "fuzz", "regex": "a\x06"}, timeout=60)
-    assert 400 <= r.status_code < 500, r.text
+    assert r.status_code == 400, r.text
+    assert r.json()["field"] == "regex" and "cannot spell" in r.json()["detail"], r.text
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "prompt": "fuzz", "max_tokens": 4, "structured_outputs": {"regex": "a\x06"}})
+    assert r.status_code == 400 and "cannot spell" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/generate", json={"prompt": "fuzz", "regex": "a\x06", "stream": True}, timeout=60)
+    assert r.status_code == 200 and "cannot spell" in r.text, r.text  # in-band: the stream had begun
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
 
 
 @pytest.mark.parametrize("path, body", [

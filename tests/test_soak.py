@@ -23,7 +23,7 @@ def test_short_soak_leaves_nothing_behind(tmp_path, default_model_dir):
     parser = argparse.ArgumentParser()
     soak.add_arguments(parser)
     out = tmp_path / "soak.json"
-    args = parser.parse_args(["--duration", "12", "--rounds", "2", "--reference-concurrency", "4",
+    args = parser.parse_args(["--duration", "12", "--rounds", "2", "--reference-concurrency", "4", "--rest-s", "0",
                               "--reference-duration", "4", "--concurrency", "12", "--model", "tiny", "--max-num-seqs", "4",
                               "--max-waiting", "2", "--num-kv-blocks", "256", "--max-tokens", "24",
                               # A loaded CI machine must not fail the run on timing: the bounds on

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from grammar.backends.llg_c import CMatcher
-from grammar.base import GrammarError, Program
+from grammar.base import DeadEndError, GrammarError, Program
 from grammar.vocab import TokenVocabulary
 
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
@@ -554,9 +554,9 @@ def prefetch_masks(matchers: list[LazyMatcher], executor) -> list[tuple[LazyMatc
     return failed
 
 
-def _dead_end() -> RuntimeError:
-    return RuntimeError("no token can continue the output here: the vocabulary cannot spell what "
-                        "the grammar requires next")
+def _dead_end() -> DeadEndError:
+    return DeadEndError("no token can continue the output here: the model's vocabulary cannot spell "
+                        "what the constraint requires next")
 
 
 def _check_bitmask(bitmask: torch.Tensor, row: int, words: int) -> None:

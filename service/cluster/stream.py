@@ -14,6 +14,7 @@ last attempt that fails, is a 503 (``service.errors.Unavailable``) naming the re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -185,13 +186,9 @@ class ReplicaStream:
         self._replaying = False
         self._tokens = list(done)
         self._text = self._replay_text
-        return RequestOutput(
-            request_id=out.request_id, new_token_ids=new_tokens, new_text=new_text, finished=out.finished,
-            finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
-            num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens, error=out.error,
-            ttft_ms=out.ttft_ms, total_ms=out.total_ms, num_draft_tokens=out.num_draft_tokens,
-            num_accepted_tokens=out.num_accepted_tokens, num_verify_steps=out.num_verify_steps,
-            num_forced_tokens=out.num_forced_tokens, num_steps=out.num_steps, new_logprobs=logprobs)
+        # Everything else as the replica said (the finish, counters, budget and error fields).
+        return dataclasses.replace(out, new_token_ids=new_tokens, new_text=new_text, new_logprobs=logprobs,
+                                   new_top_logprobs=[])
 
     async def aclose(self) -> None:
         """Cancel the replica call if the request is not finished (the replica aborts it)."""
