@@ -367,24 +367,8 @@ class LLMEngine:
         log.info("a draft row costs at least %.3f ms (the decoder's projections, measured)", self.goodput.row_floor_ms)
 
     def _fail(self, req: Request, stage: str, exc: BaseException) -> None:
-        """Finish one request with an error (its blocks freed); the batch goes on without it.
-
-        A ``DeadEndError`` (the constraint asks for text this vocabulary cannot spell) is the
-        request's own fault: its message goes to the client and the output says
-        ``constraint_error``, which the service answers with a 400 naming the constraint.
-        """
-        from grammar.base import DeadEndError
-
-        if isinstance(exc, DeadEndError):
-            log.info("request %s failed while %s: %s", req.request_id, stage, exc)
-            req.error = str(exc)
-            req.finish_reason_detail = "dead_end"
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-            return
-        log.error("request %s failed while %s", req.request_id, stage, exc_info=exc)
-        # The client sees the stage and the exception type, not internal messages.
-        req.error = f"internal error while {stage} ({type(exc).__name__}); see the server log"
-        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        """Finish one request with an error; the batch goes on without it (``Scheduler.fail``)."""
+        self.scheduler.fail(req, stage, exc)
 
     def _grammar_bitmask(self, sched: SchedulerOutput,
                          failed: list[tuple[Request, BaseException]]) -> torch.Tensor | None:

@@ -246,9 +246,7 @@ class Scheduler:
         try:
             req.matcher = make_matcher(req.grammar, req.params)
         except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
-            log.error("request %s failed while starting its grammar matcher", req.request_id, exc_info=e)
-            req.error = f"internal error while starting its grammar matcher ({type(e).__name__}); see the server log"
-            self.finish(req, RequestStatus.FINISHED_ERROR)
+            self.fail(req, "starting its grammar matcher", e)
             return False
         req.grammar = None
         return True
@@ -321,7 +319,7 @@ class Scheduler:
             try:
                 new = self._apply(sr, tokens, lps, now, tops)
             except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
-                self._failed(req, e)
+                self.fail(req, "appending tokens", e)
             updates.append((req, new, lps, tops))
         # Forced tokens read each matcher's mask of its new state: compute them all at once.
         if self.enable_forced_tokens:
@@ -334,13 +332,27 @@ class Scheduler:
                 try:
                     new = new + self._apply_forced(req, lps, tops)
                 except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
-                    self._failed(req, e)
+                    self.fail(req, "appending tokens", e)
             out_updates.append((req, new))
         return out_updates
 
-    def _failed(self, req: Request, e: Exception) -> None:
-        log.error("request %s failed while appending its tokens", req.request_id, exc_info=e)
-        req.error = f"internal error while appending tokens ({type(e).__name__}); see the server log"
+    def fail(self, req: Request, stage: str, exc: BaseException) -> None:
+        """Finish one request with an error (its blocks freed); the batch goes on without it.
+
+        A ``grammar.base.DeadEndError`` (the constraint asks for text this vocabulary cannot
+        spell) is the request's own fault: its message goes to the client and the output says
+        ``constraint_error`` (the service's 400). Any other exception is internal: the client
+        sees the stage and the exception's type, the log the traceback.
+        """
+        from grammar.base import DeadEndError
+
+        if isinstance(exc, DeadEndError):
+            log.info("request %s failed while %s: %s", req.request_id, stage, exc)
+            req.error = str(exc)
+            req.finish_reason_detail = "dead_end"
+        else:
+            log.error("request %s failed while %s", req.request_id, stage, exc_info=exc)
+            req.error = f"internal error while {stage} ({type(exc).__name__}); see the server log"
         self.finish(req, RequestStatus.FINISHED_ERROR)
 
     def _apply(self, sr: ScheduledRequest, tokens: list[int], lps: list[float] | None, now: float,

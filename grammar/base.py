@@ -57,16 +57,6 @@ class GrammarError(ValueError):
             parts.append(f"at position {position}")
         super().__init__(" ".join(parts) if len(parts) == 1 else f"{parts[0]} ({', '.join(parts[1:])})")
 
-
-class DeadEndError(RuntimeError):
-    """The output reached a state the grammar cannot leave with any token of this vocabulary:
-    it is not complete, and what must come next is text no token spells (SmolLM2 has no token
-    for byte 0x06, so the regex ``a\x06`` dies after ``a``). The constraint's fault, not the
-    engine's: the engine fails that request alone and the service answers it with a 400 naming
-    the constraint's field.
-    """
-
-
     def copy(self, *, field: str | None = None) -> "GrammarError":
         """A fresh exception with the same fields, ``field`` replaced when given (one instance
         raised in many threads would accumulate their tracebacks)."""
@@ -76,6 +66,15 @@ class DeadEndError(RuntimeError):
 
 class GrammarTimeout(GrammarError):
     """Compilation took longer than the configured limit."""
+
+
+class DeadEndError(RuntimeError):
+    """The output reached a state the grammar cannot leave with any token of this vocabulary:
+    it is not complete, and what must come next is text no token spells (SmolLM2 has no token
+    for byte 0x06, so a regex of ``a`` and that byte dies after ``a``). The constraint's fault, not the
+    engine's: the engine fails that request alone and the service answers it with a 400 naming
+    the constraint's field.
+    """
 
 
 @dataclass(frozen=True, slots=True)
