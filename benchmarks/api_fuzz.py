@@ -25,6 +25,7 @@ replays it).
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ _RESPONSE_EVENTS = {"response.created", "response.in_progress", "response.output
                     "response.content_part.done", "response.output_item.done",
                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
                     "response.completed", "response.incomplete", "response.failed", "error"}
+_SSE_LINE = re.compile(r"\r\n|\r|\n")
 _RESPONSE_TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 
 
@@ -117,7 +119,8 @@ def check_beyond_schema(path: str, response) -> None:
         if status == 429:
             assert int(_header(response, "retry-after")) >= 1
     if status == 200 and ctype.startswith("text/event-stream"):
-        events = [ln[len("data: "):] for ln in response.text.splitlines() if ln.startswith("data: ")]
+        # SSE breaks lines at CR and LF only (str.splitlines would also break inside a JSON string).
+        events = [ln[len("data: "):] for ln in _SSE_LINE.split(response.text) if ln.startswith("data: ")]
         if path == "/v1/responses":
             # OpenAI's Responses streams end with a typed terminal event, not ``[DONE]``.
             assert events and msgspec.json.decode(events[-1])["type"] in _RESPONSE_TERMINAL, response.text[-300:]

@@ -20,7 +20,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
@@ -41,6 +40,7 @@ from service import generation
 from service.errors import (InputError, ServiceError, Unauthorized, client_left_during_body, log_refused, named_as,
                             to_problem)
 from service.metrics import Metrics
+from service.openai_common import event_json
 from service.openapi_docs import StreamableOperation, StrictStructSchemaPlugin, error_responses
 from service.state import ServiceConfig, ServiceState
 from service.validation import OutputChecker
@@ -203,18 +203,15 @@ def _response_of(result: generation.GenerationResult) -> GenerateResponse:
                             truncated_value=result.truncated_value)
 
 
-_ENCODER = msgspec.json.Encoder()
-
-
 async def _sse_events(gen: generation.GenerationStream, rid: str) -> AsyncIterator[str]:
     """``data:`` payloads: deltas, then the final fields (or an error), then ``[DONE]``."""
     try:
         async for item in gen:
             if isinstance(item, generation.GenerationDelta):
                 if item.text or item.logprobs:
-                    yield _ENCODER.encode(StreamDelta(text=item.text, logprobs=item.logprobs)).decode()
+                    yield event_json(StreamDelta(text=item.text, logprobs=item.logprobs)).decode()
             else:
-                yield _ENCODER.encode(StreamFinal(id=item.id, output=item.output, valid=item.valid,
+                yield event_json(StreamFinal(id=item.id, output=item.output, valid=item.valid,
                                                   finish_reason=item.finish_reason, usage=item.usage,
                                                   timings=item.timings, warnings=item.warnings,
                                                   closed_by_budget=item.closed_by_budget,
@@ -222,11 +219,11 @@ async def _sse_events(gen: generation.GenerationStream, rid: str) -> AsyncIterat
                                                   truncated_value=item.truncated_value)).decode()
     except (ServiceError, EngineError, EngineOverloaded, EngineDeadError, GrammarError) as e:
         problem, _ = to_problem(e, rid)
-        yield _ENCODER.encode(StreamError(error=problem)).decode()
+        yield event_json(StreamError(error=problem)).decode()
     except Exception as e:  # noqa: BLE001 - headers are sent; the client must still learn it failed
         log.exception("stream failed", extra={"request_id": rid})
         problem, _ = to_problem(e, rid)
-        yield _ENCODER.encode(StreamError(error=problem)).decode()
+        yield event_json(StreamError(error=problem)).decode()
     yield "[DONE]"
 
 

@@ -422,10 +422,29 @@ async def merged(streams: list[gen.GenerationStream]) -> AsyncIterator[tuple[int
 SSE_HEADERS = {"Cache-Control": "no-cache", "Content-Type": "text/event-stream; charset=utf-8"}
 
 
+# U+0085, U+2028 and U+2029 may stand raw in a JSON string, but Python's str.splitlines breaks
+# lines at them, and so does httpx's iter_lines: a client reading a stream line by line that way
+# would get an event cut in two (SSE itself breaks only at CR and LF). Their escapes decode to the
+# same text. In UTF-8 these byte runs can only be those characters.
+_LINE_BREAKS_BEYOND_SSE = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+_EVENT_ENCODER = msgspec.json.Encoder()
+
+
+def event_json(obj: Any) -> bytes:
+    """``obj`` as one line of JSON (UTF-8) for an event's ``data:``: msgspec's encoding with the
+    three line breaks that str.splitlines knows beyond CR and LF escaped."""
+    data = _EVENT_ENCODER.encode(obj)
+    if b"\xc2\x85" in data or b"\xe2\x80" in data:
+        for raw, escaped in _LINE_BREAKS_BEYOND_SSE:
+            data = data.replace(raw, escaped)
+    return data
+
+
 def sse(obj: Any, event: str | None = None) -> bytes:
-    """One server-sent event carrying ``obj`` as JSON (with an ``event:`` line when given)."""
+    """One server-sent event carrying ``obj`` as JSON (``event_json``), with an ``event:`` line
+    when given."""
     head = b"event: " + event.encode() + b"\n" if event else b""
-    return head + b"data: " + msgspec.json.encode(obj) + b"\n\n"
+    return head + b"data: " + event_json(obj) + b"\n\n"
 
 
 def error_fields(exc: BaseException) -> ErrorBody:

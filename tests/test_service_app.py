@@ -181,6 +181,50 @@ def test_unconstrained_stream_with_stop_matches(client):
     assert "e" not in plain["text"]
 
 
+# Line breaks to str.splitlines (and httpx's iter_lines) that SSE does not break at.
+SPLITLINES_ONLY = "\u2028\x85\u2029"
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions", "/v1/completions"])
+def test_stream_events_survive_a_line_reader_that_splits_like_splitlines(client, path):
+    # The constraint makes the model write the three characters; every event must still be one
+    # line to a client that reads lines with httpx's iter_lines (Stencil's own client does).
+    regex = "a" + SPLITLINES_ONLY + "b"
+    model = service_state(client.app).model_name
+    if path == "/generate":
+        body = {"prompt": "x", "regex": regex, "max_tokens": 16, "stream": True}
+    elif path == "/v1/chat/completions":
+        body = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 16, "stream": True,
+                "structured_outputs": {"regex": regex}}
+    else:
+        body = {"model": model, "prompt": "x", "max_tokens": 16, "stream": True,
+                "structured_outputs": {"regex": regex}}
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith(("data: ", "event: ")) for ln in lines), lines
+    payloads = [json.loads(ln[len("data: "):]) for ln in lines if ln.startswith("data: {")]
+    if path == "/generate":
+        text = "".join(p["text"] for p in payloads if p["type"] == "delta")
+    elif path == "/v1/chat/completions":
+        text = "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads if p["choices"])
+    else:
+        text = "".join(p["choices"][0]["text"] for p in payloads if p["choices"])
+    assert text == regex
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_event_json_escapes_the_extra_line_breaks_and_decodes_to_the_same_text():
+    from service.openai_common import event_json, sse
+
+    obj = {"text": "x" + SPLITLINES_ONLY + "\u00e9\u2019y"}
+    data = event_json(obj)
+    assert json.loads(data) == obj and len(data.decode().splitlines()) == 1
+    assert b"\\u2028" in data and "\u00e9\u2019".encode() in data  # other text stays raw UTF-8
+    event = sse(obj, "response.output_text.delta").decode()
+    assert event.splitlines()[:2] == ["event: response.output_text.delta", "data: " + data.decode()]
+
+
 def test_queue_full_gives_429_with_retry_after(client):
     eng = service_state(client.app).engine.engine
     saved = eng.config.max_waiting

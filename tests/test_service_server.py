@@ -53,18 +53,42 @@ def _finished_total(srv) -> float:
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
-    eng = service_state(server.app).engine.engine
+    aeng = service_state(server.app).engine
+    eng = aeng.engine
     # An earlier test's request may still be ending on a loaded machine: start from an idle engine.
     assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
     finished_before = _finished_total(server)
     dropped_before = _http_count(server, "/generate", "499")
-    with httpx.Client(timeout=30) as c:
-        with c.stream("POST", server.url + "/generate", json={**LONGER, "stream": True}) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: ") and '"delta"' in line:
-                    break  # one delta seen: the request is running; now hang up
-            assert eng.stats()["running"] == 1 and eng.stats()["kv_blocks_free"] < 256
+    # The engine holds still after the step that makes the first text, until the client's hang-up
+    # reaches its inbox: however slow this machine is, the request is running when the client
+    # leaves (a free-running engine could finish all 2,000 tokens before a starved client reads).
+    gate, hold = threading.Event(), threading.Event()
+    gate.set()
+    hold.set()
+    plain_step = eng.step
+
+    def gated_step():
+        assert gate.wait(60), "the test never released the engine"
+        outs = plain_step()
+        if hold.is_set() and any(o.new_text for o in outs):
+            gate.clear()
+        return outs
+
+    eng.step = gated_step
+    try:
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", server.url + "/generate", json={**LONGER, "stream": True}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and '"delta"' in line:
+                        break  # one delta seen: the request is running; now hang up
+                assert not gate.is_set()
+                assert eng.stats()["running"] == 1 and eng.stats()["kv_blocks_free"] < 256
+        assert _wait(lambda: not aeng._inbox.empty())  # the server saw the hang-up and asked to abort
+    finally:
+        hold.clear()
+        gate.set()
+        del eng.step
     assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
     assert _wait(lambda: eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"])
     # Aborted, not run to its 2000 tokens: a finished request would have been counted.
