@@ -193,3 +193,21 @@ def test_found_seed_beyond_int64_is_refused_and_the_engine_lives(server, path, b
     r = httpx.post(server.url + path, json={**body, "seed": -2**63, "temperature": 1}, timeout=60)
     assert r.status_code == 200, r.text
     assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_found_responses_streams_are_read_whole(api, server):
+    """A 16-token Responses stream has 24 events; schemathesis stopped reading streams after 20, so
+    a long one looked cut before its terminal event (2 of 500 cases under soak). The fuzzer now
+    reads every stream whole; one cut by the call's timeout is a failure of its own."""
+    op = api["/v1/responses"]["POST"]
+    case = op.Case(body={"input": "fuzz", "stream": True, "max_output_tokens": 16, "temperature": 0,
+                         "text": {"format": {"type": "json_schema", "name": "s", "strict": True,
+                                             "schema": {"type": "string", "pattern": "^a{16}$"}}}},
+                   media_type="application/json")
+    response = case.call(base_url=server.url, timeout=api_fuzz.CALL_TIMEOUT_S)
+    events = [ln for ln in response.text.split("\n") if ln.startswith("data: ")]
+    assert len(events) > 20 and '"response.completed"' in events[-1], response.text[-300:]
+    api_fuzz.check_beyond_schema("/v1/responses", response)
+    response.stream_cut_short = True
+    with pytest.raises(AssertionError, match="went silent"):
+        api_fuzz.check_beyond_schema("/v1/responses", response)
