@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, Router, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.di import Provide
@@ -37,12 +37,14 @@ from schemas.common import Problem
 from schemas.generate import (GenerateRequest, GenerateResponse, HealthResponse, StreamDelta, StreamError,
                               StreamFinal)
 from service import generation
-from service.errors import (InputError, ServiceError, Unauthorized, client_left_during_body, log_refused, named_as,
-                            to_problem)
+from service.errors import (InputError, ServiceError, Unauthorized, Unavailable, client_left_during_body,
+                            log_refused, named_as, to_problem)
 from service.metrics import Metrics
-from service.openai_common import event_json
+from service.openai_api import openai_route_handlers
+from service.openai_common import event_json, openai_exception_handler
 from service.openapi_docs import StreamableOperation, StrictStructSchemaPlugin, error_responses
-from service.state import ServiceConfig, ServiceState
+from service.responses_api import responses_route_handlers
+from service.state import STATE_KEY, ServiceConfig, ServiceState, StateHolder, service_state
 from service.validation import OutputChecker
 from service.wire import invalid_field, strict_body
 
@@ -51,20 +53,6 @@ log = logging.getLogger("stencil.app")
 PROBLEM_JSON = "application/problem+json"
 _PUBLIC = ("/health", "/metrics", "/schema")  # reachable without the API key
 _ERROR_RESPONSES = error_responses(Problem, PROBLEM_JSON, (400, 401, 413, 415, 422, 429, 503, 504, 500))
-
-
-class _Holder:
-    """Where the lifespan puts the state once the engine is up (one per app, not global)."""
-
-    __slots__ = ("state",)
-
-    def __init__(self) -> None:
-        self.state: ServiceState | None = None
-
-
-def service_state(app: Litestar) -> ServiceState | None:
-    """The running app's ``ServiceState`` (``None`` before startup); for the CLI and tests."""
-    return app.state["stencil"].state
 
 
 def _request_id(connection: ASGIConnection) -> str:
@@ -76,11 +64,9 @@ def _request_id(connection: ASGIConnection) -> str:
 def _problem_response(request: Request, exc: Exception) -> Response:
     if request.url.path == "/v1" or request.url.path.startswith("/v1/"):
         # Errors met before a /v1 route is found (404, 405) still speak OpenAI's shape.
-        from service.openai_common import openai_exception_handler
-
         return openai_exception_handler(request, exc)
     rid = _request_id(request)
-    holder: _Holder = request.app.state["stencil"]
+    holder: StateHolder = request.app.state[STATE_KEY]
     retry = holder.state.config.retry_after_s if holder.state else 1
     if isinstance(exc, ValidationException):
         problem, headers = _validation_problem(exc), {}
@@ -135,7 +121,7 @@ def _validation_problem(exc: ValidationException) -> Problem:
 
 # -- auth and metrics middleware -------------------------------------------------------------------
 
-def _api_key_guard(holder: _Holder) -> Callable:
+def _api_key_guard(holder: StateHolder) -> Callable:
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         key = holder.state.config.api_key if holder.state else None
         if not key or connection.scope["path"].startswith(_PUBLIC):
@@ -149,7 +135,7 @@ def _api_key_guard(holder: _Holder) -> Callable:
     return guard
 
 
-def _observe_middleware(holder: _Holder, known: Callable[[], set[str]]):
+def _observe_middleware(holder: StateHolder, known: Callable[[], set[str]]):
     """ASGI middleware: request id per HTTP request, ``X-Request-Id`` header, status counts (499
     for a response whose body never ended: a stream the client dropped)."""
     def factory(app):
@@ -305,6 +291,32 @@ def stop_engine(aeng: AsyncEngine) -> None:
 
 # -- the factory -----------------------------------------------------------------------------------
 
+def _provide_openai_state(request: Request) -> ServiceState:
+    st = service_state(request.app)
+    if st is None:
+        raise Unavailable("the engine is not started")
+    return st
+
+
+_OPENAI_ROUTER: Router | None = None
+
+
+def _openai_router() -> Router:
+    """The ``/v1`` routes (chat completions, completions, models, responses), their state
+    injected as ``svc`` and their errors in OpenAI's shape. Built once; every app shares it.
+
+    Litestar merges exception handlers over app, router and handler and picks one by status
+    code, then by the exception's MRO: the router's ``Exception`` handler wins while the app maps
+    nothing more specific (``create_app`` maps ``Exception`` alone).
+    """
+    global _OPENAI_ROUTER
+    if _OPENAI_ROUTER is None:
+        _OPENAI_ROUTER = Router(path="/v1", route_handlers=[*openai_route_handlers, *responses_route_handlers],
+                                dependencies={"svc": Provide(_provide_openai_state, sync_to_thread=False)},
+                                exception_handlers={Exception: openai_exception_handler}, tags=["openai"])
+    return _OPENAI_ROUTER
+
+
 def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig | None = None, *,
                route_handlers: Sequence = (), include_openai: bool = True,
                on_engine_dead: Callable[[BaseException], None] | None = None,
@@ -332,7 +344,7 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
         ``/v1`` routes and the OpenAPI schema at ``/schema/openapi.json``.
     """
     cfg = (config or ServiceConfig()).validate()
-    holder = _Holder()
+    holder = StateHolder()
 
     @asynccontextmanager
     async def lifespan(app: Litestar):
@@ -384,9 +396,7 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
 
     handlers = [generate_handler, health_handler, metrics_handler, *route_handlers]
     if include_openai:
-        from service.openai_api import openai_route_handlers
-
-        handlers.extend(openai_route_handlers)
+        handlers.append(_openai_router())
     known_paths: set[str] = set()
 
     app = Litestar(
@@ -401,7 +411,7 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
         plugins=[StrictStructSchemaPlugin()],  # the document says which bodies refuse unknown fields
         openapi_config=OpenAPIConfig(title="Stencil", version="0.1.0",
                                      description="Structured generation: JSON that matches your schema."),
-        state=State({"stencil": holder}),
+        state=State({STATE_KEY: holder}),
     )
     known_paths.update(r.path for r in app.routes)
     return app

@@ -23,8 +23,8 @@ extension are applied with the grammar mask
 (masked, penalized, biased, temperature 1). Legacy ``logprobs`` with ``echo`` cover the
 generated tokens only.
 
-Register with ``create_app(..., route_handlers=openai_route_handlers)``; the handlers take the
-dependency ``svc: ServiceState`` that ``service.app`` provides.
+``service.app`` mounts ``openai_route_handlers`` (with ``service.responses_api``'s) under ``/v1``
+and injects their dependency ``svc: ServiceState``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from litestar import Request, Response, Router, get, post
-from litestar.di import Provide
+from litestar import Request, Response, get, post
 from litestar.openapi import ResponseSpec
 from litestar.openapi.spec import Link, Operation
 from litestar.response import Stream
@@ -51,11 +50,11 @@ from schemas.openai import (
     ToolCallDelta, ToolChoiceFunction, Usage,
 )
 from service import generation as gen
-from service.errors import InputError, Unavailable, named_as
+from service.errors import InputError, named_as
 from service.openai_common import (
     GENERATION_ERRORS, SSE_HEADERS, Constraint, check_model, constraint, error_fields, grammar_field, logit_bias_ids,
     merged,
-    openai_exception_handler, openai_temperature, refuse_unserved, relaxed, run_all, sse, start_all, token_bytes,
+    openai_temperature, refuse_unserved, relaxed, run_all, sse, start_all, token_bytes,
     token_logprobs, token_text, verdict, vocab_size, warnings_header,
 )
 from service.openapi_docs import StreamableOperation, error_responses, with_links
@@ -575,28 +574,5 @@ async def get_model(model_id: str, svc: ServiceState) -> Model:
     return _model(svc)
 
 
-# Litestar merges exception handlers over app → router → handler and picks one by status code, then
-# by the exception's MRO: this ``Exception`` key wins only while the app maps nothing more specific
-# (``service.app`` maps ``Exception`` alone).
-def _provide_svc(request: Request) -> ServiceState:
-    """The app's ``ServiceState``, looked up through ``service.app.service_state`` so these routes
-    do not depend on the name under which the app injects it."""
-    from service.app import service_state
-
-    st = service_state(request.app)
-    if st is None:
-        raise Unavailable("the engine is not started")
-    return st
-
-
-def _router() -> Router:
-    from service.responses_api import responses_route_handlers
-
-    return Router(path="/v1", route_handlers=[chat_completions, completions, list_models, get_model,
-                                              *responses_route_handlers],
-                  dependencies={"svc": Provide(_provide_svc, sync_to_thread=False)},
-                  exception_handlers={Exception: openai_exception_handler}, tags=["openai"])
-
-
-openai_router = _router()
-openai_route_handlers: list = [openai_router]
+# The /v1 router is assembled by ``service.app``.
+openai_route_handlers: list = [chat_completions, completions, list_models, get_model]

@@ -27,7 +27,7 @@ from service import generation as gen
 from service.openapi_docs import error_responses
 from service.errors import ClientDisconnected, GenerationFailed, InputError, ServiceError, client_left_during_body, \
     log_refused, named_as, to_problem
-from service.state import ServiceState
+from service.state import ServiceState, service_state
 from service.tool_parser import ParsedCall, parse_answer
 from service.tools import ToolError, ToolPlan, arguments_schema, is_strict, tool_regex
 from service.wire import invalid_field
@@ -104,8 +104,6 @@ def _openai_error_fields(request: Request, exc: Exception,
         if isinstance(exc.__cause__, SerializationException):  # the body could not be decoded
             message = f"the body is not valid JSON: {message}"
         return exc.status_code, message, None, None, exc.headers
-    from service.app import service_state
-
     state = service_state(request.app)
     problem, headers = to_problem(exc, rid, state.config.retry_after_s if state is not None else 1)
     param = _FIELD_PARAM.get(problem.field or "", problem.field)

@@ -28,7 +28,7 @@ import threading
 
 import uvicorn
 
-from service.app import service_state
+from service.state import service_state
 from service.http_limits import ConnectionLimits, protocol_class
 
 log = logging.getLogger("stencil.server")

@@ -121,3 +121,22 @@ class ServiceState:
     schemas: SchemaChecks = field(default_factory=SchemaChecks)
     draining: bool = False
     inflight: int = field(default=0)
+
+
+class StateHolder:
+    """Where an app's lifespan puts its ``ServiceState`` once the engine is up (one per app, in
+    ``app.state[STATE_KEY]``; not global)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state: ServiceState | None = None
+
+
+STATE_KEY = "stencil"
+
+
+def service_state(app) -> ServiceState | None:
+    """The running Litestar app's ``ServiceState`` (``None`` before startup); for the routes
+    outside ``service.app``, the CLI, the server runner and tests."""
+    return app.state[STATE_KEY].state

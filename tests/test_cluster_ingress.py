@@ -17,7 +17,8 @@ from litestar.testing import TestClient
 
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
-from service.app import create_app, service_state
+from service.app import create_app
+from service.state import service_state
 from service.cluster.client import ClusterEngine, ClusterSettings
 from service.cluster.messages import Admitted, Refusal
 from service.cluster.replica import EngineReplica

@@ -17,7 +17,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from engine.config import EngineConfig  # noqa: E402
-from service.app import service_state  # noqa: E402
+from service.state import service_state  # noqa: E402
 from service.state import ServiceConfig  # noqa: E402
 
 MODEL_NAME = "tiny"

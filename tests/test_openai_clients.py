@@ -22,7 +22,7 @@ pydantic = pytest.importorskip("pydantic")
 from pydantic import BaseModel, Field, StringConstraints  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
-from service.app import service_state  # noqa: E402
+from service.state import service_state  # noqa: E402
 from service.state import ServiceConfig  # noqa: E402
 
 MODEL_NAME = "tiny"

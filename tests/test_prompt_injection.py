@@ -14,7 +14,8 @@ import pytest
 from litestar.testing import TestClient
 
 from engine.config import EngineConfig
-from service.app import create_app, service_state
+from service.app import create_app
+from service.state import service_state
 from service.prompts import Defanger, control_tokens, encode_prompt
 from service.state import ServiceConfig
 

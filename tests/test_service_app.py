@@ -13,7 +13,8 @@ from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig
-from service.app import create_app, service_state
+from service.app import create_app
+from service.state import service_state
 from service.state import ServiceConfig
 
 PERSON = {

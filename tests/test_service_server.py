@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from service.app import service_state
+from service.state import service_state
 from service.state import ServiceConfig
 from service_live import LiveServer
 

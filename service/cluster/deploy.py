@@ -161,7 +161,7 @@ class StencilIngress:
     def drain(self) -> int:
         """Refuse new generation requests from now on (503 ``draining``); return how many are
         still in flight here (``serve_cluster`` calls it on SIGTERM until it reads 0)."""
-        from service.app import service_state
+        from service.state import service_state
 
         state = service_state(self._app)
         if state is None:
