@@ -14,6 +14,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from grammar.program import Program  # noqa: F401 - the grammar API's name for it
+
 GrammarKind = Literal["json_schema", "regex", "choice", "lark"]
 BackendName = Literal["auto", "eager", "lazy"]
 
@@ -75,71 +77,6 @@ class DeadEndError(RuntimeError):
     engine's: the engine fails that request alone and the service answers it with a 400 naming
     the constraint's field.
     """
-
-
-@dataclass(frozen=True, slots=True)
-class Program:
-    """What the front end hands a backend: a regex (Python ``re`` / Rust ``regex`` common
-    dialect, implicitly anchored), a Lark grammar in llguidance's dialect (``start`` rule), or a
-    JSON Schema for llguidance's own JSON front end (``json_schema.handover``: only where its
-    language is provably the one Stencil's compiler writes for the spec; the eager index and
-    the closing automaton translate the spec themselves, ``CompiledGrammar.own_program``).
-
-    Attributes:
-        kind: "regex", "lark" or "json".
-        text: the regex or the grammar. A schema's regex may use *terminal references* to
-            ``terminals`` (pieces written once, used many times; ``json_schema.rules``).
-        warnings: notes from the translation (keywords relaxed, bounds applied).
-        terminals: the regex pieces ``text`` (or ``root``) refers to.
-        root, rules: for a Lark program written by the JSON Schema compiler, its start and its
-            rules as regex text with references (what the closing automaton reads); ``None`` /
-            empty for regexes and hand-written grammars.
-    """
-
-    kind: Literal["regex", "lark", "json"]
-    text: str
-    warnings: tuple[str, ...] = ()
-    terminals: tuple[str, ...] = ()
-    root: str | None = None
-    rules: tuple[tuple[int, str], ...] = ()
-
-    @property
-    def regular(self) -> bool:
-        """Whether a plain regex says this program (what the eager backend needs)."""
-        if self.kind != "regex":
-            return False
-        from grammar.json_schema.rules import is_regular_text
-
-        return is_regular_text(self.text, self.terminals)
-
-    def regex_size(self) -> int:
-        """Characters of the plain regex (terminals written out), without writing it."""
-        if not self.terminals:
-            return len(self.text)
-        from grammar.json_schema.rules import expanded_size
-
-        return expanded_size(self.text, self.terminals)
-
-    def regex(self) -> str:
-        """The plain regex (terminals written out); for regex programs only."""
-        if self.kind != "regex":
-            raise ValueError("a Lark program has no regex")
-        if not self.terminals:
-            return self.text
-        from grammar.json_schema.rules import expand
-
-        return expand(self.text, self.terminals)
-
-    def lark(self) -> str:
-        """The program as a Lark grammar (a regex program: one terminal, the same language; a
-        JSON one: llguidance's ``%json``)."""
-        if self.kind == "lark":
-            return self.text
-        if self.kind == "json":
-            return "start: %json " + self.text + "\n"
-        from grammar.json_schema.rules import to_lark
-
-        return to_lark(self.text, {}, self.terminals)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ import threading
 import numpy as np
 
 from grammar.base import Program
+from grammar.charclass import UnmodelledClass, class_ranges, complement_ranges
 from grammar.vocab import TokenVocabulary
 
 MAX_NFA_STATES = 400_000
@@ -215,9 +216,9 @@ class _Builder:
         if op is sre_c.LITERAL:
             return self._chars([(av, av)])
         if op is sre_c.NOT_LITERAL:
-            return self._chars(_complement([(av, av)]))
+            return self._chars(complement_ranges([(av, av)]))
         if op is sre_c.ANY:
-            return self._chars(_complement([(10, 10)]))
+            return self._chars(complement_ranges([(10, 10)]))
         if op is sre_c.IN:
             return self._chars(_class_ranges(av))
         if op is sre_c.BRANCH:
@@ -325,60 +326,11 @@ def _expand_terms(text: str, terminals) -> str:
     return _TERM.sub(sub, text)
 
 
-def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for lo, hi in sorted(ranges):
-        if lo > start:
-            out.append((start, lo - 1))
-        start = max(start, hi + 1)
-    if start <= 0x10FFFF:
-        out.append((start, 0x10FFFF))
-    return out
-
-
-_CATEGORY_LETTERS = {sre_c.CATEGORY_DIGIT: "d", sre_c.CATEGORY_NOT_DIGIT: "D", sre_c.CATEGORY_SPACE: "s",
-                     sre_c.CATEGORY_NOT_SPACE: "S", sre_c.CATEGORY_WORD: "w", sre_c.CATEGORY_NOT_WORD: "W"}
-
-
 def _class_ranges(items) -> list[tuple[int, int]]:
-    r"""Code point ranges of an ``IN`` node: a subset of what the backends' class admits, so that
-    distances stay upper bounds. ``\d``/``\w``/``\s`` and their negations take the JSON Schema
-    pattern parser's under-approximations (``\S``: every code point that neither Python nor the
-    backends' Unicode tables call whitespace, and U+001C-U+001F); a negated class ``[^...]`` is
-    the complement of its items' over-approximation.
-
-    (``\S`` was once read as its ASCII members by dropping every range that reached past ASCII:
-    that left only control characters, and ``[\s\S]*`` near its budget admitted whitespace
-    alone.)
-    """
-    from grammar.json_schema.pattern import shorthand
-
-    under: list[tuple[int, int]] = []
-    over: list[tuple[int, int]] = []
-    negate = False
-    for op, av in items:
-        if op is sre_c.NEGATE:
-            negate = True
-        elif op is sre_c.LITERAL:
-            under.append((av, av))
-            over.append((av, av))
-        elif op is sre_c.RANGE:
-            under.append(av)
-            over.append(av)
-        elif op is sre_c.CATEGORY:
-            letter = _CATEGORY_LETTERS.get(av)
-            if letter is None:
-                raise ClosingUnsupported(f"category {av} is not modelled")
-            lo_set, hi_set = shorthand(letter)
-            under.extend(lo_set)
-            over.extend(hi_set)
-            if letter == "S":
-                # The backends' \s is Unicode White_Space, without U+001C-U+001F (Python's has
-                # them): to both backends those are \S, and free text may hold them.
-                under.append((0x1C, 0x1F))
-        else:
-            raise ClosingUnsupported(f"class item {op} is not modelled")
-    return _complement(over) if negate else under
+    try:
+        return class_ranges(items)
+    except UnmodelledClass as e:
+        raise ClosingUnsupported(str(e)) from None
 
 
 # -- distances and the lazy DFA -----------------------------------------------------------------------

@@ -137,7 +137,7 @@ class CompiledGrammar:
         ``max_tokens`` is enough, or the grammar is not modelled). Cheap when ``max_tokens`` is
         at least the shortest output's bytes (each token spells at least one byte)."""
         if self._min_bytes is None:
-            from grammar.json_schema.rules import min_bytes
+            from grammar.program import min_bytes
 
             try:
                 p = self.own_program()

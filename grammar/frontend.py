@@ -113,9 +113,9 @@ def warm_up() -> None:
     """Pay the translation's one-time costs before the first request: imports on first use,
     Python's Unicode ``\\d``/``\\s`` sets (~0.3 s), the validators (~0.3 s cold). A server calls
     it when it starts (``GrammarCompiler`` does, in its pool), a benchmark before its clock."""
-    from grammar.json_schema.pattern import _unicode_sets
+    from grammar.charclass import unicode_sets
 
-    _unicode_sets()
+    unicode_sets()
     for ws in ("compact", "flexible"):
         to_program(GrammarSpec.json_schema(_WARM_SCHEMA, whitespace=ws)).lark()
         to_program(GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}},

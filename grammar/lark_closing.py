@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from grammar.base import Program
 from grammar.closing import ClosingUnsupported
-from grammar.json_schema.rules import ref, term_ref
+from grammar.program import ref, term_ref
 
 
 def lark_program(text: str) -> Program:

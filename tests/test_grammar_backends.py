@@ -21,7 +21,7 @@ from grammar.base import GrammarError, GrammarSpec, Program
 from grammar.bitmask import allocate_bitmask
 from grammar.compiler import GrammarCompiler
 from grammar.frontend import to_program
-from grammar.json_schema.rules import expand, to_lark
+from grammar.program import expand, to_lark
 from grammar.vocab import TokenVocabulary
 
 EOS = 30
@@ -260,7 +260,7 @@ def test_lark_writers_keep_the_language_of_terminal_texts(both_backends, flat, d
     """Texts with terminal references, empty alternatives, quantified groups and intersections:
     the Lark terminal (token-level writer, or the tree writer it falls back to) admits exactly
     the strings Python's re admits on the text written out."""
-    from grammar.json_schema import rules
+    from grammar import program as rules
 
     _, lazy = both_backends
     terminals = ["a(?:b|c)", "[0-9]{1,2}", rules.term_ref(0) + "x?"]
@@ -307,7 +307,7 @@ def test_lark_writers_keep_the_language_of_terminal_texts(both_backends, flat, d
 
 
 def test_lark_writer_names_pieces_nested_deeper_than_llguidance_reads(both_backends):
-    from grammar.json_schema import rules
+    from grammar import program as rules
 
     _, lazy = both_backends
     text = rules.term_ref(0)
@@ -340,7 +340,7 @@ def test_shared_terminals_write_the_same_regex():
 def test_separators_are_shared_terminals_but_not_before_a_quantifier():
     """Flexible whitespace around ',' and ':' is one terminal each (a shorter Lark text, the same
     language); a quantifier right after ``W,W`` binds to the last W, so that piece stays."""
-    from grammar.json_schema import rules
+    from grammar import program as rules
     from grammar.json_schema.compiler import FLEXIBLE_WS, SchemaCompiler, SchemaOptions
 
     schema = {"type": "object", "properties": {k: {"type": "integer"} for k in "abcd"}, "required": ["a"]}
@@ -362,7 +362,7 @@ def test_separators_are_shared_terminals_but_not_before_a_quantifier():
 
 
 def test_compact_lark_text_keeps_names_and_delimiters_apart():
-    from grammar.json_schema.rules import _join
+    from grammar.program import _join
 
     assert _join(["T1", "T2", "/a/", "/b/", "(", "T3", ")", "?", '""', '""', "r0"]) == 'T1 T2/a/ /b/(T3)?"" ""r0'
 
@@ -384,7 +384,7 @@ def test_matchers_start_from_the_root_mask_without_sharing_it(both_backends):
 
 
 def test_to_lark_names_rules_and_lexemes():
-    from grammar.json_schema.rules import ref
+    from grammar.program import ref
 
     lark = to_lark(r"\[" + ref(0) + r"(?:," + ref(0) + r")*\]", {0: "x|y" + ref(0)})
     assert lark.splitlines()[0] == r"start: /\[/r0(/,/r0)*/\]/"

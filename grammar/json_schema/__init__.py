@@ -7,6 +7,14 @@ JSON type each; ``merge``, ``oneof`` and ``refs`` rewrite schemas before that; `
 grammar writes them.
 """
 
-from grammar.json_schema.compiler import SchemaCompiler, SchemaOptions, schema_to_program, schema_to_regex
-
 __all__ = ["SchemaCompiler", "SchemaOptions", "schema_to_program", "schema_to_regex"]
+
+
+def __getattr__(name: str):
+    # The compiler loads on first use of these names (PEP 562), so that importing one of the
+    # package's leaf modules (``charset``, ``rx``) does not load the whole compiler.
+    if name in __all__:
+        from grammar.json_schema import compiler
+
+        return getattr(compiler, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

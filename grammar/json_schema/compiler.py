@@ -43,13 +43,14 @@ from grammar.json_schema.arrays import compile_array
 from grammar.json_schema.canonical import canonical_json
 from grammar.json_schema.complement import NOT_PATTERNS, NOT_STRINGS, ComplementError, complement
 from grammar.json_schema.interning import ContentIds
+from grammar.json_schema.keywords import ANNOTATIONS, ASSERTIONS, TYPE_KEYWORDS, enum_values, json_type
 from grammar.json_schema.merge import MergeError, json_key, merge
 from grammar.json_schema.multiples import multiple_rules
 from grammar.json_schema.objects import compile_object
 from grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required,
                                        promote_discriminators, without_empty_object)
 from grammar.json_schema.refs import RefResolver
-from grammar.json_schema.rules import REF_OPEN, expand, has_refs, is_empty, minus, ref, term_ref, to_lark
+from grammar.program import REF_OPEN, expand, has_refs, is_empty, minus, ref, term_ref, to_lark
 from grammar.json_schema.rx import Rx, alt, opt, repeat, seq
 from grammar.json_schema.strings import (ANY_CHAR, StringError, StringSpec, excluded_keys_regex,
                                         pattern_superset_regex, string_regex)
@@ -67,15 +68,6 @@ FLEXIBLE_WS = "(?:[ \\t\\n\\r]{0,2}|\\r?\\n[ \\t]{0,20})"
 ANY_CHAR_GROUP = ANY_CHAR if ANY_CHAR.startswith("(?:") else "(?:" + ANY_CHAR + ")"
 
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
-_TYPE_KEYWORDS = {
-    "object": ("properties", "required", "additionalProperties", "patternProperties",
-               "propertyNames", "minProperties", "maxProperties", "dependentRequired",
-               "dependencies"),
-    "array": ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "contains",
-              "uniqueItems"),
-    "string": ("minLength", "maxLength", "pattern", "format"),
-    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
-}
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
 
 
@@ -154,7 +146,7 @@ class SchemaCompiler:
         (None: nothing). ``own_values``: the values are ``schema``'s own ``enum``/``const``. Where
         the schema says nothing else but a type, the type alone: checking a value against an enum
         of n values is n comparisons, n^2 in all (a 5,000-name enum took seconds)."""
-        own = {k for k in schema if k not in _ANNOTATIONS}
+        own = {k for k in schema if k not in ANNOTATIONS}
         if own <= {"type"} or (own_values and own <= {"enum", "const", "type"}):
             return {"type": schema["type"]} if "type" in schema else None
         return schema
@@ -335,7 +327,7 @@ class SchemaCompiler:
                 self.unsupported(key, path)
         if "not" in schema:
             neg = self._deref(schema["not"], f"{path}/not")
-            if (isinstance(neg, dict) and set(neg) <= {"required"} | _ANNOTATIONS
+            if (isinstance(neg, dict) and set(neg) <= {"required"} | ANNOTATIONS
                     and isinstance(neg.get("required"), list) and 1 < len(neg["required"]) <= 8):
                 # not all of these present = one of them absent (exact; a union of cases)
                 rest = {k: v for k, v in schema.items() if k != "not"}
@@ -364,7 +356,7 @@ class SchemaCompiler:
         it) with ``then``; or it fails (another value, or absent when required) with ``else``
         (2020-12 §10.2.2.1). None for any other condition."""
         cond = self._deref(schema["if"], f"{path}/if")
-        if not isinstance(cond, dict) or set(cond) - _ANNOTATIONS - {"properties", "required"}:
+        if not isinstance(cond, dict) or set(cond) - ANNOTATIONS - {"properties", "required"}:
             return None
         props = cond.get("properties")
         required = cond.get("required", [])
@@ -372,9 +364,9 @@ class SchemaCompiler:
             return None
         (name, test), = props.items()
         test = self._deref(test, f"{path}/if/properties")
-        if not isinstance(test, dict) or set(test) - _ANNOTATIONS - {"enum", "const"} or set(required) - {name}:
+        if not isinstance(test, dict) or set(test) - ANNOTATIONS - {"enum", "const"} or set(required) - {name}:
             return None
-        values = _enum_values(test)
+        values = enum_values(test)
         rest = {k: v for k, v in schema.items() if k not in ("if", "then", "else")}
         then, other = schema.get("then", True), schema.get("else", True)
         present = {"required": [name], "properties": {name: {"enum": values}}}
@@ -423,7 +415,7 @@ class SchemaCompiler:
             return None  # recursion unrolled far enough: this branch admits nothing more
         siblings = {k: v for k, v in schema.items() if k != "$ref"}
         resolved = target.schema
-        if siblings and not self.old_draft and any(k in _ASSERTIONS for k in siblings):
+        if siblings and not self.old_draft and any(k in ASSERTIONS for k in siblings):
             resolved = {"allOf": [resolved, siblings]}
         if extra:
             resolved = {"allOf": [extra, resolved]}  # extra first: its properties are written first
@@ -439,7 +431,7 @@ class SchemaCompiler:
         references are inlined as in regex mode. Exact: nothing is unrolled or cut."""
         siblings = {k: v for k, v in schema.items() if k != "$ref"}
         resolved = target.schema
-        if siblings and not self.old_draft and any(k in _ASSERTIONS for k in siblings):
+        if siblings and not self.old_draft and any(k in ASSERTIONS for k in siblings):
             resolved = {"allOf": [resolved, siblings]}
         own = siblings if resolved is not target.schema else None
         if extra:
@@ -490,7 +482,7 @@ class SchemaCompiler:
             base = self.resolver.base_of(schema, self.resolver.root_base)
             target = self.resolver.resolve(schema["$ref"], base, path)
             siblings = {k: v for k, v in schema.items() if k != "$ref"}
-            if siblings and not self.old_draft and any(k in _ASSERTIONS for k in siblings):
+            if siblings and not self.old_draft and any(k in ASSERTIONS for k in siblings):
                 schema = {"allOf": [target.schema, siblings]}
             else:
                 schema = target.schema
@@ -523,7 +515,7 @@ class SchemaCompiler:
 
     def _one_of(self, schema: dict, path: str, only_types) -> Rx:
         rest = {k: v for k, v in schema.items() if k != "oneOf"}
-        rewritten = exclusive_required(schema["oneOf"], _ANNOTATIONS)
+        rewritten = exclusive_required(schema["oneOf"], ANNOTATIONS)
         if rewritten is not None:
             if not rewritten:
                 return None
@@ -584,7 +576,7 @@ class SchemaCompiler:
             return None
         if neg is False:
             return rest
-        if isinstance(neg, dict) and set(neg) <= {"type"} | _ANNOTATIONS:
+        if isinstance(neg, dict) and set(neg) <= {"type"} | ANNOTATIONS:
             banned = {neg["type"]} if isinstance(neg["type"], str) else set(neg["type"])
             if "number" in banned:
                 banned.add("integer")
@@ -593,27 +585,27 @@ class SchemaCompiler:
                 self.unsupported("not", f"{path}/not", "not integer but number")
             return {**rest, "type": allowed}
         reason = None
-        if isinstance(neg, dict) and set(neg) <= {"enum", "const", _FROM_IF} | _ANNOTATIONS:
+        if isinstance(neg, dict) and set(neg) <= {"enum", "const", _FROM_IF} | ANNOTATIONS:
             values = neg.get("enum", []) + ([neg["const"]] if "const" in neg else [])
             if "enum" in rest or "const" in rest:
-                return {**rest, "enum": [v for v in _enum_values(rest)
+                return {**rest, "enum": [v for v in enum_values(rest)
                                          if json_key(v) not in {json_key(x) for x in values}]}
             excluded: dict[str, list] = {}
             for v in values:
-                excluded.setdefault(_json_type(v), []).append(v)
+                excluded.setdefault(json_type(v), []).append(v)
             try:
                 parts = complement(_admitted_types(rest), excluded,
-                                   plain_strings=not set(rest) & set(_TYPE_KEYWORDS["string"]))
+                                   plain_strings=not set(rest) & set(TYPE_KEYWORDS["string"]))
             except ComplementError as exc:
                 reason = exc.message
             else:
                 return {**rest, "anyOf": parts} if parts else None
         if (self.opts.grammar and isinstance(neg, dict) and isinstance(neg.get("pattern"), str)
-                and set(neg) <= {"pattern", "type"} | _ANNOTATIONS and neg.get("type", "string") == "string"):
+                and set(neg) <= {"pattern", "type"} | ANNOTATIONS and neg.get("type", "string") == "string"):
             # Any value but the strings matching a pattern: the strings are written minus a
             # superset of those (llguidance's ``& ~``, lazy only); other types are untouched.
             return {**rest, NOT_PATTERNS: [*rest.get(NOT_PATTERNS, []), neg["pattern"]]}
-        if isinstance(neg, dict) and set(neg) <= {"required"} | _ANNOTATIONS and len(neg["required"]) == 1:
+        if isinstance(neg, dict) and set(neg) <= {"required"} | ANNOTATIONS and len(neg["required"]) == 1:
             name = neg["required"][0]
             props = dict(rest.get("properties", {}))
             props[name] = False
@@ -633,14 +625,14 @@ class SchemaCompiler:
     def _finite_values(self, schema: dict, path: str) -> list | None:
         """The values of an ``enum``/``const`` on ``schema`` or one of its ``allOf`` members."""
         if "enum" in schema or "const" in schema:
-            return _enum_values(schema)
+            return enum_values(schema)
         if "allOf" not in schema:
             return None
         members: list = []
         self._flatten_all_of(schema, path, members)
         for m in members:
             if isinstance(m, dict) and ("enum" in m or "const" in m):
-                return _enum_values(m)
+                return enum_values(m)
         return None
 
     def _finite_values_deep(self, schema: object, path: str, depth: int = 0) -> list | None:
@@ -661,13 +653,13 @@ class SchemaCompiler:
 
     def _enum(self, schema: dict, path: str, only_types, values: list | None = None) -> Rx:
         check = self.value_check(schema, values is None)
-        values = _enum_values(schema) if values is None else values
+        values = enum_values(schema) if values is None else values
         if not values and "enum" in schema:
             raise GrammarError("enum is empty: no value can match", keyword="enum", path=path)
         out = []
         for v in values:
-            if only_types is not None and _json_type(v) not in only_types and not (
-                    _json_type(v) == "integer" and "number" in only_types):
+            if only_types is not None and json_type(v) not in only_types and not (
+                    json_type(v) == "integer" and "number" in only_types):
                 continue
             if check is not None and not self.value_valid(v, check):
                 continue
@@ -841,18 +833,6 @@ def _multiple_tail(k: int) -> str:
 _DEPENDENCY_KEYWORDS = ("dependentRequired", "dependentSchemas", "dependencies")
 # internal: on the ``not`` that ``_if_then_else`` writes, where the ``if`` stands and what it tests
 _FROM_IF = "x-stencil-from-if"
-_ANNOTATIONS = {"title", "description", "examples", "default", "$comment", "$schema", "$id", "id",
-                "deprecated", "readOnly", "writeOnly", "$anchor", "definitions", "$defs",
-                "contentMediaType", "contentEncoding", "contentSchema", "$vocabulary"}
-_ASSERTIONS = {"type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
-               "exclusiveMinimum", "maxLength", "minLength", "pattern", "maxItems", "minItems",
-               "uniqueItems", "maxContains", "minContains", "maxProperties", "minProperties",
-               "required", "dependentRequired", "properties", "patternProperties",
-               "additionalProperties", "propertyNames", "items", "prefixItems", "additionalItems",
-               "contains", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
-               "not", "if", "then", "else", "dependentSchemas", "dependencies", "format", "$ref"}
-
-
 @functools.lru_cache(maxsize=64)
 def _separator_re(piece: str) -> re.Pattern:
     """``piece`` where no quantifier follows it."""
@@ -878,31 +858,9 @@ def _admitted_types(schema: dict) -> list[str]:
     """The types ``schema`` admits: its ``type``, else those its keywords talk about, else all."""
     types = _types(schema)
     if types is None:
-        implied = [t for t, kws in _TYPE_KEYWORDS.items() if any(k in schema for k in kws)]
+        implied = [t for t, kws in TYPE_KEYWORDS.items() if any(k in schema for k in kws)]
         types = (implied + (["integer"] if "number" in implied else [])) or list(_TYPES)
     return types
-
-
-def _json_type(v: object) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int) or (isinstance(v, float) and v.is_integer()):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    return "array" if isinstance(v, list) else "object"
-
-
-def _enum_values(schema: dict) -> list:
-    values = list(schema["enum"]) if isinstance(schema.get("enum"), list) else []
-    if "const" in schema:
-        values = [v for v in values if json_key(v) == json_key(schema["const"])] if "enum" in schema \
-            else [schema["const"]]
-    return values
 
 
 def _is_int(x: object) -> bool:
@@ -958,7 +916,7 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
     """Compile a JSON Schema to the program a backend runs (see :func:`schema_to_regex`).
 
     With ``grammar`` (the default) a schema that refers to itself becomes a Lark grammar whose
-    rules are the recursive definitions (``json_schema.rules``), exact at any depth; otherwise,
+    rules are the recursive definitions (``grammar.program``), exact at any depth; otherwise,
     and for every schema without recursion, a regex.
 
     Raises:

@@ -102,9 +102,9 @@ from jsonschema import validators
 from grammar.base import MAX_REPEAT_COUNT, GrammarError
 from grammar.json_schema import charset as cs
 from grammar.json_schema import pattern as sp
-from grammar.json_schema.compiler import (_ANNOTATIONS, _ASSERTIONS, _TYPE_KEYWORDS, FLEXIBLE_WS, GRAMMAR_ANY_DEPTH,
-                                          SchemaCompiler, SchemaOptions, _normalize)
+from grammar.json_schema.compiler import FLEXIBLE_WS, GRAMMAR_ANY_DEPTH, SchemaCompiler, SchemaOptions, _normalize
 from grammar.json_schema.formats import format_pattern
+from grammar.json_schema.keywords import ANNOTATIONS, ASSERTIONS, TYPE_KEYWORDS
 from grammar.json_schema.merge import MergeError, json_key, merge
 from grammar.json_schema.objects import _disjoint_patterns
 from grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required, promote_discriminators,
@@ -198,10 +198,10 @@ class _Writer:
 
         self.root = root
         self.ids = ids  # the document has identifiers below its root: the compiler's resolver
-        self.known = (_ASSERTIONS | {"$dynamicRef", "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor",
+        self.known = (ASSERTIONS | {"$dynamicRef", "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor",
                                      "dependentSchemas", "unevaluatedItems", "unevaluatedProperties",
                                      "propertyNames", "contentSchema"}) - _HANDLED
-        self.annotations = _ANNOTATIONS
+        self.annotations = ANNOTATIONS
         self.defs: dict[str, dict] = {}
         self.names: dict[int, str] = {}  # id(target) → its name in ``$defs``
         self.keep: list = []  # targets named (their ids must stay valid)
@@ -310,7 +310,7 @@ class _Writer:
         if not isinstance(s["oneOf"], list) or not s["oneOf"]:
             raise _Refused("oneOf")
         rest = {k: v for k, v in s.items() if k != "oneOf"}
-        rewritten = exclusive_required(s["oneOf"], _ANNOTATIONS)
+        rewritten = exclusive_required(s["oneOf"], ANNOTATIONS)
         if rewritten is not None:
             if not rewritten:
                 raise _Refused("empty oneOf")
@@ -386,7 +386,7 @@ class _Writer:
                 raise _Refused("type")
             return [t]
         if t is None:
-            types = [k for k, kws in _TYPE_KEYWORDS.items() if any(x in s for x in kws)] or list(_TYPES)
+            types = [k for k, kws in TYPE_KEYWORDS.items() if any(x in s for x in kws)] or list(_TYPES)
         else:
             types = t
             if not isinstance(types, list) or not types or any(x not in _TYPES for x in types):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from grammar.json_schema import charset as cs
 from grammar.json_schema import pattern as sp
-from grammar.json_schema.rules import both
+from grammar.program import both
 from grammar.json_schema.rx import Rx, alt, opt, seq
 from grammar.json_schema.strings import excluded_keys_regex
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+from grammar.json_schema.keywords import ANNOTATIONS, enum_values, json_type
+
 if TYPE_CHECKING:
     from grammar.json_schema.compiler import SchemaCompiler
 
@@ -51,8 +53,7 @@ def possible_types(s: object, c: "SchemaCompiler | None" = None, depth: int = 0)
     if not isinstance(s, dict):
         return set() if s is False else set(_ALL)
     if "enum" in s or "const" in s:
-        from grammar.json_schema.compiler import _enum_values, _json_type
-        out = {_json_type(v) for v in _enum_values(s)}
+        out = {json_type(v) for v in enum_values(s)}
         return out | ({"number"} if "integer" in out else set())
     t = s.get("type")
     out = set(_ALL) if t is None else ({t} if isinstance(t, str) else set(t))
@@ -120,14 +121,9 @@ def _written_keys(c: "SchemaCompiler", s: dict) -> list[str] | None:
         return None
     addl = s.get("additionalProperties")
     if addl is False or (addl is None and props and not c.opts.extra_properties
-                         and set(s) - _annotations() <= _SIMPLE_OBJECT):
+                         and set(s) - ANNOTATIONS <= _SIMPLE_OBJECT):
         return [n for n, v in props.items() if v is not False]
     return None
-
-
-def _annotations() -> set[str]:
-    from grammar.json_schema.compiler import _ANNOTATIONS
-    return _ANNOTATIONS
 
 
 def _never_empty(s: dict) -> bool:

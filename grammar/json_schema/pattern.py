@@ -16,10 +16,10 @@ and anchors in the middle raise ``PatternError``.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from grammar.base import MAX_REPEAT_COUNT
+from grammar.charclass import shorthand
 from grammar.json_schema import charset as cs
 from grammar.json_schema.rx import Rx, alt, repeat, seq
 
@@ -59,41 +59,6 @@ class Rep:
 class Anchor:
     start: bool  # True: ^ or \A; False: $ (newline allowed before the end) or \Z
     newline_ok: bool = False
-
-
-@functools.cache
-def _unicode_sets() -> dict[str, cs.CharSet]:
-    """Python ``re``'s exact ``\\d`` and ``\\s`` sets (str patterns), computed once."""
-    import re
-
-    # Every code point but the surrogates, scanned by ``re`` itself (C speed, ~0.1 s, against
-    # ~1.3 s for a Python loop over 1.1 M code points).
-    every = "".join(map(chr, range(0xD800))) + "".join(map(chr, range(0xE000, cs.MAX_CP + 1)))
-
-    def collect(pattern: str) -> cs.CharSet:
-        return cs.charset(*((ord(m.group()[0]), ord(m.group()[-1])) for m in re.finditer(pattern, every)))
-    return {"d": collect(r"\d+"), "s": collect(r"\s+")}
-
-
-_ASCII_WORD = cs.charset((48, 57), (65, 90), (95, 95), (97, 122))
-_PY_ONLY_SPACE = cs.charset((0x1C, 0x1F), (0x85, 0x85))
-
-
-def shorthand(letter: str) -> tuple[cs.CharSet, cs.CharSet]:
-    """(under, over) approximations of ``\\d``, ``\\w``, ``\\s`` and their negations."""
-    low = letter.lower()
-    if low == "d":
-        pair = (cs.charset((48, 57)), _unicode_sets()["d"])
-    elif low == "s":
-        # Python and ECMA-262 disagree (U+FEFF, U+001C-U+001F, U+0085): admit only what both
-        # call whitespace, and exclude from \S everything either calls whitespace.
-        python = _unicode_sets()["s"]
-        pair = (cs.subtract(python, _PY_ONLY_SPACE), cs.union(python, cs.chars("\ufeff")))
-    else:
-        pair = (_ASCII_WORD, cs.union(_ASCII_WORD, ((0x80, cs.MAX_CP),)))
-    if letter.isupper():
-        return cs.complement(pair[1]), cs.complement(pair[0])
-    return pair
 
 
 _SIMPLE_ESCAPES = {"t": 9, "n": 10, "r": 13, "f": 12, "v": 11, "a": 7, "0": 0}

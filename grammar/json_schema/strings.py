@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from grammar.json_schema import charset as cs
 from grammar.json_schema import pattern as sp
 from grammar.json_schema.formats import format_pattern
-from grammar.json_schema.rules import both
+from grammar.program import both
 from grammar.json_schema.rx import Rx, alt, repeat, seq
 
 ANY_CHAR = cs.json_char(cs.ANY_CHAR)

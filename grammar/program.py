@@ -1,4 +1,7 @@
-"""Regex text with references → Lark (llguidance's dialect) or plain regex.
+"""The program a grammar backend runs (``Program``), and its format: regex text with references,
+written out as Lark (llguidance's dialect) or as a plain regex.
+
+This is the ground floor of ``grammar/``: of the package it imports only ``grammar.charclass``.
 
 The schema compiler writes regex text (:mod:`grammar.json_schema.rx`) with two kinds of
 references, each two private-use characters around a number (the compiler never emits those
@@ -27,6 +30,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Literal
+
+from grammar.charclass import class_ranges
 
 REF_OPEN, REF_CLOSE = "\ue000", "\ue001"
 TERM_OPEN, TERM_CLOSE = "\ue002", "\ue003"
@@ -624,12 +630,10 @@ def min_bytes(text: str, terminals=(), rules: dict[int, str] | None = None) -> i
 
     def atom_len(t: str) -> int:
         if t.startswith("["):
-            from grammar.closing import ClosingUnsupported, _class_ranges
-
             try:
                 (_, av), = sre_parse.parse(t)
-                ranges = _class_ranges(av)
-            except (ClosingUnsupported, ValueError, Exception):  # noqa: BLE001 - 1 byte: a lower bound
+                ranges = class_ranges(av)
+            except Exception:  # noqa: BLE001 - 1 byte: a lower bound
                 return 1
             return min((len(chr(lo).encode()) for lo, _ in ranges if not 0xD800 <= lo <= 0xDFFF), default=1)
         if t.startswith("\\x"):
@@ -675,3 +679,60 @@ def min_bytes(text: str, terminals=(), rules: dict[int, str] | None = None) -> i
 
 
 INF_LEN = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """What the front end hands a backend: a regex (Python ``re`` / Rust ``regex`` common
+    dialect, implicitly anchored), a Lark grammar in llguidance's dialect (``start`` rule), or a
+    JSON Schema for llguidance's own JSON front end (``json_schema.handover``: only where its
+    language is provably the one Stencil's compiler writes for the spec; the eager index and
+    the closing automaton translate the spec themselves, ``CompiledGrammar.own_program``).
+
+    Attributes:
+        kind: "regex", "lark" or "json".
+        text: the regex or the grammar. A schema's regex may use *terminal references* to
+            ``terminals`` (pieces written once, used many times; see the module docstring).
+        warnings: notes from the translation (keywords relaxed, bounds applied).
+        terminals: the regex pieces ``text`` (or ``root``) refers to.
+        root, rules: for a Lark program written by the JSON Schema compiler, its start and its
+            rules as regex text with references (what the closing automaton reads); ``None`` /
+            empty for regexes and hand-written grammars.
+    """
+
+    kind: Literal["regex", "lark", "json"]
+    text: str
+    warnings: tuple[str, ...] = ()
+    terminals: tuple[str, ...] = ()
+    root: str | None = None
+    rules: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def regular(self) -> bool:
+        """Whether a plain regex says this program (what the eager backend needs)."""
+        if self.kind != "regex":
+            return False
+        return is_regular_text(self.text, self.terminals)
+
+    def regex_size(self) -> int:
+        """Characters of the plain regex (terminals written out), without writing it."""
+        if not self.terminals:
+            return len(self.text)
+        return expanded_size(self.text, self.terminals)
+
+    def regex(self) -> str:
+        """The plain regex (terminals written out); for regex programs only."""
+        if self.kind != "regex":
+            raise ValueError("a Lark program has no regex")
+        if not self.terminals:
+            return self.text
+        return expand(self.text, self.terminals)
+
+    def lark(self) -> str:
+        """The program as a Lark grammar (a regex program: one terminal, the same language; a
+        JSON one: llguidance's ``%json``)."""
+        if self.kind == "lark":
+            return self.text
+        if self.kind == "json":
+            return "start: %json " + self.text + "\n"
+        return to_lark(self.text, {}, self.terminals)

@@ -1,0 +1,119 @@
+"""The house rules of the code's layout (docs/architecture.md): no import circle of more than one
+module in service/, engine/, grammar/, kernels/ or schemas/, and no module importing a private
+name from another package.
+
+Imports are read from the source (``ast``), at any depth (an import inside a function counts:
+it is a circle all the same, only deferred); imports under ``if TYPE_CHECKING:`` do not run and
+are left out. ``from pkg import mod`` is an edge to ``pkg.mod``, not to ``pkg``'s ``__init__``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("service", "engine", "grammar", "kernels", "schemas")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _runtime_nodes(tree: ast.AST):
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for n in ast.walk(node))
+    return [n for n in ast.walk(tree) if id(n) not in skip and isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def _graph(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    def owner(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    private = []
+    for mod, path in mods.items():
+        own_pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif node.level == 0 and node.module:
+                subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
+                targets = subs + ([node.module] if len(subs) < len(node.names) else [])
+                target_pkg = node.module if (ROOT / node.module.replace(".", "/")).is_dir() \
+                    else node.module.rpartition(".")[0]
+                private += [(mod, node.module, a.name) for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__") and target_pkg != own_pkg]
+            else:
+                continue
+            for t in targets:
+                o = owner(t)
+                if o is not None and o != mod:
+                    edges[mod].add(o)
+    return edges, private
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_the_circle_finder_finds_a_circle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _circles(edges) == [["a", "b", "c"]]
+
+
+def test_no_import_circles():
+    edges, _ = _graph(_modules())
+    assert _circles(edges) == []
+
+
+def test_no_private_names_imported_across_packages():
+    _, private = _graph(_modules())
+    assert private == []
