@@ -7,6 +7,13 @@ together: one ``call_soon_threadsafe`` per event loop per step, not one per requ
 running streams cost the loop one wake-up a step. Besides outputs, a stream learns when its
 request is first scheduled (``EngineStream.started``), so a server can wait for a running slot
 before it sends any header and still answer a request that waited too long with a status code.
+
+Flow control: a stream whose caller stops taking outputs (a client that reads its answer slowly
+or not at all, the server's writes paused) would make the engine run on for nobody, its outputs
+piling up in the stream. Once ``HOLD_AT`` outputs wait untaken the request is held
+(``LLMEngine.hold``: no tokens until let go, KV blocks kept), and let go when the caller has taken
+all but ``RELEASE_AT``, as a socket's high- and low-water marks do. A held request still counts
+against its deadline, so a caller that never catches up ends in a time-out, not a leak.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ class EngineDeadError(RuntimeError):
 
 
 _STARTED = object()  # delivered when a request is first scheduled
+HOLD_AT = 32  # untaken outputs at which a request is held (each is one step's tokens)
+RELEASE_AT = 8  # ... and let go once no more than this many wait
 
 
 class EngineStream:
@@ -53,12 +62,16 @@ class EngineStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._finished = False
         self._closed = False
+        self.held = False  # the engine was asked to hold the request (see the module docstring)
 
     def _put(self, item) -> None:
         """On the stream's loop: one item from the engine thread."""
         self.started.set()
         if item is not _STARTED:
             self._queue.put_nowait(item)
+            if not self.held and self._queue.qsize() >= HOLD_AT and not self._closed:
+                self.held = True
+                self._aeng._command(("hold", self.request_id, True))
 
     def __aiter__(self) -> "EngineStream":
         return self
@@ -67,6 +80,9 @@ class EngineStream:
         if self._finished or self._closed:
             raise StopAsyncIteration
         item = await self._queue.get()
+        if self.held and self._queue.qsize() <= RELEASE_AT:
+            self.held = False
+            self._aeng._command(("hold", self.request_id, False))
         if isinstance(item, BaseException):
             await self.aclose()
             raise item
@@ -238,7 +254,11 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._command(("abort", request_id))
+
+    def _command(self, cmd: tuple) -> None:
+        """Queue ``cmd`` for the engine thread and wake it (thread-safe)."""
+        self._inbox.put(cmd)
         self._wake.set()
 
     def abort_all(self) -> int:
@@ -290,6 +310,8 @@ class AsyncEngine:
                     self._deliver(rid, e)
             elif cmd[0] == "abort":
                 aborted = eng.abort(cmd[1]) or aborted
+            elif cmd[0] == "hold":
+                eng.hold(cmd[1], cmd[2])
 
     def _run(self) -> None:
         eng = self.engine

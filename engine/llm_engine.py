@@ -271,6 +271,16 @@ class LLMEngine:
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return True
 
+    def hold(self, request_id: str, held: bool) -> bool:
+        """Hold a running request (``held=True``: the scheduler gives it no tokens; it keeps its
+        blocks) or let it go on; False if it is unknown or already done. For a caller that is
+        behind on the request's outputs (``engine.async_engine.EngineStream``)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        req.held = held
+        return True
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

@@ -122,9 +122,12 @@ class Request:
             None. Meanwhile the request may prefill all but its last prompt token; the first
             sampled token waits for the grammar.
         matcher: the request's grammar matcher once it runs, else None.
+        held: its caller has not taken its outputs (a client that stopped reading its stream):
+            the scheduler gives it no new tokens until the caller catches up
+            (``engine.async_engine.EngineStream``); it keeps its KV blocks meanwhile.
     """
 
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
+    __slots__ = ("held", "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
                  "num_computed_tokens", "draft_token_ids", "block_ids", "status", "params",
                  "matcher", "grammar", "grammar_future", "eos_token_id", "metrics", "generator",
                  "error", "finish_reason_detail", "arrival_index", "num_cached_blocks",
@@ -158,6 +161,7 @@ class Request:
         # Per output token, when ``params.top_logprobs``: [(token id, logprob), ...], best first.
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         self.spec_state = None  # its speculation settings and record (engine.speculative.state.SpecState)
+        self.held = False
 
     @property
     def num_prompt_tokens(self) -> int:

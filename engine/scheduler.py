@@ -267,6 +267,8 @@ class Scheduler:
         return req.num_computed_tokens >= req.num_prompt_tokens and 1 <= pending <= 1 + self.max_forced_tokens
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
+        if req.held:
+            return 0  # its caller is behind on its outputs: no step for it until it catches up
         if req.grammar_future is not None:  # compiling: read prompt tokens up to the last one only
             return max(0, min(req.num_prompt_tokens - 1 - req.num_computed_tokens, budget,
                               self.config.max_prefill_chunk))
