@@ -4,7 +4,9 @@
 [--max-tokens M] [--slow-headers 200] [--slow-readers 1] [--header-timeout S] [--send-timeout S]
 [--max-itl-ratio 1.1] [--json PATH]``
 
-Two phases in one run against one server (loopback only): **idle**, ``C`` normal clients each
+Rounds of two phases in one run against one server (loopback only; ``--rounds``, 4 by default,
+idle first in odd rounds and attacked first in even ones, so that a machine whose speed drifts
+during the run tilts both sides alike): **idle**, ``C`` normal clients each
 stream ``R`` greedy chat-templated ``/generate`` requests of at most ``M`` tokens (speculation
 off), and the gaps between their token events, shared by the tokens of an event (counted by its
 logprobs), are the inter-token latencies (ITL); then
@@ -19,7 +21,8 @@ logprobs), are the inter-token latencies (ITL); then
 The attacked phase lasts at least ``max(header, send time-out) + 5`` s and until every slow reader
 was dropped once (a stream must fill the server's buffers first; at most ``--max-attack-s``), so
 that the server's time-outs are seen to act. Reported: ITL p50 / p90 and TTFT p50 of each phase and the ratio
-attacked / idle of the ITL p50 (the target: at most ``--max-itl-ratio``); for the attackers,
+attacked / idle of the ITL p50, pooled over the rounds (the target: at most ``--max-itl-ratio``),
+with each round's own ratio and their spread; for the attackers,
 the connections the server closed, with a 408, and how long they were held; for the slow
 readers, how long until the server dropped them and what they had read; the server's RSS
 before and after (its own server); and afterwards nothing may be left in the engine.
@@ -69,7 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one more flag for the started server (repeat; e.g. --server-arg=--threads=2)")
     p.add_argument("--max-attack-s", type=float, default=300.0,
                    help="longest attacked phase while waiting for the slow readers to be dropped (s)")
-    p.add_argument("--rounds", type=int, default=1, help="idle + attacked pairs (ITL pooled per phase kind)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds of an idle and an attacked phase, idle first in odd rounds and attacked first in "
+                        "even ones (ITL pooled per phase kind; each round's ratio reported too)")
     p.add_argument("--max-itl-ratio", type=float, default=1.1,
                    help="bound on attacked / idle ITL p50 (0: not checked)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -309,19 +314,23 @@ def main(args: argparse.Namespace) -> int:
         asyncio.run(_phase(url, argparse.Namespace(**{**vars(args), "requests": 1})))  # warm-up
         rss_before = soak._rss_mb(pid) if pid else None
         for k in range(args.rounds):
-            _progress(f"round {k + 1}: idle phase")
-            idle.append(asyncio.run(_phase(url, args)))
-            _progress(f"round {k + 1}: attacked phase")
-            attack = Attack(url, args).start()
-            t0 = time.monotonic()
-            time.sleep(2.0)  # the connections are open and dribbling, the readers' buffers filling
-            attacked.append(asyncio.run(_phase(url, args)))
-            # Then on until the time-outs have acted: every slow reader dropped once (its stream must
-            # first fill the server's buffers), within --max-attack-s.
-            while time.monotonic() - t0 < args.max_attack_s and (
-                    time.monotonic() - t0 < min_attack_s or attack.drops.value < args.slow_readers):
-                time.sleep(0.5)
-            attacks.append(_attack_summary(attack.stop(), time.monotonic() - t0))
+            # Odd rounds idle first, even rounds attacked first: a machine that drifts slower or
+            # faster during the run (a shared VM) tilts both sides alike.
+            for kind in ("idle", "attacked") if k % 2 == 0 else ("attacked", "idle"):
+                _progress(f"round {k + 1}: {kind} phase")
+                if kind == "idle":
+                    idle.append(asyncio.run(_phase(url, args)))
+                    continue
+                attack = Attack(url, args).start()
+                t0 = time.monotonic()
+                time.sleep(2.0)  # the connections are open and dribbling, the readers' buffers filling
+                attacked.append(asyncio.run(_phase(url, args)))
+                # Then on until the time-outs have acted: every slow reader dropped once (its
+                # stream must first fill the server's buffers), within --max-attack-s.
+                while time.monotonic() - t0 < args.max_attack_s and (
+                        time.monotonic() - t0 < min_attack_s or attack.drops.value < args.slow_readers):
+                    time.sleep(0.5)
+                attacks.append(_attack_summary(attack.stop(), time.monotonic() - t0))
         rss_after = soak._rss_mb(pid) if pid else None
         health, _ = soak._settle(url)
     finally:
@@ -332,6 +341,12 @@ def main(args: argparse.Namespace) -> int:
     e = health["engine"]
     base, under = _summary(idle), _summary(attacked)
     ratio = (under["itl_ms_p50"] / base["itl_ms_p50"]) if base["itl_ms_p50"] and under["itl_ms_p50"] else None
+    per_round = []
+    for k, (a, b) in enumerate(zip(idle, attacked)):
+        i50, a50 = _ms(pct(a["itl"], 50)), _ms(pct(b["itl"], 50))
+        per_round.append({"order": "idle, attacked" if k % 2 == 0 else "attacked, idle", "idle_itl_ms_p50": i50,
+                          "attacked_itl_ms_p50": a50, "ratio": round(a50 / i50, 4) if i50 and a50 else None})
+    round_ratios = sorted(r["ratio"] for r in per_round if r["ratio"] is not None)
     heads = [a["slow_headers"] for a in attacks]
     readers = [a["slow_readers"] for a in attacks]
     invariants = {
@@ -346,6 +361,8 @@ def main(args: argparse.Namespace) -> int:
     }
     report = {
         "idle": base, "attacked": under, "itl_p50_ratio": None if ratio is None else round(ratio, 4),
+        "rounds_detail": per_round,
+        "itl_p50_ratio_spread": [round_ratios[0], round_ratios[-1]] if round_ratios else None,
         "max_itl_ratio": args.max_itl_ratio, "attacks": attacks, "clients": args.clients,
         "requests_per_client": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "server_header_timeout_s": args.header_timeout if server else None,

@@ -22,7 +22,7 @@ def test_slow_clients_are_timed_out_and_the_rest_answered(tmp_path, default_mode
                               "--slow-headers", "10", "--header-timeout", "1", "--send-timeout", "1",
                               "--slow-max-tokens", "256", "--server-arg=--send-buffer-bytes=8192",
                               "--server-arg=--write-buffer-bytes=8192", "--max-itl-ratio", "0",
-                              "--json", str(out)])
+                              "--rounds", "2", "--json", str(out)])
     rc = slowclients.main(args)
     report = json.loads(out.read_text())
     assert rc == 0, report["invariants"]
@@ -32,8 +32,10 @@ def test_slow_clients_are_timed_out_and_the_rest_answered(tmp_path, default_mode
     assert 1.0 <= heads["held_s_p50"] <= heads["held_s_max"]  # never before the header time-out
     readers = report["attacks"][0]["slow_readers"]
     assert readers["dropped"] >= 1 and readers["completed"] == 0
+    assert [r["order"] for r in report["rounds_detail"]] == ["idle, attacked", "attacked, idle"]
+    assert len(report["attacks"]) == 2
     for phase in ("idle", "attacked"):
-        assert report[phase]["answered"] == 2 and report[phase]["failed"] == 0
+        assert report[phase]["answered"] == 4 and report[phase]["failed"] == 0
         assert report[phase]["itl_samples"] > 0 and report[phase]["itl_ms_p50"] > 0
     assert report["itl_p50_ratio"] > 0
     assert report["kv_blocks_free_after"] == report["kv_blocks_total"]
