@@ -327,8 +327,8 @@ def main(args: argparse.Namespace) -> int:
 
     from benchmarks.workload import person_items
     from service.app import create_app
-from service.state import service_state
     from service.cli import build_parser, engine_config_from_args, service_config_from_args
+    from service.state import service_state
 
     serve = build_parser().parse_args(["serve", *shlex.split(args.serve_args)])
     if args.model is not None:

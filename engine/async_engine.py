@@ -174,9 +174,46 @@ class AsyncEngine:
         return (self._go.is_set() and self._thread is not None and self._thread.is_alive()
                 and self.error is None)
 
+    # -- the model and admission (what ``service.engine_client.EngineClient`` names) --------------
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def vocab(self):
+        """Token id → bytes (``grammar.vocab.TokenVocabulary``) of the engine's grammar compiler."""
+        return self.engine.grammar.vocab
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's logits."""
+        return self.engine.grammar.vocab.model_vocab_size
+
+    @property
+    def model_path(self) -> str:
+        """The configured model, as given (``EngineConfig.model``)."""
+        return str(self.engine.config.model)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, admission: bool = True) -> None:
+        """``LLMEngine.check_request`` (thread-safe: it reads the engine's limits and queue length)."""
+        self.engine.check_request(prompt_token_ids, params, admission=admission)
+
+    def check_budget(self, grammar, params: SamplingParams) -> None:
+        """``LLMEngine.check_budget``."""
+        self.engine.check_budget(grammar, params)
+
+    def stats(self) -> dict:
+        """``LLMEngine.stats()`` (a snapshot read without a lock)."""
+        return self.engine.stats()
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        return self.engine.kernels
+
+    @property
+    def grammar_stats(self):
+        """The grammar compiler's counters (``grammar.base.CompileStats``)."""
+        return self.engine.grammar.stats
 
     # -- requests --------------------------------------------------------------------------------
     async def compile_grammar(self, spec, backend: str | None = None, client: str | None = None):

@@ -256,7 +256,7 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
      summary="Engine liveness and statistics")
 async def health_handler(service: ServiceState) -> Response[HealthResponse]:
     eng = service.engine
-    stats = eng.engine.stats()
+    stats = eng.stats()
     # A cluster ingress (service.cluster) reports each replica; it is dead when none is up.
     replica_health = getattr(eng, "replica_health", None)
     replicas = replica_health() if replica_health is not None else None
@@ -267,7 +267,7 @@ async def health_handler(service: ServiceState) -> Response[HealthResponse]:
     else:
         status, code = "ok", 200
     body = HealthResponse(status=status, model=service.model_name, inflight=service.inflight, engine=stats,
-                          kernels=eng.engine.kernels, replicas=replicas,
+                          kernels=eng.kernels, replicas=replicas,
                           error=repr(eng.error) if eng.error is not None else None)
     return Response(body, status_code=code)
 
@@ -360,9 +360,9 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
         from engine.models.source import ModelPathError, resolve_model_path
 
         try:  # a GGUF file's stem, or the directory's name
-            default_name = resolve_model_path(aeng.engine.config.model).name
+            default_name = resolve_model_path(aeng.model_path).name
         except ModelPathError:
-            default_name = Path(aeng.engine.config.model).name
+            default_name = Path(aeng.model_path).name
         model_name = cfg.model_name or default_name
         holder.state = ServiceState(engine=aeng, config=cfg, metrics=Metrics(lambda: aeng),
                                     checker=OutputChecker(), model_name=model_name)

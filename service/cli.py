@@ -266,7 +266,7 @@ async def _generate_once(args: argparse.Namespace) -> int:
     _progress(f"model ready in {time.perf_counter() - t0:.1f} s")
     cfg = ServiceConfig(max_tokens_cap=max(args.max_tokens, 1), default_max_tokens=max(args.max_tokens, 1))
     state = ServiceState(engine=aeng, config=cfg.validate(), metrics=Metrics(lambda: aeng),
-                         checker=OutputChecker(), model_name=model_id(aeng.engine.config.model))
+                         checker=OutputChecker(), model_name=model_id(aeng.model_path))
     try:
         messages = None if args.raw else [{"role": "user", "content": args.prompt}]
         prompt_ids = await generation.tokenize(state, prompt=args.prompt if args.raw else None, messages=messages,

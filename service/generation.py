@@ -575,7 +575,7 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
     if not state.engine.is_alive:
         raise Unavailable(f"the engine is not running: {state.engine.error!r}")
     # Refuse early (cheap) so a doomed request does not pay for a grammar compile.
-    state.engine.engine.check_request(prompt_ids, params)
+    state.engine.check_request(prompt_ids, params)
     try:
         if spec is not None and hasattr(state.engine, "grammar_future"):
             gen = await _start_behind_prefill(state, prompt_ids, params, spec, request_id, arrival,
@@ -585,7 +585,7 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
             if spec is not None:
                 t = time.perf_counter()
                 compiled = await state.engine.compile_grammar(spec, grammar_backend, client)
-                await asyncio.to_thread(state.engine.engine.check_budget, compiled, params)
+                await asyncio.to_thread(state.engine.check_budget, compiled, params)
                 grammar_ms = (time.perf_counter() - t) * 1e3
                 state.metrics.grammar_wait.observe(grammar_ms / 1e3)
             gen = GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms,
@@ -619,7 +619,7 @@ async def _start_behind_prefill(state: ServiceState, prompt_ids: list[int], para
         compiled = await asyncio.shield(waited)
         # a 400 naming max_tokens; off the loop: a small budget may need the closing automaton,
         # whose build for large counted repeats takes seconds of Python
-        await asyncio.to_thread(state.engine.engine.check_budget, compiled, params)
+        await asyncio.to_thread(state.engine.check_budget, compiled, params)
     except BaseException:
         await gen.aclose()
         raise
@@ -627,36 +627,6 @@ async def _start_behind_prefill(state: ServiceState, prompt_ids: list[int], para
     gen.grammar_ms = (time.perf_counter() - t) * 1e3
     state.metrics.grammar_wait.observe(gen.grammar_ms / 1e3)
     return gen
-
-
-async def start_many(state: ServiceState, jobs: list[tuple[list[int], SamplingParams]], spec: GrammarSpec | None,
-                     base_id: str, arrival: float | None = None, receive=None) -> list[GenerationStream]:
-    """``start`` each ``(prompt_ids, params)`` job (ids ``{base_id}-{k}``); all or none.
-
-    All are submitted before any is waited for, so they queue side by side. If one fails to
-    start, those already admitted are given up (``aclose``: on a cluster their replicas abort
-    them) before the error is raised (errors as in ``start``).
-    """
-    streams: list[GenerationStream] = []
-    try:
-        for k, (ids, params) in enumerate(jobs):
-            streams.append(await start(state, ids, params, spec, f"{base_id}-{k}", arrival, wait=False))
-        for s in streams:
-            await s.wait_started(receive)
-    except BaseException:
-        for s in streams:
-            await s.aclose()
-        raise
-    return streams
-
-
-async def stream(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
-                 spec: GrammarSpec | None, request_id: str,
-                 arrival: float | None = None) -> AsyncIterator[GenerationDelta | GenerationResult]:
-    """Yield ``GenerationDelta`` items, then the final ``GenerationResult`` (errors as in ``start``)."""
-    gen = await start(state, prompt_ids, params, spec, request_id, arrival)
-    async for item in gen:
-        yield item
 
 
 async def _until_disconnect(receive) -> None:

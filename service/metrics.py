@@ -30,7 +30,7 @@ class _EngineCollector:
     """Reads engine and grammar-compiler state at scrape time."""
 
     def __init__(self, source: Callable[[], object | None]):
-        self._source = source  # returns the AsyncEngine, or None before it is ready
+        self._source = source  # returns the EngineClient, or None before it is ready
 
     def describe(self):
         return []  # unknown until scrape; keeps registration free of a first collect()
@@ -42,7 +42,7 @@ class _EngineCollector:
         yield alive
         if aeng is None:
             return
-        s = aeng.engine.stats()
+        s = aeng.stats()
         gauges = {
             "stencil_requests_running": ("requests in the running batch", s["running"]),
             "stencil_requests_waiting": ("requests waiting to be scheduled", s["waiting"]),
@@ -64,7 +64,7 @@ class _EngineCollector:
             "stencil_preemptions": ("requests preempted for lack of KV blocks", s["num_preemptions"]),
             "stencil_engine_steps": ("engine steps run", s["num_steps"]),
         }
-        gstats = getattr(getattr(aeng.engine, "grammar", None), "stats", None)
+        gstats = aeng.grammar_stats
         if gstats is not None:
             counters.update({
                 "stencil_grammar_compiles": ("grammars compiled", gstats.compiles),

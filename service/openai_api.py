@@ -38,10 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from litestar import Request, Response, get, post
+from litestar import Request, get, post
 from litestar.openapi import ResponseSpec
 from litestar.openapi.spec import Link, Operation
-from litestar.response import Stream
 
 from schemas.openai import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, ChoiceDelta,
@@ -52,15 +51,14 @@ from schemas.openai import (
 from service import generation as gen
 from service.errors import InputError, named_as
 from service.openai_common import (
-    GENERATION_ERRORS, SSE_HEADERS, Constraint, check_model, constraint, error_fields, grammar_field, logit_bias_ids,
-    merged,
-    openai_temperature, refuse_unserved, relaxed, run_all, sse, start_all, token_bytes,
-    token_logprobs, token_text, verdict, vocab_size, warnings_header,
+    GENERATION_ERRORS, Constraint, check_model, constraint, error_fields, grammar_field, logit_bias_ids, merged,
+    refuse_unserved, sse, token_bytes, token_logprobs, token_text, verdict, vocab_size,
 )
+from service.openai_serving import OpenAIJob, chat_prompt, sampling_params, serve
 from service.openapi_docs import StreamableOperation, error_responses, with_links
 from service.state import ServiceState
 from service.tool_parser import ToolCallParser, ToolEvent
-from service.tools import ToolPlan, new_call_id, plan_tools, template_messages, template_supports_tools
+from service.tools import ToolPlan, new_call_id
 from service.wire import strict_body
 
 log = logging.getLogger("stencil.openai")
@@ -129,10 +127,6 @@ def _check_common(n: int, stream: bool, stream_options: Any) -> None:
                          field="stream_options")
 
 
-def _or(value, default):
-    return default if value is None else value
-
-
 def _seeds(seed: int | None, n: int) -> list[int | None]:
     return [None if seed is None else seed + i for i in range(n)]
 
@@ -143,14 +137,6 @@ def _usage(results: list[gen.GenerationResult], prompt_counts: list[int]) -> Usa
     prompt = sum(prompt_counts)
     completion = sum(r.usage.completion_tokens for r in results)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _log_identity(rid: str, data: Any) -> None:
-    """``user`` / ``safety_identifier`` / ``metadata`` are the caller's labels: logged with the id."""
-    labels = {k: getattr(data, k, None) for k in ("user", "safety_identifier", "metadata", "prompt_cache_key")}
-    labels = {k: v for k, v in labels.items() if v is not None}
-    if labels:
-        log.info("request labels", extra={"request_id": rid, **labels})
 
 
 def chat_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[float] | None,
@@ -186,49 +172,17 @@ def completion_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[
 # -- chat ----------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class _ChatJob:
-    """A validated chat request, ready to run: one ``params`` entry per choice."""
+@dataclass(slots=True, kw_only=True)
+class _ChatJob(OpenAIJob):
+    """A checked chat request: one run per choice, all of one prompt."""
 
-    model: str
-    constraint: Constraint
     prompt_ids: list[int]
-    params: list[Any]
+    include_usage: bool
+    service_tier: str | None
 
     @property
     def plan(self) -> ToolPlan:
         return self.constraint.plan
-
-
-async def _prepare_chat(svc: ServiceState, data: ChatCompletionRequest) -> _ChatJob:
-    model = check_model(svc, data.model)
-    refuse_unserved(data, UNSERVED_CHAT)
-    check_contents(data.messages)
-    n = 1 if data.n is None else data.n
-    _check_common(n, bool(data.stream), data.stream_options)
-    if data.top_logprobs and not data.logprobs:
-        raise InputError("top_logprobs needs logprobs: true", field="top_logprobs")
-    named = data.tool_choice.function.name if isinstance(data.tool_choice, ToolChoiceFunction) else None
-    choice = None if isinstance(data.tool_choice, ToolChoiceFunction) else data.tool_choice
-    plan = plan_tools([t.function for t in data.tools or []], choice, named, data.parallel_tool_calls)
-    native = template_supports_tools(getattr(svc.engine.tokenizer, "chat_template", None))
-    messages, tools_arg = template_messages(data.messages, plan, native)
-    prompt_ids = await gen.tokenize(svc, messages=messages, tools=tools_arg)
-    c = await _structured_outputs(svc, data.structured_outputs, data.response_format, plan) \
-        if data.structured_outputs is not None else await constraint(svc, *format_schema(data.response_format), plan)
-    max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
-    bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
-    params = [gen.sampling_params(svc.config, max_tokens=max_tokens, temperature=openai_temperature(data.temperature),
-                                  top_p=1.0 if data.top_p is None else data.top_p, top_k=data.top_k or 0, seed=s,
-                                  stop=data.stop, logprobs=bool(data.logprobs),
-                                  top_logprobs=data.top_logprobs or 0 if data.logprobs else 0, logit_bias=bias,
-                                  presence_penalty=data.presence_penalty or 0.0,
-                                  frequency_penalty=data.frequency_penalty or 0.0,
-                                  repetition_penalty=_or(data.repetition_penalty, 1.0),
-                                  vocab_size=vocab_size(svc), close_on_budget=data.close_on_budget is not False,
-                                  soft_limits=data.soft_limits)
-              for s in _seeds(data.seed, n)]
-    return _ChatJob(model, c, prompt_ids, params)
 
 
 def _format_field(so: StructuredOutputs | None) -> str:
@@ -380,28 +334,58 @@ async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, reque
     Raises (answered in OpenAI's error shape, ``param`` naming the field as sent): the errors of
     ``service.generation`` and ``service.tools``; ``InputError`` for a message without content.
     """
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    with named_as(chat_names(data)):
-        job = await _prepare_chat(svc, data)
-        _log_identity(rid, data)
-        streams = await start_all(svc, [(job.prompt_ids, p) for p in job.params], job.constraint.spec, rid,
-                                  _format_field(data.structured_outputs), receive=request.receive)
-    relaxed_warnings = relaxed(job.constraint, streams[0])
-    headers = warnings_header(relaxed_warnings)
-    if data.stream:
-        include = bool(data.stream_options and data.stream_options.include_usage)
-        return Stream(_chat_events(svc, job, streams, rid, include, relaxed_warnings), media_type="text/event-stream",
-                      headers={**SSE_HEADERS, **headers})
-    results = await run_all(streams, rid, request.receive)
-    choices, warnings = [], list(relaxed_warnings)
-    for i, r in enumerate(results):
-        choice, problems = _chat_choice(svc, job, i, r, relaxed_warnings)
-        choices.append(choice)
-        warnings += [f"choice {i}: {w}" for w in problems]
-    body = ChatCompletion(id=rid, created=int(time.time()), model=job.model, choices=choices,
-                          usage=_usage(results, [len(job.prompt_ids)]),
-                          service_tier=data.service_tier and "default", warnings=warnings or msgspec.UNSET)
-    return Response(body, headers=headers)
+    return await serve(CHAT_COMPLETIONS, data, svc, request)
+
+
+class ChatCompletions:
+    """``POST /v1/chat/completions`` as an ``openai_serving.Endpoint``: ``n`` runs of one
+    chat-templated prompt, tool calls parsed from the text."""
+
+    def names(self, data: ChatCompletionRequest) -> dict[str, str]:
+        return chat_names(data)
+
+    async def prepare(self, svc: ServiceState, data: ChatCompletionRequest) -> _ChatJob:
+        model = check_model(svc, data.model)
+        refuse_unserved(data, UNSERVED_CHAT)
+        check_contents(data.messages)
+        n = 1 if data.n is None else data.n
+        _check_common(n, bool(data.stream), data.stream_options)
+        if data.top_logprobs and not data.logprobs:
+            raise InputError("top_logprobs needs logprobs: true", field="top_logprobs")
+        named = data.tool_choice.function.name if isinstance(data.tool_choice, ToolChoiceFunction) else None
+        choice = None if isinstance(data.tool_choice, ToolChoiceFunction) else data.tool_choice
+        plan, prompt_ids = await chat_prompt(svc, data.messages, [t.function for t in data.tools or []], choice,
+                                             named, data.parallel_tool_calls)
+        c = await _structured_outputs(svc, data.structured_outputs, data.response_format, plan) \
+            if data.structured_outputs is not None else await constraint(svc, *format_schema(data.response_format), plan)
+        max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
+        bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
+        params = [sampling_params(svc, data, max_tokens=max_tokens, seed=s, logprobs=bool(data.logprobs),
+                                  top_logprobs=data.top_logprobs or 0 if data.logprobs else 0, logit_bias=bias)
+                  for s in _seeds(data.seed, n)]
+        return _ChatJob(rid=f"chatcmpl-{uuid.uuid4().hex}", model=model, constraint=c,
+                        format_field=_format_field(data.structured_outputs),
+                        runs=[(prompt_ids, p) for p in params], prompt_ids=prompt_ids,
+                        include_usage=bool(data.stream_options and data.stream_options.include_usage),
+                        service_tier=data.service_tier)
+
+    def events(self, svc: ServiceState, job: _ChatJob, streams: list[gen.GenerationStream],
+               warnings: list[str]) -> AsyncIterator[bytes]:
+        return _chat_events(svc, job, streams, job.rid, job.include_usage, warnings)
+
+    def body(self, svc: ServiceState, job: _ChatJob, results: list[gen.GenerationResult],
+             warnings: list[str]) -> ChatCompletion:
+        choices, notes = [], list(warnings)
+        for i, r in enumerate(results):
+            choice, problems = _chat_choice(svc, job, i, r, warnings)
+            choices.append(choice)
+            notes += [f"choice {i}: {w}" for w in problems]
+        return ChatCompletion(id=job.rid, created=int(time.time()), model=job.model, choices=choices,
+                              usage=_usage(results, [len(job.prompt_ids)]),
+                              service_tier=job.service_tier and "default", warnings=notes or msgspec.UNSET)
+
+
+CHAT_COMPLETIONS = ChatCompletions()
 
 
 # -- completions ---------------------------------------------------------------------------------
@@ -468,68 +452,86 @@ def _prompts(svc: ServiceState, prompt: Any) -> list[str | list[int]]:
       operation_id="createCompletion")
 async def completions(data: CompletionRequest, svc: ServiceState, request: Request) -> Any:
     """Create a text completion (OpenAI ``POST /v1/completions``), whole or streamed."""
-    model = check_model(svc, data.model)
-    n = 1 if data.n is None else data.n
-    _check_common(n, bool(data.stream), data.stream_options)
-    if data.logprobs is not None and not 0 <= data.logprobs <= MAX_LEGACY_LOGPROBS:
-        raise InputError(f"logprobs must be between 0 and {MAX_LEGACY_LOGPROBS}, got {data.logprobs}",
-                         field="logprobs")
-    if data.suffix:
-        raise InputError("suffix is not supported: the served model does not fill in the middle", field="suffix")
-    if data.best_of not in (None, 1):
-        raise InputError("best_of is not supported (only 1); ask n choices instead", field="best_of")
-    groups = _prompts(svc, data.prompt)
-    schema, strict = format_schema(data.response_format)
-    with named_as({"response_schema": "response_format"}):
-        spec = await gen.checked_grammar_spec(svc, response_schema=schema, strict=strict)
-    if data.structured_outputs is not None:
-        c = await _structured_outputs(svc, data.structured_outputs, data.response_format, None)
-        spec, schema = c.spec, c.schema
-    want_logprobs = data.logprobs is not None
-    bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
-    params = [gen.sampling_params(svc.config, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None
-                                  else data.max_tokens,
-                                  temperature=openai_temperature(data.temperature),
-                                  top_p=1.0 if data.top_p is None else data.top_p, top_k=data.top_k or 0,
-                                  seed=s, stop=data.stop, logprobs=want_logprobs, top_logprobs=data.logprobs or 0,
-                                  logit_bias=bias, presence_penalty=data.presence_penalty or 0.0,
-                                  frequency_penalty=data.frequency_penalty or 0.0,
-                                  repetition_penalty=_or(data.repetition_penalty, 1.0),
-                                  vocab_size=vocab_size(svc), close_on_budget=data.close_on_budget is not False,
-                                  soft_limits=data.soft_limits)
-              for s in _seeds(data.seed, n)]
-    parse = bool(data.parse_special_tokens)
-    prompt_ids = [g if isinstance(g, list) else await gen.tokenize(svc, prompt=g, parse_special_tokens=parse)
-                  for g in groups]
-    prompts = [g if isinstance(g, str) else svc.engine.tokenizer.decode(g) for g in groups]
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    _log_identity(rid, data)
-    jobs = [(ids, p) for ids in prompt_ids for p in params]
-    counts = [len(ids) for ids in prompt_ids]
-    streams = await start_all(svc, jobs, spec, rid, _format_field(data.structured_outputs), receive=request.receive)
-    relaxed_warnings = [str(w) for w in (getattr(streams[0].compiled, "warnings", None) or ())]
-    headers = warnings_header(relaxed_warnings)
-    echo = bool(data.echo)
-    if data.stream:
-        include = bool(data.stream_options and data.stream_options.include_usage)
-        return Stream(_completion_events(svc, model, streams, prompts, counts, n, echo, rid, include,
-                                         want_logprobs),
-                      media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-    results = await run_all(streams, rid, request.receive)
-    choices, warnings = [], list(relaxed_warnings)
-    for k, r in enumerate(results):
-        prefix = prompts[k // n] if echo else ""
-        choices.append(CompletionChoice(index=k, text=prefix + r.text, finish_reason=r.finish_reason,
-                                        logprobs=completion_logprobs(svc, r.token_ids, r.logprobs, len(prefix),
-                                                                     r.top_logprobs if want_logprobs else None),
-                                        valid=r.valid if spec is not None else msgspec.UNSET,
-                                        closed_by_budget=True if r.closed_by_budget else msgspec.UNSET,
-                                        truncated_value=True if spec is not None and r.truncated_value
-                                        else msgspec.UNSET))
-        warnings += [f"choice {k}: {w}" for w in r.warnings if w not in relaxed_warnings]
-    body = Completion(id=rid, created=int(time.time()), model=model, choices=choices, usage=_usage(results, counts),
-                      warnings=warnings or msgspec.UNSET)
-    return Response(body, headers=headers)
+    return await serve(COMPLETIONS, data, svc, request)
+
+
+@dataclass(slots=True, kw_only=True)
+class _CompletionJob(OpenAIJob):
+    """A checked completion request: ``n`` runs of each prompt, prompt by prompt."""
+
+    prompts: list[str]  # each prompt's text (what ``echo`` sends back)
+    counts: list[int]  # each prompt's tokens
+    n: int
+    echo: bool
+    include_usage: bool
+    want_logprobs: bool
+
+
+class Completions:
+    """``POST /v1/completions`` (legacy) as an ``openai_serving.Endpoint``."""
+
+    def names(self, data: CompletionRequest) -> dict[str, str]:
+        return {}
+
+    async def prepare(self, svc: ServiceState, data: CompletionRequest) -> _CompletionJob:
+        model = check_model(svc, data.model)
+        n = 1 if data.n is None else data.n
+        _check_common(n, bool(data.stream), data.stream_options)
+        if data.logprobs is not None and not 0 <= data.logprobs <= MAX_LEGACY_LOGPROBS:
+            raise InputError(f"logprobs must be between 0 and {MAX_LEGACY_LOGPROBS}, got {data.logprobs}",
+                             field="logprobs")
+        if data.suffix:
+            raise InputError("suffix is not supported: the served model does not fill in the middle", field="suffix")
+        if data.best_of not in (None, 1):
+            raise InputError("best_of is not supported (only 1); ask n choices instead", field="best_of")
+        groups = _prompts(svc, data.prompt)
+        schema, strict = format_schema(data.response_format)
+        with named_as({"response_schema": "response_format"}):
+            spec = await gen.checked_grammar_spec(svc, response_schema=schema, strict=strict)
+        c = Constraint(spec, schema, ToolPlan("none", (), False))
+        if data.structured_outputs is not None:
+            c = await _structured_outputs(svc, data.structured_outputs, data.response_format, None)
+        want_logprobs = data.logprobs is not None
+        bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
+        params = [sampling_params(svc, data, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None
+                                  else data.max_tokens, seed=s, logprobs=want_logprobs,
+                                  top_logprobs=data.logprobs or 0, logit_bias=bias)
+                  for s in _seeds(data.seed, n)]
+        parse = bool(data.parse_special_tokens)
+        prompt_ids = [g if isinstance(g, list) else await gen.tokenize(svc, prompt=g, parse_special_tokens=parse)
+                      for g in groups]
+        return _CompletionJob(rid=f"cmpl-{uuid.uuid4().hex}", model=model, constraint=c,
+                              format_field=_format_field(data.structured_outputs),
+                              runs=[(ids, p) for ids in prompt_ids for p in params],
+                              prompts=[g if isinstance(g, str) else svc.engine.tokenizer.decode(g) for g in groups],
+                              counts=[len(ids) for ids in prompt_ids], n=n, echo=bool(data.echo),
+                              include_usage=bool(data.stream_options and data.stream_options.include_usage),
+                              want_logprobs=want_logprobs)
+
+    def events(self, svc: ServiceState, job: _CompletionJob, streams: list[gen.GenerationStream],
+               warnings: list[str]) -> AsyncIterator[bytes]:
+        return _completion_events(svc, job.model, streams, job.prompts, job.counts, job.n, job.echo, job.rid,
+                                  job.include_usage, job.want_logprobs)
+
+    def body(self, svc: ServiceState, job: _CompletionJob, results: list[gen.GenerationResult],
+             warnings: list[str]) -> Completion:
+        constrained = job.constraint.spec is not None
+        choices, notes = [], list(warnings)
+        for k, r in enumerate(results):
+            prefix = job.prompts[k // job.n] if job.echo else ""
+            choices.append(CompletionChoice(
+                index=k, text=prefix + r.text, finish_reason=r.finish_reason,
+                logprobs=completion_logprobs(svc, r.token_ids, r.logprobs, len(prefix),
+                                             r.top_logprobs if job.want_logprobs else None),
+                valid=r.valid if constrained else msgspec.UNSET,
+                closed_by_budget=True if r.closed_by_budget else msgspec.UNSET,
+                truncated_value=True if constrained and r.truncated_value else msgspec.UNSET))
+            notes += [f"choice {k}: {w}" for w in r.warnings if w not in warnings]
+        return Completion(id=job.rid, created=int(time.time()), model=job.model, choices=choices,
+                          usage=_usage(results, job.counts), warnings=notes or msgspec.UNSET)
+
+
+COMPLETIONS = Completions()
 
 
 # -- models --------------------------------------------------------------------------------------
@@ -538,7 +540,7 @@ async def completions(data: CompletionRequest, svc: ServiceState, request: Reque
 def _model(svc: ServiceState) -> Model:
     # ``created``: when the model directory was written, the nearest thing to a creation date.
     try:
-        created = int(Path(svc.engine.engine.config.model).stat().st_mtime)
+        created = int(Path(svc.engine.model_path).stat().st_mtime)
     except (AttributeError, OSError):
         created = 0
     return Model(id=svc.model_name, created=created)

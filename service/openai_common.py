@@ -170,7 +170,7 @@ def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int,
 
 
 def vocab_size(svc: ServiceState) -> int:
-    return svc.engine.engine.grammar.vocab.model_vocab_size  # also on a cluster's ingress (no runner)
+    return svc.engine.vocab_size
 
 
 # -- the constraint of an answer -----------------------------------------------------------------
@@ -323,7 +323,7 @@ def _pointer(parts) -> str:
 
 def token_bytes(svc: ServiceState, token_id: int) -> bytes:
     """The bytes a token stands for (the grammar's vocabulary; the tokenizer as a fallback)."""
-    vocab = getattr(getattr(svc.engine.engine, "grammar", None), "vocab", None)
+    vocab = svc.engine.vocab
     raw = vocab.token_bytes.get(token_id) if vocab is not None else None
     if raw is None:
         raw = svc.engine.tokenizer.decode([token_id]).encode()

@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from litestar import Request, Response, get, post
+from litestar import Request, get, post
 from litestar.openapi import ResponseSpec
 from litestar.openapi.spec import Link
-from litestar.response import Stream
 
 from schemas.openai import ChatMessage, ErrorResponse, FunctionCall, FunctionDefinition, ToolCall
 from schemas.responses import (
@@ -39,15 +38,15 @@ from schemas.responses import (
     ResponseUsage, TextConfig, TextFormat, TopLogprob,
 )
 from service import generation as gen
-from service.errors import InputError, named_as
+from service.errors import InputError
 from service.openai_common import (
-    GENERATION_ERRORS, SSE_HEADERS, Constraint, NotFound, check_model, constraint, error_fields, openai_temperature,
-    refuse_unserved, relaxed, run_all, sse, start_all, token_bytes, token_text, verdict, warnings_header,
+    GENERATION_ERRORS, NotFound, check_model, constraint, error_fields, refuse_unserved, sse, token_bytes, token_text,
+    verdict,
 )
+from service.openai_serving import OpenAIJob, chat_prompt, sampling_params, serve
 from service.openapi_docs import RefusedOperation, StreamableOperation, error_responses, with_links
 from service.state import ServiceState
 from service.tool_parser import ToolCallParser, ToolEvent
-from service.tools import plan_tools, template_messages, template_supports_tools
 from service.wire import strict_body
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -150,45 +149,64 @@ def _format(text: TextConfig | None) -> tuple[Any, bool]:
     return fmt.schema, fmt.strict is True
 
 
-@dataclass(slots=True)
-class _Job:
-    rid: str
-    model: str
-    constraint: Constraint
-    prompt_ids: list[int]
-    params: Any
+@dataclass(slots=True, kw_only=True)
+class _Job(OpenAIJob):
+    """A checked Responses request: one run."""
+
     want_logprobs: bool
     data: ResponsesRequest
 
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.runs[0][0]
 
-async def _prepare(svc: ServiceState, data: ResponsesRequest) -> _Job:
-    model = check_model(svc, data.model)
-    refuse_unserved(data, UNSERVED)
-    if data.stream_options is not None and data.stream_options.include_obfuscation:
-        raise InputError("stream_options.include_obfuscation is not supported: Stencil pads no events",
-                         field="stream_options")
-    include = list(data.include or [])
-    unknown = [x for x in include if x != LOGPROBS_INCLUDE]
-    if unknown:
-        raise InputError(f"include {unknown[0]!r} is not supported (only {LOGPROBS_INCLUDE!r})", field="include")
-    functions = [FunctionDefinition(name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)
-                 for t in data.tools or []]
-    named = data.tool_choice.name if isinstance(data.tool_choice, NamedFunction) else None
-    choice = None if named is not None else data.tool_choice
-    plan = plan_tools(functions, choice, named, data.parallel_tool_calls, data.max_tool_calls)
-    native = template_supports_tools(getattr(svc.engine.tokenizer, "chat_template", None))
-    messages, tools_arg = template_messages(input_messages(data), plan, native)
-    prompt_ids = await gen.tokenize(svc, messages=messages, tools=tools_arg)
-    schema, strict = _format(data.text)
-    c = await constraint(svc, schema, strict, plan, parameters_field="tools[{i}].parameters",
-                         format_field="text.format")
-    want_logprobs = LOGPROBS_INCLUDE in include or bool(data.top_logprobs)
-    params = gen.sampling_params(svc.config, max_tokens=data.max_output_tokens,
-                                 temperature=openai_temperature(data.temperature),
-                                 top_p=1.0 if data.top_p is None else data.top_p, top_k=data.top_k or 0,
-                                 seed=data.seed, logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0,
-                                 close_on_budget=data.close_on_budget is not False, soft_limits=data.soft_limits)
-    return _Job(f"resp_{uuid.uuid4().hex}", model, c, prompt_ids, params, want_logprobs, data)
+
+class Responses:
+    """``POST /v1/responses`` as an ``openai_serving.Endpoint``: one run of a chat-templated
+    prompt, its output as typed items (messages, function calls)."""
+
+    def names(self, data: ResponsesRequest) -> dict[str, str]:
+        return NAMES
+
+    async def prepare(self, svc: ServiceState, data: ResponsesRequest) -> _Job:
+        model = check_model(svc, data.model)
+        refuse_unserved(data, UNSERVED)
+        if data.stream_options is not None and data.stream_options.include_obfuscation:
+            raise InputError("stream_options.include_obfuscation is not supported: Stencil pads no events",
+                             field="stream_options")
+        include = list(data.include or [])
+        unknown = [x for x in include if x != LOGPROBS_INCLUDE]
+        if unknown:
+            raise InputError(f"include {unknown[0]!r} is not supported (only {LOGPROBS_INCLUDE!r})", field="include")
+        functions = [FunctionDefinition(name=t.name, description=t.description, parameters=t.parameters,
+                                        strict=t.strict) for t in data.tools or []]
+        named = data.tool_choice.name if isinstance(data.tool_choice, NamedFunction) else None
+        choice = None if named is not None else data.tool_choice
+        plan, prompt_ids = await chat_prompt(svc, input_messages(data), functions, choice, named,
+                                             data.parallel_tool_calls, data.max_tool_calls)
+        schema, strict = _format(data.text)
+        c = await constraint(svc, schema, strict, plan, parameters_field="tools[{i}].parameters",
+                             format_field="text.format")
+        want_logprobs = LOGPROBS_INCLUDE in include or bool(data.top_logprobs)
+        params = sampling_params(svc, data, max_tokens=data.max_output_tokens, seed=data.seed,
+                                 logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0)
+        return _Job(rid=f"resp_{uuid.uuid4().hex}", model=model, constraint=c, format_field="text.format",
+                    runs=[(prompt_ids, params)], want_logprobs=want_logprobs, data=data)
+
+    def events(self, svc: ServiceState, job: _Job, streams: list[gen.GenerationStream],
+               warnings: list[str]) -> AsyncIterator[bytes]:
+        return _events(svc, job, streams[0], warnings, job.created)
+
+    def body(self, svc: ServiceState, job: _Job, results: list[gen.GenerationResult],
+             warnings: list[str]) -> ResponseObject:
+        r = results[0]
+        out = _Output(svc, ToolCallParser(job.constraint.plan.mode == "auto") if job.constraint.plan.active else None)
+        out.feed(r.text, out.logprob_items(r.token_ids, r.logprobs, r.top_logprobs))
+        body, _ = _final(svc, job, out, r, warnings, job.created)
+        return body
+
+
+RESPONSES = Responses()
 
 
 # -- the output ----------------------------------------------------------------------------------
@@ -398,21 +416,7 @@ async def create_response(data: ResponsesRequest, svc: ServiceState, request: Re
     ``max_output_tokens``, ``text.format``): the errors of ``service.generation``,
     ``service.tools`` and ``input_messages``.
     """
-    with named_as(NAMES):
-        job = await _prepare(svc, data)
-        created = time.time()
-        stream = (await start_all(svc, [(job.prompt_ids, job.params)], job.constraint.spec, job.rid, "text.format",
-                                  receive=request.receive))[0]
-    relaxed_warnings = relaxed(job.constraint, stream)
-    headers = warnings_header(relaxed_warnings)
-    if data.stream:
-        return Stream(_events(svc, job, stream, relaxed_warnings, created), media_type="text/event-stream",
-                      headers={**SSE_HEADERS, **headers})
-    r = (await run_all([stream], job.rid, request.receive))[0]
-    out = _Output(svc, ToolCallParser(job.constraint.plan.mode == "auto") if job.constraint.plan.active else None)
-    out.feed(r.text, out.logprob_items(r.token_ids, r.logprobs, r.top_logprobs))
-    body, _ = _final(svc, job, out, r, relaxed_warnings, created)
-    return Response(body, headers=headers)
+    return await serve(RESPONSES, data, svc, request)
 
 
 @get("/responses/{response_id:str}", summary="Retrieve a response (not served: Stencil stores none)",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from engine.async_engine import AsyncEngine
 from engine.config import ConfigError
+from service.engine_client import EngineClient
 from service.metrics import Metrics
 from service.validation import OutputChecker, SchemaChecks
 
@@ -101,9 +101,9 @@ class ServiceState:
     """What a handler needs, injected as ``service: ServiceState``.
 
     Attributes:
-        engine: the running engine (owned by the app's lifespan): an ``AsyncEngine``, or on
-            the Ray Serve ingress a ``service.cluster.client.ClusterEngine`` with the same
-            interface (its requests go to engine replicas).
+        engine: the running engine (owned by the app's lifespan), used only through
+            ``service.engine_client.EngineClient``: an ``AsyncEngine``, or on the Ray Serve
+            ingress a ``service.cluster.client.ClusterEngine`` (its requests go to replicas).
         config: the service's limits.
         metrics: this app's Prometheus registry and series.
         checker: cached output validators.
@@ -113,7 +113,7 @@ class ServiceState:
         inflight: generation requests now being served.
     """
 
-    engine: AsyncEngine
+    engine: EngineClient
     config: ServiceConfig
     metrics: Metrics
     checker: OutputChecker

@@ -70,3 +70,11 @@ def test_a_held_request_frees_its_blocks_when_aborted(aeng):
         assert aeng.engine.stats()["running"] == 0
 
     asyncio.run(main())
+
+
+def test_the_local_engine_is_an_engine_client(aeng):
+    from service.engine_client import EngineClient
+
+    assert isinstance(aeng, EngineClient)
+    assert aeng.vocab_size == aeng.engine.runner.vocab_size
+    assert aeng.stats()["kv_blocks_total"] == 64 and aeng.vocab.token_bytes

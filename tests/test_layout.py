@@ -117,3 +117,19 @@ def test_no_import_circles():
 def test_no_private_names_imported_across_packages():
     _, private = _graph(_modules())
     assert private == []
+
+
+def test_both_engines_offer_every_member_of_the_engine_client():
+    """The service's one door to an engine (``service.engine_client.EngineClient``): the local
+    engine and the cluster's ingress both have every member (instance attributes aside)."""
+    import inspect
+
+    from engine.async_engine import AsyncEngine
+    from service.cluster.client import ClusterEngine
+    from service.engine_client import EngineClient
+
+    members = [n for n, v in vars(EngineClient).items()
+               if not n.startswith("_") and (inspect.isfunction(v) or isinstance(v, property))]
+    assert {"generate", "check_request", "check_budget", "stats", "vocab_size", "kernels"} <= set(members)
+    for cls in (AsyncEngine, ClusterEngine):
+        assert [n for n in members if not hasattr(cls, n)] == [], cls

@@ -1,10 +1,10 @@
 """The ingress side of the cluster: an engine-shaped client of the engine replicas.
 
-``ClusterEngine`` offers what ``service.app`` and ``service.generation`` use of an
-``engine.async_engine.AsyncEngine`` (tokenizer, ``compile_grammar``, ``generate``, ``engine``
-with ``check_request`` / ``stats`` / ``kernels``, ``start`` / ``shutdown``), so the same Litestar
-app — validation, chat templates, tokenizing, output checking, errors, metrics — runs as the
-Ray Serve ingress, and only token ids travel to the replicas.
+``ClusterEngine`` implements ``service.engine_client.EngineClient``, as
+``engine.async_engine.AsyncEngine`` does (tokenizer, ``compile_grammar``, ``generate``,
+``check_request``, ``stats``, ``kernels``, ``start`` / ``shutdown``), so the same Litestar app
+(validation, chat templates, tokenizing, output checking, errors, metrics) runs as the Ray Serve
+ingress, and only token ids travel to the replicas.
 
 It knows Ray only through two callables given to it (``call`` starts a streaming request on a
 replica chosen by the deployment's router; ``broadcast`` asks every replica) and the exception
@@ -88,47 +88,13 @@ class RemoteGrammar:
 
 
 class _Vocab:
-    """The ingress's ``engine.grammar``: only the token → bytes map (exact logprob bytes)."""
+    """The ingress's stand-in for the grammar compiler: only the token → bytes map (exact logprob
+    bytes)."""
 
     def __init__(self, tokenizer, vocab_size: int | None):
         from grammar.vocab import build_vocabulary
 
         self.vocab = build_vocabulary(tokenizer, model_vocab_size=vocab_size)
-
-
-class IngressEngineView:
-    """What the service reads from ``ClusterEngine.engine`` (``LLMEngine``'s part it uses)."""
-
-    def __init__(self, cluster: "ClusterEngine", config: EngineConfig, grammar: _Vocab | None):
-        self._cluster = cluster
-        self.config = config
-        self.grammar = grammar
-
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                      admission: bool = True) -> None:
-        """Nothing to check here: the replica checks the request when it admits it, which
-        ``ReplicaStream.admit`` waits for before any byte is sent. Checking twice would mean two
-        copies of the engine's rules."""
-        return None
-
-    def check_budget(self, grammar, params: SamplingParams) -> None:
-        """The replica checks ``max_tokens`` against the grammar when it admits the request."""
-        return None
-
-    def stats(self) -> dict:
-        """The replicas' ``LLMEngine.stats()`` summed (hit rate and KV usage recomputed), plus the
-        ingress's ``retries`` and ``replays`` (requests re-sent after a replica failed, and of
-        those the ones that had delivered tokens)."""
-        out = aggregate_stats([r["engine"] for r in self._cluster.replica_health() if r.get("engine")])
-        out["retries"], out["replays"] = self._cluster.retries, self._cluster.replays
-        return out
-
-    @property
-    def kernels(self) -> dict[str, str]:
-        for r in self._cluster.replica_health():
-            if r.get("kernels"):
-                return r["kernels"]
-        return {}
 
 
 def aggregate_stats(per_replica: list[dict]) -> dict:
@@ -179,7 +145,8 @@ class ClusterEngine:
             grammar = _Vocab(tokenizer, vocab_size)
         except (ValueError, AttributeError, TypeError):  # a tokenizer without a usable vocabulary
             grammar = None
-        self.engine = IngressEngineView(self, config, grammar)
+        self.config = config
+        self._grammar = grammar
         self.error: BaseException | None = None
         self.on_dead = None  # set by create_app; replicas are restarted by Serve, never "dead" here
         self.retries = 0  # requests re-sent after a replica failed
@@ -207,6 +174,51 @@ class ClusterEngine:
         """Always True: a dead replica is Serve's to restart; requests wait for admission."""
         return True
 
+    # -- the model and admission (``service.engine_client.EngineClient``) ------------------------
+    @property
+    def vocab(self):
+        """Token id → bytes, built here from the tokenizer (None if it has no usable vocabulary)."""
+        return self._grammar.vocab if self._grammar is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._grammar.vocab.model_vocab_size if self._grammar is not None else len(self.tokenizer)
+
+    @property
+    def model_path(self) -> str:
+        return str(self.config.model)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                      admission: bool = True) -> None:
+        """Nothing to check here: the replica checks the request when it admits it, which
+        ``ReplicaStream.admit`` waits for before any byte is sent. Checking twice would mean two
+        copies of the engine's rules."""
+        return None
+
+    def check_budget(self, grammar, params: SamplingParams) -> None:
+        """The replica checks ``max_tokens`` against the grammar when it admits the request."""
+        return None
+
+    def stats(self) -> dict:
+        """The replicas' ``LLMEngine.stats()`` summed (hit rate and KV usage recomputed), plus the
+        ingress's ``retries`` and ``replays`` (requests re-sent after a replica failed, and of
+        those the ones that had delivered tokens)."""
+        out = aggregate_stats([r["engine"] for r in self.replica_health() if r.get("engine")])
+        out["retries"], out["replays"] = self.retries, self.replays
+        return out
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        for r in self.replica_health():
+            if r.get("kernels"):
+                return r["kernels"]
+        return {}
+
+    @property
+    def grammar_stats(self) -> None:
+        """Grammars are compiled on the replicas (their counters are in their own metrics)."""
+        return None
+
     # -- requests -------------------------------------------------------------------------------
     async def compile_grammar(self, spec: GrammarSpec, backend: str | None = None,
                               client: str | None = None) -> RemoteGrammar:
@@ -224,7 +236,7 @@ class ClusterEngine:
         rid = request_id or "req-" + os.urandom(8).hex()
         if params.seed is None:
             # Pinned here, as one engine would derive it, so every attempt samples alike.
-            params = dataclasses.replace(params, seed=default_seed(self.engine.config.seed, rid))
+            params = dataclasses.replace(params, seed=default_seed(self.config.seed, rid))
         req = ReplicaRequest(rid, list(prompt_token_ids), params, grammar.spec if grammar is not None else None,
                              prompt_block_hashes(prompt_token_ids, self.settings.block_size, MAX_ROUTED_BLOCKS))
         return ReplicaStream(self, req, grammar)

@@ -82,10 +82,10 @@ class EngineReplica:
         try:
             if not aeng.is_alive:
                 raise EngineDeadError(f"engine is not running: {aeng.error!r}")
-            aeng.engine.check_request(request.prompt_token_ids, request.params)
+            aeng.check_request(request.prompt_token_ids, request.params)
             compiled = await aeng.compile_grammar(request.grammar) if request.grammar is not None else None
             if compiled is not None:
-                aeng.engine.check_budget(compiled, request.params)
+                aeng.check_budget(compiled, request.params)
         except (GrammarError, EngineError, EngineOverloaded, EngineDeadError) as e:
             yield Refusal.of(e, self.replica_id)
             return
@@ -119,7 +119,7 @@ class EngineReplica:
         """This replica for ``/health`` and ``/metrics``: status, engine stats, kernels, counts."""
         aeng = self._aeng
         return {"replica": self.replica_id, "status": "ok" if aeng.is_alive else "dead", "pid": os.getpid(),
-                "engine": aeng.engine.stats(), "kernels": aeng.engine.kernels,
+                "engine": aeng.stats(), "kernels": aeng.kernels,
                 "admitted": self.admitted, "finished": self.finished,
                 "uptime_s": round(time.time() - self._started, 1),
                 "error": repr(aeng.error) if aeng.error is not None else None}
