@@ -88,7 +88,7 @@ def llama_tokenize(url: str, text: str) -> list[int]:
 def stencil_logits(model, tokens: list[int], chunk: int, block_size: int = 16) -> torch.Tensor:
     """fp32 logits ``[len(tokens), V]`` of one sequence, prefilled in ``chunk``-token steps
     through a paged KV cache (blocks in order) with the engine's attention backend."""
-    from kernels.base import AttentionMetadata
+    from kernels.attention_backend import AttentionMetadata
     from kernels.registry import get_backend
 
     backend = get_backend("auto", "cpu")

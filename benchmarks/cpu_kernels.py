@@ -203,7 +203,7 @@ def _cpu_model() -> str:
 
 
 def attention_rows(repeats: int) -> list[dict]:
-    from kernels.base import AttentionMetadata
+    from kernels.attention_backend import AttentionMetadata
     from kernels.cpu import CpuAttentionBackend
     from kernels.torch_ref import TorchAttentionBackend
 

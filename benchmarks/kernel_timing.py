@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.base import AttentionMetadata
+from kernels.attention_backend import AttentionMetadata
 
 BLOCK = 16
 

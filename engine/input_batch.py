@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from engine.scheduler import SchedulerOutput
-from kernels.base import AttentionMetadata
+from kernels.attention_backend import AttentionMetadata
 
 
 @dataclass(slots=True)

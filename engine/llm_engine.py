@@ -199,24 +199,8 @@ class LLMEngine:
         if admission and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are waiting "
                                    f"(limit {self.config.max_waiting})")
-        limits = params.soft_limits
-        if limits is not None and not isinstance(limits, (bool, dict)):
-            raise EngineError("soft_limits must be an object or false", field="soft_limits")
-        if isinstance(limits, dict):
-            from grammar.budget import SoftLimits
-
-            known = set(SoftLimits.__dataclass_fields__)
-            for k, v in limits.items():
-                if k not in known:
-                    raise EngineError(f"soft_limits.{k} is not a field; known: {sorted(known)}",
-                                      field=f"soft_limits.{k}")
-                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise EngineError(f"soft_limits.{k} must be an integer >= 1, got {v!r}",
-                                      field=f"soft_limits.{k}")
-        try:
-            return SpecConfig.from_dict(params.speculative) if params.speculative is not None else self.default_spec
-        except (ValueError, TypeError) as e:
-            raise EngineError(str(e), field=getattr(e, "field", "speculative")) from None
+        # speculative and soft_limits were parsed when the params were made (SamplingParams).
+        return None if params.speculative is False else params.speculative or self.default_spec
 
     def check_budget(self, grammar, params: SamplingParams) -> None:
         """Refuse a constrained request whose ``max_tokens`` cannot hold the shortest output.

@@ -8,8 +8,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.speculative.spec_config import SpecConfig, SpecConfigError
+
 if TYPE_CHECKING:
     from grammar.base import GrammarMatcher
+    from grammar.budget import SoftLimits
 
 
 class RequestStatus(enum.Enum):
@@ -57,12 +60,19 @@ class SamplingParams:
         presence_penalty / frequency_penalty: subtracted per output token already present /
             per occurrence (OpenAI's definitions; 0 = off).
         repetition_penalty: CTRL's penalty over prompt and output tokens (1 = off).
-        speculative: per-request n-gram speculation settings, or ``None`` for the engine default;
-            ``{"method": "off"}`` disables it.
+        speculative: this request's speculation: an ``engine.speculative.SpecConfig``, ``False``
+            (off) or ``None`` (the engine's default). Given as a dict of ``SpecConfig`` fields
+            (``{"method": "off"}`` is off) or ``True`` (n-gram, default settings), it is parsed
+            when the params are made.
         close_on_budget: under a grammar, keep the output closable within ``max_tokens`` (budget-
             aware masks, ``grammar.budget``) so it ends complete; False: cut at ``max_tokens``.
-        soft_limits: the run-on guard for JSON (``grammar.budget.SoftLimits`` fields as a dict;
-            ``None``: the defaults; ``False``: off).
+        soft_limits: the run-on guard for JSON: a ``grammar.budget.SoftLimits``, ``False`` (off)
+            or ``None`` (the defaults). Given as a dict of its fields or ``True`` (the defaults),
+            it is parsed when the params are made.
+
+    Raises (on construction):
+        engine.speculative.SpecConfigError / grammar.budget.SoftLimitsError: ``speculative`` /
+            ``soft_limits`` that cannot be parsed (``ValueError`` s whose ``field`` names the key).
     """
 
     max_tokens: int = 256
@@ -78,9 +88,27 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    speculative: dict | None = None
+    speculative: SpecConfig | bool | None = None
     close_on_budget: bool = True
-    soft_limits: dict | bool | None = None
+    soft_limits: "SoftLimits | bool | None" = None
+
+    def __post_init__(self) -> None:
+        from grammar.budget import SoftLimits, SoftLimitsError  # (torch and the closing automaton: not at import)
+
+        spec = self.speculative
+        if isinstance(spec, dict):
+            self.speculative = SpecConfig.from_dict(spec) or False  # from_dict: "off" is None
+        elif spec is True:
+            self.speculative = SpecConfig()
+        elif not (spec is None or spec is False or isinstance(spec, SpecConfig)):
+            raise SpecConfigError(f"speculative must be an object or a boolean, got {type(spec).__name__}")
+        limits = self.soft_limits
+        if isinstance(limits, dict):
+            self.soft_limits = SoftLimits.from_dict(limits)
+        elif limits is True:
+            self.soft_limits = None
+        elif not (limits is None or limits is False or isinstance(limits, SoftLimits)):
+            raise SoftLimitsError("soft_limits must be an object or false")
 
     @property
     def greedy(self) -> bool:
@@ -160,7 +188,7 @@ class Request:
         self.output_logprobs: list[float] = []
         # Per output token, when ``params.top_logprobs``: [(token id, logprob), ...], best first.
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
-        self.spec_state = None  # its speculation settings and record (engine.speculative.state.SpecState)
+        self.spec_state = None  # its speculation settings and record (engine.speculative.spec_state.SpecState)
         self.held = False
 
     @property

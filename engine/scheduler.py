@@ -71,7 +71,7 @@ def make_matcher(grammar, params):
         from grammar.budget import SoftLimits
 
         limits = params.soft_limits
-        soft = None if limits is False else SoftLimits(**limits) if isinstance(limits, dict) else SoftLimits()
+        soft = None if limits is False else limits if isinstance(limits, SoftLimits) else SoftLimits()
         return grammar.budget_matcher(params.max_tokens, soft_limits=soft)
     return grammar.matcher()
 

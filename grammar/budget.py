@@ -63,6 +63,30 @@ class SoftLimits:
     number_digits: int = 40
     array_items: int = 64
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "SoftLimits":
+        """``{"string_chars": 100, ...}`` (any subset; the rest keep their defaults).
+
+        Raises:
+            SoftLimitsError: an unknown key, or a value that is not an integer >= 1; its
+                ``field`` names the key (``soft_limits.string_chars``).
+        """
+        known = set(cls.__dataclass_fields__)
+        for k, v in d.items():
+            if k not in known:
+                raise SoftLimitsError(f"soft_limits.{k} is not a field; known: {sorted(known)}", f"soft_limits.{k}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SoftLimitsError(f"soft_limits.{k} must be an integer >= 1, got {v!r}", f"soft_limits.{k}")
+        return cls(**d)
+
+
+class SoftLimitsError(ValueError):
+    """Run-on guard bounds that cannot be used; ``field`` names the key at fault."""
+
+    def __init__(self, message: str, field: str = "soft_limits"):
+        super().__init__(message)
+        self.field = field
+
 
 class _JsonScan:
     """Where a JSON text stands, byte by byte: inside a string (characters so far), a number

@@ -3,7 +3,7 @@
 * ``compile(spec)`` blocks; ``submit(spec)`` returns a ``Future`` at once (a thread pool runs the
   front end and the lazy build; the engine keeps the request in WAITING_FOR_GRAMMAR meanwhile).
   Concurrent requests for the same spec share one compile.
-* Backends come from :mod:`grammar.backends.registry`. Policy ``auto`` (the default): a request
+* Backends come from :mod:`grammar.backends.backend_registry`. Policy ``auto`` (the default): a request
   never waits for an eager index — it is served by the lazy matcher (llguidance) within
   milliseconds; a spec seen a second time (or compiled with ``hot=True``) gets its eager index
   (outlines-core, µs masks) built in the background, in a child process with the eager limits,
@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from grammar.background import DaemonPool
-from grammar.backends import registry
+from grammar.backends import backend_registry
 from grammar.base import CompileStats, GrammarError, GrammarSpec, GrammarTimeout, Program
 from grammar.compiled import CompiledGrammar
 from grammar.frontend import to_program, warm_up
 from grammar.vocab import TokenVocabulary, build_vocabulary
 
 _FORMAT = "stencil-grammar-3"  # bump when the front end's output changes meaning
-_VERSIONS = [version("outlines-core"), registry.lazy_version()]
+_VERSIONS = [version("outlines-core"), backend_registry.lazy_version()]
 POLICIES = ("auto", "eager", "lazy")
 
 
@@ -254,7 +254,7 @@ class GrammarCompiler:
             b = self._backends.get(name)
             if b is None:
                 opts = self._eager_opts if name == "eager" else {}
-                b = registry.create(name, self.vocab, **opts)
+                b = backend_registry.create(name, self.vocab, **opts)
                 self._backends[name] = b
             return b
 
@@ -286,7 +286,7 @@ class GrammarCompiler:
         return self._ensure(grammar, "lazy", wait=True, pin=False)
 
     def backend_kinds(self, name: str) -> frozenset:
-        return registry.kinds(name)
+        return backend_registry.kinds(name)
 
     def _ensure(self, grammar: CompiledGrammar, name: str, *, wait: bool, pin: bool = False,
                 exact_only: bool = False) -> Future:

@@ -1,6 +1,6 @@
-"""Paged attention backends (see ``kernels.base`` for the interface, ``kernels.registry`` to pick one)."""
+"""Paged attention backends (see ``kernels.attention_backend`` for the interface, ``kernels.registry`` to pick one)."""
 
-from kernels.base import BLOCK_SIZE, AttentionBackend, AttentionMetadata
+from kernels.attention_backend import BLOCK_SIZE, AttentionBackend, AttentionMetadata
 from kernels.registry import backend_names, get_backend
 
 __all__ = ["BLOCK_SIZE", "AttentionBackend", "AttentionMetadata", "backend_names", "get_backend"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kernels import native, vec_attention
-from kernels.base import AttentionMetadata
+from kernels.attention_backend import AttentionMetadata
 from kernels.torch_ref import TorchAttentionBackend
 
 

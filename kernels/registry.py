@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.base import AttentionBackend
+from kernels.attention_backend import AttentionBackend
 
 log = logging.getLogger(__name__)
 

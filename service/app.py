@@ -325,7 +325,7 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
 
     Args:
         engine: an ``EngineConfig`` (the model is loaded at startup, off the event loop), an
-            ``AsyncEngine`` (started at startup), or a ``service.cluster.client.ClusterEngine``
+            ``AsyncEngine`` (started at startup), or a ``service.cluster.cluster_engine.ClusterEngine``
             (the Ray Serve ingress: replicas do the generating). Either way the app owns it and
             shuts it down.
         config: service limits; ``None`` = defaults (API key from ``STENCIL_API_KEY``).

@@ -4,7 +4,7 @@ The HTTP layer (``service.app``, ``service.generation``, the OpenAI routes, ``se
 uses an engine only through these members. Two classes implement them:
 
 * ``engine.async_engine.AsyncEngine``: the engine in this process, its loop on a thread of its own;
-* ``service.cluster.client.ClusterEngine``: the Ray Serve ingress's client of the engine
+* ``service.cluster.cluster_engine.ClusterEngine``: the Ray Serve ingress's client of the engine
   replicas, which admit, compile and check each request themselves (its ``check_request`` and
   ``check_budget`` accept everything: the replica's refusal arrives at admission, before any byte).
 

@@ -37,7 +37,9 @@ import msgspec
 
 from engine.logits_process import LogitsParamError, check_logits_params
 from engine.request import SamplingParams
+from engine.speculative.spec_config import SpecConfigError
 from grammar.base import GrammarError, GrammarSpec
+from grammar.budget import SoftLimitsError
 from schemas.common import Timings, Usage
 from service.errors import (ClientDisconnected, GenerationFailed, GenerationTimeout, InputError, QueueTimeout,
                             Unavailable)
@@ -144,14 +146,15 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
     for s in stops:
         if not s or len(s) > cfg.max_stop_chars:
             raise InputError(f"each stop string must have 1..{cfg.max_stop_chars} characters", field="stop")
-    if isinstance(speculative, bool):
-        speculative = {"method": "ngram"} if speculative else {"method": "off"}
-    params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                            top_k=top_k, seed=seed, stop=stops, logprobs=logprobs or top_logprobs > 0,
-                            speculative=speculative, top_logprobs=top_logprobs, logit_bias=logit_bias or None,
-                            presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
-                            repetition_penalty=float(repetition_penalty), close_on_budget=close_on_budget,
-                            soft_limits=None if soft_limits is True else soft_limits)
+    try:  # speculative and soft_limits are parsed here, once: the engine takes them typed
+        params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                                top_k=top_k, seed=seed, stop=stops, logprobs=logprobs or top_logprobs > 0,
+                                speculative=speculative, top_logprobs=top_logprobs, logit_bias=logit_bias or None,
+                                presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
+                                repetition_penalty=float(repetition_penalty), close_on_budget=close_on_budget,
+                                soft_limits=soft_limits)
+    except (SpecConfigError, SoftLimitsError) as e:
+        raise InputError(str(e), field=e.field) from None
     try:
         check_logits_params(params, vocab_size if vocab_size is not None else 2**62)
     except LogitsParamError as e:

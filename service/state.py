@@ -103,7 +103,7 @@ class ServiceState:
     Attributes:
         engine: the running engine (owned by the app's lifespan), used only through
             ``service.engine_client.EngineClient``: an ``AsyncEngine``, or on the Ray Serve
-            ingress a ``service.cluster.client.ClusterEngine`` (its requests go to replicas).
+            ingress a ``service.cluster.cluster_engine.ClusterEngine`` (its requests go to replicas).
         config: the service's limits.
         metrics: this app's Prometheus registry and series.
         checker: cached output validators.

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from service.cluster.client import ClusterSettings
+from service.cluster.cluster_engine import ClusterSettings
 from service.cluster.deploy import ClusterOptions, build_app, serve_cluster
 from service.state import ServiceConfig
 

@@ -1,4 +1,4 @@
-"""Sliding-window attention (``window=`` of ``kernels.base``) in every backend against dense SDPA
+"""Sliding-window attention (``window=`` of ``kernels.attention_backend``) in every backend against dense SDPA
 under the window mask: a row at position p sees keys p - W + 1 .. p exactly."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native, vec_attention
-from kernels.base import AttentionMetadata
+from kernels.attention_backend import AttentionMetadata
 from kernels.torch_ref import TorchAttentionBackend
 from test_kernels_flash import fake_flash  # noqa: F401 - the stand-in flash_attn fixture
 from test_kernels_torch import paged_case

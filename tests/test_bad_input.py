@@ -28,7 +28,6 @@ from grammar.base import GrammarError, GrammarSpec
 from grammar.backends.eager import EagerMatcher
 from grammar.backends.lazy import LazyMatcher
 from service.app import create_app
-from service.state import service_state
 from service.state import ServiceConfig
 from service.validation import OutputChecker
 

@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from service.app import create_app
 from service.state import service_state
-from service.cluster.client import ClusterEngine, ClusterSettings
+from service.cluster.cluster_engine import ClusterEngine, ClusterSettings
 from service.cluster.messages import Admitted, Refusal
 from service.cluster.replica import EngineReplica
 from service.state import ServiceConfig

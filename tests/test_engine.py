@@ -11,6 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import EngineError, LLMEngine
 from engine.request import SamplingParams
+from engine.speculative.spec_config import SpecConfigError
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +145,8 @@ def test_bad_requests_are_refused_with_named_fields(tiny_model_dir):
         eng.add_request(None, [5, 6], SamplingParams(max_tokens=0))
     with pytest.raises(EngineError, match="top_p"):
         eng.add_request(None, [5, 6], SamplingParams(top_p=0))
-    with pytest.raises(EngineError, match="speculative"):
-        eng.add_request(None, [5, 6], SamplingParams(speculative={"method": "medusa"}))
+    with pytest.raises(SpecConfigError, match="speculative"):  # parsed when the params are made
+        SamplingParams(speculative={"method": "medusa"})
     # Output stops at max_model_len.
     r = eng.generate([[5] * 60], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
     assert r["finish_reason"] == "length" and len(r["token_ids"]) == 4

@@ -341,7 +341,7 @@ def test_separators_are_shared_terminals_but_not_before_a_quantifier():
     """Flexible whitespace around ',' and ':' is one terminal each (a shorter Lark text, the same
     language); a quantifier right after ``W,W`` binds to the last W, so that piece stays."""
     from grammar import program as rules
-    from grammar.json_schema.compiler import FLEXIBLE_WS, SchemaCompiler, SchemaOptions
+    from grammar.json_schema.schema_compiler import FLEXIBLE_WS, SchemaCompiler, SchemaOptions
 
     schema = {"type": "object", "properties": {k: {"type": "integer"} for k in "abcd"}, "required": ["a"]}
     prog = to_program(GrammarSpec.json_schema(schema, whitespace="flexible"), handover=False)

@@ -602,7 +602,7 @@ def test_pattern_properties_are_disjoint_only_with_distinct_literal_prefixes(a, 
 
 
 def test_one_of_told_apart_by_a_required_discriminator_is_proved_in_one_pass():
-    from grammar.json_schema.compiler import SchemaCompiler, SchemaOptions
+    from grammar.json_schema.schema_compiler import SchemaCompiler, SchemaOptions
     from grammar.json_schema.oneof import by_discriminator
 
     def branch(kind, extra=None):

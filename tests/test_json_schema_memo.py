@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from grammar.json_schema import compiler as C
+from grammar.json_schema import schema_compiler as C
 from grammar.json_schema.interning import ContentIds
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import native, vec_attention
-from kernels.base import AttentionMetadata
+from kernels.attention_backend import AttentionMetadata
 from test_kernels_torch import dense_reference, paged_case, random_seqs
 
 pytestmark = pytest.mark.skipif(not (native.available() or vec_attention.available()),

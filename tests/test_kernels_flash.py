@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.base import AttentionMetadata
+from kernels.attention_backend import AttentionMetadata
 from kernels.torch_ref import TorchAttentionBackend
 
 

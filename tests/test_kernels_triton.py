@@ -22,7 +22,7 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 triton = pytest.importorskip("triton")
 
-from kernels.base import AttentionMetadata  # noqa: E402
+from kernels.attention_backend import AttentionMetadata  # noqa: E402
 from kernels.torch_ref import TorchAttentionBackend  # noqa: E402
 from kernels.triton import TritonAttentionBackend  # noqa: E402
 from kernels.triton.launch import is_interpreted  # noqa: E402

@@ -125,7 +125,7 @@ def test_both_engines_offer_every_member_of_the_engine_client():
     import inspect
 
     from engine.async_engine import AsyncEngine
-    from service.cluster.client import ClusterEngine
+    from service.cluster.cluster_engine import ClusterEngine
     from service.engine_client import EngineClient
 
     members = [n for n, v in vars(EngineClient).items()

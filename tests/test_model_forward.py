@@ -13,7 +13,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
 from engine.models.rope import RopeSpec, rope_cos_sin
 from engine.models.architecture import LlamaSpec
-from kernels.base import AttentionMetadata
+from kernels.attention_backend import AttentionMetadata
 from kernels.torch_ref import TorchAttentionBackend
 
 BLOCK = 16

@@ -325,7 +325,7 @@ def test_masked_logits_exact_where_allowed_and_minus_inf_in_empty_blocks():
 
 @pytest.mark.slow
 def test_real_forward_logits_close_and_same_argmax(models, tokenizer):
-    from kernels.base import AttentionMetadata
+    from kernels.attention_backend import AttentionMetadata
     from kernels.torch_ref import TorchAttentionBackend
 
     int4, fp32 = models
@@ -406,7 +406,7 @@ def test_real_prefill_in_chunks_gives_the_same_bits_with_the_native_kernels(mode
     ``prompt_mask=None`` sends every row to int4, as a model loaded with the default does)."""
     from engine.models.loader import _prompt_route
     from kernels import native, vec_attention
-    from kernels.base import AttentionMetadata
+    from kernels.attention_backend import AttentionMetadata
     from kernels.cpu import CpuAttentionBackend
 
     if not (native.available() or vec_attention.available()):
@@ -442,7 +442,7 @@ def test_real_model_through_gguf_block_layers_keeps_greedy_tokens(models, tokeni
     the same dequantized weights, logits within 1e-2 (measured 6e-4)."""
     import copy
 
-    from kernels.base import AttentionMetadata
+    from kernels.attention_backend import AttentionMetadata
     from kernels.torch_ref import TorchAttentionBackend
 
     from engine.models import quant

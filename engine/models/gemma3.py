@@ -21,7 +21,7 @@ What differs from the Llama family (``engine.models.llama``), as in transformers
   Gemma 3 ships without it). Attention-logit soft-capping (Gemma 2) is refused.
 
 The KV cache holds every position of every layer; a local layer's attention masks its window
-exactly in the backend (``kernels.base``). Freeing the blocks that fell out of every local
+exactly in the backend (``kernels.attention_backend``). Freeing the blocks that fell out of every local
 window (vLLM's hybrid allocator) is not done: a local layer keeps the same cache as a global one.
 
 Sources: Gemma Team, "Gemma 3 Technical Report" (2025, arXiv 2503.19786); GeGLU (Shazeer 2020,
@@ -39,7 +39,7 @@ from torch import nn
 
 from engine.models.llama import DenseEmbedding, DenseLinear, LlamaForCausalLM, _empty_param, apply_rope
 from engine.models.rope import RopeSpec, rope_cos_sin
-from kernels.base import AttentionBackend, AttentionMetadata
+from kernels.attention_backend import AttentionBackend, AttentionMetadata
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_SLIDING_WINDOW_PATTERN = 6  # every 6th layer global: transformers' and llama.cpp's default

@@ -1,7 +1,7 @@
 """Our forward for the Llama family: Llama / SmolLM / Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
 One flat batch of tokens with no padding goes through the decoder; attention reads and writes
-a paged KV cache through an ``AttentionBackend`` (``kernels.base``). Q, K and V come from one
+a paged KV cache through an ``AttentionBackend`` (``kernels.attention_backend``). Q, K and V come from one
 fused projection and the MLP's gate and up from another, so a decode step runs two matmuls
 where transformers runs five.
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.models.rope import RopeSpec, rope_cos_sin
 from engine.models.architecture import LlamaSpec
-from kernels.base import AttentionBackend, AttentionMetadata
+from kernels.attention_backend import AttentionBackend, AttentionMetadata
 
 
 class DenseLinear(nn.Module):
@@ -95,7 +95,7 @@ class Attention(nn.Module):
     backend attention, output projection. ``[T, hidden] -> [T, hidden]``.
 
     ``window``: the layer's sliding window (tokens; None: full causal attention), masked by the
-    backend exactly (``kernels.base``)."""
+    backend exactly (``kernels.attention_backend``)."""
 
     def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype, device: torch.device,
                  window: int | None = None) -> None:

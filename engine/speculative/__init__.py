@@ -15,11 +15,11 @@
 Verification (greedy argmax or rejection sampling) lives in ``engine.sampler``.
 """
 
-from engine.speculative.config import SpecConfig
+from engine.speculative.spec_config import SpecConfig
 from engine.speculative.drafter import DraftBudget, Drafter, Drafts
 from engine.speculative.goodput import DraftPlan, Goodput, StepShape
 from engine.speculative.splits import TokenSplits
-from engine.speculative.state import Acceptance, SpecState
+from engine.speculative.spec_state import Acceptance, SpecState
 
 __all__ = ["Acceptance", "DraftBudget", "DraftPlan", "Drafter", "Drafts", "Goodput", "SpecConfig", "SpecState",
            "StepShape", "TokenSplits"]

@@ -18,7 +18,7 @@ import numpy as np
 from engine.speculative.layout import JsonLayout, position
 from engine.speculative.lookup import propose_ngram, propose_text, propose_value, span_end
 from engine.speculative.splits import TokenSplits
-from engine.speculative.state import SpecState
+from engine.speculative.spec_state import SpecState
 
 if TYPE_CHECKING:
     from engine.request import Request

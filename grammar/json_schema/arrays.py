@@ -10,7 +10,7 @@ from grammar.base import MAX_REPEAT_COUNT, GrammarError
 from grammar.json_schema.rx import Rx, alt, opt, repeat, seq
 
 if TYPE_CHECKING:
-    from grammar.json_schema.compiler import SchemaCompiler
+    from grammar.json_schema.schema_compiler import SchemaCompiler
 
 
 def _layout(s: dict, path: str) -> tuple[list[tuple[object, str]], object, str]:

@@ -102,7 +102,7 @@ from jsonschema import validators
 from grammar.base import MAX_REPEAT_COUNT, GrammarError
 from grammar.json_schema import charset as cs
 from grammar.json_schema import pattern as sp
-from grammar.json_schema.compiler import FLEXIBLE_WS, GRAMMAR_ANY_DEPTH, SchemaCompiler, SchemaOptions, _normalize
+from grammar.json_schema.schema_compiler import FLEXIBLE_WS, GRAMMAR_ANY_DEPTH, SchemaCompiler, SchemaOptions, _normalize
 from grammar.json_schema.formats import format_pattern
 from grammar.json_schema.keywords import ANNOTATIONS, ASSERTIONS, TYPE_KEYWORDS
 from grammar.json_schema.merge import MergeError, json_key, merge

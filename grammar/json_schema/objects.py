@@ -19,7 +19,7 @@ from grammar.json_schema.rx import Rx, alt, opt, seq
 from grammar.json_schema.strings import excluded_keys_regex
 
 if TYPE_CHECKING:
-    from grammar.json_schema.compiler import SchemaCompiler
+    from grammar.json_schema.schema_compiler import SchemaCompiler
 
 MAX_OBJECT_REGEX = 2_000_000
 _ANY_KEY = '"' + cs.json_char(cs.ANY_CHAR) + '*"'

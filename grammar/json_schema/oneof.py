@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from grammar.json_schema.keywords import ANNOTATIONS, enum_values, json_type
 
 if TYPE_CHECKING:
-    from grammar.json_schema.compiler import SchemaCompiler
+    from grammar.json_schema.schema_compiler import SchemaCompiler
 
 _ALL = {"object", "array", "string", "number", "integer", "boolean", "null"}
 _IMPLIED = {

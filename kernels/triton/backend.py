@@ -10,7 +10,7 @@ import importlib.util
 
 import torch
 
-from kernels.base import AttentionMetadata
+from kernels.attention_backend import AttentionMetadata
 
 
 class TritonAttentionBackend:

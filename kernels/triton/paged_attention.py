@@ -2,7 +2,7 @@
 
 One kernel serves every row kind of a step: a fresh prefill, a prefill chunk after a cached
 prefix, a decode token and a run of speculative draft tokens are all "the last ``q_len``
-tokens of a sequence of ``seq_len`` tokens", which is the contract of ``kernels.base``.
+tokens of a sequence of ``seq_len`` tokens", which is the contract of ``kernels.attention_backend``.
 
 Work split (grid ``[num_tokens // BLOCK_Q + num_seqs, num_kv_heads]``): a program owns up to
 ``BLOCK_Q`` consecutive query tokens of one sequence and *all* query heads that share one KV
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.base import AttentionMetadata
+from kernels.attention_backend import AttentionMetadata
 from kernels.triton.launch import check_launchable, is_interpreted
 
 _LOG2_E = 1.4426950408889634
@@ -196,7 +196,7 @@ def paged_attention(
 
     Query row ``j`` of sequence ``i`` sits at position ``seq_lens[i] - q_len_i + j`` and
     attends to positions ``0..`` that position, read through ``meta.block_tables``
-    (``kernels.base`` has the full contract). Accumulation is fp32 for fp32, fp16 and bf16
+    (``kernels.attention_backend`` has the full contract). Accumulation is fp32 for fp32, fp16 and bf16
     inputs; fp32 dots use IEEE precision (no TF32).
 
     Args:

@@ -27,7 +27,7 @@ from typing import Any
 
 from engine.config import ConfigError, EngineConfig
 from service.cluster import ROUTERS
-from service.cluster.client import ClusterEngine, ClusterSettings
+from service.cluster.cluster_engine import ClusterEngine, ClusterSettings
 from service.cluster.replica import EngineReplica
 from service.state import ServiceConfig
 

@@ -24,7 +24,7 @@ from service.cluster.messages import Admitted, Refusal, ReplicaRequest
 from service.errors import Unavailable
 
 if TYPE_CHECKING:
-    from service.cluster.client import ClusterEngine, RemoteGrammar
+    from service.cluster.cluster_engine import ClusterEngine, RemoteGrammar
 
 log = logging.getLogger("stencil.cluster")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.speculative.config import SpecConfig
+from engine.speculative.spec_config import SpecConfig
 
 if TYPE_CHECKING:
     from engine.speculative.splits import TokenSplits
