@@ -9,7 +9,9 @@ import pytest
 
 from engine.async_engine import EngineDeadError
 from engine.llm_engine import EngineError, EngineOverloaded
+from engine.speculative import SpecConfig
 from grammar.base import GrammarError, GrammarSpec
+from grammar.budget import SoftLimits
 from service import generation
 from service.errors import GenerationTimeout, InputError, Overloaded, to_problem
 from service.logs import JsonFormatter
@@ -131,8 +133,14 @@ def test_validator_cache_is_bounded():
 def test_sampling_params_defaults_and_caps():
     p = generation.sampling_params(CFG, stop="END", speculative=False)
     assert p.max_tokens == 20 and p.temperature == 0.0 and p.stop == ["END"]
-    assert p.speculative == {"method": "off"}
-    assert generation.sampling_params(CFG, speculative=True).speculative == {"method": "ngram"}
+    assert p.speculative is False  # typed: SpecConfig, False (off) or None (the server's default)
+    assert generation.sampling_params(CFG, speculative=True).speculative == SpecConfig()
+    assert generation.sampling_params(CFG, speculative={"num_speculative_tokens": 2}).speculative == \
+        SpecConfig(num_speculative_tokens=2)
+    assert generation.sampling_params(CFG, soft_limits={"array_items": 3}).soft_limits == SoftLimits(array_items=3)
+    assert generation.sampling_params(CFG, soft_limits=True).soft_limits is None
+    assert _input_error(generation.sampling_params, CFG, speculative={"method": "medusa"}).field == "speculative.method"
+    assert _input_error(generation.sampling_params, CFG, soft_limits={"depth": 2}).field == "soft_limits.depth"
     assert _input_error(generation.sampling_params, CFG, max_tokens=101).field == "max_tokens"
     assert _input_error(generation.sampling_params, CFG, max_tokens=0).field == "max_tokens"
     assert _input_error(generation.sampling_params, CFG, top_p=0.0).field == "top_p"
