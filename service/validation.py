@@ -212,8 +212,10 @@ class OutputChecker:
         if finish_reason == "length":
             if verdict.valid:
                 verdict.truncated_value = True
-                verdict.warnings.append("max_tokens was reached where the constraint allowed more: the text is "
-                                        "complete under it, but its last value may be cut short")
+                verdict.warnings.append(
+                    "max_tokens was reached: the text may be cut short (there is no constraint to say otherwise)"
+                    if spec is None else "max_tokens was reached where the constraint allowed more: the text is "
+                                         "complete under it, but its last value may be cut short")
             else:
                 verdict.output = None
                 verdict.warnings.insert(0, "output was cut at max_tokens before it was complete")
