@@ -30,7 +30,7 @@ from litestar.exceptions import ValidationException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.handlers import BaseRouteHandler
 
-from service.errors import PayloadTooLarge, ServiceError
+from service.errors import InputError, PayloadTooLarge, ServiceError
 
 
 class UnsupportedMediaType(ServiceError):
@@ -86,6 +86,7 @@ def strict_body(body_type: Any) -> Callable:
         UnsupportedMediaType: (415, field ``content-type``) no ``Content-Type``, or not JSON.
         PayloadTooLarge: (413) the body is over the limit; the message states it in bytes.
         ValidationException: a value of the wrong type; its ``key`` is the field's path.
+        InputError: (400) a body that ends inside its JSON value, saying at which byte.
     """
     decoder = msgspec.json.Decoder(body_type, strict=True)
 
@@ -111,7 +112,10 @@ def strict_body(body_type: Any) -> Callable:
             key, message = field_of(e)
             raise ValidationException(detail=f"Validation failed for {connection.method} {connection.url.path}",
                                       extra=[{"message": message, "key": key}]) from None
-        except msgspec.DecodeError:
-            return  # not JSON: Litestar's own decoding answers it with a 400
+        except msgspec.DecodeError as e:
+            if "truncated" in str(e):  # msgspec names no position here: the body's end is it
+                raise InputError(f"the body is not valid JSON: it ends at byte {len(body)}, inside the JSON value "
+                                 "(truncated)") from None
+            return  # not JSON: Litestar's own decoding answers it with a 400 naming the byte
 
     return guard

@@ -87,7 +87,7 @@ SELF_CYCLE = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
 
 @pytest.mark.parametrize("raw, needle", [
     (b'{"prompt": "x",}', "not valid JSON"),
-    (b'{"prompt": ', "not valid JSON"),
+    (b'{"prompt": ', "not valid JSON: it ends at byte 11"),
     (b"\x00\x01", "not valid JSON"),
     (b"", "body is empty"),
     (b'{"prompt": "\xff\xfe"}', "UTF-8"),
