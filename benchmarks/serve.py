@@ -13,7 +13,12 @@ the same workload in this one run (alternating per concurrency level) and the re
 ratios of the first's output tokens/s and requests/s to the second's. A PNG goes next to the
 JSON. ``--workload person`` sends one-sentence name/age/city chats of about 40 prompt tokens
 instead (``benchmarks.workload.person_items``), the interactive case of
-``benchmarks/peers/run.sh``.
+``stencil bench peers``. ``--api completions`` sends the same items as ``/v1/completions`` text
+prompts (``completion_prompt``: an instruction, the sentence or document, ``JSON:``), for base
+models without a chat template; the constraint goes as ``response_format`` to OpenAI-style
+servers and as llama.cpp's own top-level ``json_schema`` to a ``llama-server`` (its
+``/v1/completions`` ignores ``response_format``), told apart by its ``/props``. Items with a known
+answer are scored field by field (``field_accuracy``, as ``stencil bench accuracy`` scores).
 
 Measured from the client: TTFT from sending the request to the first content chunk (HTTP,
 templating, tokenizing and the grammar compile included, which ``bench throughput``, timing
@@ -60,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=("extraction", "person"), default="extraction",
                    help="extraction: documents of 150-400 tokens, four schemas; person: one-sentence "
                         "name/age/city chats of about 40 tokens (the peers comparison)")
+    p.add_argument("--api", choices=("chat", "completions"), default="chat",
+                   help="chat: /v1/chat/completions with messages; completions: /v1/completions with a text "
+                        "prompt (base models without a chat template)")
 
 
 class NotLoopback(ValueError):
@@ -87,32 +95,89 @@ def v1_root(url: str) -> str:
 
 @dataclass(slots=True)
 class Job:
+    """One request of the workload.
+
+    Attributes:
+        messages: the chat (``--api chat``).
+        schema: the JSON Schema of the answer.
+        answer: the right answer field by field (scored), or None.
+        prompt: the text prompt (``--api completions``), or None.
+    """
+
     messages: list[dict]
     schema: dict
+    answer: dict | None = None
+    prompt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """How one server is asked: which endpoint, and where a completion's JSON Schema goes.
+
+    Attributes:
+        api: ``chat`` (``/chat/completions``) or ``completions`` (``/completions``).
+        llama_cpp: the server is llama.cpp's ``llama-server`` (its ``/v1/completions`` reads the
+            top-level ``json_schema`` and ignores ``response_format``).
+    """
+
+    api: str = "chat"
+    llama_cpp: bool = False
+
+
+COMPLETION_INSTRUCTION = "Extract the facts of the text below as one JSON object with the fields: {fields}."
+
+
+def completion_prompt(instruction: str | None, document: str, fields: list[str]) -> str:
+    """The text prompt of one item for a base model: the instruction, the text, then ``JSON:``."""
+    head = instruction or COMPLETION_INSTRUCTION.format(fields=", ".join(fields))
+    return f"{head}\n\nText: {document}\n\nJSON:"
 
 
 def tagged(job: Job, tag: str) -> Job:
-    """``job`` with ``tag`` at the start of its first message (a different prompt prefix)."""
+    """``job`` with ``tag`` at the start of its prompt (a different prompt prefix)."""
     first = {**job.messages[0], "content": f"{tag} {job.messages[0]['content']}"}
-    return Job([first, *job.messages[1:]], job.schema)
+    prompt = None if job.prompt is None else f"{tag} {job.prompt}"
+    return Job([first, *job.messages[1:]], job.schema, job.answer, prompt)
 
 
-def request_body(job: Job, model: str, max_tokens: int, stream: bool = True) -> dict:
-    """The OpenAI chat request of one workload item."""
-    body = {"model": model, "messages": job.messages, "max_tokens": max_tokens, "temperature": 0,
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "extraction", "schema": job.schema, "strict": True}}}
+def request_body(job: Job, model: str, max_tokens: int, stream: bool = True,
+                 dialect: Dialect = Dialect()) -> dict:
+    """The OpenAI request of one workload item: a chat, or a completion (``dialect.api``)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "extraction", "schema": job.schema, "strict": True}}
+    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0}
+    if dialect.api == "chat":
+        body.update(messages=job.messages, response_format=fmt)
+    elif dialect.llama_cpp:
+        body.update(prompt=job.prompt, json_schema=job.schema)
+    else:
+        body.update(prompt=job.prompt, response_format=fmt)
     if stream:
-        body.update(stream=True, stream_options={"include_usage": True}, logprobs=True)
+        body.update(stream=True, stream_options={"include_usage": True})
+        if dialect.api == "chat":
+            body.update(logprobs=True)
     return body
 
 
+def server_dialect(root: str, api: str, api_key: str) -> Dialect:
+    """The dialect of the server at ``root`` (its ``/v1`` root): llama.cpp answers ``GET /props``
+    with its ``default_generation_settings``; anything else is taken as OpenAI-compatible."""
+    try:
+        r = httpx.get(root.removesuffix("/v1") + "/props", headers={"Authorization": f"Bearer {api_key}"},
+                      timeout=30)
+        llama = r.status_code == 200 and "default_generation_settings" in r.json()
+    except (httpx.HTTPError, ValueError):
+        llama = False
+    return Dialect(api, llama)
+
+
 async def one_request(http: httpx.AsyncClient, root: str, body: dict) -> tuple[Trace, int | None, str | None]:
-    """Send one streamed request; (its trace with the text, usage's completion tokens, error).
-    The trace's ``done`` is when the stream ended (``[DONE]`` or the connection's end)."""
+    """Send one streamed request (a chat when ``body`` has ``messages``, else a completion); (its
+    trace with the text, usage's completion tokens, error). The trace's ``done`` is when the
+    stream ended (``[DONE]`` or the connection's end)."""
     trace = Trace(submit=time.perf_counter())
     usage = None
-    async with http.stream("POST", root + "/chat/completions", json=body) as resp:
+    path = "/chat/completions" if "messages" in body else "/completions"
+    async with http.stream("POST", root + path, json=body) as resp:
         if resp.status_code != 200:
             await resp.aread()
             return trace, None, f"HTTP {resp.status_code}: {resp.text[:200]}"
@@ -128,7 +193,7 @@ async def one_request(http: httpx.AsyncClient, root: str, body: dict) -> tuple[T
             if chunk.get("usage"):
                 usage = chunk["usage"].get("completion_tokens")
             for choice in chunk.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content") or ""
+                text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                 lps = ((choice.get("logprobs") or {}).get("content")) or []
                 if not text and not lps:
                     continue
@@ -144,7 +209,7 @@ async def one_request(http: httpx.AsyncClient, root: str, body: dict) -> tuple[T
 
 
 async def run_level(root: str, model: str, jobs: list[Job], concurrency: int, max_tokens: int,
-                    api_key: str, timeout: float) -> dict:
+                    api_key: str, timeout: float, dialect: Dialect = Dialect()) -> dict:
     """Closed loop: ``concurrency`` requests in flight until every job is answered."""
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=timeout, limits=limits,
@@ -158,7 +223,8 @@ async def run_level(root: str, model: str, jobs: list[Job], concurrency: int, ma
             while pending:
                 i = pending.pop(0)
                 try:
-                    trace, usage, err = await one_request(http, root, request_body(jobs[i], model, max_tokens))
+                    trace, usage, err = await one_request(http, root, request_body(jobs[i], model, max_tokens,
+                                                                                   dialect=dialect))
                 except httpx.HTTPError as e:
                     trace, usage, err = Trace(submit=time.perf_counter()), None, repr(e)
                 traces[i], usages[i] = trace, usage
@@ -180,10 +246,30 @@ async def run_level(root: str, model: str, jobs: list[Job], concurrency: int, ma
     out = summarize(traces, wall, valid)  # type: ignore[arg-type]
     latencies = [(t.done - t.submit) * 1e3 for t in traces if t is not None and t.done is not None]
     out["latency_ms_p50"], out["latency_ms_p99"] = pct(latencies, 50), pct(latencies, 99)
+    out["field_accuracy"] = field_accuracy(jobs, traces)
     out["errors"] = len(errors)
     if errors:
         out["first_error"] = errors[0]
     return out
+
+
+def field_accuracy(jobs: list[Job], traces: list) -> float | None:
+    """The fraction of known answer fields that the answers got right (``accuracy.field_matches``;
+    an answer that is not one JSON object gets none of its fields), or None without answers."""
+    from benchmarks.accuracy import field_matches
+
+    right = total = 0
+    for job, trace in zip(jobs, traces):
+        if not job.answer:
+            continue
+        try:
+            doc = json.loads(trace.text) if trace is not None else None
+        except ValueError:
+            doc = None
+        got = doc if isinstance(doc, dict) else {}
+        total += len(job.answer)
+        right += sum(k in got and field_matches(got[k], v) for k, v in job.answer.items())
+    return right / total if total else None
 
 
 def _stretch(times: list[float], n: int) -> list[float]:
@@ -191,7 +277,8 @@ def _stretch(times: list[float], n: int) -> list[float]:
     return [times[min(int(k * len(times) / n), len(times) - 1)] for k in range(n)]
 
 
-async def warm(root: str, model: str, jobs: list[Job], api_key: str, timeout: float, max_tokens: int) -> None:
+async def warm(root: str, model: str, jobs: list[Job], api_key: str, timeout: float, max_tokens: int,
+               dialect: Dialect = Dialect()) -> None:
     """One request per distinct schema, so cached grammar compiles are not timed. It asks for the
     run's ``max_tokens``: a constrained request with less room than its shortest answer is refused
     (Stencil's budget check)."""
@@ -202,7 +289,8 @@ async def warm(root: str, model: str, jobs: list[Job], api_key: str, timeout: fl
             if key in seen:
                 continue
             seen.add(key)
-            r = await http.post(root + "/chat/completions", json=request_body(job, model, max_tokens, stream=False))
+            body = request_body(job, model, max_tokens, stream=False, dialect=dialect)
+            r = await http.post(root + ("/chat/completions" if dialect.api == "chat" else "/completions"), json=body)
             if r.status_code != 200:
                 raise RuntimeError(f"{root}: warm-up request refused with HTTP {r.status_code}: {r.text[:300]}")
 
@@ -239,14 +327,15 @@ def plot(report: dict, path: Path) -> None:
 
 
 def workload_jobs(name: str, n: int) -> tuple[list[Job], str]:
-    """``n`` jobs of the named workload, and how the report names it."""
+    """``n`` jobs of the named workload (each with its chat and its text prompt), and how the
+    report names it."""
     from benchmarks.workload import extraction_items, person_items
 
-    if name == "person":
-        return [Job(it.messages(), it.schema) for it in person_items(n, seed=1)], \
-            "benchmarks.workload.person_items(seed=1)"
-    return [Job(it.messages(), it.schema) for it in extraction_items(n, seed=1)], \
-        "benchmarks.workload.extraction_items(seed=1)"
+    items, made_by = ((person_items(n, seed=1), "benchmarks.workload.person_items(seed=1)") if name == "person"
+                      else (extraction_items(n, seed=1), "benchmarks.workload.extraction_items(seed=1)"))
+    return [Job(it.messages(), it.schema, it.answer or None,
+                completion_prompt(it.instruction, it.document, list(it.schema["properties"])))
+            for it in items], made_by
 
 
 def main(args: argparse.Namespace) -> int:
@@ -260,21 +349,24 @@ def main(args: argparse.Namespace) -> int:
         print("stencil bench serve: give one or two --base-url")
         return 2
     models = [args.model or served_model(r, args.api_key) for r in roots]
+    dialects = [server_dialect(r, args.api, args.api_key) for r in roots]
     jobs, workload = workload_jobs(args.workload, args.requests)
     levels = [int(c) for c in args.concurrency.split(",")]
-    for root, model in zip(roots, models):
-        asyncio.run(warm(root, model, jobs, args.api_key, args.timeout, args.max_tokens))
+    for root, model, dialect in zip(roots, models, dialects):
+        asyncio.run(warm(root, model, jobs, args.api_key, args.timeout, args.max_tokens, dialect))
     rows = []
     for c in levels:
         row: dict = {"concurrency": c, "results": {}}
-        for url, root, model in zip(args.base_url, roots, models):
+        for url, root, model, dialect in zip(args.base_url, roots, models, dialects):
             level_jobs = [tagged(j, f"[run c={c}]") for j in jobs]
-            s = asyncio.run(run_level(root, model, level_jobs, c, args.max_tokens, args.api_key, args.timeout))
+            s = asyncio.run(run_level(root, model, level_jobs, c, args.max_tokens, args.api_key, args.timeout,
+                                      dialect))
             row["results"][url] = s
             print(f"[serve] {url} c={c} {s['output_tokens_per_s']:.1f} tok/s, {s['requests_per_s']:.2f} req/s, "
                   f"latency p50 {s['latency_ms_p50'] or 0:.0f} ms, "
                   f"TTFT p50 {s['ttft_ms_p50'] or 0:.0f} ms, ITL p50 {s['itl_ms_p50'] or 0:.1f} ms, "
-                  f"valid {s['valid_fraction']:.2f}, errors {s['errors']}", flush=True)
+                  f"valid {s['valid_fraction']:.2f}, fields {s['field_accuracy'] or 0:.2f}, "
+                  f"errors {s['errors']}", flush=True)
         if len(roots) == 2:
             a, b = (row["results"][u]["output_tokens_per_s"] for u in args.base_url)
             row["ratio_output_tokens_per_s"] = a / b if a and b else None
@@ -282,7 +374,8 @@ def main(args: argparse.Namespace) -> int:
             row["ratio_requests_per_s"] = a / b if a and b else None
         rows.append(row)
     report = {"base_urls": list(args.base_url), "models": models, "requests": args.requests,
-              "max_tokens": args.max_tokens, "workload": workload,
+              "max_tokens": args.max_tokens, "workload": workload, "api": args.api,
+              "llama_cpp": [d.llama_cpp for d in dialects],
               "throughput": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))

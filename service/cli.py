@@ -33,6 +33,8 @@ BENCHMARKS = {
     "latency": "one request end to end over HTTP, phase by phase, with and without a grammar",
     "accuracy": "field-level accuracy of extractions: compact vs flexible JSON vs unconstrained, and servers",
     "agreement": "next-token top-1 agreement with llama.cpp (and transformers) on one GGUF, teacher-forced",
+    "peers": "llama-server against stencil serve on the same GGUF: requests/s, validity, field accuracy, "
+             "decode at one request, resident memory",
 }
 
 
@@ -324,7 +326,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 # Benchmarks whose module is not named after the command.
-BENCHMARK_MODULES = {"maskbench": "maskbench_harness"}
+BENCHMARK_MODULES = {"maskbench": "maskbench_harness", "peers": "peers.run"}
 
 
 def benchmark_module(name: str) -> str:

@@ -87,3 +87,46 @@ def test_refuses_addresses_that_are_not_loopback(tmp_path, url, capsys):
     assert "loopback" in capsys.readouterr().out
     for ok in ("http://127.0.0.1:9", "http://localhost:9/v1", "http://[::1]:9"):
         assert serve.v1_root(ok).endswith("/v1")
+
+
+def test_completions_api_sends_text_prompts_and_scores_fields(server, tmp_path):
+    args = _args(tmp_path, [server.url], workload="person", concurrency="2", api="completions")
+    assert serve.main(args) == 0
+    report = json.loads(args.json.read_text())
+    assert report["api"] == "completions" and report["llama_cpp"] == [False]
+    s = report["throughput"][0]["results"][server.url]
+    assert s["errors"] == 0 and s["requests"] == 4 and s["output_tokens"] > 0
+    # a random model gets names wrong, but the score is a fraction of the 12 known fields
+    assert s["field_accuracy"] is not None and 0 <= s["field_accuracy"] * 12 <= 12
+    assert float(s["field_accuracy"] * 12).is_integer()
+
+
+def test_request_bodies_per_dialect():
+    job = serve.workload_jobs("person", 1)[0][0]
+    assert job.prompt.endswith("JSON:") and job.messages[1]["content"] in job.prompt
+    chat = serve.request_body(job, "m", 8)
+    assert chat["messages"] == job.messages and chat["response_format"]["json_schema"]["schema"] == job.schema
+    oai = serve.request_body(job, "m", 8, dialect=serve.Dialect("completions"))
+    assert oai["prompt"] == job.prompt and "messages" not in oai and "json_schema" not in oai
+    assert oai["response_format"]["json_schema"]["schema"] == job.schema and "logprobs" not in oai
+    llama = serve.request_body(job, "m", 8, dialect=serve.Dialect("completions", llama_cpp=True))
+    assert llama["json_schema"] == job.schema and "response_format" not in llama
+    tagged = serve.tagged(job, "[run c=8]")
+    assert tagged.prompt == "[run c=8] " + job.prompt and tagged.answer == job.answer
+
+
+def test_field_accuracy_counts_fields_of_parsed_answers():
+    from benchmarks.common import Trace
+
+    jobs = [serve.Job([], {}, {"name": "Ana Ruiz", "age": 30}), serve.Job([], {}, {"name": "Bo", "age": 41}),
+            serve.Job([], {}, None)]
+    traces = [Trace(submit=0.0), Trace(submit=0.0), Trace(submit=0.0)]
+    traces[0].text = '{"name": "Ana Ruiz", "age": 30.0}'
+    traces[1].text = '{"name": "Bo", "age": "41"'  # cut short: no fields
+    traces[2].text = '{}'
+    assert serve.field_accuracy(jobs, traces) == 2 / 4
+    assert serve.field_accuracy(jobs[2:], traces[2:]) is None
+
+
+def test_dialect_of_a_server_without_props_is_openai(server):
+    assert serve.server_dialect(serve.v1_root(server.url), "completions", "none") == serve.Dialect("completions")

@@ -3,6 +3,9 @@
 #
 #   benchmarks/peers/build_llama_server.sh            # prints the binary's path on its last line
 #
+# It builds llama-quantize beside it (same bin/ folder): the reference quantizer that turns an
+# F16/F32 GGUF into k-quants for the GGUF benchmarks (`python -m benchmarks.gguf_models`).
+#
 # Nothing of llama.cpp enters the repository: the sdist is fetched with pip (PyPI, the only
 # registry this machine reaches), unpacked and built under $PEERS_DIR (default
 # ~/.cache/stencil/peers). A finished build is reused: run it again and it only prints the path.
@@ -20,7 +23,7 @@ BUILD="$PEERS_DIR/build-$VERSION"
 BIN="$BUILD/bin/llama-server"
 read -r -a PIP_CMD <<< "${PIP:-pip}"  # e.g. PIP="python -m pip"
 
-if [[ -x "$BIN" ]]; then
+if [[ -x "$BIN" && -x "$BUILD/bin/llama-quantize" ]]; then
     echo "$BIN"
     exit 0
 fi
@@ -37,6 +40,6 @@ echo "[peers] building llama-server ($JOBS jobs) in $BUILD" >&2
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON >&2
-cmake --build "$BUILD" --target llama-server -j "$JOBS" >&2
-test -x "$BIN"
+cmake --build "$BUILD" --target llama-server llama-quantize -j "$JOBS" >&2
+test -x "$BIN" && test -x "$BUILD/bin/llama-quantize"
 echo "$BIN"

@@ -1,20 +1,31 @@
 """Stencil against llama.cpp's ``llama-server`` on the same GGUF, in one run, over HTTP.
 
-``.venv/bin/python -m benchmarks.peers.run [--repeat 2] [--requests 64] [--concurrency 1,8,32] --json out/peers.json``
+``stencil bench peers [--model FILE.gguf] [--repeat 2] [--requests 64] [--concurrency 1,8,32] --json out/peers.json``
+(also ``.venv/bin/python -m benchmarks.peers.run ...``)
 
 1. Builds ``llama-server`` from the llama.cpp sources vendored in the ``llama-cpp-python``
    sdist (``benchmarks/peers/build_llama_server.sh``: pip download, cmake, GGML_NATIVE), once,
    under ``~/.cache/stencil/peers``; nothing of llama.cpp enters the repository.
-2. Serves the default model's GGUF (``~/.cache/stencil/gguf/SmolLM2-135M-Instruct.Q4_1.gguf``,
-   the file Stencil itself loads) with ``llama-server`` on 127.0.0.1 (``--slots`` slots,
-   ``--threads`` threads, each slot with room for prompt and answer), and ``stencil serve`` with
-   its defaults (plus ``--stencil-args``) on another loopback port.
+2. Serves ``--model`` (default: the default model's GGUF,
+   ``~/.cache/stencil/gguf/SmolLM2-135M-Instruct.Q4_1.gguf``) with ``llama-server`` on 127.0.0.1
+   (``--slots`` slots, ``--threads`` threads, ``--ctx-per-slot`` tokens each: ``-c`` is their
+   product) and ``stencil serve --model`` the same file on another loopback port, with the same
+   KV capacity in tokens (``--num-kv-blocks``, 16 tokens a block) and otherwise its defaults
+   (plus ``--stencil-args``).
 3. Runs ``stencil bench serve --workload person`` against both in one go (the person-extraction
-   chats of the issue: about 40 prompt tokens, name/age/city, ``response_format: json_schema``,
-   greedy, ``max_tokens`` 64, streamed), ``--repeat`` times.
-4. Writes the JSON report (every repetition's ``bench serve`` report, the commands, the
-   machine's load average before and after) and prints the table: requests/s and p50 latency
-   per concurrency for each server, the ratio, valid fractions.
+   items: a one-sentence text, name/age/city, JSON Schema, greedy, ``max_tokens`` 64, streamed),
+   ``--repeat`` times: as chats when the file has a chat template, else (a base model such as
+   Gemma 3 270M) as ``/v1/completions`` text prompts (``--api`` overrides). Each answer is
+   checked against the schema (valid) and scored field by field against the planted facts.
+4. **Plain decode at one request** (``--decode-requests``, 0 skips it): the same prompts as raw
+   text, one at a time, free and with the JSON Schema, Stencil's speculation off (the request's
+   ``speculative: false``): llama-server's ``/completion`` reports ``timings.predicted_per_second``;
+   for Stencil's ``/generate`` the rate is ``(completion_tokens - 1) / (total_ms - ttft_ms)``
+   (tokens after the first over the time after it). Medians per server and their ratio.
+5. **Resident memory** of both servers after the runs: the RSS summed over each server's process
+   group (Stencil's grammar-compile workers included) and the main process's peak (``VmHWM``).
+6. Writes the JSON report (every repetition's ``bench serve`` report, the decode samples, the
+   memory, the commands, the machine's load average before and after) and prints the tables.
 
 Both servers stay up for the whole run and are stopped at the end (also on errors and Ctrl-C).
 Timings are only comparable within one run, on an otherwise idle machine.
@@ -45,8 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--gguf", type=Path, default=None,
-                   help="GGUF for llama-server (default: the one the default model was converted from)")
+    p.add_argument("--model", "--gguf", dest="model", type=Path, default=None,
+                   help="the GGUF both servers load (default: the one the default model was converted from)")
+    p.add_argument("--api", choices=("auto", "chat", "completions"), default="auto",
+                   help="auto: chat when the GGUF has a chat template, else completions")
+    p.add_argument("--decode-requests", type=int, default=8,
+                   help="requests per server and kind (free, json_schema) of the plain-decode phase; 0 skips it")
     p.add_argument("--slots", type=int, default=32, help="llama-server --parallel")
     p.add_argument("--threads", type=int, default=None, help="llama-server --threads (default: the CPU count)")
     p.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server context per slot (tokens)")
@@ -97,14 +112,12 @@ def build_llama_server() -> Path:
 
 def table(reports: list[dict], stencil: str, llama: str) -> str:
     """The markdown table of the issue: per concurrency, both servers' requests/s (p50 latency,
-    as a range over the repetitions) and the ratio of Stencil's requests/s to llama-server's."""
+    as a range over the repetitions), the ratio of Stencil's requests/s to llama-server's, the
+    valid fractions and the field accuracies (where the items have known answers)."""
     levels = [row["concurrency"] for row in reports[0]["throughput"]]
     lines = ["| concurrency | llama-server req/s (p50 latency) | Stencil req/s (p50) | Stencil / llama-server | "
-             "valid (llama-server / Stencil) |", "|---|---|---|---|---|"]
-
-    def span(values: list[float], fmt: str) -> str:
-        lo, hi = min(values), max(values)
-        return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{lo:{fmt}}-{hi:{fmt}}"
+             "valid (llama-server / Stencil) | field accuracy (llama-server / Stencil) |",
+             "|---|---|---|---|---|---|"]
 
     for i, c in enumerate(levels):
         rows = [r["throughput"][i]["results"] for r in reports]
@@ -114,34 +127,169 @@ def table(reports: list[dict], stencil: str, llama: str) -> str:
             lat = [row[url]["latency_ms_p50"] / 1e3 for row in rows]
             cell[name] = f"{span(rps, '.2f')} ({span(lat, '.2f')} s)"
             cell[name + "_valid"] = span([row[url]["valid_fraction"] for row in rows], ".2f")
+            acc = [row[url].get("field_accuracy") for row in rows]
+            cell[name + "_fields"] = "-" if None in acc else span(acc, ".2f")
         ratios = [row[stencil]["requests_per_s"] / row[llama]["requests_per_s"] for row in rows]
         lines.append(f"| {c} | {cell['llama']} | {cell['stencil']} | {span(ratios, '.2f')}x | "
-                     f"{cell['llama_valid']} / {cell['stencil_valid']} |")
+                     f"{cell['llama_valid']} / {cell['stencil_valid']} | "
+                     f"{cell['llama_fields']} / {cell['stencil_fields']} |")
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
+def span(values: list[float], fmt: str) -> str:
+    """``lo-hi`` of ``values`` in ``fmt``, or one number where both print the same."""
+    lo, hi = min(values), max(values)
+    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{lo:{fmt}}-{hi:{fmt}}"
+
+
+# -- plain decode at one request -------------------------------------------------------------------
+
+def stencil_decode_rate(body: dict) -> float | None:
+    """Decode tokens/s of one ``/generate`` answer: the tokens after the first over the time after
+    the first (``timings.total_ms - timings.ttft_ms``); None for fewer than 2 tokens."""
+    n = body["usage"]["completion_tokens"]
+    t = body["timings"]
+    if n < 2 or t.get("ttft_ms") is None or t["total_ms"] <= t["ttft_ms"]:
+        return None
+    return (n - 1) / ((t["total_ms"] - t["ttft_ms"]) / 1e3)
+
+
+def llama_decode_rate(body: dict) -> float | None:
+    """Decode tokens/s of one llama-server ``/completion`` answer: its own
+    ``timings.predicted_per_second`` (None for fewer than 2 tokens)."""
+    t = body.get("timings") or {}
+    return t.get("predicted_per_second") if t.get("predicted_n", 0) >= 2 else None
+
+
+def decode_phase(stencil_url: str, llama_url: str, prompts: list[str], schema: dict, max_tokens: int) -> dict:
+    """One request at a time, alternating the servers: per kind (``free``, ``json_schema``) the
+    decode tokens/s of each answer, their medians and Stencil's median over llama-server's."""
+    import statistics
+
+    out: dict = {}
+    with httpx.Client(timeout=600) as http:
+        for kind in ("free", "json_schema"):
+            rates: dict[str, list[float]] = {"stencil": [], "llama_server": []}
+            tokens: dict[str, list[int]] = {"stencil": [], "llama_server": []}
+            for prompt in prompts:
+                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "speculative": False}
+                if kind == "json_schema":
+                    body["response_schema"] = schema
+                r = http.post(stencil_url + "/generate", json=body)
+                r.raise_for_status()
+                got = r.json()
+                tokens["stencil"].append(got["usage"]["completion_tokens"])
+                if (rate := stencil_decode_rate(got)) is not None:
+                    rates["stencil"].append(rate)
+                body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False}
+                if kind == "json_schema":
+                    body["json_schema"] = schema
+                r = http.post(llama_url + "/completion", json=body)
+                r.raise_for_status()
+                got = r.json()
+                tokens["llama_server"].append(int((got.get("timings") or {}).get("predicted_n", 0)))
+                if (rate := llama_decode_rate(got)) is not None:
+                    rates["llama_server"].append(rate)
+            med = {k: statistics.median(v) if v else None for k, v in rates.items()}
+            out[kind] = {"tokens_per_s": rates, "completion_tokens": tokens,
+                         "median_tokens_per_s": med,
+                         "ratio": med["stencil"] / med["llama_server"] if med["stencil"] and med["llama_server"]
+                         else None}
+    for name in ("stencil", "llama_server"):
+        free, constrained = (out[k]["median_tokens_per_s"][name] for k in ("free", "json_schema"))
+        out[f"{name}_constrained_over_free"] = constrained / free if free and constrained else None
+    return out
+
+
+def decode_table(decode: dict) -> str:
+    """Markdown: per kind, both servers' median decode tokens/s at one request and the ratio."""
+    lines = ["| decode at c=1 (speculation off) | llama-server tok/s | Stencil tok/s | Stencil / llama-server |",
+             "|---|---|---|---|"]
+    for kind in ("free", "json_schema"):
+        med = decode[kind]["median_tokens_per_s"]
+        ratio = decode[kind]["ratio"]
+        lines.append(f"| {kind} | {med['llama_server'] or 0:.1f} | {med['stencil'] or 0:.1f} | "
+                     f"{ratio or 0:.2f}x |")
+    return "\n".join(lines)
+
+
+# -- resident memory -------------------------------------------------------------------------------
+
+def _status_kib(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def process_group_memory(pgid: int) -> dict:
+    """Resident memory of a process group (a server started with ``start_new_session``): the RSS
+    summed over its live members and the leader's peak RSS, in MB (10^6 bytes); Linux ``/proc``."""
+    total = 0
+    members = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != pgid:
+                continue
+            total += _status_kib(int(entry), "VmRSS")
+            members += 1
+        except (ProcessLookupError, FileNotFoundError, PermissionError):
+            continue
+    peak = _status_kib(pgid, "VmHWM")
+    return {"rss_mb": total * 1024 / 1e6, "leader_peak_rss_mb": peak * 1024 / 1e6, "processes": members}
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def default_gguf() -> Path:
+    """The GGUF the default model is converted from (fetched on first use)."""
     from engine.models.default_model import ensure_default_model
 
-    gguf = args.gguf
-    if gguf is None:
-        ensure_default_model()
-        cache = Path(os.environ.get("STENCIL_CACHE_DIR", Path.home() / ".cache" / "stencil"))
-        gguf = cache / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ensure_default_model()
+    cache = Path(os.environ.get("STENCIL_CACHE_DIR", Path.home() / ".cache" / "stencil"))
+    return cache / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def choose_api(gguf: Path, api: str) -> str:
+    """``chat`` or ``completions``: ``api`` unless ``auto``, then chat exactly when the file has
+    a chat template (``tokenizer.chat_template``)."""
+    if api != "auto":
+        return api
+    from engine.models.gguf_config import read_gguf_info
+
+    return "chat" if read_gguf_info(gguf).chat_template else "completions"
+
+
+def main(args: argparse.Namespace) -> int:
+    from benchmarks.serve import workload_jobs
+
+    gguf = (args.model or default_gguf()).resolve()
+    if gguf.is_dir():
+        found = sorted(gguf.glob("*.gguf"))
+        if len(found) != 1:
+            print(f"stencil bench peers: {gguf} holds {len(found)} .gguf files; name one", file=sys.stderr)
+            return 2
+        gguf = found[0]
+    api = choose_api(gguf, args.api)
     binary = args.llama_server or build_llama_server()
     threads = args.threads or os.cpu_count() or 1
     lport, sport = _free_port(), _free_port()
+    kv_tokens = args.slots * args.ctx_per_slot
     llama_cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(lport),
                  "--parallel", str(args.slots), "--threads", str(threads),
-                 "--ctx-size", str(args.slots * args.ctx_per_slot), "--no-webui", "--alias", "smollm2"]
-    stencil_cmd = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", str(sport),
-                   "--log-level", "warning", *shlex.split(args.stencil_args)]
+                 "--ctx-size", str(kv_tokens), "--no-webui", "--alias", gguf.stem]
+    stencil_cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(gguf),
+                   "--host", "127.0.0.1", "--port", str(sport), "--log-level", "warning",
+                   "--num-kv-blocks", str(-(-kv_tokens // 16)), *shlex.split(args.stencil_args)]
     logs = args.json.parent / (args.json.stem + "-logs")
     logs.mkdir(parents=True, exist_ok=True)
     llama = stencil = None
     llama_url, stencil_url = f"http://127.0.0.1:{lport}", f"http://127.0.0.1:{sport}"
-    report: dict = {"llama_server": llama_cmd, "stencil": stencil_cmd, "gguf": str(gguf),
-                    "load_before": os.getloadavg(), "runs": []}
+    report: dict = {"llama_server": llama_cmd, "stencil": stencil_cmd, "gguf": str(gguf), "api": api,
+                    "kv_cache_tokens": kv_tokens, "cpu": cpu_model(), "load_before": os.getloadavg(), "runs": []}
     try:
         with open(logs / "llama-server.log", "w") as lf, open(logs / "stencil.log", "w") as sf:
             llama = subprocess.Popen(llama_cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
@@ -151,21 +299,49 @@ def main(args: argparse.Namespace) -> int:
             _wait_healthy(stencil_url + "/health", stencil, "stencil serve")
             for k in range(args.repeat):
                 out = args.json.parent / f"{args.json.stem}-serve-{k + 1}.json"
-                cmd = [sys.executable, "-m", "service.cli", "bench", "serve", "--workload", "person",
+                cmd = [sys.executable, "-m", "service.cli", "bench", "serve", "--workload", "person", "--api", api,
                        "--base-url", stencil_url, "--base-url", llama_url, "--requests", str(args.requests),
                        "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens), "--json", str(out)]
                 print(f"[peers] run {k + 1}/{args.repeat}: {shlex.join(cmd)}", flush=True)
                 subprocess.run(cmd, check=True, cwd=ROOT)
                 report["runs"].append(json.loads(out.read_text()))
+            if args.decode_requests > 0:
+                jobs, _ = workload_jobs("person", args.decode_requests)
+                print(f"[peers] plain decode at one request, {args.decode_requests} prompts per kind", flush=True)
+                report["decode"] = decode_phase(stencil_url, llama_url, [j.prompt for j in jobs], jobs[0].schema,
+                                                args.max_tokens)
+            report["memory"] = {"stencil": process_group_memory(stencil.pid),
+                                "llama_server": process_group_memory(llama.pid)}
     finally:
         _stop(stencil)
         _stop(llama)
     report["load_after"] = os.getloadavg()
+    mem = report["memory"]
+    report["memory"]["stencil_over_llama_server"] = mem["stencil"]["rss_mb"] / mem["llama_server"]["rss_mb"]
     report["table"] = table(report["runs"], stencil_url, llama_url)
+    if "decode" in report:
+        report["decode_table"] = decode_table(report["decode"])
     args.json.write_text(json.dumps(report, indent=2))
+    print(f"{gguf.name} ({api}), {report['cpu']}")
     print(report["table"])
+    if "decode" in report:
+        print(report["decode_table"])
+    print(f"resident memory (process groups, KV for {kv_tokens} tokens): Stencil {mem['stencil']['rss_mb']:.0f} MB, "
+          f"llama-server {mem['llama_server']['rss_mb']:.0f} MB ({mem['stencil_over_llama_server']:.2f}x)")
     print(f"load average before {report['load_before']}, after {report['load_after']}; wrote {args.json}")
     return 0
+
+
+def cpu_model() -> str:
+    """``lscpu``'s model name (the CPU a figure holds for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 if __name__ == "__main__":
