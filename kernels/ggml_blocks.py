@@ -171,7 +171,9 @@ class Activations:
 def quantize(x: torch.Tensor, group: int, threads: int | None = None, terms: int = 2) -> Activations:
     """Quantize fp32 ``x [M, K]`` (``K % group == 0``) for ``gemm`` of types whose blocks hold
     ``group`` weights (``BLOCKS[qtype][1]``: 32 or 256), in ``terms`` int8 terms (2: error at
-    most the group's max / 32512; 1: max / 254, half the integer work of the GEMM).
+    most the group's max / 32512, the product near exact; 1: llama.cpp's Q8_0 / Q8_K activations
+    and arithmetic, error max / 254, half the integer work of the GEMM; see
+    ``kernels/csrc/gguf_gemm.c``).
 
     Raises:
         RuntimeError: the kernel is not available, or it rejected the shape.
@@ -235,10 +237,12 @@ def dequantize_rows(qtype: str, weight: torch.Tensor, k: int, rows: torch.Tensor
 
 
 def reference_activations(x: torch.Tensor, group: int, terms: int = 2) -> torch.Tensor:
-    """What ``gemm`` multiplies the codes by, fp64 ``[M, K]`` (for tests): per group,
-    ``dq (q1 + q2 / 256)`` (``dq q1`` with one term) with ``dq = max|x| / 127``, the arithmetic of
-    ``quantize`` in torch (unfused, as the C file is built). Its error is at most the group's
-    ``max|x| / 32512`` (``max|x| / 254``)."""
+    """What ``gemm`` multiplies the weights by, fp64 ``[M, K]`` (for tests): per group,
+    ``dq (q1 + q2 / 256)`` with ``dq = max|x| / 127``, or with one term ``dq q1`` with llama.cpp's
+    scale (``1 / (127 / max|x|)`` for a 256-input group, ``max|x| / 127`` rounded to fp16 for 32),
+    the arithmetic of ``quantize`` in torch (unfused, as the C file is built). Its error is at
+    most the group's ``max|x| / 32512`` (one term: ``max|x| / 254``, plus fp16's rounding of the
+    scale, ``2^-11`` of it, for 32-input groups)."""
     m, k = x.shape
     g = x.float().reshape(m, k // group, group)
     amax = g.abs().amax(-1, keepdim=True)
@@ -246,6 +250,8 @@ def reference_activations(x: torch.Tensor, group: int, terms: int = 2) -> torch.
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q1 = torch.round(g * inv).clamp(-127, 127)
     q2 = torch.round((g - q1 * step) * (inv * 256.0)).clamp(-127, 127) if terms == 2 else torch.zeros_like(g)
+    if terms == 1:  # llama.cpp's scales: Q8_K's 1 / (127 / max), Q8_0's fp16 max / 127
+        step = torch.where(amax > 0, 1.0 / inv, torch.zeros_like(amax)) if group == SPAN else step.half().float()
     return ((step / 256.0).double() * (256.0 * q1.double() + q2.double())).reshape(m, k)
 
 

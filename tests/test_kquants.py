@@ -84,7 +84,9 @@ def test_activations_are_the_two_term_reference(group):
 
 
 def exact_and_bound(qtype: str, raw: np.ndarray, x: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact product ``x @ W.T`` (fp64, W from gguf) and the module docstring's bound."""
+    """The target product (fp64, W from gguf) and the module docstring's bound: with two terms
+    ``x @ W.T`` itself; with one, llama.cpp's ``xq @ W.T`` of the quantized activations
+    ``xq = reference_activations(x, group, 1)``, within fp32 rounding."""
     w = torch.from_numpy(reference(qtype, raw)).double()
     u = kquants.units(raw, qtype)
     group = kquants.BLOCK_SHAPES[qtype][0]
@@ -92,9 +94,14 @@ def exact_and_bound(qtype: str, raw: np.ndarray, x: torch.Tensor, terms: int = 2
     xh = ggml_blocks.reference_activations(x, group, terms)
     cs = torch.from_numpy(u.codes * np.repeat(u.scales.astype(np.float64), 16, axis=1)).abs()
     z = torch.from_numpy(u.offsets).double().abs()
+    rounding = 2.0 ** -24 * (k / 32 + 16)
+    if terms == 1:
+        x16 = xh.abs().reshape(x.shape[0], -1, 16).sum(-1)
+        bound = rounding * (xh.abs() @ cs.T + 2 * x16 @ z.T) + 2.0 ** -24 * (xh.abs() @ w.abs().T)
+        return xh @ w.T, bound
     amax = x.abs().reshape(x.shape[0], -1, group).amax(-1).repeat_interleave(group, 1).double()
     x16 = x.double().reshape(x.shape[0], -1, 16).sum(-1).abs()
-    bound = ((amax / (32512 if terms == 2 else 254)) @ cs.T + (k / 32 + 16) * 2.0 ** -24 * (xh.abs() @ cs.T + x16 @ z.T)
+    bound = ((amax / 32512) @ cs.T + rounding * (xh.abs() @ cs.T + x16 @ z.T)
              + 2.0 ** -24 * (x.double().abs() @ w.abs().T))
     return x.double() @ w.T, bound
 

@@ -15,8 +15,10 @@ def _run(stencil_rps: list[float], llama_rps: list[float]) -> dict:
     rows = []
     for c, a, b in zip((1, 8), stencil_rps, llama_rps):
         rows.append({"concurrency": c, "results": {
-            S: {"requests_per_s": a, "latency_ms_p50": 1000 * c / a, "valid_fraction": 1.0, "field_accuracy": 0.75},
-            L: {"requests_per_s": b, "latency_ms_p50": 1000 * c / b, "valid_fraction": 0.5}}})
+            S: {"requests_per_s": a, "latency_ms_p50": 1000 * c / a, "valid_fraction": 1.0, "field_accuracy": 0.75,
+                "output_tokens_per_s": 30 * a},
+            L: {"requests_per_s": b, "latency_ms_p50": 1000 * c / b, "valid_fraction": 0.5,
+                "output_tokens_per_s": 20 * b}}})
     return {"throughput": rows}
 
 
@@ -24,8 +26,8 @@ def test_table_gives_requests_per_second_latency_and_ratio_as_ranges_over_runs()
     text = table([_run([4.0, 8.0], [2.0, 4.0]), _run([5.0, 8.0], [2.0, 5.0])], S, L)
     lines = text.splitlines()
     assert lines[0].startswith("| concurrency | llama-server req/s")
-    assert lines[2] == "| 1 | 2.00 (0.50 s) | 4.00-5.00 (0.20-0.25 s) | 2.00-2.50x | 0.50 / 1.00 | - / 0.75 |"
-    assert lines[3] == "| 8 | 4.00-5.00 (1.60-2.00 s) | 8.00 (1.00 s) | 1.60-2.00x | 0.50 / 1.00 | - / 0.75 |"
+    assert lines[2] == "| 1 | 2.00 (0.50 s) | 4.00-5.00 (0.20-0.25 s) | 2.00-2.50x | 3.00-3.75x | 0.50 / 1.00 | - / 0.75 |"
+    assert lines[3] == "| 8 | 4.00-5.00 (1.60-2.00 s) | 8.00 (1.00 s) | 1.60-2.00x | 2.40-3.00x | 0.50 / 1.00 | - / 0.75 |"
 
 
 def test_decode_rates_count_the_tokens_after_the_first():

@@ -112,12 +112,13 @@ def build_llama_server() -> Path:
 
 def table(reports: list[dict], stencil: str, llama: str) -> str:
     """The markdown table of the issue: per concurrency, both servers' requests/s (p50 latency,
-    as a range over the repetitions), the ratio of Stencil's requests/s to llama-server's, the
-    valid fractions and the field accuracies (where the items have known answers)."""
+    as a range over the repetitions), the ratio of Stencil's requests/s to llama-server's and of
+    their output tokens/s, the valid fractions and the field accuracies (where the items have
+    known answers)."""
     levels = [row["concurrency"] for row in reports[0]["throughput"]]
     lines = ["| concurrency | llama-server req/s (p50 latency) | Stencil req/s (p50) | Stencil / llama-server | "
-             "valid (llama-server / Stencil) | field accuracy (llama-server / Stencil) |",
-             "|---|---|---|---|---|---|"]
+             "output tok/s ratio | valid (llama-server / Stencil) | field accuracy (llama-server / Stencil) |",
+             "|---|---|---|---|---|---|---|"]
 
     for i, c in enumerate(levels):
         rows = [r["throughput"][i]["results"] for r in reports]
@@ -130,7 +131,10 @@ def table(reports: list[dict], stencil: str, llama: str) -> str:
             acc = [row[url].get("field_accuracy") for row in rows]
             cell[name + "_fields"] = "-" if None in acc else span(acc, ".2f")
         ratios = [row[stencil]["requests_per_s"] / row[llama]["requests_per_s"] for row in rows]
-        lines.append(f"| {c} | {cell['llama']} | {cell['stencil']} | {span(ratios, '.2f')}x | "
+        tok = [row[stencil].get("output_tokens_per_s") or 0.0 for row in rows]
+        tok_ratio = ("-" if not all(row[llama].get("output_tokens_per_s") for row in rows) else
+                     span([t / row[llama]["output_tokens_per_s"] for t, row in zip(tok, rows)], ".2f") + "x")
+        lines.append(f"| {c} | {cell['llama']} | {cell['stencil']} | {span(ratios, '.2f')}x | {tok_ratio} | "
                      f"{cell['llama_valid']} / {cell['stencil_valid']} | "
                      f"{cell['llama_fields']} / {cell['stencil_fields']} |")
     return "\n".join(lines)

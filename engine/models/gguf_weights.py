@@ -117,7 +117,7 @@ def quantized_modules(gguf, spec, *, embedding: bool = True, route=None, terms: 
             for n in names:
                 if n not in gguf.tensors:
                     raise KeyError(f"{gguf.path}: tensor {n} (for layers.{i}.{ours}) is missing")
-            kind = layer_kind(gguf.tensors[n].tensor_type.name for n in names)
+            kind = layer_kind((gguf.tensors[n].tensor_type.name for n in names), terms)
             if kind == "dense":
                 continue
             orders = [qk_order(t, gguf.tensors[n], spec) if permute else None for t, n in zip(theirs, names)]
@@ -132,7 +132,7 @@ def quantized_modules(gguf, spec, *, embedding: bool = True, route=None, terms: 
     if embedding and emb.tensor_type.name in BLOCK_TYPES:
         out["embed_tokens"] = embedding_from_gguf(emb.tensor_type.name, emb.data, int(emb.shape[0]))
     head = gguf.tensors.get("output.weight", emb)
-    kind = layer_kind([head.tensor_type.name])
+    kind = layer_kind([head.tensor_type.name], terms)
     if kind == "blocks" and head is emb and "embed_tokens" in out:
         out["lm_head"] = tied_lm_head(out["embed_tokens"], terms=terms)
     elif kind != "dense":

@@ -3,8 +3,9 @@
 A projection (one GGUF tensor, or the stacked q/k/v or gate/up tensors of a fused one), or an
 LM head, is served by ``layer_kind(types)``:
 
-1. ``"int4"``: every part is Q4_0, Q4_1 or Q8_0 and ``kernels.native`` builds here (x86 with
-   AVX512-BF16): ``quant.Int4Linear`` on ``csrc/vnni_gemm.c`` (AVX512-VNNI) or
+1. ``"int4"``: every part is Q4_0, Q4_1 or Q8_0, ``kernels.native`` builds here (x86 with
+   AVX512-BF16) and the block kernel is not asked for one activation term (``terms=1``, llama.cpp's
+   arithmetic, which only ``csrc/gguf_gemm.c`` does): ``quant.Int4Linear`` on ``csrc/vnni_gemm.c`` (AVX512-VNNI) or
    ``csrc/int4_gemm.c``. These kernels were measured on this project's AVX512 Xeons against
    torch's and oneDNN's (README, "Inside the engine"); keeping them there keeps the default
    model's greedy outputs on those machines as they were. (Not measured against
@@ -44,14 +45,16 @@ a decode step took 49.5 ms with two terms, 46.7 ms with one (the GEMMs alone 10-
 ``stencil bench cpu_kernels --block-terms``). ``load_model(block_terms=1)`` takes one term."""
 
 
-def layer_kind(qtypes: Iterable[str]) -> str:
+def layer_kind(qtypes: Iterable[str], terms: int = BLOCK_TERMS) -> str:
     """``"int4"``, ``"blocks"`` or ``"dense"`` for a layer whose parts have ggml types
-    ``qtypes`` (see the module docstring)."""
+    ``qtypes``, the block kernel taking ``terms`` activation terms (see the module docstring)."""
     qtypes = list(qtypes)
     quantized = [q for q in qtypes if q not in FLOAT_TYPES]
     if not quantized or any(q not in BLOCK_TYPES for q in quantized):
         return "dense"
-    if set(qtypes) <= INT4_TYPES and (native.available() or not ggml_blocks.available()):
+    if not ggml_blocks.available():
+        return "int4" if set(qtypes) <= INT4_TYPES else "blocks"
+    if set(qtypes) <= INT4_TYPES and native.available() and terms != 1:
         return "int4"
     return "blocks"
 

@@ -23,7 +23,15 @@
  * |e| <= max|x_g| / 32512; dx = dq / 256 (exact), stored once per 32 inputs. X16 = fp32 sum of
  * each 16 raw x (the two halves added lane-wise, then hsum's order). With one term (q2 NULL) the
  * activations are dq q1 alone (|e| <= max|x_g| / 254, as llama.cpp's Q8_0 / Q8_K blocks) and
- * every dot product with q2 is skipped: half the integer work. stencil_gguf_quantize writes them; kernels/ggml_blocks.py's
+ * every dot product with q2 is skipped: half the integer work. One term is llama.cpp's arithmetic,
+ * not only its precision (ggml-cpu's quantize_row_q8_0 / q8_K and vec_dot_*_q8_*): the group's
+ * scale is 1 / (127 / max|x|) for a super-block (Q8_K keeps an fp32 d) and max|x| / 127 rounded
+ * to fp16 for 32 inputs (Q8_0 stores d as fp16; the codes still come from the fp32 127 / max),
+ * and X16 sums the quantized inputs, dq * (sum of the 16 q1), so that every weight's offset z
+ * meets the same activations as its codes: y = W . (dq q1) up to fp32 rounding, as llama.cpp
+ * gets it (its integer dot products fold the offsets in; Q4_1 / Q5_1's Q8_1 sums are also
+ * rounded to fp16 there, not here). With two terms X16 sums the raw inputs (the exact product
+ * is the target). stencil_gguf_quantize writes them; kernels/ggml_blocks.py's
  * reference_activations is the same arithmetic in torch.
  *
  * Per output element y[r, n], in this order and nothing else (so a row's bits never depend on
@@ -431,6 +439,21 @@ static inline void quantize32(const float *v, float step, float inv, float inv2,
 #endif
 }
 
+/* f (finite, >= 0) rounded to the nearest fp16 value, ties to even, returned as fp32: what
+ * ggml's GGML_FP32_TO_FP16 keeps of a Q8_0 block scale (fp16 subnormals below 2^-14). */
+static inline float round_to_fp16(float f) {
+    if (!(f > 0.0f)) return 0.0f;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    int e = (int)((u >> 23) & 0xff) - 127; /* f in [2^e, 2^(e + 1)) */
+    if (e > 15) return f;                  /* beyond fp16's range: no scale of real activations */
+    const int p = e >= -14 ? e - 10 : -24; /* fp16's spacing at f */
+    const uint32_t ub = (uint32_t)(p + 127) << 23;
+    float ulp;
+    memcpy(&ulp, &ub, 4);
+    return __builtin_rintf(f / ulp) * ulp; /* f / ulp exact (a power of two); <= 2048 */
+}
+
 static inline float amax32(const float *v) {
     f32x8 m = splat(0.0f);
     for (int j = 0; j < 4; ++j) {
@@ -465,13 +488,22 @@ int stencil_gguf_quantize(const float *x, int m, int k, int group, int8_t *q1, i
                 const float t = amax32(v + i);
                 amax = t > amax ? t : amax;
             }
-            const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f, inv2 = inv * 256.0f;
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, inv2 = inv * 256.0f;
+            float step = amax / 127.0f;
+            int8_t *g1 = q1 + (size_t)r * k + (size_t)group * g;
             for (int i = 0; i < group; i += 32)
-                quantize32(v + i, step, inv, inv2, q1 + (size_t)r * k + (size_t)group * g + i,
-                           q2 ? q2 + (size_t)r * k + (size_t)group * g + i : NULL);
+                quantize32(v + i, step, inv, inv2, g1 + i, q2 ? q2 + (size_t)r * k + (size_t)group * g + i : NULL);
+            if (!q2) /* llama.cpp's block scale (see the header) */
+                step = group == SPAN ? (amax > 0.0f ? 1.0f / inv : 0.0f) : round_to_fp16(step);
             for (int b = 0; b < group / 32; ++b) dr[g * (group / 32) + b] = step / 256.0f; /* exact */
+            if (!q2)
+                for (int h = 0; h < group / 16; ++h) {
+                    int sum = 0;
+                    for (int i = 0; i < 16; ++i) sum += g1[16 * h + i];
+                    xs[(group * g) / 16 + h] = step * (float)sum;
+                }
         }
-        for (int h = 0; h < k / 16; ++h) {
+        for (int h = 0; q2 && h < k / 16; ++h) {
             f32x8 lo, hi;
             memcpy(&lo, xr + 16 * h, 32);
             memcpy(&hi, xr + 16 * h + 8, 32);
