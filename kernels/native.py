@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("int4_gemm.c", "vnni_gemm.c", "attention.c")]
 BLOCK = 16  # output columns per column block of the kernel
 GROUP = 32  # input features sharing one scale and zero
+_PACK_CHUNK = 1024  # column blocks packed at a time (bounds the temporaries of a large LM head)
 _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 
 _lock = threading.Lock()
@@ -254,13 +255,20 @@ class PackedInt4:
             return t.reshape(nb, BLOCK, groups).transpose(1, 2).contiguous()
 
         if q8:
-            q = codes[0].to(torch.int32) * 16 + codes[1].to(torch.int32) - 128  # [N, K] in -128..127
-            # [block, column j, quad u, t] -> byte 4 j + t of (block, quad)
-            self.codes = q.to(torch.int8).reshape(nb, BLOCK, k // 4, 4).permute(0, 2, 1, 3).reshape(
-                nb, k // 4, 4 * BLOCK).contiguous()
+            self.codes = torch.empty(nb, k // 4, 4 * BLOCK, dtype=torch.int8)
+            self.zeros = torch.empty(nb, groups, BLOCK, dtype=torch.int32)
+            # In chunks of rows: a 262,144-token LM head made ~2 GB of int32 temporaries at once.
+            for b0 in range(0, nb, _PACK_CHUNK):
+                b1 = min(nb, b0 + _PACK_CHUNK)
+                rows = slice(b0 * BLOCK, b1 * BLOCK)
+                q = codes[0, rows].to(torch.int16) * 16 + codes[1, rows].to(torch.int16) - 128  # -128..127
+                # [block, column j, quad u, t] -> byte 4 j + t of (block, quad)
+                self.codes[b0:b1] = q.to(torch.int8).reshape(b1 - b0, BLOCK, k // 4, 4).permute(0, 2, 1, 3).reshape(
+                    b1 - b0, k // 4, 4 * BLOCK)
+                # the activations' offset of 128 in both terms: 257 * 128 * sum_k q over the group
+                self.zeros[b0:b1] = (257 * 128 * q.reshape(-1, groups, GROUP).sum(-1, dtype=torch.int32)).reshape(
+                    b1 - b0, BLOCK, groups).transpose(1, 2)
             self.scales = per_block(scales[1].float())
-            # the activations' offset of 128 in both terms: 257 * 128 * sum_k q over the group
-            self.zeros = per_block(257 * 128 * q.reshape(-1, groups, GROUP).sum(-1)).to(torch.int32)
             self.planes = 0
         else:
             # [block, column j, octet o, half, t] -> byte 4 j + t of (block, octet); low nibble
@@ -271,6 +279,28 @@ class PackedInt4:
             self.zeros = per_block(zeros[0].float() - 8 * scales[0].float())  # the code offset folded in
             self.planes = 1
         self._weights = (self.codes.data_ptr(), self.scales.data_ptr(), self.zeros.data_ptr(), self.planes, nb)
+
+    @property
+    def holds_q8_rows(self) -> bool:
+        """Whether ``rows`` can read weight rows back (a VNNI-packed GGUF Q8_0 weight)."""
+        return self.vnni and self.planes == 0
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows ``ids`` (int64 ``[n]``, each below ``out_features``) as fp32 ``[n, K]``:
+        ``q * d`` of the packed int8 codes and fp32 scales, bit for bit the values
+        ``gguf.quants.dequantize`` gives for the Q8_0 rows they were packed from. Serves a tied
+        embedding from its LM head's bytes (no second copy).
+
+        Raises:
+            ValueError: the weight is not VNNI-packed Q8_0 (``holds_q8_rows``).
+        """
+        if not self.holds_q8_rows:
+            raise ValueError("rows are kept only for VNNI-packed Q8_0 weights")
+        k = self.in_features
+        block, col = ids // BLOCK, ids % BLOCK
+        q = self.codes.view(self.num_blocks, k // 4, BLOCK, 4)[block, :, col, :]  # [n, K/4, 4]
+        d = self.scales[block, :, col]  # [n, K/32]
+        return (q.reshape(-1, k // GROUP, GROUP).float() * d[..., None]).reshape(-1, k)
 
     def matmul(self, x: torch.Tensor, blocks: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T``: ``[M, K]`` -> fp32 ``[M, 16 * nb]`` (padded columns included).

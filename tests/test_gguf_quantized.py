@@ -81,12 +81,17 @@ def test_every_quantized_matrix_is_a_quantized_layer_over_the_files_bytes(arch, 
         held += module.nbytes()
     file_bytes = sum(t.data.nbytes for n, t in gguf.tensors.items() if n.startswith("blk.") and "norm" not in n)
     assert held == file_bytes  # the blocks as they are: no dense copy, no repacking
-    emb = ours.embed_tokens
-    assert isinstance(emb, QuantEmbedding) and emb.qtype == "Q8_0"
-    assert emb.nbytes() == gguf.tensors["token_embd.weight"].data.nbytes
-    head = ours.lm_head
+    emb, head = ours.embed_tokens, ours.lm_head
     if layer_kind(["Q8_0"]) == "blocks":  # tied: the embedding's bytes, shared
+        assert isinstance(emb, QuantEmbedding) and emb.qtype == "Q8_0"
+        assert emb.nbytes() == gguf.tensors["token_embd.weight"].data.nbytes
         assert isinstance(head, QuantLinear) and head.parts[0].data.data_ptr() == emb.data.data_ptr()
+    else:  # the VNNI kernel packs the tied Q8_0 head; the embedding reads its rows from there
+        from engine.models.quant import HeadEmbedding, Int4Linear
+
+        assert isinstance(head, Int4Linear) and head.native.holds_q8_rows
+        assert isinstance(emb, HeadEmbedding) and emb.head[0] is head
+        assert emb.num_embeddings == head.out_features == gguf.tensors["token_embd.weight"].shape[1]
     assert not any(p.dim() == 2 for p in ours.parameters())  # only norms stay dense
     # rows looked up are exactly gguf's dequantized rows (Gemma scales them in its forward)
     from gguf.quants import dequantize
@@ -95,6 +100,9 @@ def test_every_quantized_matrix_is_a_quantized_layer_over_the_files_bytes(arch, 
     t = gguf.tensors["token_embd.weight"]
     want = dequantize(np.asarray(t.data)[ids.numpy()], t.tensor_type)
     assert np.array_equal(emb(ids).numpy(), want)
+    assert np.array_equal(emb(ids.reshape(2, 2)).numpy(), want.reshape(2, 2, -1))
+    with pytest.raises(IndexError):
+        emb(torch.tensor([int(t.shape[1])]))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

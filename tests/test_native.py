@@ -125,3 +125,19 @@ def test_switched_off_by_environment(variable, printed):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.strip() == printed
+
+
+@pytest.mark.skipif(not native.vnni_available(), reason="the int8-activation kernel needs AVX512-VNNI")
+def test_q8_packing_in_chunks_and_rows_read_back(monkeypatch):
+    whole, w = _packed(0, 70, 96, seed=4, vnni=True)  # 70 columns: 5 column blocks, the last padded
+    monkeypatch.setattr(native, "_PACK_CHUNK", 2)  # 3 chunks of column blocks, the last one short
+    chunked, _ = _packed(0, 70, 96, seed=4, vnni=True)
+    assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.zeros, whole.zeros)
+    assert whole.holds_q8_rows
+    ids = torch.tensor([0, 69, 16, 15, 33, 33])
+    # rows read back from the packed bytes are the weight's rows exactly (q times fp32 d)
+    assert torch.equal(whole.rows(ids), w[ids].float())  # the exact product, rounded once
+    one_plane, _ = _packed(1, 32, 64, seed=5, vnni=True)
+    assert not one_plane.holds_q8_rows
+    with pytest.raises(ValueError, match="Q8_0"):
+        one_plane.rows(ids[:1])

@@ -129,13 +129,21 @@ def quantized_modules(gguf, spec, *, embedding: bool = True, route=None, terms: 
     emb = gguf.tensors.get("token_embd.weight")
     if emb is None:
         raise KeyError(f"{gguf.path}: tensor token_embd.weight is missing")
-    if embedding and emb.tensor_type.name in BLOCK_TYPES:
-        out["embed_tokens"] = embedding_from_gguf(emb.tensor_type.name, emb.data, int(emb.shape[0]))
     head = gguf.tensors.get("output.weight", emb)
     kind = layer_kind([head.tensor_type.name], terms)
+    if kind == "int4" and head is emb:
+        # a tied Q8_0 head on the VNNI kernel: the embedding reads its rows from the packed head
+        out["lm_head"] = _layer(kind, [head], [None], [None], None, terms)
+        if embedding and getattr(out["lm_head"].native, "holds_q8_rows", False):
+            from engine.models.quant import HeadEmbedding
+
+            out["embed_tokens"] = HeadEmbedding(out["lm_head"])
+            return out
+    if embedding and emb.tensor_type.name in BLOCK_TYPES:
+        out["embed_tokens"] = embedding_from_gguf(emb.tensor_type.name, emb.data, int(emb.shape[0]))
     if kind == "blocks" and head is emb and "embed_tokens" in out:
         out["lm_head"] = tied_lm_head(out["embed_tokens"], terms=terms)
-    elif kind != "dense":
+    elif kind != "dense" and "lm_head" not in out:
         out["lm_head"] = _layer(kind, [head], [None], [None], None, terms)
     return out
 

@@ -456,7 +456,38 @@ def int4_projections(gguf: GgufWeights, num_layers: int, num_heads: int, num_kv_
     return out
 
 
-__all__ = ["GROUP", "INT4_TYPES", "GgufWeights", "Int4Linear", "Int4Planes", "RowRoute", "concat_planes",
+class HeadEmbedding(nn.Module):
+    """A tied embedding read from its LM head's packed bytes: ``forward(ids int64 [...]) -> fp32
+    [..., dim]``, the rows ``gguf.quants.dequantize`` gives for the Q8_0 matrix both share (bit
+    for bit, ``PackedInt4.rows``). Gemma 3's 262,144 x 640 matrix is then held once (178 MB),
+    not once for the lookup and once packed for the head.
+
+    Args:
+        head: an ``Int4Linear`` whose native weight ``holds_q8_rows``.
+
+    Raises:
+        ValueError: the head keeps no readable rows; (``forward``) IndexError for an id outside
+            ``0 .. num_embeddings - 1``.
+    """
+
+    def __init__(self, head: Int4Linear) -> None:
+        super().__init__()
+        if head.native is None or not head.native.holds_q8_rows:
+            raise ValueError("the LM head keeps no readable rows (not a VNNI-packed Q8_0 weight)")
+        self.head = [head]  # not a submodule: the model owns the head once
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id outside 0..{self.num_embeddings - 1}")
+        return self.head[0].native.rows(flat).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows of the LM head's packed Q8_0"
+
+
+__all__ = ["HeadEmbedding", "GROUP", "INT4_TYPES", "GgufWeights", "Int4Linear", "Int4Planes", "RowRoute", "concat_planes",
            "int4_projections", "permute_rows", "planes_from_blocks",
            "qk_row_order"]
 
