@@ -180,6 +180,21 @@ def test_fused_layer_of_mixed_types_equals_its_parts_and_columns_equal_forward()
     assert torch.equal(cols[:, 64:], y[1:2, :64])
 
 
+@needs_kernel
+def test_fused_neighbours_of_one_type_become_one_part_with_the_same_bits():
+    k = 512
+    parts = [("Q5_0", 64), ("Q5_0", 32), ("Q8_0", 32), ("Q5_0", 16)]  # q, k of one type; v; another
+    raws = [random_blocks(t, n, k, seed=10 + i) for i, (t, n) in enumerate(parts)]
+    layers = [gguf_layers.linear_from_gguf(t, r, k) for (t, _), r in zip(parts, raws)]
+    fused = quant.fuse(*layers)
+    assert fused.qtypes == ["Q5_0", "Q8_0", "Q5_0"] and [p.stop for p in fused.parts] == [96, 128, 144]
+    assert fused.nbytes() == sum(r.nbytes for r in raws)
+    x = torch.randn(3, k)
+    assert torch.equal(fused(x), torch.cat([la(x) for la in layers], dim=1))
+    pair = quant.fuse(layers[0], layers[1])  # one part: the single-part path
+    assert pair.qtypes == ["Q5_0"] and torch.equal(pair(x), torch.cat([layers[0](x), layers[1](x)], dim=1))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "F16"])
 def test_torch_fallback_within_fp32_rounding_of_exact(qtype):
     k, n = 512, 40

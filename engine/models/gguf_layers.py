@@ -263,8 +263,11 @@ def linear_from_gguf(qtype: str, raw, in_features: int, bias: torch.Tensor | Non
 
 
 def fuse(*layers: QuantLinear) -> QuantLinear:
-    """One layer whose output is the layers' outputs side by side (their rows stacked), each
-    part keeping its type and bytes (no copy). Missing biases count as zeros.
+    """One layer whose output is the layers' outputs side by side (their rows stacked). Each
+    part keeps its type and bytes; neighbouring parts of one type become one part (their rows
+    concatenated once, here), so that gate/up or q/k of one type cost one kernel call a step.
+    Every output column is computed from its own row alone, so the bits do not change. Missing
+    biases count as zeros.
 
     Raises:
         ValueError: no layers, or layers of different ``in_features``.
@@ -274,8 +277,15 @@ def fuse(*layers: QuantLinear) -> QuantLinear:
     bias = None
     if any(la.bias is not None for la in layers):
         bias = torch.cat([la.bias if la.bias is not None else torch.zeros(la.out_features) for la in layers])
-    return QuantLinear([(p.qtype, p.data) for la in layers for p in la.parts], layers[0].in_features, bias,
-                       native=all(la.native for la in layers), terms=layers[0].terms)
+    runs: list[tuple[str, list[torch.Tensor]]] = []
+    for p in (p for la in layers for p in la.parts):
+        if runs and runs[-1][0] == p.qtype:
+            runs[-1][1].append(p.data)
+        else:
+            runs.append((p.qtype, [p.data]))
+    parts = [(qtype, data[0] if len(data) == 1 else torch.cat(data)) for qtype, data in runs]
+    return QuantLinear(parts, layers[0].in_features, bias, native=all(la.native for la in layers),
+                       terms=layers[0].terms)
 
 
 def embedding_from_gguf(qtype: str, raw, embedding_dim: int, *, native: bool | None = None) -> QuantEmbedding:
