@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="N schemas, evenly spaced over the sorted files")
     parser.add_argument("--timeout", type=float, default=10.0, help="per-schema compile limit, s")
     parser.add_argument("--mode", choices=("maskbench", "test-suite"), default="maskbench")
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="tokenizer (and model) directory")
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+                        help="model whose tokenizer (and, for --step-share, forward) to use: a .gguf file, a "
+                             "directory with one, or an HF directory")
     parser.add_argument("--backends", default="eager,lazy,auto",
                         help="comma-separated: eager, lazy, auto (auto needs lazy; eager adds its masks)")
     parser.add_argument("--whitespace", choices=("compact", "flexible"), default="flexible",
@@ -219,8 +221,8 @@ def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 1
                     whitespace: str = "flexible", step_share: bool = False) -> dict:
     """Run the benchmark; returns the report (keys in the module docstring)."""
     import torch
-    from transformers import AutoTokenizer
 
+    from engine.models.tokenizer import load_tokenizer
     from grammar.backends.eager import EagerBackend
     from grammar.backends.lazy import LazyBackend
     from grammar.base import GrammarError, GrammarSpec, Program
@@ -231,7 +233,7 @@ def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 1
 
     if "auto" in backends and "lazy" not in backends:
         backends = ("lazy", *backends)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(model_dir)
     vocab = build_vocabulary(tokenizer, len(tokenizer))
     built = {}
     if "lazy" in backends:

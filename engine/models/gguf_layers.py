@@ -24,7 +24,7 @@ batch and with any column subset (``forward_columns``). Error against the exact 
 ``x @ W.T`` (fp64, W as ``gguf.quants.dequantize`` gives it), per output:
 ``|y - x W| <= sum_k e_k |c_k s_k| + (K / 32 + 16) 2^-24 (sum_k |x^_k c_k s_k| + sum_j |X_j z_j|)
 + 2^-24 sum_k |x_k w_k|`` with ``e_k <= max|x| / 32512`` over ``k``'s activation group
-(``max|x| / 254`` with ``terms=1``, llama.cpp's activation precision and half the integer work),
+(``max|x| / 254`` with ``terms=1``, llama.cpp's activation arithmetic and half the integer work),
 ``x^`` the quantized activations, ``c, s, z`` the kernel's codes, scales and offsets
 (``kquants.units``) and ``X_j`` the sums of each 16 inputs; ``tests/test_kquants.py`` pins it.
 
@@ -96,7 +96,7 @@ class QuantLinear(nn.Module):
         native: use ``kernels.ggml_blocks`` (True), torch (False), or the kernel where it runs
             (None).
         terms: int8 terms per activation, 2 (default: error at most a group's max / 32512) or 1
-            (max / 254, llama.cpp's activation precision, for half the integer work: on a CPU
+            (max / 254, llama.cpp's activation arithmetic, for half the integer work: on a CPU
             without VNNI a decode step is compute-bound and takes about half the time).
 
     Raises:
