@@ -96,6 +96,12 @@ def _build(cc: list[str], sources: list[Path] = SOURCES, flags: list[str] = _FLA
     return out
 
 
+def c_compiler() -> list[str]:
+    """The C compiler command: ``$CC`` (may carry flags, e.g. ``"gcc -O0"``), else ``cc`` or
+    ``gcc`` on the PATH; ``[]`` when there is none."""
+    return shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+
+
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (disabled, no compiler, build failed, CPU lacks AVX512-BF16).
 
@@ -114,7 +120,7 @@ def library() -> ctypes.CDLL | None:
         if platform.machine() not in ("x86_64", "AMD64"):
             _why(f"not an x86-64 CPU ({platform.machine()})")
             return None
-        cc = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+        cc = c_compiler()
         if not cc:
             _why("no C compiler ($CC, cc or gcc)")
             return None

@@ -15,8 +15,6 @@ import ctypes
 import logging
 import os
 import platform
-import shlex
-import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -45,7 +43,7 @@ def library() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        cc = shlex.split(os.environ.get("CC", "")) or [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+        cc = native.c_compiler()
         if os.environ.get("STENCIL_NATIVE", "1") == "0":
             _reason = "STENCIL_NATIVE=0"
         elif platform.machine() not in ("x86_64", "AMD64"):

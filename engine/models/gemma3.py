@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.llama import DenseEmbedding, DenseLinear, LlamaForCausalLM, _empty_param, apply_rope
+from engine.models.llama import DenseEmbedding, DenseLinear, LlamaForCausalLM, _empty_param, rope_and_cache
 from engine.models.rope import RopeSpec, rope_cos_sin
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
 
@@ -161,8 +161,7 @@ class Gemma3Attention(nn.Module):
         q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, meta, backend)
         if self.window is None:
             o = backend.forward(q, k_cache, v_cache, meta, self.scale)
         else:

@@ -26,7 +26,9 @@ from torch import nn
 
 from engine.models.rope import RopeSpec, rope_cos_sin
 from engine.models.architecture import LlamaSpec
+from kernels import layer_ops
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
+from kernels.layer_ops import apply_rope
 
 
 class DenseLinear(nn.Module):
@@ -81,13 +83,16 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by ``cos, sin [T, head_dim // 2]`` (rotate-half layout:
-    dims ``i`` and ``i + head_dim/2`` form one pair)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+FLAT_CACHE_BACKENDS = ("cpu", "torch")
+"""Attention backends whose KV cache is the flat ``[slot, kv_heads, head_dim]`` layout that
+``kernels.layer_ops.rope_and_cache`` writes itself (one native call for RoPE and the write)."""
+
+
+def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
+    """RoPE on q and k, k and v into the cache (``kernels.layer_ops.rope_and_cache``, natively
+    for the flat-cache backends); the rotated q ``[T, heads, head_dim]``."""
+    write = None if backend.name in FLAT_CACHE_BACKENDS else backend.reshape_and_cache
+    return layer_ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, write=write)
 
 
 class Attention(nn.Module):
@@ -123,8 +128,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, meta, backend)
         if self.window is None:
             o = backend.forward(q, k_cache, v_cache, meta, self.scale)
         else:
@@ -316,4 +320,4 @@ def _empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 
 __all__ = ["Attention", "DecoderLayer", "DenseEmbedding", "DenseLinear", "LlamaForCausalLM", "LlamaSpec", "MLP",
-           "RMSNorm", "RopeSpec", "apply_rope"]
+           "RMSNorm", "RopeSpec", "apply_rope", "rope_and_cache"]

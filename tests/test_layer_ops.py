@@ -1,0 +1,68 @@
+"""``kernels.layer_ops.rope_and_cache``: RoPE on q and k and the paged-cache write in one native
+call, against the torch path it replaces (``apply_rope`` and ``index_copy_``): the same bits,
+for fp32 and bf16 caches, strided q/k/v views of a fused QKV output, and bad slots refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import layer_ops
+
+needs_kernel = pytest.mark.skipif(layer_ops.library() is None, reason="no C compiler (or STENCIL_NATIVE=0)")
+
+
+def _case(t: int, heads: int, kv_heads: int, dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, generator=g) * 3
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
+    angle = torch.rand(t, dim // 2, generator=g) * 100
+    return q, k, v, angle.cos(), angle.sin()
+
+
+def _torch_path(q, k, v, cos, sin, k_cache, v_cache, slots):
+    q2, k2 = layer_ops.apply_rope(q, cos, sin), layer_ops.apply_rope(k, cos, sin)
+    heads, dim = k_cache.shape[-2:]
+    k_cache.view(-1, heads, dim).index_copy_(0, slots, k2.to(k_cache.dtype))
+    v_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    return q2
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 9, 3, 64), (37, 4, 1, 256), (5, 2, 2, 6)])
+def test_same_bits_as_the_torch_path(dtype, shape):
+    t, heads, kv_heads, dim = shape
+    q, k, v, cos, sin = _case(t, heads, kv_heads, dim, seed=t)
+    slots = torch.randperm(8 * 16)[:t]
+    caches = [torch.zeros(8, 16, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    want = _torch_path(q, k, v, cos, sin, caches[0], caches[1], slots)
+    got = layer_ops.rope_and_cache(q, k, v, cos, sin, caches[2], caches[3], slots)
+    assert torch.equal(got, want) and got.is_contiguous()
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # bit for bit
+    assert bool(caches[2].flatten(0, 1)[slots].ne(0).any())
+
+
+@needs_kernel
+def test_a_nan_stays_a_nan_in_a_bf16_cache():
+    q, k, v, cos, sin = _case(1, 1, 1, 8, seed=2)
+    v[0, 0, 3] = float("nan")
+    caches = [torch.zeros(1, 16, 1, 8, dtype=torch.bfloat16) for _ in range(2)]
+    layer_ops.rope_and_cache(q, k, v, cos, sin, *caches, torch.tensor([4]))
+    assert bool(caches[1][0, 4, 0, 3].isnan()) and torch.equal(caches[1][0, 4, 0, :3], v[0, 0, :3].bfloat16())
+
+
+@needs_kernel
+def test_a_slot_outside_the_cache_is_refused_and_other_backends_write_themselves():
+    q, k, v, cos, sin = _case(2, 2, 1, 8, seed=3)
+    caches = [torch.zeros(2, 16, 1, 8) for _ in range(2)]
+    with pytest.raises(IndexError, match="outside"):
+        layer_ops.rope_and_cache(q, k, v, cos, sin, *caches, torch.tensor([0, 32]))
+    written = []
+    got = layer_ops.rope_and_cache(q, k, v, cos, sin, *caches, torch.tensor([0, 1]),
+                                   write=lambda *a: written.append(a))
+    assert torch.equal(got, layer_ops.apply_rope(q, cos, sin)) and len(written) == 1
+    assert torch.equal(written[0][0], layer_ops.apply_rope(k, cos, sin)) and not bool(caches[0].any())
