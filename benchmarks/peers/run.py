@@ -52,7 +52,8 @@ ROOT = HERE.parents[1]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True, help="where to write the report")
-    p.add_argument("--repeat", type=int, default=2, help="runs of bench serve (each against both servers)")
+    p.add_argument("--repeat", type=int, default=2,
+                   help="runs of bench serve (each against both servers); 0: only decode and memory")
     p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -322,12 +323,14 @@ def main(args: argparse.Namespace) -> int:
     report["load_after"] = os.getloadavg()
     mem = report["memory"]
     report["memory"]["stencil_over_llama_server"] = mem["stencil"]["rss_mb"] / mem["llama_server"]["rss_mb"]
-    report["table"] = table(report["runs"], stencil_url, llama_url)
+    if report["runs"]:
+        report["table"] = table(report["runs"], stencil_url, llama_url)
     if "decode" in report:
         report["decode_table"] = decode_table(report["decode"])
     args.json.write_text(json.dumps(report, indent=2))
     print(f"{gguf.name} ({api}), {report['cpu']}")
-    print(report["table"])
+    if "table" in report:
+        print(report["table"])
     if "decode" in report:
         print(report["decode_table"])
     print(f"resident memory (process groups, KV for {kv_tokens} tokens): Stencil {mem['stencil']['rss_mb']:.0f} MB, "
