@@ -27,6 +27,7 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException, SerializationException, ValidationException
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig, ResponseSpec
+from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent
 
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -245,7 +246,8 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
         headers = {"cache-control": "no-cache", "content-type": "text/event-stream; charset=utf-8"}
         if gen.replica is not None:  # on a cluster: which replica admitted it
             headers["x-stencil-replica"] = gen.replica
-        return ServerSentEvent(_sse_events(gen, rid), headers=headers)  # type: ignore[return-value]
+        return ServerSentEvent(_sse_events(gen, rid), headers=headers,  # type: ignore[return-value]
+                               background=BackgroundTask(generation.close_streams, [gen]))
     body = _response_of(await generation.collect(gen, request.receive))
     if gen.replica is not None:
         return Response(body, headers={"x-stencil-replica": gen.replica})  # type: ignore[return-value]

@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -409,9 +409,12 @@ class GenerationStream:
         return getattr(self._agen, "replica", None)
 
     async def aclose(self) -> None:
-        """Give the request up before iterating it (a sibling request failed to start)."""
+        """Give the request up: abort it in the engine unless it finished (idempotent). For a
+        stream never iterated (a sibling request failed to start; a client that hung up before
+        the body's first chunk) this is the only cleanup there is."""
         if self._agen is not None:
             await self._agen.aclose()
+
 
     def __aiter__(self) -> AsyncIterator[GenerationDelta | GenerationResult]:
         return self._iterate()
@@ -528,6 +531,19 @@ class GenerationStream:
                                 logprobs=logprobs if self.params.logprobs else None,
                                 closed_by_budget=out.closed_by_budget, shortened=shortened,
                                 truncated_value=checked.truncated_value)
+
+
+async def close_streams(streams: Sequence[GenerationStream]) -> None:
+    """Give up every stream of a streamed response once the response has ended (its background
+    task): a no-op for streams that finished. A client that hangs up right after the headers
+    makes Litestar cancel the body before it takes its first item, and an async generator never
+    started runs no ``finally``: without this its engine request ran on, then was held by flow
+    control for ever, its KV blocks and running slot with it (found by a new-user trial)."""
+    for stream in streams:
+        try:
+            await stream.aclose()
+        except Exception:  # noqa: BLE001 - one stream's failure must not keep the others running
+            log.exception("closing the stream of request %s failed", stream.request_id)
 
 
 def client_id(headers, peer) -> str:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from litestar import Request, Response
+from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from engine.request import SamplingParams
@@ -107,7 +108,7 @@ async def serve(endpoint: Endpoint, data: Any, svc: ServiceState, request: Reque
     headers = warnings_header(warnings)
     if data.stream:
         return Stream(endpoint.events(svc, job, streams, warnings), media_type="text/event-stream",
-                      headers={**SSE_HEADERS, **headers})
+                      headers={**SSE_HEADERS, **headers}, background=BackgroundTask(gen.close_streams, streams))
     results = await run_all(streams, job.rid, request.receive)
     return Response(endpoint.body(svc, job, results, warnings), headers=headers)
 

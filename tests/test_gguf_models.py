@@ -229,3 +229,14 @@ def test_an_hf_gemma3_directory_loads_the_same_forward(tiny_gguf, tmp_path):
     prompt = random_prompt(30, 11, ours.vocab_size)
     batch = PagedBatch(ours)
     assert_close_rel(batch.step([(batch.add(), prompt)]), hf_logits(ref, prompt))
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF\x03\x00"])
+def test_cli_names_an_empty_or_cut_gguf_in_one_line(tmp_path, content):
+    bad = tmp_path / "empty.gguf"
+    bad.write_bytes(content)
+    proc = subprocess.run([sys.executable, "-m", "service.cli", "generate", "hi", "--model", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"stencil generate: {bad} is not a GGUF file ({len(content)} bytes, shorter than a GGUF header)"], proc.stderr

@@ -100,6 +100,47 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+def _hang_up_after_headers(url: str, path: str, body: dict) -> bytes:
+    """POST ``body`` as a stream, read until the response headers, then reset the connection."""
+    import socket
+    import struct
+
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(payload)}\r\n\r\n".encode() + payload)
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = sock.recv(200)
+            if not chunk:
+                break
+            head += chunk
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+    return head
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/generate", {**LONGER, "stream": True}),
+    ("/v1/completions", {"prompt": "go", "max_tokens": 2000, "stream": True,
+                         "structured_outputs": {"regex": "[ab]{6000}"}}),
+])
+def test_streams_abandoned_right_after_the_headers_are_aborted(server, path, body):
+    """A client that leaves as soon as the headers arrive: the body is cancelled before it takes
+    its first item, so the stream's own cleanup never runs; the response's background task must
+    abort the engine request (before it did, 9 in 10 such requests ran on, then were held for
+    ever by flow control with their KV blocks)."""
+    eng = service_state(server.app).engine.engine
+    assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
+    if path.startswith("/v1"):
+        body = {**body, "model": httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]}
+    for _ in range(10):
+        assert _hang_up_after_headers(server.url, path, body).startswith(b"HTTP/1.1 200")
+    assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0, timeout_s=30)
+    assert _wait(lambda: eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"])
+    assert service_state(server.app).inflight == 0
+
+
 def test_non_streamed_client_timeout_aborts(server):
     eng = service_state(server.app).engine.engine
     with pytest.raises(httpx.ReadTimeout):

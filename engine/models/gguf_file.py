@@ -88,6 +88,9 @@ class GgufFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no GGUF file at {self.path}")
+        if self.path.stat().st_size < 24:  # magic, version, two counts; numpy cannot map an empty file
+            raise GgufFormatError(f"{self.path} is not a GGUF file ({self.path.stat().st_size} bytes, "
+                                  "shorter than a GGUF header)")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         buf = memoryview(self._map)
         if bytes(buf[:4]) != GGUF_MAGIC:
