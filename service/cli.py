@@ -85,7 +85,7 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
                    help="model id reported to clients (default: the GGUF file's stem or the directory name)")
     g.add_argument("--max-tokens-cap", type=int, default=4096, help="largest max_tokens a request may ask")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (bytes)")
-    g.add_argument("--request-timeout", type=float, default=300.0, help="per-request deadline (s)")
+    g.add_argument("--request-timeout", type=float, default=300.0, help="per-request deadline (s; default 300)")
     g.add_argument("--max-queue-wait", type=float, default=None,
                    help="longest wait for a running slot before a 429 (s; default: half the request timeout)")
     g.add_argument("--shutdown-grace", type=float, default=30.0, help="in-flight time allowed after SIGTERM (s)")
