@@ -161,13 +161,16 @@ class AsyncEngine:
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop (in-flight requests are aborted) and join the thread."""
-        self._stop.set()
-        self._wake.set()
-        self._go.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self.engine.grammar.close()
+        """Stop the loop (in-flight requests are aborted), join the thread, then close the
+        grammar compiler's pool (its worker processes) even when the join failed."""
+        try:
+            self._stop.set()
+            self._wake.set()
+            self._go.set()
+            if self._thread is not None:
+                self._thread.join(timeout)
+        finally:
+            self.engine.grammar.close()
 
     @property
     def is_alive(self) -> bool:

@@ -281,14 +281,12 @@ async def metrics_handler(service: ServiceState) -> Response[bytes]:
 
 
 def stop_engine(aeng: AsyncEngine) -> None:
-    """Stop the engine thread and the grammar compiler's pool (never raises: shutdown must finish)."""
+    """Stop the engine thread and the grammar compiler's pool (``shutdown`` does both; never
+    raises: shutdown must finish)."""
     try:
         aeng.shutdown()
     except Exception:  # noqa: BLE001
         log.exception("engine shutdown failed")
-        close = getattr(getattr(aeng.engine, "grammar", None), "close", None)
-        if close is not None:
-            close()
 
 
 # -- the factory -----------------------------------------------------------------------------------

@@ -78,3 +78,23 @@ def test_the_local_engine_is_an_engine_client(aeng):
     assert isinstance(aeng, EngineClient)
     assert aeng.vocab_size == aeng.engine.runner.vocab_size
     assert aeng.stats()["kv_blocks_total"] == 64 and aeng.vocab.token_bytes
+
+
+def test_shutdown_closes_the_grammar_pool_even_when_the_join_fails():
+    from types import SimpleNamespace
+
+    closed = []
+    aeng = AsyncEngine(engine=SimpleNamespace(grammar=SimpleNamespace(close=lambda: closed.append(True))))
+
+    class BrokenThread:
+        def join(self, timeout=None):
+            raise RuntimeError("join failed")
+
+    aeng._thread = BrokenThread()
+    with pytest.raises(RuntimeError, match="join failed"):
+        aeng.shutdown()
+    assert closed == [True]
+    from service.app import stop_engine
+
+    stop_engine(aeng)  # logs, never raises
+    assert closed == [True, True]
