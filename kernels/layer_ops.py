@@ -15,10 +15,10 @@ The library is built with the system C compiler on first use into ``$STENCIL_CAC
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import subprocess
-import threading
 from pathlib import Path
 
 import torch
@@ -29,9 +29,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "rope_cache.c"
 _FLAGS = ["-O2", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -43,28 +40,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (``STENCIL_NATIVE=0``, no C compiler, the build failed)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        cc = native.c_compiler()
-        if os.environ.get("STENCIL_NATIVE", "1") == "0" or not cc:
-            return None
-        try:
-            lib = ctypes.CDLL(str(native._build(cc, [SOURCE], _FLAGS, "stencil_rope_cache")))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("native RoPE + cache write off: %s", e)
-            return None
-        p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-        lib.stencil_rope_cache.argtypes = [p, lg, i, p, lg, p, lg, i, i, p, p, i, p, lg, p, p, i, p]
-        lib.stencil_rope_cache.restype = ctypes.c_int
-        _lib = lib
-        return _lib
+    """The compiled kernel, or None (``STENCIL_NATIVE=0``, no C compiler, the build failed);
+    decided once (the build writes its file atomically, so a racing first call only builds twice)."""
+    cc = native.c_compiler()
+    if os.environ.get("STENCIL_NATIVE", "1") == "0" or not cc:
+        return None
+    try:
+        lib = ctypes.CDLL(str(native._build(cc, [SOURCE], _FLAGS, "stencil_rope_cache")))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native RoPE + cache write off: %s", e)
+        return None
+    p, i, lg = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.stencil_rope_cache.argtypes = [p, lg, i, p, lg, p, lg, i, i, p, p, i, p, lg, p, p, i, p]
+    lib.stencil_rope_cache.restype = ctypes.c_int
+    return lib
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -72,35 +63,29 @@ def _rows_ok(x: torch.Tensor) -> bool:
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   write=None) -> torch.Tensor:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, write,
+                   flat_cache: bool = True) -> torch.Tensor:
     """RoPE on ``q [T, heads, D]`` and ``k [T, kv_heads, D]``; rotated k and ``v`` written to
     slots ``slot_mapping`` (int64 ``[T]``) of the paged caches ``[num_blocks, block_size,
     kv_heads, D]``; returns the rotated q (fp32 ``[T, heads, D]``).
 
-    ``write(k, v, k_cache, v_cache, slot_mapping)``: the attention backend's own cache write,
-    for a backend whose cache is not the flat ``[slot, kv_heads, D]`` layout of the ``torch``
-    and ``cpu`` backends (then RoPE runs in torch and ``write`` stores); None: that layout. The
-    native path runs with ``write`` None when the kernel builds and the tensors are CPU fp32 rows
-    (heads and dims contiguous), the caches contiguous fp32 or bf16 and ``cos``/``sin``
-    contiguous fp32; otherwise the torch path (``apply_rope``, ``index_copy_``).
+    ``write(k, v, k_cache, v_cache, slot_mapping)`` is the attention backend's cache write (its
+    ``reshape_and_cache``), which the torch path calls. ``flat_cache``: the backend's cache is
+    the flat ``[slot, kv_heads, D]`` layout the native kernel writes itself (the ``torch`` and
+    ``cpu`` backends). The native path runs then, when the kernel builds and the tensors are CPU
+    fp32 rows (heads and dims contiguous), the caches contiguous fp32 or bf16 and ``cos``/``sin``
+    contiguous fp32; otherwise ``apply_rope`` and ``write``.
 
     Raises:
-        IndexError: a slot outside the cache (native path; torch's own error otherwise).
+        IndexError: a slot outside the cache (native path; the backend's own error otherwise).
     """
-    lib = library()
-    if (write is not None or lib is None or q.device.type != "cpu" or not (_rows_ok(q) and _rows_ok(k) and _rows_ok(v))
+    lib = library() if flat_cache else None
+    if (lib is None or q.device.type != "cpu" or not (_rows_ok(q) and _rows_ok(k) and _rows_ok(v))
             or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous()
                     and sin.is_contiguous()) or cos.dtype != torch.float32 or sin.dtype != torch.float32):
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if write is None:
-            heads, dim = k_cache.shape[-2:]
-            k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-            v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-        else:
-            write(k, v, k_cache, v_cache, slot_mapping)
-        return q
+        write(apply_rope(k, cos, sin), v, k_cache, v_cache, slot_mapping)
+        return apply_rope(q, cos, sin)
     t, heads, dim = q.shape
     slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() \
         else slot_mapping.to(torch.int64).contiguous()

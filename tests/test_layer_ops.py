@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import layer_ops
+from kernels.torch_ref import TorchAttentionBackend
 
 needs_kernel = pytest.mark.skipif(layer_ops.library() is None, reason="no C compiler (or STENCIL_NATIVE=0)")
 
@@ -21,11 +22,12 @@ def _case(t: int, heads: int, kv_heads: int, dim: int, seed: int):
     return q, k, v, angle.cos(), angle.sin()
 
 
+WRITE = TorchAttentionBackend().reshape_and_cache  # the flat layout's write (the cpu backend inherits it)
+
+
 def _torch_path(q, k, v, cos, sin, k_cache, v_cache, slots):
     q2, k2 = layer_ops.apply_rope(q, cos, sin), layer_ops.apply_rope(k, cos, sin)
-    heads, dim = k_cache.shape[-2:]
-    k_cache.view(-1, heads, dim).index_copy_(0, slots, k2.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    WRITE(k2, v, k_cache, v_cache, slots)
     return q2
 
 
@@ -38,7 +40,7 @@ def test_same_bits_as_the_torch_path(dtype, shape):
     slots = torch.randperm(8 * 16)[:t]
     caches = [torch.zeros(8, 16, kv_heads, dim, dtype=dtype) for _ in range(4)]
     want = _torch_path(q, k, v, cos, sin, caches[0], caches[1], slots)
-    got = layer_ops.rope_and_cache(q, k, v, cos, sin, caches[2], caches[3], slots)
+    got = layer_ops.rope_and_cache(q, k, v, cos, sin, caches[2], caches[3], slots, WRITE)
     assert torch.equal(got, want) and got.is_contiguous()
     for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
         assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
@@ -51,7 +53,7 @@ def test_a_nan_stays_a_nan_in_a_bf16_cache():
     q, k, v, cos, sin = _case(1, 1, 1, 8, seed=2)
     v[0, 0, 3] = float("nan")
     caches = [torch.zeros(1, 16, 1, 8, dtype=torch.bfloat16) for _ in range(2)]
-    layer_ops.rope_and_cache(q, k, v, cos, sin, *caches, torch.tensor([4]))
+    layer_ops.rope_and_cache(q, k, v, cos, sin, *caches, torch.tensor([4]), WRITE)
     assert bool(caches[1][0, 4, 0, 3].isnan()) and torch.equal(caches[1][0, 4, 0, :3], v[0, 0, :3].bfloat16())
 
 
@@ -60,9 +62,9 @@ def test_a_slot_outside_the_cache_is_refused_and_other_backends_write_themselves
     q, k, v, cos, sin = _case(2, 2, 1, 8, seed=3)
     caches = [torch.zeros(2, 16, 1, 8) for _ in range(2)]
     with pytest.raises(IndexError, match="outside"):
-        layer_ops.rope_and_cache(q, k, v, cos, sin, *caches, torch.tensor([0, 32]))
+        layer_ops.rope_and_cache(q, k, v, cos, sin, *caches, torch.tensor([0, 32]), WRITE)
     written = []
     got = layer_ops.rope_and_cache(q, k, v, cos, sin, *caches, torch.tensor([0, 1]),
-                                   write=lambda *a: written.append(a))
+                                   lambda *a: written.append(a), flat_cache=False)
     assert torch.equal(got, layer_ops.apply_rope(q, cos, sin)) and len(written) == 1
     assert torch.equal(written[0][0], layer_ops.apply_rope(k, cos, sin)) and not bool(caches[0].any())

@@ -79,3 +79,35 @@ def test_api_follows_the_chat_template(monkeypatch, tmp_path):
     assert choose_api(tmp_path / "chat.gguf", "auto") == "chat"
     assert choose_api(tmp_path / "base.gguf", "auto") == "completions"
     assert choose_api(tmp_path / "base.gguf", "chat") == "chat"
+
+
+def test_decode_phase_asks_each_server_in_its_dialect(monkeypatch):
+    import json
+
+    import httpx
+
+    import benchmarks.peers.run as peers
+
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body))
+        if request.url.path == "/generate":
+            n = 9 if "response_schema" in body else 5
+            return httpx.Response(200, json={"usage": {"completion_tokens": n},
+                                             "timings": {"ttft_ms": 10.0, "total_ms": 10.0 + 100.0 * (n - 1)}})
+        return httpx.Response(200, json={"timings": {"predicted_n": 4, "predicted_per_second": 8.0}})
+
+    real = httpx.Client
+    monkeypatch.setattr(peers.httpx, "Client", lambda **kw: real(transport=httpx.MockTransport(answer), **kw))
+    out = peers.decode_phase("http://s", "http://l", ["p1", "p2"], {"type": "object"}, 16)
+    assert out["free"]["median_tokens_per_s"] == {"stencil": 10.0, "llama_server": 8.0}
+    assert out["json_schema"]["completion_tokens"] == {"stencil": [9, 9], "llama_server": [4, 4]}
+    assert out["free"]["ratio"] == 10.0 / 8.0 and out["stencil_constrained_over_free"] == 1.0
+    stencil = [b for path, b in seen if path == "/generate"]
+    llama = [b for path, b in seen if path == "/completion"]
+    assert len(stencil) == len(llama) == 4 and all(b["speculative"] is False for b in stencil)
+    assert [("response_schema" in b) for b in stencil] == [False, False, True, True]
+    assert [("json_schema" in b) for b in llama] == [False, False, True, True]
+    assert all(b["n_predict"] == 16 and b["cache_prompt"] is False for b in llama)

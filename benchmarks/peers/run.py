@@ -171,30 +171,32 @@ def decode_phase(stencil_url: str, llama_url: str, prompts: list[str], schema: d
     decode tokens/s of each answer, their medians and Stencil's median over llama-server's."""
     import statistics
 
+    def stencil_body(prompt: str, constrained: bool) -> dict:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "speculative": False}
+        return {**body, "response_schema": schema} if constrained else body
+
+    def llama_body(prompt: str, constrained: bool) -> dict:
+        body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False}
+        return {**body, "json_schema": schema} if constrained else body
+
+    # per server: URL, request body, tokens of the answer, decode rate of the answer
+    servers = {"stencil": (stencil_url + "/generate", stencil_body,
+                           lambda got: got["usage"]["completion_tokens"], stencil_decode_rate),
+               "llama_server": (llama_url + "/completion", llama_body,
+                                lambda got: int((got.get("timings") or {}).get("predicted_n", 0)), llama_decode_rate)}
     out: dict = {}
     with httpx.Client(timeout=600) as http:
         for kind in ("free", "json_schema"):
-            rates: dict[str, list[float]] = {"stencil": [], "llama_server": []}
-            tokens: dict[str, list[int]] = {"stencil": [], "llama_server": []}
+            rates: dict[str, list[float]] = {name: [] for name in servers}
+            tokens: dict[str, list[int]] = {name: [] for name in servers}
             for prompt in prompts:
-                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "speculative": False}
-                if kind == "json_schema":
-                    body["response_schema"] = schema
-                r = http.post(stencil_url + "/generate", json=body)
-                r.raise_for_status()
-                got = r.json()
-                tokens["stencil"].append(got["usage"]["completion_tokens"])
-                if (rate := stencil_decode_rate(got)) is not None:
-                    rates["stencil"].append(rate)
-                body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False}
-                if kind == "json_schema":
-                    body["json_schema"] = schema
-                r = http.post(llama_url + "/completion", json=body)
-                r.raise_for_status()
-                got = r.json()
-                tokens["llama_server"].append(int((got.get("timings") or {}).get("predicted_n", 0)))
-                if (rate := llama_decode_rate(got)) is not None:
-                    rates["llama_server"].append(rate)
+                for name, (url, make_body, count, rate_of) in servers.items():
+                    r = http.post(url, json=make_body(prompt, kind == "json_schema"))
+                    r.raise_for_status()
+                    got = r.json()
+                    tokens[name].append(count(got))
+                    if (rate := rate_of(got)) is not None:
+                        rates[name].append(rate)
             med = {k: statistics.median(v) if v else None for k, v in rates.items()}
             out[kind] = {"tokens_per_s": rates, "completion_tokens": tokens,
                          "median_tokens_per_s": med,

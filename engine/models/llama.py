@@ -91,8 +91,8 @@ FLAT_CACHE_BACKENDS = ("cpu", "torch")
 def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
     """RoPE on q and k, k and v into the cache (``kernels.layer_ops.rope_and_cache``, natively
     for the flat-cache backends); the rotated q ``[T, heads, head_dim]``."""
-    write = None if backend.name in FLAT_CACHE_BACKENDS else backend.reshape_and_cache
-    return layer_ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, write=write)
+    return layer_ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, backend.reshape_and_cache,
+                                    flat_cache=backend.name in FLAT_CACHE_BACKENDS)
 
 
 class Attention(nn.Module):
