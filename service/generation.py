@@ -415,7 +415,6 @@ class GenerationStream:
         if self._agen is not None:
             await self._agen.aclose()
 
-
     def __aiter__(self) -> AsyncIterator[GenerationDelta | GenerationResult]:
         return self._iterate()
 
