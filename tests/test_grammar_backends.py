@@ -383,6 +383,58 @@ def test_matchers_start_from_the_root_mask_without_sharing_it(both_backends):
     assert _mask_rows(m1, [])[0] == first
 
 
+JSON_TOKENS = {i: bytes([c]) for i, c in enumerate(b'{}[]":, abcxyz0123456789')} | {30: b'"a', 31: b'":', 32: b"12"}
+
+
+@pytest.mark.parametrize("kind", ["regex", "json"])
+def test_a_dropped_cursors_matcher_serves_the_next_cursor_reset(kind):
+    """A cursor's llguidance matcher goes back to its grammar, reset, when the cursor is
+    dropped; the next cursor takes it and sees exactly the masks a fresh grammar's cursor sees
+    (the Python bindings' matcher for a regex, the C API's for a JSON program). The pool keeps
+    at most ``MATCHER_POOL_SIZE``."""
+    from grammar.backends.lazy import MATCHER_POOL_SIZE
+
+    vocab = TokenVocabulary.from_token_bytes(JSON_TOKENS, 40, 48)
+    lazy = LazyBackend(vocab)
+    by_text = {b.decode(): i for i, b in JSON_TOKENS.items()}
+    if kind == "regex":
+        program = Program("regex", r'\{"a":(12|[0-9]{1,3}),"b":[a-c]+\}')
+        text = '{"a":12,"b":cab}'
+    else:
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                  "required": ["a", "b"], "additionalProperties": False}
+        program = Program("json", json.dumps({"x-guidance": {"whitespace_flexible": False}, **schema}))
+        text = '{"a":12,"b":"cab"}'
+    tokens = [by_text[c] for c in text] + [40]
+    g, fresh = lazy.build(program), lazy.build(program)
+    expected = _rows(fresh.matcher(), tokens, vocab)
+    m1 = g.matcher()
+    assert m1.accept_tokens(tokens[:7])
+    inner = m1._m
+    del m1
+    assert g._pool == [inner]
+    m2 = g.matcher()
+    assert m2._m is inner and g._pool == []
+    assert _rows(m2, tokens, vocab) == expected
+    assert m2.is_terminated()
+    cursors = [g.matcher() for _ in range(MATCHER_POOL_SIZE + 2)]
+    for c in cursors:
+        assert c.accept_tokens(tokens[:3])
+    del c, cursors, m2
+    assert len(g._pool) == MATCHER_POOL_SIZE
+    assert all(_rows(g.matcher(), tokens, vocab) == expected for _ in range(MATCHER_POOL_SIZE + 1))
+
+
+def _rows(matcher, tokens: list[int], vocab: TokenVocabulary) -> list[bytes]:
+    bm = allocate_bitmask(1, vocab.model_vocab_size)
+    rows = []
+    for t in tokens:
+        matcher.fill_bitmask(bm, 0)
+        rows.append(bm.numpy().tobytes())
+        assert matcher.accept_tokens([t])
+    return rows
+
+
 def test_to_lark_names_rules_and_lexemes():
     from grammar.program import ref
 

@@ -33,6 +33,7 @@ from grammar.backends.llg_c import CMatcher
 from grammar.base import DeadEndError, GrammarError, Program
 from grammar.vocab import TokenVocabulary
 
+MATCHER_POOL_SIZE = 4  # reset llguidance matchers kept per grammar for later cursors (``_give_back``)
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 
 
@@ -194,28 +195,57 @@ class LazyGrammar:
         self._root = root
         self._root_lock = threading.Lock()
         self._handed_out = False  # a cursor shares the root (the first one: ``matcher``)
+        self._pool: list = []  # llguidance matchers of finished cursors, reset (``_give_back``)
+        probe = LazyMatcher(self, root)
         try:
             # Warms the start's lexer states; the mask is kept for every matcher's first step.
-            self._root_mask = LazyMatcher(self, root)._current_mask()
+            self._root_mask = probe._current_mask()
         except RuntimeError:
             if root.is_error() and "NoExtension" not in root.get_error():
                 raise GrammarError("cannot compile: " + root.get_error().strip().splitlines()[0]) from None
             raise GrammarError("no token sequence can produce this pattern: no token of the "
                                "vocabulary can start it") from None
+        finally:
+            probe._m = None  # the root stays the grammar's: never given back to the pool
         self.nbytes = 0
 
     def matcher(self) -> "LazyMatcher":
         """A cursor at the start, with the root's mask (its buffer shared until the cursor's
         first own mask). The first cursor of a grammar also shares the root matcher until its
         first step, so the grammar's first mask costs no copy (``deep_copy``, 0.1-0.3 ms); later
-        cursors get their copy here, before their first step, so no step of theirs waits for it."""
+        cursors get their llguidance matcher here, before their first step, so no step of theirs
+        waits for it: a finished cursor's, reset (``_give_back``), or else a copy of the root."""
         with self._root_lock:
             first, self._handed_out = not self._handed_out, True
         return LazyMatcher(self, None if first else self._copy_root(), self._root_mask, shared=True)
 
     def _copy_root(self):
+        """An llguidance matcher in the start state: a pooled one, else a copy of the root."""
         with self._root_lock:
+            if self._pool:
+                return self._pool.pop()
             return self._root.deep_copy()
+
+    def _give_back(self, m) -> None:
+        """Keep the llguidance matcher of a finished cursor for a later one (at most
+        ``MATCHER_POOL_SIZE``), reset to the start state.
+
+        Why: the lexer states a matcher built (derivatives of the regexes it met) stay with it
+        through a reset, while a copy of the root starts from the root's only. llguidance's C API
+        copies a matcher deeply (``llg_clone_matcher``), so the cursors of a "json" program
+        never share those states as the Python ``deep_copy`` does; a reused matcher has them. On
+        MaskBench (ten instances per schema, one cursor each) that halved the slow masks of the
+        handed-over schemas. A matcher in an error state is dropped (it cannot be reset)."""
+        if len(self._pool) >= MATCHER_POOL_SIZE:
+            return
+        try:
+            if m.is_error() or not m.reset():
+                return
+        except Exception:  # noqa: BLE001 - a matcher that cannot be reset is simply not kept
+            return
+        with self._root_lock:
+            if len(self._pool) < MATCHER_POOL_SIZE:
+                self._pool.append(m)
 
 
 class LazyMatcher:
@@ -257,6 +287,17 @@ class LazyMatcher:
         """Copy the root matcher for this cursor alone (before its first step)."""
         if self._m is None:
             self._m = self._grammar._copy_root()
+
+    def __del__(self) -> None:
+        # The cursor is done (its request finished, or the caller made a new one): its matcher,
+        # with the lexer states it built, serves a later cursor of the grammar.
+        m = getattr(self, "_m", None)
+        if m is not None:
+            self._m = None
+            try:
+                self._grammar._give_back(m)
+            except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter exit)
+                pass
 
     def _set_buffer(self, mask: torch.Tensor) -> None:
         """Keep the current state's mask in ``mask`` (int32 ``[1, words]``, contiguous)."""

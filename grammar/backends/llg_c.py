@@ -67,6 +67,7 @@ def _signatures(lib) -> None:
         "llg_matcher_consume_tokens": ([_vp, ctypes.POINTER(_u32), _size], ctypes.c_int32),
         "llg_matcher_validate_tokens": ([_vp, ctypes.POINTER(_u32), _size], ctypes.c_int32),
         "llg_matcher_rollback": ([_vp, _size], ctypes.c_int32),
+        "llg_matcher_reset": ([_vp], ctypes.c_int32),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)
@@ -196,6 +197,13 @@ class CMatcher:
 
     def rollback(self, num_tokens: int) -> bool:
         return self._lib.llg_matcher_rollback(self._ptr, num_tokens) == 0
+
+    def reset(self) -> bool:
+        """Back to the start state, keeping the lexer states built so far (a clone,
+        ``llg_clone_matcher``, copies them once and shares nothing after: each copy of a root
+        builds them again, which the Python ``deep_copy`` avoids by sharing them). False when the
+        matcher is in an error state (llguidance cannot reset one)."""
+        return self._lib.llg_matcher_reset(self._ptr) == 0
 
     def compute_ff_bytes(self, max_bytes: int = 64, mask=None) -> bytes:
         """Bytes the grammar forces next, read from masks (the C API computes forced tokens for
