@@ -176,6 +176,29 @@ def test_the_handed_over_grammar_has_the_masks_of_stencils_own(backend, index, w
     assert ended >= 4  # enough walks reached an end to make the oracle check mean something
 
 
+def test_a_max_length_above_the_cap_is_handed_over_capped_with_stencils_warnings(backend):
+    """Stencil writes at most MAX_MIN_LENGTH characters where ``maxLength`` is larger (and says
+    so); the handed-over schema caps it alike, carries the same warnings, and both grammars stop
+    a string at exactly that length."""
+    from grammar.json_schema.schema_compiler import MAX_MIN_LENGTH
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 123456}}, "required": ["s"]}
+    spec = GrammarSpec.json_schema(schema, whitespace="compact")
+    handed, own = to_program(spec), to_program(spec, handover=False)
+    assert handed.kind == "json" and json.loads(handed.text)["properties"]["s"]["maxLength"] == MAX_MIN_LENGTH
+    assert handed.warnings == own.warnings and "123456" in own.warnings[0]
+    ids = {t: i for i, t in _TOKENS.items()}
+    start = [ids['{"'.encode()], ids[b"s"], ids[b'":'], ids[b'"']]
+    bm = allocate_bitmask(1, MODEL_VOCAB)
+    for program in (handed, own):
+        m = backend.build(program).matcher()
+        assert m.accept_tokens(start + [ids[b"ab"]] * (MAX_MIN_LENGTH // 2 - 1) + [ids[b"a"]])
+        allowed = _allowed(_mask(m, bm))  # one character left
+        assert ids[b"a"] in allowed and ids[b"ab"] not in allowed and ids[b'"'] in allowed
+        assert m.accept_tokens([ids[b"a"]])
+        assert _allowed(_mask(m, bm)) == sorted([ids[b'"'], ids[b'"}']])
+
+
 @pytest.mark.parametrize("schema", REFUSED, ids=range(len(REFUSED)))
 def test_what_the_argument_does_not_cover_is_not_handed_over(schema):
     assert llguidance_schema(schema, "flexible") is None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import json
 import re
+import sys
 import threading
 
 import numpy as np
@@ -236,10 +237,10 @@ class LazyGrammar:
         never share those states as the Python ``deep_copy`` does; a reused matcher has them. On
         MaskBench (ten instances per schema, one cursor each) that halved the slow masks of the
         handed-over schemas. A matcher in an error state is dropped (it cannot be reset)."""
-        if len(self._pool) >= MATCHER_POOL_SIZE:
+        if len(self._pool) >= MATCHER_POOL_SIZE or sys.is_finalizing():
             return
         try:
-            if m.is_error() or not m.reset():
+            if not m.reset():  # (False in an error state)
                 return
         except Exception:  # noqa: BLE001 - a matcher that cannot be reset is simply not kept
             return

@@ -149,7 +149,7 @@ class CTokenizer:
 class CMatcher:
     """One llguidance matcher (``LlgMatcher``), with the Python ``LLMatcher``'s method names."""
 
-    __slots__ = ("_lib", "_ptr", "_tok", "__weakref__")
+    __slots__ = ("_lib", "_ptr", "_tok", "_freed", "__weakref__")
 
     def __init__(self, lib, ptr: int, tokenizer: CTokenizer):
         if not ptr:
@@ -157,7 +157,8 @@ class CMatcher:
         self._lib = lib
         self._ptr = ptr
         self._tok = tokenizer  # keeps the tokenizer alive while the matcher lives
-        weakref.finalize(self, lib.llg_free_matcher, ptr)
+        # (run at the interpreter's exit too, while objects may still hold this one: see ``reset``)
+        self._freed = weakref.finalize(self, lib.llg_free_matcher, ptr)
 
     def deep_copy(self) -> "CMatcher":
         return CMatcher(self._lib, self._lib.llg_clone_matcher(self._ptr), self._tok)
@@ -202,8 +203,8 @@ class CMatcher:
         """Back to the start state, keeping the lexer states built so far (a clone,
         ``llg_clone_matcher``, copies them once and shares nothing after: each copy of a root
         builds them again, which the Python ``deep_copy`` avoids by sharing them). False when the
-        matcher is in an error state (llguidance cannot reset one)."""
-        return self._lib.llg_matcher_reset(self._ptr) == 0
+        matcher is in an error state (llguidance cannot reset one) or already freed (at exit)."""
+        return self._freed.alive and self._lib.llg_matcher_reset(self._ptr) == 0
 
     def compute_ff_bytes(self, max_bytes: int = 64, mask=None) -> bytes:
         """Bytes the grammar forces next, read from masks (the C API computes forced tokens for

@@ -24,6 +24,8 @@ both is dropped. For each whitelisted construct, Stencil's text (``compiler``, `
   ``json_allowed_escapes`` ``nrbtf"\\`` (no ``u``): raw characters but ``"``, ``\\``, U+0000-U+001F
   and U+007F, or ``\\" \\\\ \\b \\f \\n \\r \\t``; one encoded character per decoded one, so the
   counts of ``minLength``/``maxLength`` agree. That is Stencil's alphabet (``charset.json_char``).
+  A ``maxLength`` above ``MAX_MIN_LENGTH`` without ``pattern``/``format`` is handed over as that
+  many characters, the most Stencil's compiler writes there (with a warning: ``capped``).
 * **pattern**/**format** -- not the user's pattern (Python's ``re`` and Rust's regex differ on
   ``\\d``, ``\\w``, ``$``): Stencil's reading of it, the AST ``pattern.parse`` makes (atoms as
   sets of characters, a subset of Python's meaning), written as a Rust regex over the decoded
@@ -102,7 +104,8 @@ from jsonschema import validators
 from grammar.base import MAX_REPEAT_COUNT, GrammarError
 from grammar.json_schema import charset as cs
 from grammar.json_schema import pattern as sp
-from grammar.json_schema.schema_compiler import FLEXIBLE_WS, GRAMMAR_ANY_DEPTH, SchemaCompiler, SchemaOptions, _normalize
+from grammar.json_schema.schema_compiler import (FLEXIBLE_WS, GRAMMAR_ANY_DEPTH, MAX_MIN_LENGTH, SchemaCompiler,
+                                                 SchemaOptions, _normalize)
 from grammar.json_schema.formats import format_pattern
 from grammar.json_schema.keywords import ANNOTATIONS, ASSERTIONS, TYPE_KEYWORDS
 from grammar.json_schema.merge import MergeError, json_key, merge
@@ -127,7 +130,8 @@ class _Refused(Exception):
     """The schema is outside the argument of the module docstring."""
 
 
-def llguidance_schema(schema: object, whitespace: str, text: str | None = None) -> dict | None:
+def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
+                      capped: list | None = None) -> dict | None:
     """The schema to hand llguidance's JSON front end for ``schema``, or None (see the module).
 
     Args:
@@ -135,6 +139,10 @@ def llguidance_schema(schema: object, whitespace: str, text: str | None = None) 
         whitespace: "compact" or "flexible" (Stencil's ``FLEXIBLE_WS`` between tokens).
         text: ``schema`` as JSON text, when the caller has it: a key it lacks as a substring
             is nowhere in the document, which saves a walk of it.
+        capped: a list that gets ``"maxLength"`` appended when some string's ``maxLength`` is
+            above ``MAX_MIN_LENGTH`` and was handed over as that many characters, as Stencil's
+            compiler writes it; that compiler's warnings then belong with the grammar (it
+            alone knows their paths).
     """
 
     if not isinstance(schema, dict) or whitespace not in ("compact", "flexible"):
@@ -150,9 +158,12 @@ def llguidance_schema(schema: object, whitespace: str, text: str | None = None) 
             internal, ids = _scan(schema)
         if internal:
             return None
-        body, defs = _Writer(schema, ids).write()
+        writer = _Writer(schema, ids)
+        body, defs = writer.write()
     except (_Refused, RecursionError, TypeError, ValueError, KeyError, AttributeError):
         return None
+    if writer.capped and capped is not None:
+        capped.append("maxLength")
     options = {"json_allowed_escapes": ESCAPES}
     if whitespace == "flexible":
         options["whitespace_pattern"] = FLEXIBLE_WS
@@ -208,6 +219,7 @@ class _Writer:
         self._compiler = None  # a SchemaCompiler of the root, for Stencil's own allOf merge
         self.depth = 0  # nesting of ``node`` calls
         self.memo: dict[int, tuple] = {}  # id(schema) → (schema, its llguidance schema)
+        self.capped = False  # a maxLength above MAX_MIN_LENGTH was written as Stencil writes it
 
     def write(self) -> tuple[dict, dict]:
         body = self.node(self.root)
@@ -400,6 +412,12 @@ class _Writer:
             return {"type": t}
         if t == "string":
             lo, hi = s.get("minLength", 0), s.get("maxLength")
+            if (_count(lo) and isinstance(hi, int) and not isinstance(hi, bool) and hi > MAX_MIN_LENGTH
+                    and "pattern" not in s and "format" not in s):
+                # Stencil writes such a string with at most MAX_MIN_LENGTH characters (its
+                # ``_string``, with a warning, which ``capped`` asks the caller to give)
+                hi = max(MAX_MIN_LENGTH, lo)
+                self.capped = True
             if not _count(lo) or (hi is not None and (not _count(hi) or hi < lo)):
                 raise _Refused("string lengths")
             out = {"type": "string"}
