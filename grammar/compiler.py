@@ -88,6 +88,7 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._cache_max_bytes = cache_max_bytes
         self._depth = max_recursion_depth
+        self._key_base = hashlib.sha256(json.dumps([self.vocab.fingerprint, _VERSIONS, _FORMAT, self._depth]).encode())
         self._eager_opts = dict(timeout_s=timeout_s, max_regex_chars=max_regex_chars,
                                 max_index_bytes=max_index_bytes, worker_memory_bytes=worker_memory_bytes,
                                 disk_cache_dir=disk_cache_dir)
@@ -183,9 +184,12 @@ class GrammarCompiler:
             self._inflight[key] = first
         if _inline and client is None:
             try:
-                first.set_result(self._compile_and_store(spec, key, policy))
+                grammar = self._compile_and_store(spec, key, policy)
             except BaseException as e:  # noqa: BLE001 - the future carries it, as a pool's would
                 first.set_exception(e)
+                return _done(exc=e.copy() if isinstance(e, GrammarError) else e)
+            first.set_result(grammar)
+            return self._serve(grammar, policy, hot, pin)  # (what ``_chain`` would give, without its futures)
         out = Future()
         first.add_done_callback(lambda f: self._chain(f, out, policy, hot, pin))
         return out
@@ -371,8 +375,12 @@ class GrammarCompiler:
     # -- compile path -------------------------------------------------------------------------
 
     def _key(self, spec: GrammarSpec) -> str:
-        parts = [spec.key(), self.vocab.fingerprint, _VERSIONS, _FORMAT, self._depth]
-        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+        """SHA-256 of the spec (its options, then its text) under this compiler's fixed parts
+        (vocabulary, library versions, front-end format, recursion depth)."""
+        h = self._key_base.copy()
+        h.update(f"{spec.kind}\0{spec.whitespace}\0{int(spec.strict)}\0".encode())
+        h.update(spec.value.encode())
+        return h.hexdigest()
 
     def _compile_and_store(self, spec: GrammarSpec, key: str, policy: str) -> CompiledGrammar:
         """Front end, then the first backend the policy needs; cached on success."""

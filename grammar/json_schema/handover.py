@@ -300,11 +300,12 @@ class _Writer:
         values = c._finite_values(s, "#")
         if values is None:
             return None
+        check = c.value_check(s, "enum" in s or "const" in s)  # (as Stencil's ``_enum`` checks them)
         kept, seen = [], set()
         for v in values:
             if not _plain_value(v):
                 raise _Refused("enum value")
-            if json_key(v) not in seen and c.value_valid(v, s):
+            if json_key(v) not in seen and (check is None or c.value_valid(v, check)):
                 seen.add(json_key(v))
                 kept.append(v)
         if not kept:

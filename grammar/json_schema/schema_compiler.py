@@ -149,6 +149,10 @@ class SchemaCompiler:
         own = {k for k in schema if k not in ANNOTATIONS}
         if own <= {"type"} or (own_values and own <= {"enum", "const", "type"}):
             return {"type": schema["type"]} if "type" in schema else None
+        if own_values and ("enum" in schema) != ("const" in schema):
+            # a value of the schema's own enum (or its const) passes that keyword: the rest of
+            # the schema decides, without n comparisons per value
+            return {k: v for k, v in schema.items() if k not in ("enum", "const")}
         return schema
 
     def string_for(self, schema: object, path: str) -> Rx:
