@@ -31,7 +31,6 @@ class CompiledGrammar:
         self.spec = spec
         self.program = program
         self.vocab = vocab
-        self.warnings = program.warnings
         self.policy = policy
         self._lock = threading.Lock()
         self._grammars: dict[str, object] = {}  # backend name → its grammar
@@ -43,6 +42,17 @@ class CompiledGrammar:
         self._min_bytes: int | None = None
         self._own: Program | None = None  # Stencil's own translation of a "json" program's spec
         self._translate = None  # spec → that translation (set by the compiler: its options)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Notes from the translation; for a "json" program with ``own_warnings``, those of
+        Stencil's own translation (computed once, in the background after the compile)."""
+        if self.program.own_warnings:
+            try:
+                return self.own_program().warnings
+            except GrammarError:  # (a limit the handover did not meet: no notes to give)
+                return ()
+        return self.program.warnings
 
     # -- what the engine uses ----------------------------------------------------------------
     def matcher(self, backend: str | None = None):

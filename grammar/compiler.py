@@ -400,6 +400,8 @@ class GrammarCompiler:
                 grammar = self._new_grammar(spec, grammar.own_program(), policy)
                 built = self._build(first, grammar.program, spec)
             grammar._set(first, built)
+            if grammar.program.own_warnings:  # ready before the first answer asks for them
+                self._closing_pool.submit(grammar.own_program)
             with self._lock:
                 self._store(key, grammar)
                 self.stats.compiles += 1

@@ -59,7 +59,7 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         from grammar.json_schema import schema_to_program
 
         if grammar and handover:
-            handed = _handed_over(schema, spec, max_recursion_depth, deadline)
+            handed = _handed_over(schema, spec)
             if handed is not None:
                 return handed
         return schema_to_program(schema, whitespace=spec.whitespace, strict=spec.strict,
@@ -76,25 +76,19 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
 
-def _handed_over(schema: object, spec: GrammarSpec, max_recursion_depth: int,
-                 deadline: float | None) -> Program | None:
+def _handed_over(schema: object, spec: GrammarSpec) -> Program | None:
     """The "json" program of ``schema`` (parsed from ``spec``) when it may be handed to
     llguidance (its C API is the verified release), else None. Where the handed-over schema
-    caps a bound as Stencil's compiler does, that compiler's warnings go with it (it alone knows
-    their paths; such schemas are rare)."""
+    caps a bound as Stencil's compiler does, its warnings are that compiler's
+    (``Program.own_warnings``)."""
     from grammar.backends.llg_c import library
-    from grammar.json_schema import schema_to_program
     from grammar.json_schema.handover import dumps, llguidance_schema
 
     if library() is None:
         return None
     capped: list = []
     out = llguidance_schema(schema, spec.whitespace, spec.value, capped)
-    if out is None:
-        return None
-    warnings = schema_to_program(schema, whitespace=spec.whitespace, strict=spec.strict,
-                                 max_recursion_depth=max_recursion_depth, deadline=deadline).warnings if capped else ()
-    return Program("json", dumps(out), warnings)
+    return None if out is None else Program("json", dumps(out), own_warnings=bool(capped))
 
 
 def check_deadline(deadline: float | None) -> None:

@@ -698,6 +698,10 @@ class Program:
         root, rules: for a Lark program written by the JSON Schema compiler, its start and its
             rules as regex text with references (what the closing automaton reads); ``None`` /
             empty for regexes and hand-written grammars.
+        own_warnings: a "json" program whose notes are those of Stencil's own translation of
+            the spec (a bound capped as that compiler caps it, which alone knows the paths):
+            ``CompiledGrammar.warnings`` reads them from ``own_program`` when asked, off the
+            compile's path.
     """
 
     kind: Literal["regex", "lark", "json"]
@@ -706,6 +710,7 @@ class Program:
     terminals: tuple[str, ...] = ()
     root: str | None = None
     rules: tuple[tuple[int, str], ...] = ()
+    own_warnings: bool = False
 
     @property
     def regular(self) -> bool:

@@ -138,9 +138,14 @@ def _validator(schema):
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
+@pytest.mark.parametrize("share", [False, True])
 @pytest.mark.parametrize("whitespace", ["compact", "flexible"])
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))
-def test_the_handed_over_grammar_has_the_masks_of_stencils_own(backend, index, whitespace):
+def test_the_handed_over_grammar_has_the_masks_of_stencils_own(backend, index, whitespace, share, monkeypatch):
+    """``share``: repeated parts written once as definitions (``share_repeats``), as for a long schema."""
+    from grammar.json_schema import handover
+
+    monkeypatch.setattr(handover, "SHARE_MIN_CHARS", 0 if share else 10 ** 9)
     schema = SCHEMAS[index]
     spec = GrammarSpec.json_schema(schema, whitespace=whitespace)
     handed, own = to_program(spec), to_program(spec, handover=False)
@@ -186,7 +191,11 @@ def test_a_max_length_above_the_cap_is_handed_over_capped_with_stencils_warnings
     spec = GrammarSpec.json_schema(schema, whitespace="compact")
     handed, own = to_program(spec), to_program(spec, handover=False)
     assert handed.kind == "json" and json.loads(handed.text)["properties"]["s"]["maxLength"] == MAX_MIN_LENGTH
-    assert handed.warnings == own.warnings and "123456" in own.warnings[0]
+    assert handed.own_warnings and "123456" in own.warnings[0]
+    vocab = TokenVocabulary.from_token_bytes(_TOKENS, EOS, MODEL_VOCAB)
+    with GrammarCompiler(vocab, MODEL_VOCAB, max_workers=1, backend="lazy") as c:
+        compiled = c.compile(spec)
+        assert compiled.program.kind == "json" and compiled.warnings == own.warnings
     ids = {t: i for i, t in _TOKENS.items()}
     start = [ids['{"'.encode()], ids[b"s"], ids[b'":'], ids[b'"']]
     bm = allocate_bitmask(1, MODEL_VOCAB)
@@ -216,6 +225,38 @@ def test_the_handed_over_schema_spells_each_part():
                    "type": "object", "additionalProperties": False,
                    "properties": {"a": {"anyOf": [{"type": "integer", "minimum": 0},
                                                   {"type": "integer", "maximum": -1}]}}}
+
+
+def test_repeated_parts_are_written_once_as_definitions():
+    from grammar.json_schema.handover import share_repeats
+
+    point = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0}, "y": {"type": "integer", "minimum": 0}},
+             "required": ["x"], "additionalProperties": False}
+    body = {"type": "object", "properties": {"a": point, "b": dict(point), "c": {"type": "array", "items": dict(point)},
+                                             "d": {"type": "string"}, "e": {"type": "string"}},
+            "additionalProperties": False}
+    defs = {"h0": {"anyOf": [dict(point), {"type": "null"}]}}
+    before = json.dumps([body, defs])
+    new_body, new_defs = share_repeats(body, defs)
+    assert json.dumps([body, defs]) == before  # inputs untouched
+    ref = {"$ref": "#/$defs/s0"}  # s1: the integer range inside the point, written once as well
+    assert new_body["properties"] == {"a": ref, "b": ref, "c": {"type": "array", "items": ref},
+                                      "d": {"type": "string"}, "e": {"type": "string"}}  # bare types stay
+    assert new_defs["h0"] == {"anyOf": [ref, {"type": "null"}]}
+    assert new_defs["s1"] == {"type": "integer", "minimum": 0}
+    assert new_defs["s0"]["properties"] == {"x": {"$ref": "#/$defs/s1"}, "y": {"$ref": "#/$defs/s1"}}
+    assert share_repeats({"type": "object", "properties": {"a": {"type": "integer", "minimum": 1}}}, {}) == (
+        {"type": "object", "properties": {"a": {"type": "integer", "minimum": 1}}}, {})
+
+
+def test_the_handed_over_text_is_what_json_writes():
+    from grammar.json_schema.handover import dumps
+
+    for schema in SCHEMAS + [{"enum": ["é\u2028", 2 ** 60]}]:
+        out = llguidance_schema(schema, "flexible")
+        assert dumps(out) == json.dumps(out, ensure_ascii=False, separators=(",", ":"))
+    value = {"a": [-0.5e-7, 1e300, 2 ** 70]}  # floats (none handed over) are written exactly, if not alike
+    assert json.loads(dumps(value)) == value
 
 
 def test_a_compiled_handed_over_grammar_translates_its_spec_for_the_eager_index():

@@ -428,8 +428,8 @@ class LazyMatcher:
             self._own()
             if self._mask_shared:  # the root's buffer: this state's mask goes in a buffer of its own
                 self._set_buffer(torch.zeros((1, self._words), dtype=torch.int32))
-            self._m.unsafe_compute_mask_ptr(self._mask_ptr, self._words * 4)
-            self._finish_mask()
+            computed = self._m.unsafe_compute_mask_ptr(self._mask_ptr, self._words * 4)
+            self._finish_mask(computed is True)  # (the Python bindings' call returns None)
         return self._mask
 
     @property
@@ -437,14 +437,23 @@ class LazyMatcher:
         """Whether the current state's mask is still to be computed (``prefetch_masks``)."""
         return not self._mask_valid and not self._terminated
 
-    def _finish_mask(self) -> None:
+    def _finish_mask(self, computed: bool = False) -> None:
         """Check llguidance's raw mask in ``self._mask`` and set the EOS bits; mark it valid.
 
         llguidance computes a real mask unless the matcher is stopped or failed, when it writes
         its EOS set as a stand-in (``compute_mask_or_eos`` in its ``python_ext/src/llmatcher.rs``);
         a failure is an error state (``_check``), a stop is asked for. So an EOS bit in the mask
         of a state that is not accepting marks a stand-in, the one case that needs a closer look.
+
+        ``computed``: the C API said it computed the mask (``llg_c``). Then a mask without an EOS
+        bit is final as it stands: llguidance allows EOS in every accepting state and a stopped
+        matcher's stand-in is its EOS set, so the state is neither; and a state no token can
+        continue is a failure there ("NoExtension"), so the mask is not empty. That skips three
+        calls into llguidance and a scan of the mask on nearly every step.
         """
+        if computed and not any(self._view[w] & bit for w, bit in self._eos_bits):
+            self._mask_valid = True
+            return
         m = self._m
         if m.is_error():
             self._check()

@@ -180,10 +180,11 @@ class CMatcher:
     def is_stopped(self) -> bool:
         return self._lib.llg_matcher_is_stopped(self._ptr)
 
-    def unsafe_compute_mask_ptr(self, ptr: int, nbytes: int) -> None:
-        """Write the mask into ``nbytes`` bytes at address ``ptr`` (the vocabulary's width); a
-        failure leaves the matcher in its error state (``is_error``)."""
-        self._lib.llg_matcher_compute_mask_into(self._ptr, ptr, nbytes)
+    def unsafe_compute_mask_ptr(self, ptr: int, nbytes: int) -> bool:
+        """Write the mask into ``nbytes`` bytes at address ``ptr`` (the vocabulary's width).
+        True when llguidance computed it; False on a failure, which leaves the matcher in its
+        error state (``is_error``; no token can continue is one: "NoExtension")."""
+        return self._lib.llg_matcher_compute_mask_into(self._ptr, ptr, nbytes) == 0
 
     def consume_token(self, token: int) -> bool:
         return self._lib.llg_matcher_consume_token(self._ptr, token) == 0
