@@ -221,15 +221,22 @@ class LazyGrammar:
         return LazyMatcher(self, None if first else self._copy_root(), self._root_mask, shared=True)
 
     def _copy_root(self):
-        """An llguidance matcher in the start state: a pooled one, else a copy of the root."""
-        with self._root_lock:
-            if self._pool:
-                return self._pool.pop()
-            return self._root.deep_copy()
+        """An llguidance matcher in the start state: a pooled one, reset, else a copy of the root."""
+        while True:
+            with self._root_lock:
+                if not self._pool:
+                    return self._root.deep_copy()
+                m = self._pool.pop()
+            try:
+                if m.reset():  # (False in an error state: that one is dropped)
+                    return m
+            except Exception:  # noqa: BLE001 - a matcher that cannot be reset is not reused
+                pass
 
     def _give_back(self, m) -> None:
         """Keep the llguidance matcher of a finished cursor for a later one (at most
-        ``MATCHER_POOL_SIZE``), reset to the start state.
+        ``MATCHER_POOL_SIZE``), which resets it to the start state when it takes it (so a
+        grammar about to be dropped with its pool wastes no reset).
 
         Why: the lexer states a matcher built (derivatives of the regexes it met) stay with it
         through a reset, while a copy of the root starts from the root's only. llguidance's C API
@@ -238,11 +245,6 @@ class LazyGrammar:
         MaskBench (ten instances per schema, one cursor each) that halved the slow masks of the
         handed-over schemas. A matcher in an error state is dropped (it cannot be reset)."""
         if len(self._pool) >= MATCHER_POOL_SIZE or sys.is_finalizing():
-            return
-        try:
-            if not m.reset():  # (False in an error state)
-                return
-        except Exception:  # noqa: BLE001 - a matcher that cannot be reset is simply not kept
             return
         with self._root_lock:
             if len(self._pool) < MATCHER_POOL_SIZE:
