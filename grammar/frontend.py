@@ -58,13 +58,16 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
             raise GrammarError(f"schema is not valid JSON: {e.msg}") from None
         from grammar.json_schema import schema_to_program
 
+        from grammar.json_schema.schema_compiler import SharedProofs
+
+        shared = SharedProofs()
         if grammar and handover:
-            handed = _handed_over(schema, spec)
+            handed = _handed_over(schema, spec, shared)
             if handed is not None:
                 return handed
         return schema_to_program(schema, whitespace=spec.whitespace, strict=spec.strict,
                                  max_recursion_depth=max_recursion_depth, deadline=deadline,
-                                 grammar=grammar)
+                                 grammar=grammar, shared=shared)
     if spec.kind == "lark":
         if not spec.value.strip():
             raise GrammarError("the grammar is empty: it needs a start rule", keyword="grammar",
@@ -76,18 +79,19 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
 
-def _handed_over(schema: object, spec: GrammarSpec) -> Program | None:
+def _handed_over(schema: object, spec: GrammarSpec, shared=None) -> Program | None:
     """The "json" program of ``schema`` (parsed from ``spec``) when it may be handed to
     llguidance (its C API is the verified release), else None. Where the handed-over schema
     caps a bound as Stencil's compiler does, its warnings are that compiler's
-    (``Program.own_warnings``)."""
+    (``Program.own_warnings``). ``shared``: ``SharedProofs`` for the translation that follows a
+    refusal."""
     from grammar.backends.llg_c import library
     from grammar.json_schema.handover import dumps, llguidance_schema
 
     if library() is None:
         return None
     capped: list = []
-    out = llguidance_schema(schema, spec.whitespace, spec.value, capped)
+    out = llguidance_schema(schema, spec.whitespace, spec.value, capped, shared)
     return None if out is None else Program("json", dumps(out), own_warnings=bool(capped))
 
 

@@ -46,3 +46,46 @@ def test_a_definition_merged_in_many_places_is_compiled_once(monkeypatch, n):
     assert re.fullmatch(text, '{"x":{"x":{"v":1,"w":"a"}}}')
     assert not re.fullmatch(text, '{"x":{"x":{"w":"a"}}}')
     assert program.kind == "regex"
+
+
+def _one_of_schema(tail: dict) -> dict:
+    """A ``oneOf`` of closed object branches, each requiring a key of its own (disjoint, proved
+    pair by pair), then ``tail`` (which the handover to llguidance refuses, so Stencil's own
+    translation follows its attempt)."""
+    branches = [{"type": "object", "properties": {f"p{i}": {"type": "integer"}, "v": {"type": "string"}},
+                 "required": [f"p{i}"], "additionalProperties": False} for i in range(6)]
+    return {"type": "object", "properties": {"item": {"oneOf": branches}, "n": tail}, "required": ["item"]}
+
+
+@pytest.mark.parametrize("ids_below", [False, True])
+def test_a_refused_handovers_proofs_serve_stencils_own_translation(monkeypatch, ids_below):
+    """The handover's oneOf proofs go to the translation that follows its refusal (the same
+    document, ``SharedProofs``); not where an identifier below the root could make equal
+    contents mean different things. The programs are the same either way."""
+    from grammar.base import GrammarSpec
+    from grammar.frontend import to_program
+    from grammar.json_schema import handover
+    from grammar.json_schema import oneof
+
+    schema = _one_of_schema({"type": "integer", "multipleOf": 7})
+    if ids_below:
+        schema["properties"]["n"]["$id"] = "http://example.com/n.json"
+    spec = GrammarSpec.json_schema(schema)
+    calls = []
+    inner = oneof._disjoint
+    monkeypatch.setattr(oneof, "_disjoint", lambda *a: calls.append(1) or inner(*a))
+
+    def count(f) -> int:
+        calls.clear()
+        f()
+        return len(calls)
+
+    attempt = count(lambda: handover.llguidance_schema(schema, "compact"))
+    own = count(lambda: to_program(spec, handover=False))
+    both = count(lambda: to_program(spec))
+    assert attempt > 0 and own > 0
+    if ids_below:
+        assert both == attempt + own
+    else:  # every proof of the attempt reused (and each pair proved once within the translation)
+        assert both <= own
+    assert to_program(spec) == to_program(spec, handover=False)

@@ -106,7 +106,7 @@ from grammar.base import MAX_REPEAT_COUNT, GrammarError
 from grammar.json_schema import charset as cs
 from grammar.json_schema import pattern as sp
 from grammar.json_schema.schema_compiler import (FLEXIBLE_WS, GRAMMAR_ANY_DEPTH, MAX_MIN_LENGTH, SchemaCompiler,
-                                                 SchemaOptions, _normalize)
+                                                 SchemaOptions, SharedProofs, _normalize)
 from grammar.json_schema.formats import format_pattern
 from grammar.json_schema.interning import ContentIds
 from grammar.json_schema.keywords import ANNOTATIONS, ASSERTIONS, TYPE_KEYWORDS
@@ -133,7 +133,7 @@ class _Refused(Exception):
 
 
 def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
-                      capped: list | None = None) -> dict | None:
+                      capped: list | None = None, shared: SharedProofs | None = None) -> dict | None:
     """The schema to hand llguidance's JSON front end for ``schema``, or None (see the module).
 
     Args:
@@ -145,6 +145,8 @@ def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
             above ``MAX_MIN_LENGTH`` and was handed over as that many characters, as Stencil's
             compiler writes it; that compiler's warnings then belong with the grammar (it
             alone knows their paths).
+        shared: where the rewrite's ``oneOf`` proofs go, for Stencil's own translation of the
+            same document when the handover is refused (``SharedProofs``).
     """
 
     if not isinstance(schema, dict) or whitespace not in ("compact", "flexible"):
@@ -160,7 +162,9 @@ def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
             internal, ids = _scan(schema)
         if internal:
             return None
-        writer = _Writer(schema, ids)
+        if shared is not None:
+            shared.ids_below = ids
+        writer = _Writer(schema, ids, shared)
         body, defs = writer.write()
         if text is not None and len(text) >= SHARE_MIN_CHARS:
             body, defs = share_repeats(body, defs)
@@ -209,7 +213,7 @@ def _ids_below(root: dict) -> bool:
 class _Writer:
     """One rewrite: schemas in, llguidance schemas out; referenced definitions under ``$defs``."""
 
-    def __init__(self, root: dict, ids: bool = False):
+    def __init__(self, root: dict, ids: bool = False, shared: SharedProofs | None = None):
 
         self.root = root
         self.ids = ids  # the document has identifiers below its root: the compiler's resolver
@@ -221,6 +225,7 @@ class _Writer:
         self.names: dict[int, str] = {}  # id(target) → its name in ``$defs``
         self.keep: list = []  # targets named (their ids must stay valid)
         self._compiler = None  # a SchemaCompiler of the root, for Stencil's own allOf merge
+        self.shared = shared
         self.depth = 0  # nesting of ``node`` calls
         self.memo: dict[int, tuple] = {}  # id(schema) → (schema, its llguidance schema)
         self.capped = False  # a maxLength above MAX_MIN_LENGTH was written as Stencil writes it
@@ -290,7 +295,8 @@ class _Writer:
         and ``oneOf`` (made on first need: it indexes the document)."""
 
         if self._compiler is None:
-            self._compiler = SchemaCompiler(self.root, SchemaOptions(grammar=True))
+            state = {} if self.shared is None else self.shared.for_compiler()
+            self._compiler = SchemaCompiler(self.root, SchemaOptions(grammar=True), **state)
         return self._compiler
 
     def finite(self, s: dict) -> dict | None:

@@ -260,7 +260,18 @@ def without_empty_object(c: "SchemaCompiler", branches: list) -> list:
 
 
 def disjoint(c: "SchemaCompiler", a: object, b: object, depth: int = 0) -> bool:
-    """True only if no instance the grammar writes for one branch validates against the other."""
+    """True only if no instance the grammar writes for one branch validates against the other.
+    Kept per pair of branch contents in ``c.proofs`` when the compiler has that memo."""
+    if c.proofs is None or depth:
+        return _disjoint(c, a, b, depth)
+    key = (c.ids.of(a), c.ids.of(b))
+    hit = c.proofs.get(key)
+    if hit is None:
+        hit = c.proofs[key] = _disjoint(c, a, b, depth)
+    return hit
+
+
+def _disjoint(c: "SchemaCompiler", a: object, b: object, depth: int) -> bool:
     if depth > 4:
         return False
     a = c._deref(a, "#")

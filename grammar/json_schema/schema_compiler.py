@@ -109,6 +109,9 @@ class SchemaCompiler:
     memo: dict = field(default_factory=dict)  # (keyword, schema text, types) → regex (grammar mode)
     sub_memo: dict = field(default_factory=dict)  # (content number, types) → regex (grammar mode)
     ids: ContentIds = field(default_factory=ContentIds)  # content numbers of schemas (interning)
+    # (content number, content number) → whether the two branches are disjoint (``oneof.disjoint``),
+    # shared with the handover's attempt on the same document (``SharedProofs``); None: not kept
+    proofs: dict | None = None
     deref_memo: dict = field(default_factory=dict)  # id(schema) → (schema, ``_deref`` of it)
     resolver: RefResolver = field(init=False)
     validator: object = field(init=False)
@@ -914,14 +917,36 @@ def _normalize(schema: dict) -> dict:
     return out
 
 
+@dataclass(slots=True)
+class SharedProofs:
+    """What two translations of one document may share: content numbers and ``oneOf``
+    disjointness proofs. The handover (``json_schema.handover``) tries its rewrite first and,
+    refused, leaves its proofs to Stencil's own translation of the same document, which needs
+    the same ones (a ``oneOf`` of 20 object branches is 190 proofs, each merging and comparing
+    branches: 10-15 ms for the slowest MaskBench schemas, done twice before). A proof's answer
+    depends on the contents of its branches and on the document their references resolve in,
+    so they are shared only where every reference resolves by content alone: a document the
+    handover found without identifiers below its root (``ids_below`` False; None: not looked)."""
+
+    ids: ContentIds = field(default_factory=ContentIds)
+    proofs: dict = field(default_factory=dict)
+    ids_below: bool | None = None
+
+    def for_compiler(self) -> dict:
+        """``SchemaCompiler`` keyword arguments: the shared numbers and proofs, or none."""
+        return {"ids": self.ids, "proofs": self.proofs} if self.ids_below is False else {}
+
+
 def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
                       max_recursion_depth: int = 3, deadline: float | None = None,
-                      grammar: bool = True) -> Program:
+                      grammar: bool = True, shared: SharedProofs | None = None) -> Program:
     """Compile a JSON Schema to the program a backend runs (see :func:`schema_to_regex`).
 
     With ``grammar`` (the default) a schema that refers to itself becomes a Lark grammar whose
     rules are the recursive definitions (``grammar.program``), exact at any depth; otherwise,
     and for every schema without recursion, a regex.
+
+    ``shared``: proofs a failed handover of the same document made (``SharedProofs``).
 
     Raises:
         GrammarError: as :func:`schema_to_regex`; GrammarTimeout past ``deadline``.
@@ -933,7 +958,7 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
     opts = (SchemaOptions(whitespace, strict, max_recursion_depth, any_max_depth=GRAMMAR_ANY_DEPTH,
                           max_string_length=MAX_MIN_LENGTH, deadline=deadline, grammar=True)
             if grammar else SchemaOptions(whitespace, strict, max_recursion_depth, deadline=deadline))
-    compiler, regex = _compile(schema, opts)
+    compiler, regex = _compile(schema, opts, **({} if shared is None else shared.for_compiler()))
     notes = tuple(compiler.warnings)
     if compiler.rules or has_refs(regex):
         trees: dict = {}
@@ -986,13 +1011,14 @@ def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict:
     return regex, compiler.warnings
 
 
-def _compile(schema: dict | bool, opts: SchemaOptions) -> tuple["SchemaCompiler", str]:
+def _compile(schema: dict | bool, opts: SchemaOptions, **state) -> tuple["SchemaCompiler", str]:
+    """``state``: ``SchemaCompiler`` fields to start from (``SharedProofs.for_compiler``)."""
     if opts.whitespace not in ("compact", "flexible"):
         raise GrammarError(f"unknown whitespace mode {opts.whitespace!r}", keyword="whitespace")
     if schema is False:
         raise GrammarError("the schema `false` admits no value", keyword="false", path="#")
     try:
-        compiler = SchemaCompiler(schema, opts)
+        compiler = SchemaCompiler(schema, opts, **state)
         regex = compiler.sub(schema, "#")
     except RecursionError:
         raise GrammarError("the schema nests or refers to itself too deeply", keyword="$ref",
