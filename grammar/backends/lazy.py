@@ -99,6 +99,10 @@ class LazyBackend:
         if library() is not None:
             self.c_tokenizer()  # ~0.5 s for 49 k tokens, like the Python tokenizer: paid up front
         self.eos_bits = tuple((e >> 5, np.uint32(1 << (e & 31))) for e in sorted(self.eos))
+        words: dict[int, int] = {}
+        for w, bit in self.eos_bits:
+            words[w] = words.get(w, 0) | int(bit)
+        self.eos_words = tuple(words.items())  # (word, its EOS bits) as ints, for a memoryview's reads
 
     def build(self, program: Program) -> "LazyGrammar":
         """A grammar ready for matchers; the first mask is computed here, so errors show now.
@@ -266,7 +270,7 @@ class LazyMatcher:
     """
 
     __slots__ = ("_grammar", "_m", "_vocab", "_eos", "_eos_bits", "_words", "_num_tokens", "_terminated",
-                 "_mask", "_view", "_mask_ptr", "_mask_valid", "_checked", "_mask_shared")
+                 "_mask", "_view", "_bits", "_mask_ptr", "_mask_valid", "_checked", "_mask_shared", "_size")
 
     def __init__(self, grammar: LazyGrammar, m, mask: torch.Tensor | None = None, shared: bool = False):
         """``m``: llguidance's matcher, or None for the grammar's root, copied at the first step
@@ -279,6 +283,7 @@ class LazyMatcher:
         self._eos = grammar.backend.eos
         self._eos_bits = grammar.backend.eos_bits
         self._words = self._vocab.bitmask_words
+        self._size = self._vocab.model_vocab_size
         self._num_tokens = 0
         self._terminated = False
         self._set_buffer(torch.zeros((1, self._words), dtype=torch.int32) if mask is None else mask)
@@ -307,6 +312,7 @@ class LazyMatcher:
         self._mask_shared = False
         self._mask = mask
         self._view = mask[0].numpy().view(np.uint32)
+        self._bits = memoryview(self._view)  # the same words, read one at a time as Python ints
         self._mask_ptr = mask.data_ptr()
 
     @property
@@ -375,7 +381,7 @@ class LazyMatcher:
             # One token against the mask of this very state (the decode step's case): the mask
             # says whether it is allowed, EOS included, so no validation is needed.
             t = token_ids[0]
-            if not 0 <= t < self._vocab.model_vocab_size or not (int(self._view[t >> 5]) >> (t & 31)) & 1:
+            if not 0 <= t < self._size or not (self._bits[t >> 5] >> (t & 31)) & 1:
                 return False
             if t in self._eos:
                 self._terminated = True
@@ -427,11 +433,21 @@ class LazyMatcher:
                 vocabulary cannot spell what the grammar requires next).
         """
         if not self._mask_valid:
-            self._own()
+            if self._m is None:
+                self._own()
             if self._mask_shared:  # the root's buffer: this state's mask goes in a buffer of its own
                 self._set_buffer(torch.zeros((1, self._words), dtype=torch.int32))
-            computed = self._m.unsafe_compute_mask_ptr(self._mask_ptr, self._words * 4)
-            self._finish_mask(computed is True)  # (the Python bindings' call returns None)
+            if self._m.unsafe_compute_mask_ptr(self._mask_ptr, self._words * 4) is True:  # (llg_c)
+                bits = self._bits
+                for w, b in self._grammar.backend.eos_words:
+                    if bits[w] & b:
+                        break
+                else:  # no EOS bit in a computed mask: final as it stands (``_finish_mask``)
+                    self._mask_valid = True
+                    return self._mask
+                self._finish_mask()
+            else:  # (the Python bindings' call returns None)
+                self._finish_mask()
         return self._mask
 
     @property
@@ -439,7 +455,7 @@ class LazyMatcher:
         """Whether the current state's mask is still to be computed (``prefetch_masks``)."""
         return not self._mask_valid and not self._terminated
 
-    def _finish_mask(self, computed: bool = False) -> None:
+    def _finish_mask(self) -> None:
         """Check llguidance's raw mask in ``self._mask`` and set the EOS bits; mark it valid.
 
         llguidance computes a real mask unless the matcher is stopped or failed, when it writes
@@ -447,15 +463,12 @@ class LazyMatcher:
         a failure is an error state (``_check``), a stop is asked for. So an EOS bit in the mask
         of a state that is not accepting marks a stand-in, the one case that needs a closer look.
 
-        ``computed``: the C API said it computed the mask (``llg_c``). Then a mask without an EOS
-        bit is final as it stands: llguidance allows EOS in every accepting state and a stopped
-        matcher's stand-in is its EOS set, so the state is neither; and a state no token can
-        continue is a failure there ("NoExtension"), so the mask is not empty. That skips three
-        calls into llguidance and a scan of the mask on nearly every step.
+        ``_current_mask`` skips this where the C API (``llg_c``) computed a mask without an EOS
+        bit: such a mask is final as it stands, since llguidance allows EOS in every accepting
+        state and a stopped matcher's stand-in is its EOS set, so the state is neither, and a
+        state no token can continue is a failure there ("NoExtension"), so the mask is not empty.
+        That saves three calls into llguidance and a scan of the mask on nearly every step.
         """
-        if computed and not any(self._view[w] & bit for w, bit in self._eos_bits):
-            self._mask_valid = True
-            return
         m = self._m
         if m.is_error():
             self._check()
