@@ -682,8 +682,6 @@ class _TokenMatrix:
             b = vocab.token_bytes[t]
             mat[k, :len(b)] = np.frombuffer(b, dtype=np.uint8)
         self.matrix = mat
-        # first row index with length > j, for each column j (tokens are sorted by length)
-        self.active_from = np.searchsorted(self.lengths, np.arange(max(width, 1)), side="right")
         mask = np.ones(n, dtype=bool)
         mask[self.order] = False
         self.not_tokens = np.flatnonzero(mask)
@@ -694,15 +692,18 @@ class _TokenMatrix:
     def walk(self, automaton: ClosingAutomaton, start: int, allowed: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[model_vocab_size]``: the DFA state after each token from ``start`` (tokens
         outside ``allowed``, when given, are left dead)."""
-        states = np.full(len(self.order), start, dtype=np.int64)
-        if allowed is not None:
-            states[~allowed[self.order]] = automaton.dead
+        dead = automaton.dead
+        # Only the allowed tokens are walked (their rows, still shortest first): after a key or a
+        # number few are, and the others would be carried through every column as dead.
+        rows_of = np.arange(len(self.order)) if allowed is None else np.flatnonzero(allowed[self.order])
+        lengths = self.lengths[rows_of]
+        states = np.full(rows_of.size, start, dtype=np.int64)
         for j in range(self.matrix.shape[1]):
-            a = int(self.active_from[j])
-            if a >= len(self.order):
+            a = int(np.searchsorted(lengths, j, side="right"))  # the first token longer than j bytes
+            if a >= rows_of.size:
                 break
             cur = states[a:]
-            live = cur != automaton.dead
+            live = cur != dead
             if not live.any():
                 continue
             need = np.flatnonzero(np.bincount(cur[live]))  # the states met (counted, not sorted)
@@ -711,10 +712,9 @@ class _TokenMatrix:
                     if not automaton._row_done[s]:
                         automaton._row(s)
                 rows = automaton._rows
-            nxt = np.where(live, rows[cur, self.matrix[a:, j]], automaton.dead)
-            states[a:] = nxt
-        out = np.full(self.n, automaton.dead, dtype=np.int64)
-        out[self.order] = states
+            states[a:] = np.where(live, rows[cur, self.matrix[rows_of[a:], j]], dead)
+        out = np.full(self.n, dead, dtype=np.int64)
+        out[self.order[rows_of]] = states
         return out
 
     def tokenize(self, data: bytes) -> list[int] | None:
