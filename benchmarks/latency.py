@@ -163,7 +163,7 @@ def install(probes: Probes, state) -> None:
     probes.wrap(eng, "add_request", "add_request")
     probes.wrap(eng, "step", "step")
     probes.wrap(eng.scheduler, "schedule", "schedule")
-    probes.wrap(eng, "_grammar_bitmask", "grammar_mask")
+    probes.wrap(eng.structured, "grammar_bitmask", "grammar_mask")
     probes.wrap(eng.runner, "execute", "forward")
     probes.wrap(eng, "_update", "update")
     probes.wrap(eng, "_propose", "propose")

@@ -21,6 +21,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape
 from engine.speculative.drafter import pending_rows
 from engine.step_timing import StepTimer
+from engine.structured_output import BudgetError, StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, cost_model: Callable[[StepShape], float] | None = None,
                  row_floor_ms: float | None = None):
         from engine.models.tokenizer import load_tokenizer
-        from grammar.compiler import GrammarCompiler
 
         self.config = config.validate()
         t0 = time.perf_counter()
@@ -82,15 +82,13 @@ class LLMEngine:
         # <end_of_turn>; ``gguf_config.stop_token_ids``). An HF directory names only its EOS.
         self.extra_stop_token_ids = frozenset(
             t for t in getattr(hf, "stop_token_ids", ()) if t != self.eos_token_id)
-        vocab = None
+        eos = None
         if self.extra_stop_token_ids and self.eos_token_id is not None:
-            from grammar.vocab import build_vocabulary
-
-            vocab = build_vocabulary(self.tokenizer, model_vocab_size=self.runner.vocab_size,
-                                     eos_token_ids=(self.eos_token_id, *sorted(self.extra_stop_token_ids)))
-        self.grammar = GrammarCompiler(vocab or self.tokenizer, self.runner.vocab_size,
-                                       max_workers=config.grammar_workers, timeout_s=config.grammar_timeout_s,
-                                       backend=config.grammar_backend)
+            eos = (self.eos_token_id, *sorted(self.extra_stop_token_ids))
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, eos_token_ids=eos,
+                                                  workers=config.grammar_workers,
+                                                  timeout_s=config.grammar_timeout_s, backend=config.grammar_backend)
+        self.grammar = self.structured.compiler  # (the public name: the service compiles through it)
         self.default_spec = SpecConfig.from_dict(config.speculative)
         from engine.models.gguf_layers import QuantLinear
         from engine.models.quant import Int4Linear
@@ -208,13 +206,10 @@ class LLMEngine:
         Raises:
             EngineError: naming ``max_tokens`` and the minimum.
         """
-        if not params.close_on_budget or not hasattr(grammar, "min_output_tokens"):
-            return
-        need = grammar.min_output_tokens(params.max_tokens)
-        if need is not None:
-            raise EngineError(f"max_tokens {params.max_tokens} is below the shortest output this grammar "
-                              f"admits: it needs at least {need} tokens (or set close_on_budget false)",
-                              field="max_tokens")
+        try:
+            self.structured.check_budget(grammar, params)
+        except BudgetError as e:
+            raise EngineError(str(e), field="max_tokens") from None
 
     @property
     def kernels(self) -> dict[str, str]:
@@ -283,7 +278,7 @@ class LLMEngine:
         if not sched.is_empty:
             self.num_steps += 1
             failed: list[tuple[Request, BaseException]] = []
-            bitmask = self._grammar_bitmask(sched, failed)
+            bitmask = self.structured.grammar_bitmask(sched, failed)
             timer.mark("mask")
             result = self.runner.execute(sched, bitmask, timer)
             # Finished only now: the forward above still reads their block tables.
@@ -363,50 +358,6 @@ class LLMEngine:
     def _fail(self, req: Request, stage: str, exc: BaseException) -> None:
         """Finish one request with an error; the batch goes on without it (``Scheduler.fail``)."""
         self.scheduler.fail(req, stage, exc)
-
-    def _grammar_bitmask(self, sched: SchedulerOutput,
-                         failed: list[tuple[Request, BaseException]]) -> torch.Tensor | None:
-        """One row per logits position; row j of a request reflects its grammar after drafts[:j].
-
-        A request whose matcher raises is appended to ``failed`` with the exception and its rows
-        are left all-allowed; the caller fails it after the forward pass.
-        """
-        if not any(sr.sample and sr.request.matcher is not None for sr in sched.scheduled):
-            return None
-        from grammar.bitmask import allocate_bitmask
-        from grammar.prefetch import prefetch_masks
-
-        rows = sum(sr.num_logits for sr in sched.scheduled)
-        # Every pending mask in one parallel call; the loop below then copies rows.
-        prefetch_masks([sr.request.matcher for sr in sched.scheduled if sr.sample and sr.request.matcher is not None])
-        bitmask = allocate_bitmask(rows, self.runner.vocab_size)
-        row = 0
-        for sr in sched.scheduled:
-            if not sr.sample:
-                continue
-            m = sr.request.matcher
-            if m is not None:
-                try:
-                    self._fill_rows(m, sr.request.draft_token_ids[:sr.num_drafts], bitmask, row)
-                except Exception as e:  # noqa: BLE001 - one request's grammar must not stop the batch
-                    bitmask[row:row + sr.num_logits] = -1
-                    failed.append((sr.request, e))
-            row += sr.num_logits
-        return bitmask
-
-    @staticmethod
-    def _fill_rows(m, drafts: list[int], bitmask: torch.Tensor, row: int) -> None:
-        m.fill_bitmask(bitmask, row)
-        accepted = 0
-        for d in drafts:
-            # A draft the grammar refuses is also refused by the verifier (its row masks it
-            # out), so later rows are never read: leave them as they are.
-            if not m.accept_tokens([d]):
-                break
-            accepted += 1
-            m.fill_bitmask(bitmask, row + accepted)
-        if accepted:
-            m.rollback(accepted)
 
     def _output_text(self, req: Request) -> str:
         """The request's output text so far ("" before any, or without a detokenizer)."""

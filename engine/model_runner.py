@@ -121,7 +121,7 @@ class ModelRunner:
         _sync(logits)
         timer.mark("logits")
         if bitmask is not None:
-            from grammar.bitmask import apply_bitmask_
+            from engine.structured_output import apply_bitmask_
 
             apply_bitmask_(logits, bitmask.to(logits.device, non_blocking=True))
         sampled_reqs = [sr.request for sr in out.scheduled if sr.sample]

@@ -93,7 +93,9 @@ class SamplingParams:
     soft_limits: "SoftLimits | bool | None" = None
 
     def __post_init__(self) -> None:
-        from grammar.budget import SoftLimits, SoftLimitsError  # (torch and the closing automaton: not at import)
+        from engine.structured_output import soft_limits_types
+
+        SoftLimits, SoftLimitsError = soft_limits_types()  # (torch and the closing automaton: not at import)
 
         spec = self.speculative
         if isinstance(spec, dict):

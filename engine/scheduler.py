@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.structured_output import is_dead_end, make_matcher, prefetch
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +64,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-def make_matcher(grammar, params):
-    """The request's matcher: budget-aware unless ``params.close_on_budget`` is off."""
-    if params.close_on_budget and hasattr(grammar, "budget_matcher"):
-        from grammar.budget import SoftLimits
-
-        limits = params.soft_limits
-        soft = None if limits is False else limits if isinstance(limits, SoftLimits) else SoftLimits()
-        return grammar.budget_matcher(params.max_tokens, soft_limits=soft)
-    return grammar.matcher()
 
 
 class Scheduler:
@@ -325,9 +315,7 @@ class Scheduler:
             updates.append((req, new, lps, tops))
         # Forced tokens read each matcher's mask of its new state: compute them all at once.
         if self.enable_forced_tokens:
-            from grammar.prefetch import prefetch_masks
-
-            prefetch_masks([req.matcher for req, *_ in updates if req.matcher is not None and not req.is_finished])
+            prefetch([req.matcher for req, *_ in updates if req.matcher is not None and not req.is_finished])
         out_updates: list[tuple[Request, list[int]]] = []
         for req, new, lps, tops in updates:
             if not req.is_finished:
@@ -346,9 +334,7 @@ class Scheduler:
         ``constraint_error`` (the service's 400). Any other exception is internal: the client
         sees the stage and the exception's type, the log the traceback.
         """
-        from grammar.base import DeadEndError
-
-        if isinstance(exc, DeadEndError):
+        if is_dead_end(exc):
             log.info("request %s failed while %s: %s", req.request_id, stage, exc)
             req.error = str(exc)
             req.finish_reason_detail = "dead_end"

@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
+from engine.structured_output import StructuredOutputManager
 from grammar.base import GrammarError, GrammarSpec
 from grammar.backends.eager import EagerMatcher
 from grammar.backends.lazy import LazyMatcher
@@ -582,7 +583,7 @@ def test_mask_fault_on_a_draft_row_fails_one_request(client, monkeypatch):
     """A matcher that fails while it fills the rows of its draft tokens (llguidance's "too many
     expressions constructed" did, on ``a{1000000}``) fails that request only: the drafts it
     had must not be read again when the step's tokens are learned (that ended the engine loop)."""
-    original, hit = LLMEngine._fill_rows, []
+    original, hit = StructuredOutputManager.fill_rows, []
 
     def faulty(m, drafts, bitmask, row):
         if drafts and m.grammar.regex == "[w]{50}":
@@ -591,7 +592,7 @@ def test_mask_fault_on_a_draft_row_fails_one_request(client, monkeypatch):
             raise RuntimeError("injected draft-row fault")
         return original(m, drafts, bitmask, row)
 
-    monkeypatch.setattr(LLMEngine, "_fill_rows", staticmethod(faulty))
+    monkeypatch.setattr(StructuredOutputManager, "fill_rows", staticmethod(faulty))
     healthy, poisoned = _pair(client, {"prompt": "w", "regex": "[w]{50}", "max_tokens": 20, "speculative": True,
                                        "close_on_budget": False})
     assert hit, "the request never had draft tokens: the test did not reach its case"

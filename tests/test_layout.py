@@ -119,6 +119,14 @@ def test_no_private_names_imported_across_packages():
     assert private == []
 
 
+def test_the_engine_reaches_grammar_through_its_structured_output_manager_only():
+    """``engine/structured_output.py`` is the engine's one door to ``grammar/`` (docs/architecture.md)."""
+    edges, _ = _graph(_modules())
+    doors = {m for m, targets in edges.items() if m.startswith("engine.")
+             and any(t == "grammar" or t.startswith("grammar.") for t in targets)}
+    assert doors == {"engine.structured_output"}
+
+
 def test_both_engines_offer_every_member_of_the_engine_client():
     """The service's one door to an engine (``service.engine_client.EngineClient``): the local
     engine and the cluster's ingress both have every member (instance attributes aside)."""
