@@ -246,8 +246,11 @@ class LazyGrammar:
         through a reset, while a copy of the root starts from the root's only. llguidance's C API
         copies a matcher deeply (``llg_clone_matcher``), so the cursors of a "json" program
         never share those states as the Python ``deep_copy`` does; a reused matcher has them. On
-        MaskBench (ten instances per schema, one cursor each) that halved the slow masks of the
-        handed-over schemas. A matcher in an error state is dropped (it cannot be reset)."""
+        MaskBench (ten instances per schema, one cursor each) that halved the masks above 131 µs
+        of ``Github_hard---o90714`` (82 to 42) and took those of the 537 handed-over schemas of a
+        600-schema sample from 1,989 to 1,729. Each kept matcher holds its lexer states while the
+        grammar is cached (about 0.1 MB after a few answers). A matcher in an error state is
+        dropped (it cannot be reset)."""
         if len(self._pool) >= MATCHER_POOL_SIZE or sys.is_finalizing():
             return
         with self._root_lock:
