@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
     from engine.request import Request, SamplingParams
     from engine.scheduler import SchedulerOutput
-    from grammar.compiler import GrammarCompiler
 
 
 class BudgetError(ValueError):
@@ -51,8 +50,8 @@ class StructuredOutputManager:
 
             vocab = build_vocabulary(tokenizer, model_vocab_size=vocab_size, eos_token_ids=eos_token_ids)
         self.vocab_size = vocab_size
-        self.compiler: GrammarCompiler = GrammarCompiler(vocab, vocab_size, max_workers=workers,
-                                                         timeout_s=timeout_s, backend=backend)
+        self.compiler = GrammarCompiler(vocab, vocab_size, max_workers=workers, timeout_s=timeout_s,
+                                        backend=backend)
 
     @staticmethod
     def check_budget(grammar, params: "SamplingParams") -> None:
