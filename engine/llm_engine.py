@@ -8,7 +8,6 @@ import uuid
 from concurrent.futures import Future
 from typing import Callable
 
-
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
