@@ -403,6 +403,7 @@ class LLMEngine:
             constraint_error=req.finish_reason_detail == "dead_end",
             budget_cuts=list(getattr(req.matcher, "narrowed", ())) if finished else [],
             guard_hits=list(getattr(req.matcher, "guarded", ())) if finished else [],
+            budget_unenforced=getattr(req.matcher, "disabled", None) if finished else None,
             new_top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - len(new):]
                               if req.params.top_logprobs and new else []),
         )

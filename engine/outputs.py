@@ -30,6 +30,9 @@ class RequestOutput:
             output ended complete within ``max_tokens`` (``grammar.budget``).
         budget_cuts: on the last output: output byte offsets where it did.
         guard_hits: on the last output: ``(what, byte offset)`` for each run-on bound that bound.
+        budget_unenforced: on the last output of a constrained request that asked for its budget
+            to be kept (``close_on_budget``): why it could not be (``BudgetMatcher.disabled``, e.g.
+            no closing automaton for an intersection too large to model), else None.
         new_top_logprobs: per token of ``new_token_ids``, its position's most likely tokens as
             ``(token id, logprob)``, best first, when ``top_logprobs`` was requested.
     """
@@ -55,4 +58,5 @@ class RequestOutput:
     closed_by_budget: bool = False
     budget_cuts: list[int] = field(default_factory=list)
     guard_hits: list[tuple[str, int]] = field(default_factory=list)
+    budget_unenforced: str | None = None
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -510,6 +510,9 @@ class GenerationStream:
             warnings.append("max_tokens narrowed the answer: near the end only continuations that close "
                             "in time were allowed"
                             + (f" (at: {', '.join(p or '/' for p in shortened)})" if shortened else ""))
+        if out.budget_unenforced and out.finish_reason == "length":
+            warnings.append(f"max_tokens could not be kept by closing the answer in time "
+                            f"({out.budget_unenforced}): it was cut; a larger max_tokens lets it end")
         if out.guard_hits:
             from service.json_paths import shortened_paths
 

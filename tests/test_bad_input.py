@@ -668,3 +668,16 @@ def test_failed_grammar_and_stop_string_in_one_step_are_both_reported(tiny_model
         assert not eng.has_unfinished() and eng.kv.num_free_blocks == eng.kv.num_blocks
     finally:
         eng.grammar.close()
+
+
+def test_a_budget_that_cannot_be_kept_is_a_warning_on_the_cut_answer(client):
+    """A schema whose closing automaton cannot be built (a URI format under a length bound) is
+    served, but a cut answer says that max_tokens could not be kept by closing it, and why."""
+    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "uri", "maxLength": 40}},
+              "required": ["u"]}
+    r = client.post("/generate", json={"prompt": "link", "response_schema": schema, "max_tokens": 6})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["finish_reason"] == "length" and body["valid"] is False
+    assert any("could not be kept by closing" in w and "closing automaton" in w for w in body["warnings"]), body
+    _engine_idle(client)

@@ -226,6 +226,21 @@ def test_an_output_the_budget_never_steered_is_a_cut_not_a_stop(engine):
     assert cut >= 2  # the tiny model runs on under [\s\S]* and [ab]*
 
 
+def test_a_budget_that_cannot_be_kept_says_why_when_the_answer_is_cut(engine):
+    """Where no closing automaton can be built (a URI format under a length bound: an
+    intersection too large to model), the output is cut at max_tokens as without the budget,
+    and the last output says why the budget was not kept (the service turns it into a warning)."""
+    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "uri", "maxLength": 40}},
+              "required": ["u"]}
+    g = engine.grammar.compile(GrammarSpec.json_schema(schema))
+    r = engine.generate([[5, 17, 300]], SamplingParams(max_tokens=8, temperature=0), [g])[0]
+    assert (r["finish_reason"], len(r["token_ids"])) == ("length", 8)
+    assert "closing automaton" in r["output"].budget_unenforced
+    kept = engine.generate([[5, 17, 300]], SamplingParams(max_tokens=40, temperature=0),
+                           [engine.grammar.compile(GrammarSpec.json_schema(SCHEMA))])[0]
+    assert kept["output"].budget_unenforced is None
+
+
 MASKBENCH = SHARED / "corpora" / "maskbench-dev"
 
 
