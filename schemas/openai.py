@@ -314,7 +314,8 @@ class ChoiceDelta(Struct, omit_defaults=True):
 
 
 class ChunkChoice(Struct):
-    """``valid`` / ``warnings`` (Stencil extensions) come with a constrained choice's last chunk."""
+    """``valid`` / ``warnings`` / ``closed_by_budget`` (Stencil extensions) come with a constrained
+    choice's last chunk, as on the whole answer's choice."""
 
     index: int
     delta: ChoiceDelta
@@ -322,6 +323,7 @@ class ChunkChoice(Struct):
     logprobs: ChoiceLogprobs | None = None
     valid: bool | UnsetType = UNSET
     warnings: list[str] | UnsetType = UNSET
+    closed_by_budget: bool | UnsetType = UNSET
 
 
 class ChatCompletionChunk(Struct):

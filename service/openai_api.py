@@ -313,6 +313,8 @@ async def _chat_events(svc: ServiceState, job: _ChatJob, streams: list[gen.Gener
                 extra["valid"] = v.valid
             if v.problems:
                 extra["warnings"] = v.problems
+            if item.closed_by_budget:
+                extra["closed_by_budget"] = True
             yield chunk(i, ChoiceDelta(), v.finish_reason, logprobs=pending[i].take(svc), **extra)
         if include_usage:
             done = [r for r in results if r is not None]

@@ -314,3 +314,20 @@ def test_structured_outputs_regex_choice_and_lark_grammar(client):
         client.chat.completions.create(model="tiny", messages=msgs,
                                        extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}})
     assert info.value.body["param"] == "structured_outputs"
+
+
+def test_a_streamed_answer_says_closed_by_budget_as_the_whole_one(client):
+    """``closed_by_budget`` (a Stencil extension) comes with a streamed choice's last chunk too."""
+    seen = set()
+    for budget in range(8, 30, 3):
+        kw = dict(model=MODEL_NAME, messages=MESSAGES, response_format=_json_format(), max_tokens=budget, seed=11)
+        try:
+            whole = client.chat.completions.create(**kw)
+        except openai.BadRequestError:
+            continue  # below the schema's shortest answer
+        flag = (whole.choices[0].model_extra or {}).get("closed_by_budget", False)
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        last = [c for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+        assert (last.choices[0].model_extra or {}).get("closed_by_budget", False) == flag
+        seen.add(flag)
+    assert True in seen
