@@ -4,14 +4,22 @@ Integers are written canonically (RFC 8259 §6 ``int``: no leading zeros, never 
 Bounded numbers are written without exponent: ``-?int(\\.[0-9]+)?``. The construction is the
 classic digit-range split (numbers of one length at a time, then the first differing digit),
 extended to fractions by comparing the fraction digits left to right. Bounds are
-``decimal.Decimal`` values so that 0.1 means one tenth exactly.
+``decimal.Decimal`` values so that 0.1 means one tenth exactly. ``compile_number`` is the
+compiler's ``number``/``integer`` type: a schema's bounds and ``multipleOf`` to one of these
+regexes, the multiples listed, or the remainder automaton (``multiples``).
 """
 
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
+from grammar.base import GrammarError
+from grammar.json_schema.multiples import multiple_rules
 from grammar.json_schema.rx import Rx, alt, repeat, seq
+
+if TYPE_CHECKING:
+    from grammar.json_schema.schema_compiler import SchemaCompiler
 
 DIGIT = "[0-9]"
 INTEGER = "(?:0|-?[1-9][0-9]*)"
@@ -166,3 +174,128 @@ def number_range(lo: Decimal | None, lo_strict: bool, hi: Decimal | None, hi_str
             mag = _nonneg_decimal(Decimal(0), True, None if lo is None else -lo, lo_strict)
         parts.append(seq("-", mag))
     return alt(parts)
+
+
+# -- a schema's numbers (the compiler's ``number``/``integer`` types) --------------------------
+
+
+def compile_number(c: "SchemaCompiler", schema: dict, path: str, integer: bool) -> Rx:
+    """The regex of the JSON numbers (integers with ``integer``) ``schema``'s bounds and
+    ``multipleOf`` admit: a range (``number_range``/``int_range``), the multiples listed or, in
+    grammar mode, the remainder automaton (``multiples``); an unsupported step goes to
+    ``c.unsupported`` (an error, or a warning and the bounds alone).
+
+    Raises:
+        GrammarError: ``multipleOf`` not positive, or (strict) not enforceable exactly.
+    """
+    lo, lo_x, hi, hi_x = _bounds(schema)
+    mult = schema.get("multipleOf")
+    if integer or (mult is not None and _is_int(mult)):
+        ilo = None if lo is None else int(lo.to_integral_value("ROUND_CEILING"))
+        if lo is not None and lo_x and ilo == lo:
+            ilo += 1
+        ihi = None if hi is None else int(hi.to_integral_value("ROUND_FLOOR"))
+        if hi is not None and hi_x and ihi == hi:
+            ihi -= 1
+        if mult is not None and not _is_int(mult):
+            return _int_fraction_multiple(c, mult, ilo, ihi, path)
+        return _int_multiple(c, int(Decimal(str(mult))) if mult is not None else 1, ilo, ihi, path)
+    if mult is not None:
+        step = _dyadic_step(mult)
+        if step is not None and c.opts.grammar and (lo is None or (lo == 0 and not lo_x)) and hi is None:
+            out = _multiple_rules(c, *step, negative=lo is None)
+            if out is not None:
+                return out
+        c.unsupported("multipleOf", path, "multipleOf is enforced exactly for integer steps, "
+                      "and for decimal steps a float represents exactly (0.5, 0.25, 2.5), without "
+                      "bounds or with minimum 0: jsonschema divides floats, and refuses most "
+                      "multiples of 0.1 or 0.01")
+    return number_range(lo, lo_x, hi, hi_x)
+
+
+def _multiple_rules(c: "SchemaCompiler", a: int, n: int, negative: bool) -> Rx:
+    """Grammar mode: the remainder automaton (``multiples.multiple_rules``) as rules."""
+    def new_rules(count: int) -> list[int]:
+        start = len(c.rule_ids)
+        for i in range(count):
+            c.rule_ids[f"multiple:{a}:{n}:{start + i}"] = start + i
+        return list(range(start, start + count))
+
+    key = ("multiple", a, n, negative)
+    if key not in c.bodies:
+        c.bodies[key] = multiple_rules(a, n, new_rules, c.rules.__setitem__, negative)
+    return c.bodies[key]
+
+
+def _int_fraction_multiple(c: "SchemaCompiler", mult, lo, hi, path) -> Rx:
+    # Every integer is a multiple of 1/k for integer k.
+    inv = Decimal(1) / Decimal(str(mult))
+    if inv == inv.to_integral_value():
+        return int_range(lo, hi)
+    c.unsupported("multipleOf", path)
+    return int_range(lo, hi)
+
+
+def _int_multiple(c: "SchemaCompiler", k: int, lo: int | None, hi: int | None, path: str) -> Rx:
+    if k <= 0:
+        raise GrammarError("multipleOf must be positive", keyword="multipleOf", path=path)
+    if k == 1:
+        return int_range(lo, hi)
+    if lo is not None and hi is not None and (hi - lo) // k <= 256:
+        first = -(-lo // k) * k
+        return alt([str(v) for v in range(first, hi + 1, k)])
+    if lo is None and hi is None and k in (2, 5, 10):
+        return "(?:" + _multiple_tail(k) + ")"
+    if c.opts.grammar and (lo is None or lo == 0) and hi is None:
+        out = _multiple_rules(c, k, 0, negative=lo is None)
+        if out is not None:
+            return out
+    c.unsupported("multipleOf", path)
+    return int_range(lo, hi)
+
+
+def _dyadic_step(mult) -> tuple[int, int] | None:
+    """``(a, n)`` with ``mult == a * 10**-n`` when the float ``mult`` is that decimal exactly (a
+    binary fraction such as 0.5, 0.25 or 2.5), so jsonschema's float division agrees with decimal
+    arithmetic on the multiples the grammar writes; else None."""
+    if isinstance(mult, bool) or not isinstance(mult, (int, float)) or mult <= 0:
+        return None
+    dec = Decimal(repr(mult)) if isinstance(mult, float) else Decimal(mult)
+    if isinstance(mult, float) and Decimal(mult) != dec:
+        return None
+    exp = -dec.as_tuple().exponent if dec.as_tuple().exponent < 0 else 0
+    if exp > 6:
+        return None
+    return int(dec.scaleb(exp)), exp
+
+
+def _multiple_tail(k: int) -> str:
+    """Canonical integers divisible by 2, 5 or 10 (last digit decides), zero not negated."""
+    last = {2: "[02468]", 5: "[05]", 10: "0"}[k]
+    nonzero_last = {2: "[2468]", 5: "5", 10: None}[k]
+    parts = ["0", f"-?[1-9][0-9]*{last}"]
+    if nonzero_last:
+        parts.append(f"-?{nonzero_last}")
+    return "|".join(parts)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and float(x).is_integer()
+
+
+def _dec(x: object) -> Decimal | None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return Decimal(repr(x)) if isinstance(x, float) else Decimal(x)
+
+
+def _bounds(s: dict) -> tuple[Decimal | None, bool, Decimal | None, bool]:
+    lo, lo_x = _dec(s.get("minimum")), False
+    emin = _dec(s.get("exclusiveMinimum"))
+    if emin is not None and (lo is None or emin >= lo):
+        lo, lo_x = emin, True
+    hi, hi_x = _dec(s.get("maximum")), False
+    emax = _dec(s.get("exclusiveMaximum"))
+    if emax is not None and (hi is None or emax <= hi):
+        hi, hi_x = emax, True
+    return lo, lo_x, hi, hi_x

@@ -32,7 +32,6 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from decimal import Decimal
 
 import jsonschema
 from jsonschema import validators
@@ -45,7 +44,7 @@ from grammar.json_schema.complement import NOT_PATTERNS, NOT_STRINGS, Complement
 from grammar.json_schema.interning import ContentIds
 from grammar.json_schema.keywords import ANNOTATIONS, ASSERTIONS, TYPE_KEYWORDS, enum_values, json_type
 from grammar.json_schema.merge import MergeError, json_key, merge
-from grammar.json_schema.multiples import multiple_rules
+from grammar.json_schema.numbers import compile_number
 from grammar.json_schema.objects import compile_object
 from grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required,
                                        promote_discriminators, without_empty_object)
@@ -704,7 +703,7 @@ class SchemaCompiler:
             elif t == "string":
                 parts.append(self._string(schema, path))
             elif t in ("number", "integer"):
-                parts.append(self._number(schema, path, integer=(t == "integer")))
+                parts.append(compile_number(self, schema, path, integer=(t == "integer")))
             elif t == "boolean":
                 parts.append("(?:true|false)")
             elif t == "null":
@@ -748,94 +747,6 @@ class SchemaCompiler:
             self.warnings.append(f"{exc.keyword} at {path}: {exc.message} (ignored)")
             return string_regex(StringSpec(spec.min_length, spec.max_length))
 
-    def _number(self, schema: dict, path: str, integer: bool) -> Rx:
-        lo, lo_x, hi, hi_x = _bounds(schema)
-        mult = schema.get("multipleOf")
-        if integer or (mult is not None and _is_int(mult)):
-            ilo = None if lo is None else int(lo.to_integral_value("ROUND_CEILING"))
-            if lo is not None and lo_x and ilo == lo:
-                ilo += 1
-            ihi = None if hi is None else int(hi.to_integral_value("ROUND_FLOOR"))
-            if hi is not None and hi_x and ihi == hi:
-                ihi -= 1
-            if mult is not None and not _is_int(mult):
-                return self._int_fraction_multiple(mult, ilo, ihi, path)
-            return self._int_multiple(int(Decimal(str(mult))) if mult is not None else 1, ilo, ihi, path)
-        if mult is not None:
-            step = _dyadic_step(mult)
-            if step is not None and self.opts.grammar and (lo is None or (lo == 0 and not lo_x)) and hi is None:
-                out = self._multiple_rules(*step, negative=lo is None)
-                if out is not None:
-                    return out
-            self.unsupported("multipleOf", path, "multipleOf is enforced exactly for integer steps, "
-                             "and for decimal steps a float represents exactly (0.5, 0.25, 2.5), without "
-                             "bounds or with minimum 0: jsonschema divides floats, and refuses most "
-                             "multiples of 0.1 or 0.01")
-        return nr.number_range(lo, lo_x, hi, hi_x)
-
-    def _multiple_rules(self, a: int, n: int, negative: bool) -> Rx:
-        """Grammar mode: the remainder automaton (``multiples.multiple_rules``) as rules."""
-        def new_rules(count: int) -> list[int]:
-            start = len(self.rule_ids)
-            for i in range(count):
-                self.rule_ids[f"multiple:{a}:{n}:{start + i}"] = start + i
-            return list(range(start, start + count))
-
-        key = ("multiple", a, n, negative)
-        if key not in self.bodies:
-            self.bodies[key] = multiple_rules(a, n, new_rules, self.rules.__setitem__, negative)
-        return self.bodies[key]
-
-    def _int_fraction_multiple(self, mult, lo, hi, path) -> Rx:
-        # Every integer is a multiple of 1/k for integer k.
-        inv = Decimal(1) / Decimal(str(mult))
-        if inv == inv.to_integral_value():
-            return nr.int_range(lo, hi)
-        self.unsupported("multipleOf", path)
-        return nr.int_range(lo, hi)
-
-    def _int_multiple(self, k: int, lo: int | None, hi: int | None, path: str) -> Rx:
-        if k <= 0:
-            raise GrammarError("multipleOf must be positive", keyword="multipleOf", path=path)
-        if k == 1:
-            return nr.int_range(lo, hi)
-        if lo is not None and hi is not None and (hi - lo) // k <= 256:
-            first = -(-lo // k) * k
-            return alt([str(v) for v in range(first, hi + 1, k)])
-        if lo is None and hi is None and k in (2, 5, 10):
-            return "(?:" + _multiple_tail(k) + ")"
-        if self.opts.grammar and (lo is None or lo == 0) and hi is None:
-            out = self._multiple_rules(k, 0, negative=lo is None)
-            if out is not None:
-                return out
-        self.unsupported("multipleOf", path)
-        return nr.int_range(lo, hi)
-
-
-def _dyadic_step(mult) -> tuple[int, int] | None:
-    """``(a, n)`` with ``mult == a * 10**-n`` when the float ``mult`` is that decimal exactly (a
-    binary fraction such as 0.5, 0.25 or 2.5), so jsonschema's float division agrees with decimal
-    arithmetic on the multiples the grammar writes; else None."""
-    if isinstance(mult, bool) or not isinstance(mult, (int, float)) or mult <= 0:
-        return None
-    dec = Decimal(repr(mult)) if isinstance(mult, float) else Decimal(mult)
-    if isinstance(mult, float) and Decimal(mult) != dec:
-        return None
-    exp = -dec.as_tuple().exponent if dec.as_tuple().exponent < 0 else 0
-    if exp > 6:
-        return None
-    return int(dec.scaleb(exp)), exp
-
-
-def _multiple_tail(k: int) -> str:
-    """Canonical integers divisible by 2, 5 or 10 (last digit decides), zero not negated."""
-    last = {2: "[02468]", 5: "[05]", 10: "0"}[k]
-    nonzero_last = {2: "[2468]", 5: "5", 10: None}[k]
-    parts = ["0", f"-?[1-9][0-9]*{last}"]
-    if nonzero_last:
-        parts.append(f"-?{nonzero_last}")
-    return "|".join(parts)
-
 
 _DEPENDENCY_KEYWORDS = ("dependentRequired", "dependentSchemas", "dependencies")
 # internal: on the ``not`` that ``_if_then_else`` writes, where the ``if`` stands and what it tests
@@ -868,28 +779,6 @@ def _admitted_types(schema: dict) -> list[str]:
         implied = [t for t, kws in TYPE_KEYWORDS.items() if any(k in schema for k in kws)]
         types = (implied + (["integer"] if "number" in implied else [])) or list(_TYPES)
     return types
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and float(x).is_integer()
-
-
-def _dec(x: object) -> Decimal | None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return Decimal(repr(x)) if isinstance(x, float) else Decimal(x)
-
-
-def _bounds(s: dict) -> tuple[Decimal | None, bool, Decimal | None, bool]:
-    lo, lo_x = _dec(s.get("minimum")), False
-    emin = _dec(s.get("exclusiveMinimum"))
-    if emin is not None and (lo is None or emin >= lo):
-        lo, lo_x = emin, True
-    hi, hi_x = _dec(s.get("maximum")), False
-    emax = _dec(s.get("exclusiveMaximum"))
-    if emax is not None and (hi is None or emax <= hi):
-        hi, hi_x = emax, True
-    return lo, lo_x, hi, hi_x
 
 
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
