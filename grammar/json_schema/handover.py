@@ -111,6 +111,7 @@ from grammar.json_schema.formats import format_pattern
 from grammar.json_schema.interning import ContentIds
 from grammar.json_schema.keywords import ANNOTATIONS, ASSERTIONS, TYPE_KEYWORDS
 from grammar.json_schema.merge import MergeError, json_key, merge
+from grammar.json_schema.numbers import bounds, integer_range
 from grammar.json_schema.objects import _disjoint_patterns
 from grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required, promote_discriminators,
                                        without_empty_object)
@@ -658,23 +659,10 @@ def _dec(x: object) -> Decimal | None:
 
 
 def _int_bounds(s: dict) -> tuple[int | None, int | None]:
-    """The integer range of ``s``'s bounds (after ``compiler._normalize``), as ``_number`` reads it."""
+    """The integer range of ``s``'s bounds (after ``compiler._normalize``), as ``compile_number`` reads it."""
     if "multipleOf" in s:
         raise _Refused("multipleOf")
-    lo, lo_x = _dec(s.get("minimum")), False
-    emin = _dec(s.get("exclusiveMinimum"))
-    if emin is not None and (lo is None or emin >= lo):
-        lo, lo_x = emin, True
-    hi, hi_x = _dec(s.get("maximum")), False
-    emax = _dec(s.get("exclusiveMaximum"))
-    if emax is not None and (hi is None or emax <= hi):
-        hi, hi_x = emax, True
-    ilo = None if lo is None else int(lo.to_integral_value("ROUND_CEILING"))
-    if lo is not None and lo_x and ilo == lo:
-        ilo += 1
-    ihi = None if hi is None else int(hi.to_integral_value("ROUND_FLOOR"))
-    if hi is not None and hi_x and ihi == hi:
-        ihi -= 1
+    ilo, ihi = integer_range(*bounds(s, _dec))  # (Stencil's own reading, bounds checked by ``_dec``)
     if ilo is not None and ihi is not None and ilo > ihi:
         raise _Refused("empty range")
     return ilo, ihi

@@ -188,15 +188,10 @@ def compile_number(c: "SchemaCompiler", schema: dict, path: str, integer: bool) 
     Raises:
         GrammarError: ``multipleOf`` not positive, or (strict) not enforceable exactly.
     """
-    lo, lo_x, hi, hi_x = _bounds(schema)
+    lo, lo_x, hi, hi_x = bounds(schema)
     mult = schema.get("multipleOf")
     if integer or (mult is not None and _is_int(mult)):
-        ilo = None if lo is None else int(lo.to_integral_value("ROUND_CEILING"))
-        if lo is not None and lo_x and ilo == lo:
-            ilo += 1
-        ihi = None if hi is None else int(hi.to_integral_value("ROUND_FLOOR"))
-        if hi is not None and hi_x and ihi == hi:
-            ihi -= 1
+        ilo, ihi = integer_range(lo, lo_x, hi, hi_x)
         if mult is not None and not _is_int(mult):
             return _int_fraction_multiple(c, mult, ilo, ihi, path)
         return _int_multiple(c, int(Decimal(str(mult))) if mult is not None else 1, ilo, ihi, path)
@@ -289,13 +284,27 @@ def _dec(x: object) -> Decimal | None:
     return Decimal(repr(x)) if isinstance(x, float) else Decimal(x)
 
 
-def _bounds(s: dict) -> tuple[Decimal | None, bool, Decimal | None, bool]:
-    lo, lo_x = _dec(s.get("minimum")), False
-    emin = _dec(s.get("exclusiveMinimum"))
+def bounds(s: dict, dec=_dec) -> tuple[Decimal | None, bool, Decimal | None, bool]:
+    """``(lo, lo exclusive, hi, hi exclusive)`` of ``s`` (after ``schema_compiler._normalize``):
+    the tighter of ``minimum``/``exclusiveMinimum`` and of ``maximum``/``exclusiveMaximum``,
+    each read by ``dec`` (a number to a ``Decimal``, None where it is not one)."""
+    lo, lo_x = dec(s.get("minimum")), False
+    emin = dec(s.get("exclusiveMinimum"))
     if emin is not None and (lo is None or emin >= lo):
         lo, lo_x = emin, True
-    hi, hi_x = _dec(s.get("maximum")), False
-    emax = _dec(s.get("exclusiveMaximum"))
+    hi, hi_x = dec(s.get("maximum")), False
+    emax = dec(s.get("exclusiveMaximum"))
     if emax is not None and (hi is None or emax <= hi):
         hi, hi_x = emax, True
     return lo, lo_x, hi, hi_x
+
+
+def integer_range(lo: Decimal | None, lo_x: bool, hi: Decimal | None, hi_x: bool) -> tuple[int | None, int | None]:
+    """The integers inside ``bounds``: ``[first, last]`` (None: unbounded on that side)."""
+    ilo = None if lo is None else int(lo.to_integral_value("ROUND_CEILING"))
+    if lo is not None and lo_x and ilo == lo:
+        ilo += 1
+    ihi = None if hi is None else int(hi.to_integral_value("ROUND_FLOOR"))
+    if hi is not None and hi_x and ihi == hi:
+        ihi -= 1
+    return ilo, ihi
