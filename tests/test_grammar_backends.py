@@ -384,6 +384,7 @@ def test_matchers_start_from_the_root_mask_without_sharing_it(both_backends):
 
 
 JSON_TOKENS = {i: bytes([c]) for i, c in enumerate(b'{}[]":, abcxyz0123456789')} | {30: b'"a', 31: b'":', 32: b"12"}
+JSON_TOKENS_ID = {b: i for i, b in JSON_TOKENS.items()}
 
 
 @pytest.mark.parametrize("kind", ["regex", "json"])
@@ -513,3 +514,20 @@ def test_the_public_grammar_api_as_the_readme_shows_it(tokenizer):
                 assert (int(bitmask[0, t >> 5]) >> (t & 31)) & 1
                 assert m.accept_tokens([t])
             assert m.is_accepting(), text
+
+
+def test_a_cursor_dropped_while_its_grammar_is_locked_is_freed_not_waited_for():
+    """``_give_back`` runs from ``__del__``, which the garbage collector may call on a thread that
+    holds the grammar's lock: it must not wait for it (the matcher is then simply not kept)."""
+    vocab = TokenVocabulary.from_token_bytes(JSON_TOKENS, 40, 48)
+    g = LazyBackend(vocab).build(Program("regex", r"[a-c]+"))
+    g.matcher()  # the first cursor shares the root; the next ones own a matcher
+    m = g.matcher()
+    assert m.accept_tokens([JSON_TOKENS_ID[b"a"]])
+    with g._root_lock:
+        del m  # would deadlock if it waited for the lock
+        assert g._pool == []
+    m2 = g.matcher()
+    assert m2.accept_tokens([JSON_TOKENS_ID[b"b"]])
+    del m2
+    assert len(g._pool) == 1

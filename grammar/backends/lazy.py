@@ -253,9 +253,14 @@ class LazyGrammar:
         dropped (it cannot be reset)."""
         if len(self._pool) >= MATCHER_POOL_SIZE or sys.is_finalizing():
             return
-        with self._root_lock:
-            if len(self._pool) < MATCHER_POOL_SIZE:
-                self._pool.append(m)
+        # Never waits: this runs from ``__del__``, which the garbage collector may call on a
+        # thread that holds this very lock (``_copy_root`` allocating); then the matcher is freed.
+        if self._root_lock.acquire(blocking=False):
+            try:
+                if len(self._pool) < MATCHER_POOL_SIZE:
+                    self._pool.append(m)
+            finally:
+                self._root_lock.release()
 
 
 class LazyMatcher:

@@ -99,12 +99,16 @@ class _Freer:
         self._lock = threading.Lock()
 
     def __call__(self, lib, ptr: int) -> None:
+        # Called by finalizers, which the garbage collector may run anywhere: nothing here waits
+        # (``SimpleQueue.put`` is reentrant; a busy lock means another call is starting the thread).
         self._queue.put((lib, ptr))
-        if self._thread is None:
-            with self._lock:
+        if self._thread is None and self._lock.acquire(blocking=False):
+            try:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="llg-free", daemon=True)
                     self._thread.start()
+            finally:
+                self._lock.release()
 
     def _run(self) -> None:
         while True:
