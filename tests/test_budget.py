@@ -8,7 +8,6 @@ import random
 from pathlib import Path
 
 import jsonschema
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,7 +15,7 @@ from hypothesis import strategies as st
 from engine.config import EngineConfig
 from engine.llm_engine import EngineError, LLMEngine
 from engine.request import SamplingParams
-from grammar.base import GrammarSpec, Program
+from grammar.base import GrammarSpec
 from grammar.bitmask import allocate_bitmask, bitmask_to_bool
 from grammar.closing import INF, ClosingAutomaton, _utf8_ranges
 from grammar.compiler import GrammarCompiler
