@@ -187,7 +187,7 @@ class GrammarCompiler:
                 grammar = self._compile_and_store(spec, key, policy)
             except BaseException as e:  # noqa: BLE001 - the future carries it, as a pool's would
                 first.set_exception(e)
-                return _done(exc=e.copy() if isinstance(e, GrammarError) else e)
+                return _done(exc=_own_copy(e))
             first.set_result(grammar)
             return self._serve(grammar, policy, hot, pin)  # (what ``_chain`` would give, without its futures)
         out = Future()
@@ -268,7 +268,7 @@ class GrammarCompiler:
         """Complete ``out`` from the shared first compile, then apply the request's policy."""
         exc = first.exception()
         if exc is not None:
-            out.set_exception(exc.copy() if isinstance(exc, GrammarError) else exc)
+            out.set_exception(_own_copy(exc))
             return
         served = self._serve(first.result(), policy, hot, pin)
         served.add_done_callback(lambda f: _copy_result(f, out))
@@ -316,7 +316,7 @@ class GrammarCompiler:
         def done(f: Future) -> None:
             exc = f.exception()
             if exc is not None:
-                out.set_exception(exc.copy() if isinstance(exc, GrammarError) else exc)
+                out.set_exception(_own_copy(exc))
             else:
                 out.set_result(grammar.using(name) if pin else grammar)
 
@@ -463,6 +463,12 @@ class GrammarCompiler:
             del self._failures[key]
             return None
         return error.copy()
+
+
+def _own_copy(exc: BaseException) -> BaseException:
+    """What one waiter of a shared compile gets: its own copy of a ``GrammarError`` (one instance
+    raised in many threads would gather their tracebacks), any other exception as it is."""
+    return exc.copy() if isinstance(exc, GrammarError) else exc
 
 
 def _done(result=None, exc: BaseException | None = None) -> Future:

@@ -57,10 +57,9 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         except json.JSONDecodeError as e:
             raise GrammarError(f"schema is not valid JSON: {e.msg}") from None
         from grammar.json_schema import schema_to_program
-
         from grammar.json_schema.schema_compiler import SharedProofs
 
-        shared = SharedProofs()
+        shared = SharedProofs()  # (what a refused handover proved, for the translation after it)
         if grammar and handover:
             handed = _handed_over(schema, spec, shared)
             if handed is not None:

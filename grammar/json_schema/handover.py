@@ -853,9 +853,6 @@ def _check_productive(body: dict, defs: dict[str, dict]) -> None:
         raise _Refused("no finite instance")
 
 
-_ENCODER = msgspec.json.Encoder()
-
-
 SHARE_MIN_CHARS = 1000  # schemas this long (as text) get their repeated parts written once
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs")
 _SCHEMA_LISTS = ("anyOf", "prefixItems")
@@ -931,6 +928,9 @@ def share_repeats(body: dict, defs: dict) -> tuple[dict, dict]:
     new_defs = {name: rewrite_children(d) for name, d in defs.items()}
     new_defs.update(shared)
     return new_body, new_defs
+
+
+_ENCODER = msgspec.json.Encoder()
 
 
 def dumps(schema: dict) -> str:
