@@ -80,9 +80,12 @@ def _requests(engine, n: int, args, grammar, max_tokens: int):
         topic = TOPICS[i % len(TOPICS)]
         text = (f"Request {i}. Write a long story about {topic}." if not constrained else
                 f"Request {i}. Describe a person who loves {topic} as a JSON record.")
-        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                   tokenize=False)
-        ids = engine.tokenizer.encode(ids, add_special_tokens=False)
+        if getattr(engine.tokenizer, "chat_template", None):
+            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                        add_generation_prompt=True, tokenize=False)
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        else:  # a base model (Gemma 3 270M, a random GGUF): the text as a plain prompt
+            ids = engine.tokenizer.encode(text)
         params = SamplingParams(max_tokens=max_tokens, temperature=0.8 if sampled else 0.0, seed=i,
                                 ignore_eos=not constrained)
         out.append((ids, params, grammar if constrained else None))

@@ -53,6 +53,12 @@
  * plain C (tests/test_kquants.py checks that it gives this build's bits). GCC vector extensions
  * carry the rest, on 256-bit vectors.
  *
+ * One row (a decode step) is bound by how fast the weights arrive: the k-quant spans are
+ * prefetched PREFETCH_SPANS ahead (the hardware prefetcher alone kept a 1B model's Q4_K / Q6_K
+ * matrices at 18 GB/s on a 2-core AMD EPYC whose DRAM streams 34; with it 24-25 GB/s), each
+ * term's integer sums run in four independent chains, and a sub-block's scale reaches every
+ * lane by one byte shuffle (stencil bench cpu_kernels; the numbers of 2026-12-05 in README).
+ *
  * Layouts: w uint8 [N, row_bytes] (GGUF rows of blocks); q1, q2 int8 [M, K]; dx fp32
  * [M, 8 S], X16 fp32 [M, 16 S] with S = ceil(K / 256) spans (padding zero); y fp32 [M, ldy].
  */
@@ -80,6 +86,9 @@ static const int BLOCK_BYTES[NTYPES] = {18, 20, 22, 24, 34, 144, 176, 210};
 static const int BLOCK_WEIGHTS[NTYPES] = {32, 32, 32, 32, 32, 256, 256, 256};
 #define SPAN 256
 #define TILE_ROWS 4
+#ifndef PREFETCH_SPANS
+#define PREFETCH_SPANS 16
+#endif
 #define ROW_BLOCK 32 /* rows whose activations stay in cache while the columns stream past */
 
 static inline u8x32 load32(const void *p) {
@@ -276,9 +285,10 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
         }
 #if defined(__AVX2__)
         const __m128i smv = _mm_loadu_si128((const __m128i *)sm);
-        int16_t sc16[8];
-        _mm_storeu_si128((__m128i *)sc16, _mm_cvtepu8_epi16(smv));
-        for (int j = 0; j < 8; ++j) sp->sc[j] = (i16x16)_mm256_set1_epi16(sc16[j]);
+        /* the 8 scales as i16 in both 128-bit lanes; unit j's in every lane by one byte shuffle */
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));
+        for (int j = 0; j < 8; ++j)
+            sp->sc[j] = (i16x16)_mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
         const f32x8 m8 = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8)));
 #else
         f32x8 m8;
@@ -339,18 +349,26 @@ __attribute__((always_inline)) static inline void column_tile(const int type, co
     for (int r = 0; r < R; ++r) acc[r] = zacc[r] = splat(0.0f);
     span_t sp;
     for (int s = 0; s < a->spans; ++s) {
+        if (type >= Q4_K) { /* the weights a few spans ahead (the next column's after the row's end) */
+            const char *ahead = (const char *)row + (size_t)(s + PREFETCH_SPANS) * BLOCK_BYTES[type];
+            for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(ahead + l, 0, 0);
+        }
         decode_span(type, row, a->k, s, &sp);
         for (int r = 0; r < R; ++r) {
             const size_t rr = (size_t)(r0 + r);
             const int8_t *q1 = a->q1 + rr * a->k + (size_t)s * SPAN, *q2 = a->q2 + rr * a->k + (size_t)s * SPAN;
             if (type >= Q4_K) { /* one activation scale per span: sub-block scales in integer */
-                i32x8 t1 = {0}, t2 = {0};
+                /* Four independent sums per term, added at the end: one chain of eight dependent
+                 * VPDPWSSD would bound a one-row step by its latency (integer: the same bits). */
+                i32x8 t1[4] = {{0}}, t2[4] = {{0}};
                 for (int u = 0; u < 8; ++u) {
-                    t1 = madd_acc(t1, pairs(sp.c[u], (i8x32)load32(q1 + 32 * u)), sp.sc[u]);
-                    if (TERMS == 2) t2 = madd_acc(t2, pairs(sp.c[u], (i8x32)load32(q2 + 32 * u)), sp.sc[u]);
+                    t1[u & 3] = madd_acc(t1[u & 3], pairs(sp.c[u], (i8x32)load32(q1 + 32 * u)), sp.sc[u]);
+                    if (TERMS == 2)
+                        t2[u & 3] = madd_acc(t2[u & 3], pairs(sp.c[u], (i8x32)load32(q2 + 32 * u)), sp.sc[u]);
                 }
+                const i32x8 T1 = (t1[0] + t1[1]) + (t1[2] + t1[3]), T2 = (t2[0] + t2[1]) + (t2[2] + t2[3]);
                 const float scale = sp.d[0] * a->dx[(rr * a->spans + s) * 8];
-                acc[r] = acc[r] + (__builtin_convertvector(t1, f32x8) * 256.0f + __builtin_convertvector(t2, f32x8)) *
+                acc[r] = acc[r] + (__builtin_convertvector(T1, f32x8) * 256.0f + __builtin_convertvector(T2, f32x8)) *
                                       splat(scale);
             } else { /* one activation scale per block of 32, as the weights */
                 f32x8 p;
