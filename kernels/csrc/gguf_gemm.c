@@ -80,6 +80,7 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x8 __attribute__((vector_size(8)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, NTYPES };
 static const int BLOCK_BYTES[NTYPES] = {18, 20, 22, 24, 34, 144, 176, 210};
@@ -245,12 +246,15 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
             const uint8_t *ql = b, *qh = b + 128;
             const float d = h2f(b + 208);
             sp->d = splat(d);
+            /* Shifts by 16-bit lanes, then masks: the bits a lane's neighbour pushes in are masked
+             * off (x86 has no byte shift; one emulated by additions cost 32 instructions a span). */
             for (int n = 0; n < 2; ++n) {
                 const u8x32 l0 = load32(ql + 64 * n), l1 = load32(ql + 64 * n + 32), h = load32(qh + 32 * n);
-                sp->c[4 * n + 0] = (l0 & 15) | ((h & 3) << 4);
-                sp->c[4 * n + 1] = (l1 & 15) | (((h >> 2) & 3) << 4);
-                sp->c[4 * n + 2] = (l0 >> 4) | (((h >> 4) & 3) << 4);
-                sp->c[4 * n + 3] = (l1 >> 4) | (((h >> 6) & 3) << 4);
+                const u16x16 h16 = (u16x16)h;
+                sp->c[4 * n + 0] = (l0 & 15) | ((u8x32)(h16 << 4) & 0x30);
+                sp->c[4 * n + 1] = (l1 & 15) | ((u8x32)(h16 << 2) & 0x30);
+                sp->c[4 * n + 2] = ((u8x32)((u16x16)l0 >> 4) & 15) | (h & 0x30);
+                sp->c[4 * n + 3] = ((u8x32)((u16x16)l1 >> 4) & 15) | ((u8x32)(h16 >> 2) & 0x30);
             }
             i8x16 sc8;
             memcpy(&sc8, b + 192, 16);
@@ -263,9 +267,14 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
 #undef UNIT_SCALES
             const f32x8 d32 = splat(-32.0f), dv = splat(d);
             for (int h = 0; h < 2; ++h) {
+#if defined(__AVX2__)
+                const f32x8 sc_f = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h))));
+#else
                 i8x8 part;
                 memcpy(&part, b + 192 + 8 * h, 8);
-                sp->z[h] = d32 * (dv * __builtin_convertvector(__builtin_convertvector(part, i32x8), f32x8)); /* -32 (d sc) */
+                const f32x8 sc_f = __builtin_convertvector(__builtin_convertvector(part, i32x8), f32x8);
+#endif
+                sp->z[h] = d32 * (dv * sc_f); /* -32 (d sc) */
             }
             return;
         }
@@ -280,8 +289,8 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
             sp->c[2 * i + 1] = v >> 4;
         }
         if (type == Q5_K) {
-            const u8x32 h = load32(b + 16);
-            for (int j = 0; j < 8; ++j) sp->c[j] |= ((h >> j) & 1) << 4;
+            const u16x16 h = (u16x16)load32(b + 16); /* bit j of byte l: the 5th bit of unit j's weight l */
+            for (int j = 0; j < 8; ++j) sp->c[j] |= (u8x32)(j <= 4 ? h << (4 - j) : h >> (j - 4)) & 16;
         }
 #if defined(__AVX2__)
         const __m128i smv = _mm_loadu_si128((const __m128i *)sm);
