@@ -1,11 +1,14 @@
 """``kernels.layer_ops.rope_and_cache``: RoPE on q and k and the paged-cache write in one native
 call, against the torch path it replaces (``apply_rope`` and ``index_copy_``): the same bits,
-for fp32 and bf16 caches, strided q/k/v views of a fused QKV output, and bad slots refused."""
+for fp32 and bf16 caches, strided q/k/v views of a fused QKV output, and bad slots refused.
+``kernels.layer_ops.rms_norm``: against ``F.rms_norm`` and the exact fp64 norm, each row the same
+bits alone or in a batch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import layer_ops
 from kernels.torch_ref import TorchAttentionBackend
@@ -68,3 +71,39 @@ def test_a_slot_outside_the_cache_is_refused_and_other_backends_write_themselves
                                    lambda *a: written.append(a), flat_cache=False)
     assert torch.equal(got, layer_ops.apply_rope(q, cos, sin)) and len(written) == 1
     assert torch.equal(written[0][0], layer_ops.apply_rope(k, cos, sin)) and not bool(caches[0].any())
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 640), (37, 576), (3, 4, 256), (2, 5, 13)])
+def test_rms_norm_is_torchs_up_to_the_order_of_its_sum(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * 4
+    w = torch.randn(shape[-1], generator=g)
+    got = layer_ops.rms_norm(x, w, 1e-6)
+    exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    # both round each product once; only the sum of squares (an ulp or so of r) may differ
+    assert (got.double() - exact).abs().max() <= 4e-7 * exact.abs().max()
+    assert torch.allclose(got, F.rms_norm(x, w.shape, w, eps=1e-6), rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
+def test_rms_norm_of_a_row_never_depends_on_the_batch_and_reads_strided_heads():
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(40, 6 * 256, generator=g)
+    q = qkv[:, : 4 * 256].view(40, 4, 256)  # rows of a fused projection: x[t] is one block
+    w = torch.randn(256, generator=g)
+    whole = layer_ops.rms_norm(q, w, 1e-6)  # 40 rows x 4 heads: the threaded path
+    assert whole.is_contiguous() and whole.shape == q.shape
+    assert torch.equal(whole, layer_ops.rms_norm(q.contiguous(), w, 1e-6))
+    for t in (0, 17, 39):
+        assert torch.equal(whole[t:t + 1], layer_ops.rms_norm(q[t:t + 1], w, 1e-6))
+
+
+def test_rms_norm_falls_back_to_torch_where_the_kernel_does_not_apply():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 64, generator=g)
+    w = torch.randn(64, generator=g)
+    cols = x.t()  # rows not contiguous blocks
+    assert torch.equal(layer_ops.rms_norm(cols, w[:8], 1e-5), F.rms_norm(cols, (8,), w[:8], eps=1e-5))
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    assert torch.equal(layer_ops.rms_norm(xb, wb, 1e-5), F.rms_norm(xb, (64,), wb, eps=1e-5))

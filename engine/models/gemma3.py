@@ -39,6 +39,7 @@ from torch import nn
 
 from engine.models.llama import DenseEmbedding, DenseLinear, LlamaForCausalLM, _empty_param, rope_and_cache
 from engine.models.rope import RopeSpec, rope_cos_sin
+from kernels import layer_ops
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -135,6 +136,8 @@ class GemmaRMSNorm(nn.Module):
         self.weight = _empty_param((dim,), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return layer_ops.rms_norm(x, self.weight, self.eps)  # one native call on CPU
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), eps=self.eps).to(x.dtype)
 
 

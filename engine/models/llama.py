@@ -77,8 +77,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused call; the same products as below, so results are identical.
-            return F.rms_norm(x, self.weight.shape, self.weight, eps=self.eps)
+            # One call (native on CPU: kernels.layer_ops.rms_norm); the same products as below.
+            return layer_ops.rms_norm(x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
