@@ -15,20 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-_WS = " \t\r\n"
-_SCALAR_END = ",]}" + _WS
-
-
-@dataclass(slots=True)
-class _Frame:
-    """An open container: an object (``key`` of the member being read) or an array (``index``)."""
-
-    is_object: bool
-    key: str | None = None
-    index: int = 0
-    in_value: bool = False  # a member value / element has started and not ended
-    value_done: bool = False  # ... and has ended (until the next comma)
-    value_start: int = 0
+from service.json_scan import Frame, JsonScanner
 
 
 @dataclass(slots=True)
@@ -46,100 +33,30 @@ class Progress:
 
 
 def progress(text: str) -> Progress:
-    """Read a prefix of a JSON document (compact or not).
+    """Read a prefix of a JSON document (compact or not; ``service.json_scan`` reads it).
 
     Only a top-level object has members; for any other document ``done`` stays empty and
     ``complete`` says whether it has ended. Text that is not a JSON prefix gives what was read
     before the fault.
     """
     out = Progress()
-    stack: list[_Frame] = []
-    in_string = escaped = False
-    string_is_key = False
-    string_start = 0
-    scalar_start: int | None = None
-    i, n = 0, len(text)
 
-    def value_begins(at: int) -> None:
-        if stack:
-            top = stack[-1]
-            top.in_value = True
-            top.value_start = at
-
-    def value_ends(end: int) -> None:
-        if not stack:
-            out.complete = True
-            return
-        top = stack[-1]
-        if top.is_object and len(stack) == 1 and top.key is not None:
+    def member_ends(start: int, end: int) -> None:
+        stack = scanner.stack
+        if len(stack) == 1 and stack[0].is_object and stack[0].key is not None:
             try:
-                out.done[top.key] = json.loads(text[top.value_start:end])
+                out.done[stack[0].key] = json.loads(scanner.text[start:end])
             except ValueError:
                 pass
-        top.in_value = False
-        top.value_done = True
 
-    while i < n:
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-                if string_is_key:
-                    stack[-1].key = json.loads(text[string_start:i + 1])
-                else:
-                    value_ends(i + 1)
-            i += 1
-            continue
-        if scalar_start is not None:
-            if ch not in _SCALAR_END:
-                i += 1
-                continue
-            scalar_start = None
-            value_ends(i)  # the delimiter is read below
-        if ch in _WS:
-            i += 1
-            continue
-        top = stack[-1] if stack else None
-        if ch == '"':
-            in_string = True
-            string_start = i
-            string_is_key = top is not None and top.is_object and not top.in_value and top.key is None
-            if not string_is_key:
-                value_begins(i)
-        elif ch in "{[":
-            value_begins(i)
-            stack.append(_Frame(is_object=ch == "{"))
-        elif ch in "}]":
-            if top is None:
-                break
-            stack.pop()
-            value_ends(i + 1)
-        elif ch == ":":
-            pass
-        elif ch == ",":
-            if top is None:
-                break
-            top.value_done = False
-            if top.is_object:
-                top.key = None
-            else:
-                top.index += 1
-        else:  # a number, true, false or null begins
-            value_begins(i)
-            scalar_start = i
-        i += 1
-    if scalar_start is not None and not stack:
-        # A bare scalar at the end may still grow ("12" -> "123"): complete only when delimited.
-        out.complete = False
-    out.writing = _path(stack)
+    scanner = JsonScanner(on_end=member_ends)
+    scanner.feed(text)
+    out.complete = scanner.end is not None
+    out.writing = _path(scanner.stack)
     return out
 
 
-def _path(stack: list[_Frame]) -> str | None:
+def _path(stack: list[Frame]) -> str | None:
     parts: list[str] = []
     for frame in stack:
         if frame.value_done:

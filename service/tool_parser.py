@@ -11,9 +11,9 @@ a call that ends. Both the streamed answers (OpenAI's tool-call deltas, the Resp
 ``function_call_arguments.delta`` events) and the whole answers use it, so a call's arguments are
 the same characters either way: the model's own JSON text.
 
-The end of ARGUMENTS is found with a small JSON scanner (container depth, strings and escapes):
-a container ends when its depth returns to 0, a string at its closing quote, a bare scalar at
-the ``}`` that closes the call object.
+The end of ARGUMENTS is found by the service's JSON scanner (``service.json_scan``): a container
+ends at its closing bracket, a string at its closing quote, a bare scalar at the ``}`` that
+closes the call object.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Literal
+
+from service.json_scan import JsonScanner
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -69,38 +71,6 @@ class _State(enum.Enum):
 
 
 @dataclass(slots=True)
-class _Scanner:
-    """Where a JSON value stands: container depth, inside a string, after a backslash."""
-
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
-
-    def step(self, ch: str) -> Literal["more", "done_after", "done_before"]:
-        """Advance over ``ch``: the value goes on, ends with ``ch``, or ended before ``ch``."""
-        if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == '"':
-                self.in_string = False
-                return "done_after" if self.depth == 0 else "more"
-            return "more"
-        if ch == '"':
-            self.in_string = True
-        elif ch in "{[":
-            self.depth += 1
-        elif ch in "}]":
-            if self.depth == 0:
-                return "done_before"  # a bare scalar, ended by the call object's brace
-            self.depth -= 1
-            if self.depth == 0:
-                return "done_after"
-        return "more"
-
-
-@dataclass(slots=True)
 class ToolCallParser:
     """Incremental parser of one answer (see the module docstring).
 
@@ -117,7 +87,7 @@ class ToolCallParser:
     text: str = ""
     _state: _State = _State.HEADER
     _buf: str = ""
-    _scan: _Scanner = field(default_factory=_Scanner)
+    _scan: JsonScanner = field(default_factory=JsonScanner)
 
     def __post_init__(self) -> None:
         self._state = _State.DECIDE if self.may_be_text else _State.HEADER
@@ -217,21 +187,18 @@ class ToolCallParser:
         self.calls.append(ParsedCall(name))
         events.append(ToolEvent("start", index=len(self.calls) - 1, name=name))
         self._state = _State.ARGUMENTS
-        self._scan = _Scanner()
+        self._scan = JsonScanner()
         return rest
 
     def _arguments(self, text: str, events: list[ToolEvent]) -> str:
         call = self.calls[-1]
-        for i, ch in enumerate(text):
-            verdict = self._scan.step(ch)
-            if verdict == "more":
-                continue
-            end = i + 1 if verdict == "done_after" else i
-            self._emit_arguments(call, text[:end], events)
-            self._state = _State.TRAILER
-            return text[end:]
-        self._emit_arguments(call, text, events)
-        return ""
+        end = self._scan.feed(text)
+        if end is None:
+            self._emit_arguments(call, text, events)
+            return ""
+        self._emit_arguments(call, text[:end], events)
+        self._state = _State.TRAILER
+        return text[end:]
 
     def _emit_arguments(self, call: ParsedCall, fragment: str, events: list[ToolEvent]) -> None:
         if fragment:
