@@ -134,12 +134,12 @@ class Probes:
 def install(probes: Probes, state) -> None:
     """Probe the service's request path and the engine's step (``state``: the app's ServiceState)."""
     from engine.detokenizer import IncrementalDetokenizer
-    from service import generation
+    from service import inputs
 
     eng = state.engine.engine
-    probes.wrap(generation, "tokenize", "tokenize")
-    probes.wrap(generation, "sampling_params", "sampling_params")
-    probes.wrap(generation, "grammar_spec", "grammar_spec")
+    probes.wrap(inputs, "tokenize", "tokenize")
+    probes.wrap(inputs, "sampling_params", "sampling_params")
+    probes.wrap(inputs, "grammar_spec", "grammar_spec")
     probes.wrap(state.engine, "compile_grammar", "compile")
     start_compile = state.engine.grammar_future
 

@@ -37,7 +37,7 @@ from grammar.base import GrammarError
 from schemas.common import Problem
 from schemas.generate import (GenerateRequest, GenerateResponse, HealthResponse, StreamDelta, StreamError,
                               StreamFinal)
-from service import generation
+from service import generation, inputs
 from service.errors import (InputError, ServiceError, Unauthorized, Unavailable, client_left_during_body,
                             log_refused, named_as, to_problem)
 from service.metrics import Metrics
@@ -227,14 +227,14 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
     if data.parse_special_tokens and data.prompt is None:
         raise InputError("parse_special_tokens applies to a plain 'prompt'; message content is always plain text",
                          field="parse_special_tokens")
-    prompt_ids = await generation.tokenize(service, prompt=data.prompt, messages=messages,
+    prompt_ids = await inputs.tokenize(service, prompt=data.prompt, messages=messages,
                                            parse_special_tokens=data.parse_special_tokens)
-    params = generation.sampling_params(cfg, max_tokens=data.max_tokens, temperature=data.temperature,
+    params = inputs.sampling_params(cfg, max_tokens=data.max_tokens, temperature=data.temperature,
                                         top_p=data.top_p, top_k=data.top_k, seed=data.seed, stop=data.stop,
                                         logprobs=data.logprobs, speculative=data.speculative,
                                         close_on_budget=data.close_on_budget,
                                         soft_limits=data.soft_limits)
-    spec = await generation.checked_grammar_spec(service, response_schema=data.response_schema, regex=data.regex,
+    spec = await inputs.checked_grammar_spec(service, response_schema=data.response_schema, regex=data.regex,
                                                  choice=data.choice, whitespace=data.whitespace, strict=data.strict,
                                                  grammar=data.grammar.lark if data.grammar is not None else None)
     with named_as({"prompt": "messages"} if messages is not None else {}):  # the engine says "prompt"

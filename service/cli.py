@@ -247,7 +247,7 @@ def _progress(msg: str) -> None:
 
 async def _generate_once(args: argparse.Namespace) -> int:
     from engine.async_engine import AsyncEngine
-    from service import generation
+    from service import generation, inputs
     from service.errors import to_problem
     from service.metrics import Metrics
     from service.state import ServiceConfig, ServiceState
@@ -271,11 +271,11 @@ async def _generate_once(args: argparse.Namespace) -> int:
                          checker=OutputChecker(), model_name=model_id(aeng.model_path))
     try:
         messages = None if args.raw else [{"role": "user", "content": args.prompt}]
-        prompt_ids = await generation.tokenize(state, prompt=args.prompt if args.raw else None, messages=messages,
+        prompt_ids = await inputs.tokenize(state, prompt=args.prompt if args.raw else None, messages=messages,
                                                parse_special_tokens=args.raw and args.parse_special_tokens)
-        params = generation.sampling_params(cfg, max_tokens=args.max_tokens, temperature=args.temperature,
+        params = inputs.sampling_params(cfg, max_tokens=args.max_tokens, temperature=args.temperature,
                                             seed=args.seed)
-        spec = generation.grammar_spec(cfg, response_schema=schema, regex=args.regex)
+        spec = inputs.grammar_spec(cfg, response_schema=schema, regex=args.regex)
         if spec is not None:
             _progress("compiling grammar ...")
         gen = await generation.start(state, prompt_ids, params, spec, "cli-" + os.urandom(6).hex())

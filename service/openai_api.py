@@ -49,6 +49,7 @@ from schemas.openai import (
     ToolCallDelta, ToolChoiceFunction, Usage,
 )
 from service import generation as gen
+from service import inputs
 from service.errors import InputError, named_as
 from service.openai_common import (
     GENERATION_ERRORS, Constraint, check_model, constraint, error_fields, grammar_field, logit_bias_ids, merged,
@@ -211,7 +212,7 @@ async def _structured_outputs(svc: ServiceState, so, response_format, plan) -> C
     names = {"response_schema": "structured_outputs.json", "regex": "structured_outputs.regex",
              "choice": "structured_outputs.choice", "grammar": "structured_outputs.grammar"}
     with grammar_field(_format_field(so)), named_as(names):
-        spec = await gen.checked_grammar_spec(svc, response_schema=so.json, regex=so.regex, choice=so.choice,
+        spec = await inputs.checked_grammar_spec(svc, response_schema=so.json, regex=so.regex, choice=so.choice,
                                               grammar=so.grammar)
     return Constraint(spec, so.json, plan if plan is not None else ToolPlan("none", (), False))
 
@@ -489,7 +490,7 @@ class Completions:
         groups = _prompts(svc, data.prompt)
         schema, strict = format_schema(data.response_format)
         with named_as({"response_schema": "response_format"}):
-            spec = await gen.checked_grammar_spec(svc, response_schema=schema, strict=strict)
+            spec = await inputs.checked_grammar_spec(svc, response_schema=schema, strict=strict)
         c = Constraint(spec, schema, ToolPlan("none", (), False))
         if data.structured_outputs is not None:
             c = await _structured_outputs(svc, data.structured_outputs, data.response_format, None)
@@ -500,7 +501,7 @@ class Completions:
                                   top_logprobs=data.logprobs or 0, logit_bias=bias)
                   for s in _seeds(data.seed, n)]
         parse = bool(data.parse_special_tokens)
-        prompt_ids = [g if isinstance(g, list) else await gen.tokenize(svc, prompt=g, parse_special_tokens=parse)
+        prompt_ids = [g if isinstance(g, list) else await inputs.tokenize(svc, prompt=g, parse_special_tokens=parse)
                       for g in groups]
         return _CompletionJob(rid=f"cmpl-{uuid.uuid4().hex}", model=model, constraint=c,
                               format_field=_format_field(data.structured_outputs),

@@ -24,6 +24,7 @@ from litestar.exceptions import HTTPException, SerializationException, Validatio
 from grammar.base import GrammarError, GrammarSpec
 from schemas.openai import ErrorBody, ErrorResponse, FunctionDefinition, TokenLogprob, TopLogprob
 from service import generation as gen
+from service import inputs
 from service.openapi_docs import error_responses
 from service.errors import ClientDisconnected, GenerationFailed, InputError, ServiceError, client_left_during_body, \
     log_refused, named_as, to_problem
@@ -218,15 +219,15 @@ async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPla
     """
     if not plan.active:
         with named_as({"response_schema": format_field}):
-            spec = await gen.checked_grammar_spec(svc, response_schema=schema, strict=strict)
+            spec = await inputs.checked_grammar_spec(svc, response_schema=schema, strict=strict)
         return Constraint(spec, schema, plan)
     for i, fn in enumerate(plan.functions):
         if fn.parameters is not None:
             with named_as({"response_schema": parameters_field.format(i=i)}):
-                await gen.check_schema_off_loop(svc, fn.parameters)
+                await inputs.check_schema_off_loop(svc, fn.parameters)
     if schema is not None:
         with named_as({"response_schema": format_field}):
-            await gen.check_schema_off_loop(svc, schema)
+            await inputs.check_schema_off_loop(svc, schema)
     from grammar.json_schema import schema_to_regex
 
     warnings: list[str] = []

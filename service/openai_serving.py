@@ -32,6 +32,7 @@ from litestar.response import Stream
 from engine.request import SamplingParams
 from schemas.openai import ChatMessage, FunctionDefinition
 from service import generation as gen
+from service import inputs
 from service.errors import named_as
 from service.openai_common import (SSE_HEADERS, Constraint, openai_temperature, relaxed, run_all, start_all,
                                    vocab_size, warnings_header)
@@ -120,13 +121,13 @@ def sampling_params(svc: ServiceState, data: Any, *, max_tokens: int | None, see
     the request type lacks takes its neutral value) and the ones each endpoint names its own way.
 
     Raises:
-        service.errors.InputError: a value out of range (``service.generation.sampling_params``).
+        service.errors.InputError: a value out of range (``service.inputs.sampling_params``).
     """
     def field(name: str, default: Any) -> Any:
         value = getattr(data, name, None)
         return default if value is None else value
 
-    return gen.sampling_params(svc.config, max_tokens=max_tokens, temperature=openai_temperature(data.temperature),
+    return inputs.sampling_params(svc.config, max_tokens=max_tokens, temperature=openai_temperature(data.temperature),
                                top_p=field("top_p", 1.0), top_k=field("top_k", 0), seed=seed,
                                stop=getattr(data, "stop", None), logprobs=logprobs,
                                top_logprobs=top_logprobs, logit_bias=logit_bias,
@@ -143,7 +144,7 @@ async def chat_prompt(svc: ServiceState, messages: list[ChatMessage], functions:
     """The tool plan and the prompt token ids of a chat-shaped request (messages and tools).
 
     The tools go to the chat template natively when it takes them, else into a system message
-    (``service.tools.template_messages``); content stays data (``service.generation.tokenize``).
+    (``service.tools.template_messages``); content stays data (``service.inputs.tokenize``).
 
     Raises:
         service.tools.ToolError: tools and ``tool_choice`` that do not fit (``plan_tools``).
@@ -152,4 +153,4 @@ async def chat_prompt(svc: ServiceState, messages: list[ChatMessage], functions:
     plan = plan_tools(functions, choice, named, parallel, max_calls)
     native = template_supports_tools(getattr(svc.engine.tokenizer, "chat_template", None))
     templated, tools_arg = template_messages(messages, plan, native)
-    return plan, await gen.tokenize(svc, messages=templated, tools=tools_arg)
+    return plan, await inputs.tokenize(svc, messages=templated, tools=tools_arg)

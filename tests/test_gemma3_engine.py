@@ -52,7 +52,7 @@ def test_gemma3_greedy_outputs_do_not_depend_on_batching_caching_chunking_preemp
 
 def test_gemma3_engine_limits_and_stops_come_from_the_gguf(gemma_gguf):
     from service.errors import InputError
-    from service.generation import render_messages
+    from service.prompts import render_messages
 
     eng = LLMEngine(EngineConfig(model=gemma_gguf, num_kv_blocks=32))
     assert eng.max_model_len == 256  # context_length: the window caps nothing

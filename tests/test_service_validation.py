@@ -12,7 +12,7 @@ from engine.llm_engine import EngineError, EngineOverloaded
 from engine.speculative import SpecConfig
 from grammar.base import GrammarError, GrammarSpec
 from grammar.budget import SoftLimits
-from service import generation
+from service import inputs, prompts
 from service.errors import GenerationTimeout, InputError, Overloaded, to_problem
 from service.logs import JsonFormatter
 from service.state import ServiceConfig
@@ -132,44 +132,44 @@ def test_validator_cache_is_bounded():
 # -- request fields → engine objects ---------------------------------------------------------------
 
 def test_sampling_params_defaults_and_caps():
-    p = generation.sampling_params(CFG, stop="END", speculative=False)
+    p = inputs.sampling_params(CFG, stop="END", speculative=False)
     assert p.max_tokens == 20 and p.temperature == 0.0 and p.stop == ["END"]
     assert p.speculative is False  # typed: SpecConfig, False (off) or None (the server's default)
-    assert generation.sampling_params(CFG, speculative=True).speculative == SpecConfig()
-    assert generation.sampling_params(CFG, speculative={"num_speculative_tokens": 2}).speculative == \
+    assert inputs.sampling_params(CFG, speculative=True).speculative == SpecConfig()
+    assert inputs.sampling_params(CFG, speculative={"num_speculative_tokens": 2}).speculative == \
         SpecConfig(num_speculative_tokens=2)
-    assert generation.sampling_params(CFG, soft_limits={"array_items": 3}).soft_limits == SoftLimits(array_items=3)
-    assert generation.sampling_params(CFG, soft_limits=True).soft_limits is None
-    assert _input_error(generation.sampling_params, CFG, speculative={"method": "medusa"}).field == "speculative.method"
-    assert _input_error(generation.sampling_params, CFG, soft_limits={"depth": 2}).field == "soft_limits.depth"
-    assert _input_error(generation.sampling_params, CFG, max_tokens=101).field == "max_tokens"
-    assert _input_error(generation.sampling_params, CFG, max_tokens=0).field == "max_tokens"
-    assert _input_error(generation.sampling_params, CFG, top_p=0.0).field == "top_p"
-    assert _input_error(generation.sampling_params, CFG, temperature=float("nan")).field == "temperature"
-    assert _input_error(generation.sampling_params, CFG, stop=["a"] * 9).field == "stop"
-    assert _input_error(generation.sampling_params, CFG, stop=[""]).field == "stop"
+    assert inputs.sampling_params(CFG, soft_limits={"array_items": 3}).soft_limits == SoftLimits(array_items=3)
+    assert inputs.sampling_params(CFG, soft_limits=True).soft_limits is None
+    assert _input_error(inputs.sampling_params, CFG, speculative={"method": "medusa"}).field == "speculative.method"
+    assert _input_error(inputs.sampling_params, CFG, soft_limits={"depth": 2}).field == "soft_limits.depth"
+    assert _input_error(inputs.sampling_params, CFG, max_tokens=101).field == "max_tokens"
+    assert _input_error(inputs.sampling_params, CFG, max_tokens=0).field == "max_tokens"
+    assert _input_error(inputs.sampling_params, CFG, top_p=0.0).field == "top_p"
+    assert _input_error(inputs.sampling_params, CFG, temperature=float("nan")).field == "temperature"
+    assert _input_error(inputs.sampling_params, CFG, stop=["a"] * 9).field == "stop"
+    assert _input_error(inputs.sampling_params, CFG, stop=[""]).field == "stop"
 
 
 def test_grammar_spec_kinds_and_conflicts():
-    assert generation.grammar_spec(CFG) is None
-    s = generation.grammar_spec(CFG, response_schema={"type": "integer"}, whitespace="flexible", strict=False)
+    assert inputs.grammar_spec(CFG) is None
+    s = inputs.grammar_spec(CFG, response_schema={"type": "integer"}, whitespace="flexible", strict=False)
     assert (s.kind, json.loads(s.value), s.whitespace, s.strict) == ("json_schema", {"type": "integer"}, "flexible", False)
-    assert generation.grammar_spec(CFG, regex="a+").value == "a+"
-    assert json.loads(generation.grammar_spec(CFG, choice=["é", "b"]).value) == ["é", "b"]
-    e = _input_error(generation.grammar_spec, CFG, response_schema={}, regex="a")
+    assert inputs.grammar_spec(CFG, regex="a+").value == "a+"
+    assert json.loads(inputs.grammar_spec(CFG, choice=["é", "b"]).value) == ["é", "b"]
+    e = _input_error(inputs.grammar_spec, CFG, response_schema={}, regex="a")
     assert "at most one" in e.detail and e.field == "regex"
-    assert _input_error(generation.grammar_spec, CFG, choice=[]).field == "choice"
-    assert _input_error(generation.grammar_spec, CFG, regex="").field == "regex"
+    assert _input_error(inputs.grammar_spec, CFG, choice=[]).field == "choice"
+    assert _input_error(inputs.grammar_spec, CFG, regex="").field == "regex"
 
 
 def test_messages_need_a_template_and_text_parts():
     class NoTemplate:
         chat_template = None
 
-    assert _input_error(generation.render_messages, NoTemplate(), [{"role": "user", "content": "x"}]).field == "messages"
-    assert generation.message_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], 0) == "ab"
-    assert _input_error(generation.message_text, [{"type": "image_url"}], 3).field == "messages[3].content"
-    assert _input_error(generation.encode_prompt, None, "p", [{"role": "user", "content": "m"}]).field == "prompt"
+    assert _input_error(prompts.render_messages, NoTemplate(), [{"role": "user", "content": "x"}]).field == "messages"
+    assert prompts.message_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], 0) == "ab"
+    assert _input_error(prompts.message_text, [{"type": "image_url"}], 3).field == "messages[3].content"
+    assert _input_error(prompts.encode_prompt, None, "p", [{"role": "user", "content": "m"}]).field == "prompt"
 
 
 # -- errors → problems -----------------------------------------------------------------------------

@@ -242,7 +242,7 @@ def test_template_messages_with_native_tools():
 def test_template_support_detection_and_rendering(tokenizer):
     assert not template_supports_tools(tokenizer.chat_template)  # SmolLM2's ChatML template
     assert template_supports_tools("{% if tools %}{{ tools | tojson }}{% endif %}")
-    from service.generation import render_messages
+    from service.prompts import render_messages
 
     plan = plan_tools(_fns(WEATHER), "auto", parallel_tool_calls=True)
     text = render_messages(tokenizer, template_messages(_history(), plan, False)[0])
