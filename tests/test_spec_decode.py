@@ -615,6 +615,11 @@ def test_spec_benchmark_flags_a_row_whose_plain_steps_varied_by_more_than_a_fift
     assert steady["switch"]["stops"] == [1, 1] and steady["switch"]["draft_row_ms"]["median"] == 2.0
     noisy = bench.spread([pair(0.87, [45.0, 44.0]), pair(1.5, [22.0, 23.0])])  # the slow spell of issue 35
     assert noisy["noisy"] is True and noisy["plain_step_variation"] == pytest.approx(45 / 22 - 1)
+    # quarters that differ alike in every pair are the workload, not the machine
+    shaped = bench.spread([pair(1.1, [18.9, 22.7, 19.4, 22.1]), pair(1.2, [19.3, 23.1, 19.9, 22.5])])
+    assert shaped["noisy"] is False and shaped["plain_step_variation"] == pytest.approx(19.9 / 19.4 - 1)
+    one = bench.spread([pair(1.1, [18.0, 23.0])])  # one pair: its quarters against each other
+    assert one["noisy"] is True and one["plain_step_variation"] == pytest.approx(23 / 18 - 1)
 
 
 def _children_running(cmd: str) -> list[int]:
