@@ -57,7 +57,8 @@
  * prefetched PREFETCH_SPANS ahead (the hardware prefetcher alone kept a 1B model's Q4_K / Q6_K
  * matrices at 18 GB/s on a 2-core AMD EPYC whose DRAM streams 34; with it 24-25 GB/s), each
  * term's integer sums run in four independent chains, and a sub-block's scale reaches every
- * lane by one byte shuffle (stencil bench cpu_kernels; the numbers of 2026-12-05 in README).
+ * lane by one byte shuffle (timed over all 112 layer matrices read once, in process; the decode
+ * steps of `stencil bench overhead` before and after are in README, "The model the user brings").
  *
  * Layouts: w uint8 [N, row_bytes] (GGUF rows of blocks); q1, q2 int8 [M, K]; dx fp32
  * [M, 8 S], X16 fp32 [M, 16 S] with S = ceil(K / 256) spans (padding zero); y fp32 [M, ldy].
