@@ -109,13 +109,29 @@ def strict_body(body_type: Any) -> Callable:
         try:
             decoder.decode(body)
         except msgspec.ValidationError as e:
+            try:  # a value the type refuses may come before the place where the text stops being JSON
+                msgspec.json.decode(body)
+            except msgspec.DecodeError as d:
+                _not_json(body, d)
+                return
+            except RecursionError:
+                pass  # nested past what an untyped decode reaches: the type's error names the field
             key, message = field_of(e)
             raise ValidationException(detail=f"Validation failed for {connection.method} {connection.url.path}",
                                       extra=[{"message": message, "key": key}]) from None
         except msgspec.DecodeError as e:
-            if "truncated" in str(e):  # msgspec names no position here: the body's end is it
-                raise InputError(f"the body is not valid JSON: it ends at byte {len(body)}, inside the JSON value "
-                                 "(truncated)") from None
-            return  # not JSON: Litestar's own decoding answers it with a 400 naming the byte
+            _not_json(body, e)
 
     return guard
+
+
+def _not_json(body: bytes, error: msgspec.DecodeError) -> None:
+    """A body that is not JSON: one cut inside its value is a 400 saying at which byte; any other
+    is left to Litestar's own decoding, which answers it with a 400 naming the byte.
+
+    Raises:
+        InputError: the body ends inside its JSON value.
+    """
+    if "truncated" in str(error):  # msgspec names no position here: the body's end is it
+        raise InputError(f"the body is not valid JSON: it ends at byte {len(body)}, inside the JSON value "
+                         "(truncated)") from None

@@ -89,6 +89,7 @@ SELF_CYCLE = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
 @pytest.mark.parametrize("raw, needle", [
     (b'{"prompt": "x",}', "not valid JSON"),
     (b'{"prompt": ', "not valid JSON: it ends at byte 11"),
+    (b'{"prompt": "x", "foo": 1, "max_tokens": ', "not valid JSON: it ends at byte 40"),
     (b"\x00\x01", "not valid JSON"),
     (b"", "body is empty"),
     (b'{"prompt": "\xff\xfe"}', "UTF-8"),
@@ -409,6 +410,9 @@ def test_server_is_clean_after_bad_input(client):
                                      "json_schema": {"name": "r", "schema": {"$ref": "https://example.com/s"}}}}
                 ).encode(), "points outside the schema"),
     (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}).encode(), "max_tokens"),
+    # cut short after a field the route does not know: the cut is the problem, not the field
+    (b'{"prompt": "hi", ', "not valid JSON: it ends at byte 17"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_output_tokens": 16', "not valid JSON: it ends at byte 72"),
 ])
 def test_openai_routes_name_the_problem(client, raw, needle):
     r = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
