@@ -479,7 +479,9 @@ class Verdict:
 def verdict(svc: ServiceState, c: Constraint, r: gen.GenerationResult, relaxed_warnings: list[str]) -> Verdict:
     """Read a finished answer under its constraint (whole or streamed answers alike).
 
-    Output cut short (``length``, or a stop string inside a call) comes back as plain text.
+    Output cut short (``length``, or a stop string inside a call) comes back as plain text; with
+    ``tool_choice: "auto"`` a text answer cut at ``max_tokens`` is judged as the text answer it is
+    (no ``valid`` without a schema for text), a cut call as not valid.
 
     Raises:
         GenerationFailed: the arguments of a ``strict: true`` function fail their schema
@@ -490,7 +492,12 @@ def verdict(svc: ServiceState, c: Constraint, r: gen.GenerationResult, relaxed_w
             return Verdict(r.text, [], r.finish_reason, None, [])
         problems = [w for w in r.warnings if w not in relaxed_warnings]
         return Verdict(r.text, [], r.finish_reason, r.valid, problems)
-    parsed = parse_answer(r.text, c.plan.mode == "auto") if r.finish_reason == "stop" else None
+    auto = c.plan.mode == "auto"
+    parsed = parse_answer(r.text, auto) if r.finish_reason == "stop" else None
+    if parsed is None and auto and r.finish_reason == "length":
+        cut = parse_answer(r.text, True)
+        if cut is not None and not cut[1]:
+            parsed = cut  # a text answer cut at max_tokens is still a text answer (any text is one)
     if parsed is None:
         why = "output was cut at max_tokens before it was complete" if r.finish_reason == "length" \
             else "output is not a complete answer"

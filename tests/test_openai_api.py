@@ -171,6 +171,22 @@ def test_auto_gives_text_or_a_valid_call(client):
             assert not c.message.content.startswith("<tool_call>")
 
 
+def test_auto_text_cut_at_max_tokens_is_a_text_answer_not_an_invalid_one(client):
+    seen_text = False
+    for seed in range(6):
+        r = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER],
+                                           max_tokens=3, seed=seed)
+        c = r.choices[0]
+        extra = c.model_extra or {}
+        if c.finish_reason == "length" and not c.message.tool_calls and \
+                not "<tool_call>".startswith(c.message.content[:11]):
+            seen_text = True  # free text, cut: no schema for text, so no verdict of validity
+            assert "valid" not in extra, extra
+        elif c.finish_reason == "length":  # a call (or its opening) cut short is not a valid answer
+            assert extra.get("valid") in (False, None), extra
+    assert seen_text  # the tiny model writes text on most seeds: the case is exercised
+
+
 def test_n_choices_use_consecutive_seeds(client):
     kw = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=6)
     both = client.chat.completions.create(n=2, seed=20, **kw)
