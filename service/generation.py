@@ -304,7 +304,7 @@ class GenerationStream:
         if out.closed_by_budget:
             warnings.append("max_tokens narrowed the answer: near the end only continuations that close "
                             "in time were allowed"
-                            + (f" (at: {', '.join(p or '/' for p in shortened)})" if shortened else ""))
+                            + (f" (at: {', '.join(p or 'the root' for p in shortened)})" if shortened else ""))
         if out.budget_unenforced and out.finish_reason == "length":
             warnings.append(f"max_tokens could not be kept by closing the answer in time "
                             f"({out.budget_unenforced}): it was cut; a larger max_tokens lets it end")
@@ -313,7 +313,7 @@ class GenerationStream:
 
             for what, offset in out.guard_hits:
                 where = shortened_paths(text, [offset]) if self.spec is not None else []
-                warnings.append(f"run-on guard: {what}" + (f" at {where[0] or '/'}" if where else "")
+                warnings.append(f"run-on guard: {what}" + (f" at {where[0] or 'the root'}" if where else "")
                                 + "; it was closed (soft_limits adjusts the bounds)")
         timings = Timings(ttft_ms=round((first_at - self.arrival) * 1e3, 3) if first_at is not None else None,
                           total_ms=round((now - self.arrival) * 1e3, 3), grammar_ms=round(self.grammar_ms, 3))
