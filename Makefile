@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 TORCH_VERSION ?= 2.13.0
+# Where pip finds a CPU build of torch: empty = pip's own configuration (this project's machines keep the CPU
+# wheel on disk); elsewhere e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu.
+TORCH_INDEX ?=
 STENCIL_CACHE_DIR ?= $(HOME)/.cache/stencil
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -17,7 +20,7 @@ $(VENV)/.torch-$(TORCH_VERSION):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=24"
 	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),) torch==$(TORCH_VERSION)
 	touch $@
 
 $(VENV)/.project: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
