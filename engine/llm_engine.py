@@ -32,11 +32,15 @@ class EngineError(ValueError):
 
     Attributes:
         field: the request field at fault, when one is (``"max_tokens"``), else None.
+        lead: the message begins with ``field``'s name ("max_tokens must be >= 1"), so a caller
+            whose request calls the field otherwise can say so (``service.errors.named_as``)
+            without reading the message.
     """
 
-    def __init__(self, message: str, field: str | None = None):
+    def __init__(self, message: str, field: str | None = None, *, lead: bool = False):
         super().__init__(message)
         self.field = field
+        self.lead = lead and field is not None and message.startswith(field)
 
 
 class EngineOverloaded(RuntimeError):
@@ -169,7 +173,7 @@ class LLMEngine:
         """
         n = len(prompt_token_ids)
         if n == 0:
-            raise EngineError("prompt is empty: at least one token is needed", field="prompt")
+            raise EngineError("prompt is empty: at least one token is needed", field="prompt", lead=True)
         if n >= self.max_model_len:
             raise EngineError(f"the prompt has {n} tokens; this model allows at most {self.max_model_len - 1} "
                               f"(max_model_len {self.max_model_len} includes at least one output token)",
@@ -178,7 +182,7 @@ class LLMEngine:
             raise EngineError(f"the prompt of {n} tokens does not fit in the KV cache "
                               f"({self.kv.num_blocks} blocks of {self.config.block_size} tokens)", field="prompt")
         if params.max_tokens < 1:
-            raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}", field="max_tokens")
+            raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}", field="max_tokens", lead=True)
         if not 0 <= params.temperature <= MAX_TEMPERATURE:
             # Above float32's range the sampler divides -inf (masked) logits by inf: NaN, and
             # torch.multinomial would take the whole engine loop down with it.
@@ -207,7 +211,7 @@ class LLMEngine:
         try:
             self.structured.check_budget(grammar, params)
         except BudgetError as e:
-            raise EngineError(str(e), field="max_tokens") from None
+            raise EngineError(str(e), field="max_tokens", lead=True) from None
 
     @property
     def kernels(self) -> dict[str, str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -31,10 +30,13 @@ class ServiceError(Exception):
     title = "Internal Server Error"
 
     def __init__(self, detail: str, *, field: str | None = None, keyword: str | None = None,
-                 path: str | None = None, position: int | None = None):
+                 path: str | None = None, position: int | None = None, lead: bool = False):
         super().__init__(detail)
         self.detail = detail
         self.field = field
+        # the detail begins with the field's name: a request that calls the field otherwise gets
+        # its own name there (``named_as``), the rest of the message untouched
+        self.lead = lead and field is not None and detail.startswith(field)
         self.keyword = keyword
         self.path = path
         self.position = position
@@ -173,9 +175,10 @@ def named_as(names: dict[str, str]) -> Iterator[None]:
 
     Raises:
         InputError: for an ``InputError`` or ``EngineError`` whose ``field`` is a key of
-            ``names``: the same fault naming the request's field, in ``field`` and where the
-            message begins with the core's name ("max_tokens is 10^9; ..." → "max_completion_tokens
-            is 10^9; ..."). Every other exception passes unchanged.
+            ``names``: the same fault naming the request's field, in ``field`` and, where the
+            error says its message begins with the field's name (``lead``), there ("max_tokens is
+            10^9; ..." → "max_completion_tokens is 10^9; ..."); the message is never searched.
+            Every other exception passes unchanged.
     """
     try:
         yield
@@ -184,9 +187,10 @@ def named_as(names: dict[str, str]) -> Iterator[None]:
         if new is None:
             raise
         message = e.detail if isinstance(e, InputError) else str(e)
-        message = re.sub(rf"^{re.escape(e.field)}\b(?![.\[])", lambda _: new, message)
+        if e.lead:
+            message = new + message[len(e.field):]
         raise InputError(message, field=new, keyword=getattr(e, "keyword", None), path=getattr(e, "path", None),
-                         position=getattr(e, "position", None)) from None
+                         position=getattr(e, "position", None), lead=e.lead) from None
 
 
 def client_left_during_body(exc: BaseException) -> bool:

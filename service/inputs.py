@@ -57,7 +57,8 @@ async def tokenize(state: ServiceState, prompt: str | None = None, messages: lis
         size = len(prompt or "")
     if size > cfg.max_prompt_chars:
         field = "messages" if messages is not None else "prompt"
-        raise InputError(f"{field} has {size} characters; the limit is {cfg.max_prompt_chars}", field=field)
+        raise InputError(f"{field} has {size} characters; the limit is {cfg.max_prompt_chars}", field=field,
+                         lead=True)
     tok = state.engine.tokenizer
     # A chat template is Jinja (pure Python, its cost grows with the messages and tools):
     # always off the loop. A short plain prompt tokenizes in microseconds (Rust): inline.
@@ -104,10 +105,10 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
     if max_tokens is None:
         max_tokens = cfg.default_max_tokens
     if max_tokens < 1:
-        raise InputError(f"max_tokens must be >= 1, got {max_tokens}", field="max_tokens")
+        raise InputError(f"max_tokens must be >= 1, got {max_tokens}", field="max_tokens", lead=True)
     if max_tokens > cfg.max_tokens_cap:
         raise InputError(f"max_tokens is {max_tokens}; this server allows at most {cfg.max_tokens_cap}",
-                         field="max_tokens")
+                         field="max_tokens", lead=True)
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if not math.isfinite(value):
             raise InputError(f"{name} must be a finite number, got {value}", field=name)

@@ -438,13 +438,13 @@ def _prompts(svc: ServiceState, prompt: Any) -> list[str | list[int]]:
         groups = list(prompt)
     else:
         raise InputError("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
-                         field="prompt")
+                         field="prompt", lead=True)
     if not groups or any(not g for g in groups if isinstance(g, list)):
-        raise InputError("prompt is empty", field="prompt")
+        raise InputError("prompt is empty", field="prompt", lead=True)
     vocab = vocab_size(svc)
     for g in groups:
         if isinstance(g, list) and any(not 0 <= t < vocab for t in g):
-            raise InputError(f"prompt: token ids must be in 0..{vocab - 1}", field="prompt")
+            raise InputError(f"prompt: token ids must be in 0..{vocab - 1}", field="prompt", lead=True)
     return groups
 
 

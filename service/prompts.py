@@ -266,7 +266,7 @@ def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | N
         raise InputError("give exactly one of 'prompt' and 'messages'", field="prompt")
     if messages is not None:
         if not messages:
-            raise InputError("messages is empty", field="messages")
+            raise InputError("messages is empty", field="messages", lead=True)
         defanger = Defanger(tokenizer)
         return defanger.encode(render_messages(tokenizer, messages, tools, defanger))
     if parse_special_tokens:

@@ -93,17 +93,18 @@ def check_schema(schema: Any, *, max_bytes: int, max_depth: int) -> None:
     """
     if not isinstance(schema, (dict, bool)):
         raise InputError(f"response_schema must be a JSON object or boolean, got {type(schema).__name__}",
-                         field="response_schema")
+                         field="response_schema", lead=True)
     size = len(json.dumps(schema, separators=(",", ":")).encode())
     if size > max_bytes:
-        raise InputError(f"response_schema is {size} bytes; the limit is {max_bytes}", field="response_schema")
+        raise InputError(f"response_schema is {size} bytes; the limit is {max_bytes}", field="response_schema",
+                         lead=True)
     # Iterative walk: a recursive one would let a deep schema exhaust the Python stack.
     stack: list[tuple[Any, tuple, int]] = [(schema, (), 0)]
     while stack:
         node, path, depth = stack.pop()
         if depth > max_depth:
             raise InputError(f"response_schema nests deeper than {max_depth} levels",
-                             field="response_schema", path=_pointer(path))
+                             field="response_schema", path=_pointer(path), lead=True)
         if isinstance(node, dict):
             ref = node.get("$ref")
             if isinstance(ref, str) and not ref.startswith("#"):

@@ -13,7 +13,7 @@ from engine.speculative import SpecConfig
 from grammar.base import GrammarError, GrammarSpec
 from grammar.budget import SoftLimits
 from service import inputs, prompts
-from service.errors import GenerationTimeout, InputError, Overloaded, to_problem
+from service.errors import GenerationTimeout, InputError, Overloaded, named_as, to_problem
 from service.logs import JsonFormatter
 from service.state import ServiceConfig
 from service.validation import OutputChecker, check_schema
@@ -203,3 +203,23 @@ def test_service_config_validation():
         ServiceConfig(max_tokens_cap=10, default_max_tokens=20).validate()
     with pytest.raises(ConfigError, match="max_body_bytes"):
         ServiceConfig(max_body_bytes=0).validate()
+
+
+def test_errors_name_the_requests_field_where_they_say_their_message_leads_with_it():
+    names = {"max_tokens": "max_completion_tokens", "prompt": "messages", "response_schema": "text.format"}
+
+    def renamed(error: Exception) -> InputError:
+        with pytest.raises(InputError) as info, named_as(names):
+            raise error
+        return info.value
+
+    e = renamed(_input_error(inputs.sampling_params, CFG, max_tokens=101))
+    assert (e.field, e.detail) == ("max_completion_tokens", "max_completion_tokens is 101; this server allows at most 100")
+    e = renamed(EngineError("prompt is empty: at least one token is needed", field="prompt", lead=True))
+    assert (e.field, e.detail) == ("messages", "messages is empty: at least one token is needed")
+    e = renamed(_input_error(check_schema, 5, max_bytes=10, max_depth=3))
+    assert e.field == "text.format" and e.detail.startswith("text.format must be a JSON object")
+    # a message that does not say it leads with the field keeps its words; only the field moves
+    e = renamed(EngineError("the prompt has 9 tokens; this model allows at most 8", field="prompt"))
+    assert (e.field, str(e)) == ("messages", "the prompt has 9 tokens; this model allows at most 8")
+    assert EngineError("the prompt is empty", field="prompt", lead=True).lead is False  # it does not lead

@@ -79,6 +79,7 @@ class Refusal:
         keyword / path / position: a grammar error's location.
         replica_id: the replica that sent it.
         field: the request field at fault (``EngineError.field``, ``GrammarError.field``), if known.
+        lead: the message begins with the field's name (``EngineError.lead``).
     """
 
     kind: str
@@ -88,6 +89,7 @@ class Refusal:
     position: int | None = None
     replica_id: str = ""
     field: str | None = None
+    lead: bool = False
 
     @property
     def retryable(self) -> bool:
@@ -107,7 +109,7 @@ class Refusal:
         if isinstance(exc, EngineOverloaded):
             return cls("overloaded", str(exc), replica_id=replica_id)
         if isinstance(exc, EngineError):
-            return cls("bad_request", str(exc), replica_id=replica_id, field=exc.field)
+            return cls("bad_request", str(exc), replica_id=replica_id, field=exc.field, lead=exc.lead)
         if isinstance(exc, EngineDeadError):
             return cls("unavailable", str(exc), replica_id=replica_id)
         raise TypeError(f"no refusal for {type(exc).__name__}: {exc}")
@@ -123,5 +125,5 @@ class Refusal:
         if self.kind == "overloaded":
             return EngineOverloaded(self.message)
         if self.kind == "bad_request":
-            return EngineError(self.message, field=self.field)
+            return EngineError(self.message, field=self.field, lead=self.lead)
         return EngineDeadError(f"replica {self.replica_id or '?'}: {self.message}")
