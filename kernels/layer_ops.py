@@ -74,7 +74,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     matrix, or a ``[T, heads, D]`` view of a fused projection's rows); torch's otherwise."""
     lib = library()
     if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or not _block_rows(x) or not weight.is_contiguous() or weight.shape != x.shape[-1:]):
+            or x.numel() == 0 or not _block_rows(x) or not weight.is_contiguous() or weight.shape != x.shape[-1:]):
         return F.rms_norm(x, weight.shape, weight, eps=eps)
     shape, dim = x.shape, x.shape[-1]
     out = torch.empty_like(x, memory_format=torch.contiguous_format)  # (torch.empty(shape) costs 2x)
@@ -87,7 +87,7 @@ def _block_rows(x: torch.Tensor) -> bool:
     """``x`` has two or more dims, rows, and each ``x[i]`` is one contiguous block (read from
     the strides: ``x[0].is_contiguous()`` makes a view, a microsecond at one decode row)."""
     shape, stride = x.shape, x.stride()
-    if len(shape) < 2 or shape[0] == 0:
+    if len(shape) < 2:
         return False
     expected = 1
     for d in range(len(shape) - 1, 0, -1):
@@ -98,7 +98,8 @@ def _block_rows(x: torch.Tensor) -> bool:
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    """fp32 ``[T, heads, D]`` rows whose heads and dims are contiguous (views of a fused QKV output)."""
+    return x.dtype == torch.float32 and x.dim() == 3 and _block_rows(x)
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from service.json_scan import JsonScanner
@@ -16,7 +17,11 @@ def value_spans(text: str) -> list[tuple[int, int, str]]:
         ValueError: ``text`` is not one JSON document.
     """
     json.loads(text)  # one valid document (a JSONDecodeError is a ValueError), or nothing
-    offset = (lambda i: i) if text.isascii() else (lambda i: len(text[:i].encode()))
+    if text.isascii():
+        offset = int  # characters are bytes
+    else:  # the byte offset of every character, once (not an encode of each prefix)
+        at = [0, *itertools.accumulate(len(ch.encode()) for ch in text)]
+        offset = at.__getitem__
     spans: list[tuple[int, int, str]] = []
     open_spans: list[int] = []  # indices in spans of the values begun and not ended
 
