@@ -1,5 +1,6 @@
 """The small per-layer operations of a decode step in one native call each, where they build:
-RoPE with the paged-cache write, and RMSNorm.
+RoPE with the paged-cache write, RMSNorm and the MLP's gated activation (``glu``). The same
+library holds the C decoder (``kernels.decoder``), which calls these three directly.
 
 ``apply_rope`` is the rotary embedding of Llama / Qwen / Gemma ("rotate half": dims ``i`` and
 ``i + D/2`` form a pair) in torch: the reference. ``rope_and_cache`` rotates q and k, writes k
@@ -34,7 +35,8 @@ from kernels import native
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("rope_cache.c", "rms_norm.c")]
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name
+           for name in ("rope_cache.c", "rms_norm.c", "glu.c", "decoder.c")]
 _FLAGS = ["-O2", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off"]
 
 
@@ -64,6 +66,12 @@ def library() -> ctypes.CDLL | None:
     lib.stencil_rope_cache.restype = ctypes.c_int
     lib.stencil_rms_norm.argtypes = [p, lg, lg, i, lg, p, ctypes.c_float, p, i]
     lib.stencil_rms_norm.restype = ctypes.c_int
+    lib.stencil_glu.argtypes = [i, p, lg, lg, i, p, i]
+    lib.stencil_glu.restype = ctypes.c_int
+    lib.stencil_decoder_forward.argtypes = [p, p]
+    lib.stencil_decoder_forward.restype = ctypes.c_int
+    lib.stencil_decoder_workspace.argtypes = [p, i]
+    lib.stencil_decoder_workspace.restype = ctypes.c_int64
     return lib
 
 
@@ -81,6 +89,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     lib.stencil_rms_norm(x.data_ptr(), shape[0], x.numel() // (shape[0] * dim), dim, x.stride(0),
                          weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def glu(gate_up: torch.Tensor, kind: str = "silu") -> torch.Tensor:
+    """The gated activation of a fused gate/up projection: ``act(gate) * up`` with ``gate,
+    up = gate_up.chunk(2, -1)``; ``gate_up [T, 2 I]`` -> fp32 ``[T, I]``. ``kind``: ``"silu"``
+    (Llama, Qwen) or ``"gelu_tanh"`` (Gemma: GELU's tanh approximation).
+
+    One native call (``csrc/glu.c``: its own exp, each element's bits set by its value alone)
+    where it builds and ``gate_up`` is CPU fp32 rows with contiguous columns; torch's
+    ``F.silu`` / ``F.gelu(approximate="tanh")`` otherwise (within a few ulp of it).
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    if kind not in _GLU_KINDS:
+        raise ValueError(f"unknown gated activation {kind!r}; known: {', '.join(_GLU_KINDS)}")
+    lib = library()
+    t, width = gate_up.shape
+    if (lib is None or gate_up.device.type != "cpu" or gate_up.dtype != torch.float32 or width % 2
+            or (gate_up.stride(1) != 1 and width > 1) or t == 0):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (F.silu(gate) if kind == "silu" else F.gelu(gate, approximate="tanh")) * up
+    out = torch.empty(t, width // 2, dtype=torch.float32)
+    lib.stencil_glu(_GLU_KINDS[kind], gate_up.data_ptr(), gate_up.stride(0), t, width // 2, out.data_ptr(),
+                    torch.get_num_threads())
+    return out
+
+
+_GLU_KINDS = {"silu": 0, "gelu_tanh": 1}
 
 
 def _block_rows(x: torch.Tensor) -> bool:
@@ -141,4 +178,4 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     return out
 
 
-__all__ = ["apply_rope", "library", "rms_norm", "rope_and_cache"]
+__all__ = ["apply_rope", "glu", "library", "rms_norm", "rope_and_cache"]

@@ -107,3 +107,34 @@ def test_rms_norm_falls_back_to_torch_where_the_kernel_does_not_apply():
     assert torch.equal(layer_ops.rms_norm(cols, w[:8], 1e-5), F.rms_norm(cols, (8,), w[:8], eps=1e-5))
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
     assert torch.equal(layer_ops.rms_norm(xb, wb, 1e-5), F.rms_norm(xb, (64,), wb, eps=1e-5))
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+def test_glu_is_torchs_activation_times_up_within_a_few_ulp(kind):
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(9, 2 * 300, generator=g) * 4  # 300: a tail past whole 8-lane groups
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -100.0, 100.0, 90.0, -90.0, 3.0])
+    ours = layer_ops.glu(gate_up, kind)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    act = F.silu(gate) if kind == "silu" else F.gelu(gate, approximate="tanh")
+    want = act * up
+    assert ours.shape == (9, 300) and ours.dtype == torch.float32
+    # within 1e-6 of |gate * up| (torch's own fp32 is within 2e-7 here); exact zeros stay zero
+    assert float(((ours.double() - want).abs() / (gate * up).abs().clamp_min(1e-30)).max()) < 1e-6
+    assert ours[0, 0] == 0 and ours[0, 1] == 0
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])
+def test_glu_bits_depend_on_the_value_alone(kind):
+    """The same (gate, up) pair gives the same bits at any column, in any row and batch, from a
+    strided view of a wider projection (the C decoder's padded output) or a contiguous one."""
+    g = torch.Generator().manual_seed(6)
+    gate, up = torch.randn(1, 37, generator=g) * 3, torch.randn(1, 37, generator=g)
+    one = layer_ops.glu(torch.cat([gate, up], 1), kind)
+    perm = torch.randperm(37, generator=g)
+    wide = torch.zeros(20, 90)
+    wide[11, :74] = torch.cat([gate[:, perm], up[:, perm]], 1)[0]
+    many = layer_ops.glu(wide[:, :74], kind)  # row stride 90
+    assert torch.equal(many[11], one[0, perm])
+    with pytest.raises(ValueError, match="unknown gated activation"):
+        layer_ops.glu(wide, "relu")

@@ -24,10 +24,13 @@ class PagedBatch:
     """Sequences in a paged KV cache with shuffled, non-contiguous block ids; builds one flat
     step's tensors from a list of (sequence index, new tokens)."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 48, seed: int = 0) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 48, seed: int = 0, backend=None,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.backend = backend or TorchAttentionBackend()
         shape = (num_blocks, BLOCK, model.num_kv_heads, model.head_dim)
-        self.caches = [(torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+        dtype = kv_dtype or model.dtype
+        self.caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                        for _ in range(model.num_layers)]
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tokens: list[list[int]] = []
@@ -67,8 +70,7 @@ class PagedBatch:
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.caches, meta,
-                            TorchAttentionBackend())
+        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.caches, meta, self.backend)
         assert hidden.shape == (len(ids), self.model.spec.hidden_size)
         return self.model.compute_logits(hidden)
 

@@ -182,8 +182,8 @@ class GegluMLP(nn.Module):
         self.down_proj = DenseLinear(spec.intermediate_size, spec.hidden_size, False, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        # gelu_tanh(gate) * up in one call (kernels.layer_ops.glu): the C decoder's bits
+        return self.down_proj(layer_ops.glu(self.gate_up_proj(x), "gelu_tanh"))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -233,6 +233,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.build_rope_tables(device, dtype)
         self.tie_weights()
         self.row_route = None  # int4 prompt routing (quant.RowRoute), set by the loader
+        self._decoder = None  # the C decoder's plan (LlamaForCausalLM.decoder_plan)
 
     def build_rope_tables(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """(Re)compute both cos/sin tables ``[max_position_embeddings, head_dim // 2]``: the
@@ -263,6 +264,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         h = h * torch.tensor(self.spec.hidden_size ** 0.5).to(h.dtype)
         if h.dtype != self.dtype:
             h = h.to(self.dtype)
+        plan = self.decoder_plan(kv_caches, backend)
+        if plan is not None:
+            h = h.contiguous()
+            plan.run(h, [tables[False], tables[True]], meta)
+            return self.norm(h)
         if self.row_route is not None:
             self.row_route.set(prompt_mask)
         try:

@@ -147,8 +147,8 @@ class MLP(nn.Module):
         self.down_proj = DenseLinear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # silu(gate) * up in one call (kernels.layer_ops.glu): the C decoder's bits
+        return self.down_proj(layer_ops.glu(self.gate_up_proj(x), "silu"))
 
 
 class DecoderLayer(nn.Module):
@@ -204,6 +204,7 @@ class LlamaForCausalLM(nn.Module):
             self.tie_weights()
         # Set by the int4 loader when prompt rows take another kernel (``quant.RowRoute``).
         self.row_route = None
+        self._decoder: tuple | None = None  # (plan key, DecoderPlan or None): see decoder_plan
 
     def build_rope_tables(self, device: torch.device | str, dtype: torch.dtype) -> None:
         """(Re)compute the cos/sin tables ``[max_position_embeddings, head_dim // 2]`` on
@@ -258,6 +259,22 @@ class LlamaForCausalLM(nn.Module):
             for name in ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
                 yield f"layers.{i}.{name}", layer.get_submodule(name)
 
+    def decoder_plan(self, kv_caches, backend):
+        """The C decoder's plan for these caches and backend (``engine.models.native_decoder``),
+        built on first use; None where the model, its weights or the backend are not what the
+        C decoder runs (the torch-driven layers then run, with the same bits). Call
+        ``drop_decoder_plan`` after replacing a layer or a weight tensor."""
+        from engine.models.native_decoder import DecoderPlan, plan_key
+
+        key = plan_key(kv_caches, backend)
+        if self._decoder is None or self._decoder[0] != key:
+            self._decoder = (key, DecoderPlan.build(self, kv_caches, backend))
+        return self._decoder[1]
+
+    def drop_decoder_plan(self) -> None:
+        """Forget the C decoder's plan (it holds the weights' addresses)."""
+        self._decoder = None
+
     @torch.no_grad()
     def forward(
         self,
@@ -294,6 +311,11 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         if h.dtype != self.dtype:  # a quantized embedding gives fp32 rows
             h = h.to(self.dtype)
+        plan = self.decoder_plan(kv_caches, backend)
+        if plan is not None:
+            h = h.contiguous()
+            plan.run(h, [(cos, sin)], meta)
+            return self.norm(h)
         if self.row_route is not None:
             self.row_route.set(prompt_mask)
         try:
