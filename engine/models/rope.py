@@ -117,7 +117,13 @@ def inv_frequencies(spec: RopeSpec, head_dim: int) -> torch.Tensor:
 def rope_cos_sin(spec: RopeSpec, head_dim: int, max_positions: int,
                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` tables, each fp32 ``[max_positions, head_dim // 2]``; row ``p`` rotates
-    position ``p``. Computed in fp32 like transformers, so tables agree with its bit for bit."""
+    position ``p``. Computed in fp32 like transformers, so tables agree with its bit for bit.
+    On the ``meta`` device the tables are shapes only (no arithmetic: torch's meta arange goes
+    through its decompositions, which import ``torch._dynamo`` and with it Triton, ~70 MB of a
+    CPU server's memory)."""
+    if torch.device(device).type == "meta":
+        shape = (max_positions, head_dim // 2)
+        return torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
     inv_freq = inv_frequencies(spec, head_dim).to(device)
     angles = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq
     return angles.cos(), angles.sin()
