@@ -27,6 +27,7 @@ step's positions (``[T, head_dim / 2]`` each; Gemma's local layers read the seco
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 
 import torch
@@ -34,6 +35,8 @@ import torch
 from kernels import decoder as C
 from kernels import ggml_blocks
 from kernels.attention_backend import AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 
 class DecoderPlan:
@@ -58,6 +61,7 @@ class DecoderPlan:
             return cls._build(model, kv_caches, backend)
         except _Refused as e:
             DecoderPlan.last_refusal = str(e)
+            log.info("C decoder off, the torch layers run: %s", e)
             return None
 
     @classmethod
