@@ -1,6 +1,6 @@
 """``stencil bench overhead``: the CPU work around the model in one decode step, by phase.
 
-``stencil bench overhead --running 1,32,256 [--steps 20] [--threads N] --json PATH``
+``stencil bench overhead --running 1,32,256 [--steps 20] [--threads N] [--decoder c|torch|both] --json PATH``
 
 For each level ``R`` the engine (in process, the default model unless ``--model``) takes ``R``
 requests, reads their prompts, and then runs ``--steps`` decode steps with all ``R`` running;
@@ -16,12 +16,18 @@ of 24 required fields (so none can end during the measured steps), the others fr
 greedy. The target of issue 18 is an overhead of at most 10 % of the step at 256 running
 requests; the report says whether this run met it (``target.met``). Timing on a shared CPU is
 noisy: ``--threads 1`` steadies it.
+
+``--decoder both`` runs each level twice in the same engine, through the C decoder
+(``engine.models.native_decoder``) and then through the torch-driven layers, and reports the step
+ratio (``step_ratio_c_over_torch``, the torch run under ``torch_layers``); ``c_decoder`` says
+whether the C decoder took the model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -51,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--constrained", type=float, default=0.5, help="share of requests under a JSON Schema")
     p.add_argument("--sampled", type=float, default=0.25, help="share sampled at temperature 0.8")
     p.add_argument("--speculative", choices=["off", "ngram"], default="off", help="n-gram speculation")
+    p.add_argument("--decoder", choices=["c", "torch", "both"], default="c",
+                   help="the decoder layers: the C decoder where the model takes it (c), the torch-driven layers "
+                        "(torch), or each level with both, back to back in the same engine (both: their step ratio)")
     p.add_argument("--json", type=Path, required=True, help="where to write the report")
 
 
@@ -125,6 +134,25 @@ def run_level(engine, running: int, args, grammar) -> dict:
     return summarize(running, steps, batch)
 
 
+def _with_decoder(engine, which: str, run) -> dict:
+    """``run()`` with the C decoder allowed (``"c"``) or off (``"torch"``: ``STENCIL_DECODER=0``);
+    the result says which ran (``c_decoder``)."""
+    model, runner = engine.runner.model, engine.runner
+    before = os.environ.get("STENCIL_DECODER")
+    os.environ["STENCIL_DECODER"] = "1" if which == "c" else "0"
+    model.drop_decoder_plan()
+    try:
+        r = run()
+        r["c_decoder"] = model.decoder_plan(runner.kv_caches, runner.backend) is not None
+        return r
+    finally:
+        if before is None:
+            os.environ.pop("STENCIL_DECODER", None)
+        else:
+            os.environ["STENCIL_DECODER"] = before
+        model.drop_decoder_plan()
+
+
 def summarize(running: int, steps: list[dict[str, float]], batch: list[int]) -> dict:
     """Per-phase means (ms), per running request (µs), and the overhead's share of the step."""
     phases = {p: statistics.fmean(s.get(p, 0.0) for s in steps) for p in PHASES}
@@ -153,7 +181,15 @@ def main(args: argparse.Namespace) -> int:
     grammar = engine.grammar.compile(GrammarSpec.json_schema(RECORD)) if args.constrained > 0 else None
     results = []
     for n in levels:
-        r = run_level(engine, n, args, grammar)
+        if args.decoder == "both":
+            r = _with_decoder(engine, "c", lambda: run_level(engine, n, args, grammar))
+            torch_layers = _with_decoder(engine, "torch", lambda: run_level(engine, n, args, grammar))
+            r["torch_layers"] = torch_layers
+            r["step_ratio_c_over_torch"] = r["step_ms"] / torch_layers["step_ms"]
+            print(f"running {n:4d}: torch layers: step {torch_layers['step_ms']:8.2f} ms; C decoder / torch layers "
+                  f"{r['step_ratio_c_over_torch']:.3f}", file=sys.stderr)
+        else:
+            r = _with_decoder(engine, args.decoder, lambda: run_level(engine, n, args, grammar))
         results.append(r)
         print(f"running {n:4d}: step {r['step_ms']:8.2f} ms, model {r['model_ms']:8.2f} ms, overhead "
               f"{r['overhead_ms']:7.2f} ms ({100 * r['overhead_share']:.1f} %)  "
@@ -161,6 +197,7 @@ def main(args: argparse.Namespace) -> int:
     at = next((r for r in results if r["running"] == TARGET_RUNNING), None)
     report = {
         "model": str(engine.config.model), "threads": args.threads, "kernels": engine.kernels,
+        "decoder": args.decoder,
         "mix": {"constrained": args.constrained, "sampled": args.sampled, "speculative": args.speculative,
                 "schema": RECORD},
         "levels": results,

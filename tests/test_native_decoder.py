@@ -127,3 +127,24 @@ def test_models_the_c_decoder_does_not_take_keep_the_torch_layers(tiny, monkeypa
     model.drop_decoder_plan()
     assert model.decoder_plan(PagedBatch(model, backend=backend).caches, backend) is None
     assert DecoderPlan.last_refusal == "STENCIL_DECODER=0"
+
+
+def test_bench_overhead_runs_each_level_with_both_decoders(tiny, tmp_path):
+    """``stencil bench overhead --decoder both``: the same engine steps through the C decoder,
+    then through the torch layers, and says which ran (the ratio is a timing: not asserted)."""
+    import argparse
+    import json
+
+    from benchmarks import overhead
+
+    parser = argparse.ArgumentParser()
+    overhead.add_arguments(parser)
+    out = tmp_path / "overhead.json"
+    args = parser.parse_args(["--model", str(tiny("llama", "kquant")), "--running", "2", "--steps", "2",
+                              "--warmup", "1", "--constrained", "0", "--sampled", "0", "--decoder", "both",
+                              "--json", str(out)])
+    assert overhead.main(args) == 0
+    level = json.loads(out.read_text())["levels"][0]
+    assert level["c_decoder"] is True and level["torch_layers"]["c_decoder"] is False
+    assert level["steps"] == level["torch_layers"]["steps"] == 2
+    assert level["step_ratio_c_over_torch"] > 0

@@ -16,8 +16,8 @@ model is not one the C decoder runs:
 Both paths call the same kernels in the same order with the same arithmetic between them (fp32
 additions, ``layer_ops.glu`` for the gated activation): each row gets the same bits either way,
 so a greedy output never depends on which one ran (``tests/test_native_decoder.py`` compares
-them bit for bit on every supported architecture and weight kind). Measured with
-``stencil bench overhead``: see the README's performance section.
+them bit for bit on every supported architecture and weight kind). The decode steps with and
+without it: README, "The model the user brings".
 
 ``plan.run(h, tables, meta)`` updates the residual stream ``h`` fp32 ``[T, hidden]`` in place
 through every layer; ``tables`` is ``[(cos, sin), (local_cos, local_sin)]`` gathered for the

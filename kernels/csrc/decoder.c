@@ -28,7 +28,8 @@
  * The GEMM, quantize and attention kernels live in other libraries (other compiler flags) and
  * are called through the pointers in model_t, taken from their ctypes handles.
  *
- * Memory: no allocation; the caller passes a workspace of stencil_decoder_workspace(m, T) bytes.
+ * Memory: no allocation; the caller passes a workspace of stencil_decoder_workspace(m, T) bytes
+ * (per token: the attention's buffers or the MLP's, whichever is larger, plus the residual's).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -131,15 +132,20 @@ static layout_t layout(const model_t *m, size_t t) {
     layout_t L;
     size_t at = 0;
     L.x = at, at += up16(t * m->hidden);
+    L.lo = at, at += up16(t * lo);
+    L.tmp = at, at += up16(t * m->hidden);
+    /* The attention's buffers are dead once the output projection has read `ao`; the MLP's
+     * (gate/up and the gated activation, the largest) take the same memory after them. */
+    const size_t shared = at;
     L.qkv = at, at += up16(t * qkv);
     L.qn = at, at += up16(t * qsize);
     L.kn = at, at += up16(t * kvsize);
     L.qr = at, at += up16(t * qsize);
     L.ao = at, at += up16(t * qsize);
-    L.lo = at, at += up16(t * lo);
-    L.tmp = at, at += up16(t * m->hidden);
-    L.gu = at, at += up16(t * gu);
-    L.act = at, at += up16(t * m->inter);
+    L.gu = shared;
+    L.act = shared + up16(t * gu);
+    const size_t mlp_end = L.act + up16(t * m->inter);
+    at = at > mlp_end ? at : mlp_end;
     /* GGUF activations (kernels/ggml_blocks.py's Activations): q1, q2 int8 [T, K]; dx, x16 */
     const size_t spans = ((size_t)kmax + 255) / 256;
     L.acts = at, at += up16((2 * t * kmax + 96 * t * spans + 3) / 4);
