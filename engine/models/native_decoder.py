@@ -68,16 +68,16 @@ class DecoderPlan:
     def _build(cls, model, kv_caches, backend) -> "DecoderPlan":
         if os.environ.get("STENCIL_DECODER", "1") == "0":
             raise _Refused("STENCIL_DECODER=0")
+        if getattr(backend, "name", "") != "cpu":
+            raise _Refused(f"attention backend {getattr(backend, 'name', backend)!r} (the C decoder calls 'cpu')")
+        if model.dtype != torch.float32 or model.device.type != "cpu":
+            raise _Refused(f"activations {model.dtype} on {model.device} (the C decoder runs fp32 on CPU)")
         lib = C.library()
         if lib is None:
             raise _Refused("the native layer library did not build")
-        if getattr(backend, "name", "") != "cpu":
-            raise _Refused(f"attention backend {getattr(backend, 'name', backend)!r} (the C decoder calls 'cpu')")
         pointers = C.kernel_pointers(backend.kernel)
         if pointers is None:
             raise _Refused(f"attention kernel {backend.kernel!r} not available")
-        if model.dtype != torch.float32 or model.device.type != "cpu":
-            raise _Refused(f"activations {model.dtype} on {model.device} (the C decoder runs fp32 on CPU)")
         if getattr(model, "row_route", None) is not None:
             raise _Refused("prompt rows take other weights (prompt_weights)")
         spec = model.spec
