@@ -10,10 +10,10 @@ no per-row Python. Each row's result is the same bits in any batch and any prefi
 Measured here (SmolLM2 shapes: 9 query heads, 3 kv heads, head_dim 64; one thread): one
 decode row over 500 keys 24 us of kernel time; a 400-token prefill 3.2 ms against 4.3 ms for
 torch's fused CPU SDPA. The AVX512 kernel needs what ``kernels.native`` needs (a C compiler,
-AVX512-BF16); the portable one a C compiler for x86-64. Both take fp32 or bf16 caches (bf16 K/V
-are widened exactly to fp32 as they are read: half the memory traffic); any other input (an
-fp16 cache, a head_dim the kernel does not take: not a multiple of 16 for AVX512, of 8 for the
-portable one, or above 256) goes to the torch reference.
+AVX512-BF16); the portable one a C compiler for x86-64. Both take fp32, bf16 or fp16 caches
+(bf16/fp16 K/V are widened exactly to fp32 as they are read: half the memory traffic); any other
+input (another cache dtype, a head_dim the kernel does not take: not a multiple of 16 for AVX512,
+of 8 for the portable one, or above 256) goes to the torch reference.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kernels.torch_ref import TorchAttentionBackend
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """``TorchAttentionBackend`` with a native kernel for fp32 and bf16 CPU caches (AVX512's
+    """``TorchAttentionBackend`` with a native kernel for fp32, bf16 and fp16 CPU caches (AVX512's
     where it builds, else the portable one; ``kernel`` names it).
 
     Args:

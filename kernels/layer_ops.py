@@ -5,8 +5,8 @@ library holds the C decoder (``kernels.decoder``), which calls these three direc
 ``apply_rope`` is the rotary embedding of Llama / Qwen / Gemma ("rotate half": dims ``i`` and
 ``i + D/2`` form a pair) in torch: the reference. ``rope_and_cache`` rotates q and k, writes k
 and v into their cache slots and returns the rotated q; on CPU with fp32 activations and an fp32
-or bf16 cache it is one C call (``csrc/rope_cache.c``) with the bits of the torch path (each
-product and sum rounded on its own; bf16 rounded to nearest even), else the torch path itself.
+bf16 or fp16 cache it is one C call (``csrc/rope_cache.c``) with the bits of the torch path (each
+product and sum rounded on its own; bf16 and fp16 rounded to nearest even), else the torch path itself.
 At one decode row the torch path is ~25 dispatches per layer: 1.5 ms of a 12 ms step of the
 30-layer default model on a 2-core AMD EPYC (2026-12-05).
 
@@ -152,7 +152,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     ``reshape_and_cache``), which the torch path calls. ``flat_cache``: the backend's cache is
     the flat ``[slot, kv_heads, D]`` layout the native kernel writes itself (the ``torch`` and
     ``cpu`` backends). The native path runs then, when the kernel builds and the tensors are CPU
-    fp32 rows (heads and dims contiguous), the caches contiguous fp32 or bf16 and ``cos``/``sin``
+    fp32 rows (heads and dims contiguous), the caches contiguous fp32, bf16 or fp16 and ``cos``/``sin``
     contiguous fp32; otherwise ``apply_rope`` and ``write``.
 
     Raises:
@@ -160,7 +160,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     """
     lib = library() if flat_cache else None
     if (lib is None or q.device.type != "cpu" or not (_rows_ok(q) and _rows_ok(k) and _rows_ok(v))
-            or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
+            or k_cache.dtype not in native.CACHE_KINDS or v_cache.dtype != k_cache.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous()
                     and sin.is_contiguous()) or cos.dtype != torch.float32 or sin.dtype != torch.float32):
         write(apply_rope(k, cos, sin), v, k_cache, v_cache, slot_mapping)
@@ -173,7 +173,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     rc = lib.stencil_rope_cache(q.data_ptr(), q.stride(0), heads, k.data_ptr(), k.stride(0), v.data_ptr(),
                                 v.stride(0), k.shape[1], dim, cos.data_ptr(), sin.data_ptr(), t, slots.data_ptr(),
                                 num_slots, k_cache.data_ptr(), v_cache.data_ptr(),
-                                int(k_cache.dtype == torch.bfloat16), out.data_ptr())
+                                native.CACHE_KINDS[k_cache.dtype], out.data_ptr())
     if rc:
         raise IndexError(f"a slot of {slot_mapping.tolist()} is outside the cache's {num_slots} slots "
                          f"(or head_dim {dim} is odd)")

@@ -11,7 +11,7 @@ change with batching, chunking or speculation):
   three times as often as VDPBF16PS, and the two-term product is both faster (1.5-2.7x on
   SmolLM2's shapes, 1-256 rows) and closer to fp32 (about 40x) than the bf16 one.
   ``STENCIL_VNNI=0`` keeps the bf16 kernel;
-* ``paged_attention`` (``csrc/attention.c``): causal attention over the paged fp32 or bf16
+* ``paged_attention`` (``csrc/attention.c``): causal attention over the paged fp32, bf16 or fp16
   K/V cache, the ``"cpu"`` attention backend (``kernels.cpu``).
 
 They need an x86 CPU with AVX512-BF16 and a C compiler (``$CC``, flags allowed, else ``cc``); without either,
@@ -375,7 +375,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     Args:
         query: fp32 ``[T, num_heads, head_dim]``.
-        k_cache, v_cache: fp32 or bf16 ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+        k_cache, v_cache: fp32, bf16 or fp16 ``[num_blocks, block_size, num_kv_heads, head_dim]``,
             contiguous, of one dtype.
         block_tables: int32 ``[num_seqs, max_blocks]``.
         query_start_loc: int32 ``[num_seqs + 1]``; seq_lens: int32 ``[num_seqs]``.
@@ -405,7 +405,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     rc = lib.stencil_paged_attention(
         q.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16), block_size,
+        CACHE_KINDS[k_cache.dtype], block_size,
         tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.numel(),
         float(scale), int(window or 0), out.data_ptr(), torch.get_num_threads())
     if rc != 0:
@@ -413,13 +413,18 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The KV-cache dtypes the native kernels read and write, and the code each passes to C (bf16
+and fp16 widened exactly to fp32 as they are read; written rounded to nearest even)."""
+
+
 def attention_supported(k_cache: torch.Tensor) -> bool:
-    """Whether ``paged_attention`` takes this cache: fp32 or bf16, contiguous, on CPU, head_dim
+    """Whether ``paged_attention`` takes this cache: fp32, bf16 or fp16, contiguous, on CPU, head_dim
     (its last dimension) a multiple of 16 up to 256."""
     dim = k_cache.shape[-1]
-    return (k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu"
+    return (k_cache.dtype in CACHE_KINDS and k_cache.device.type == "cpu"
             and k_cache.is_contiguous() and dim % 16 == 0 and dim <= 256 and available())
 
 
-__all__ = ["BLOCK", "PackedInt4", "attention_supported", "available", "library", "paged_attention",
+__all__ = ["BLOCK", "CACHE_KINDS", "PackedInt4", "attention_supported", "available", "library", "paged_attention",
            "reference_activations", "unavailable_reason", "vnni_available"]

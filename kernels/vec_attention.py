@@ -77,10 +77,10 @@ def unavailable_reason() -> str:
 
 
 def supported(k_cache: torch.Tensor) -> bool:
-    """Whether ``paged_attention`` takes this cache: fp32 or bf16, contiguous, on CPU, head_dim
+    """Whether ``paged_attention`` takes this cache: fp32, bf16 or fp16, contiguous, on CPU, head_dim
     a multiple of 8 up to 256."""
     dim = k_cache.shape[-1]
-    return (k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.device.type == "cpu"
+    return (k_cache.dtype in native.CACHE_KINDS and k_cache.device.type == "cpu"
             and k_cache.is_contiguous() and dim % 8 == 0 and dim <= 256 and available())
 
 
@@ -91,7 +91,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     Args:
         query: ``[T, num_heads, head_dim]`` (read as fp32).
-        k_cache, v_cache: fp32 or bf16 ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+        k_cache, v_cache: fp32, bf16 or fp16 ``[num_blocks, block_size, num_kv_heads, head_dim]``,
             contiguous, of one dtype.
         block_tables: int32 ``[num_seqs, max_blocks]``; query_start_loc: int32
             ``[num_seqs + 1]``; seq_lens: int32 ``[num_seqs]``.
@@ -120,7 +120,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     rc = lib.stencil_vec_attention(
         q.data_ptr(), heads, kv_heads, dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.dtype == torch.bfloat16), block_size, tables.data_ptr(), tables.shape[1], starts.data_ptr(),
+        native.CACHE_KINDS[k_cache.dtype], block_size, tables.data_ptr(), tables.shape[1], starts.data_ptr(),
         lens.data_ptr(), lens.numel(), float(scale), int(window or 0), out.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"attention kernel rejected heads={heads}/{kv_heads} head_dim={dim}")

@@ -80,14 +80,15 @@ def test_unsupported_inputs_fall_back_to_the_reference():
     assert out.dtype == torch.bfloat16
 
 
-def test_bf16_cache_matches_the_reference_reading_the_same_values():
-    """bf16 K/V are widened exactly, so the kernel agrees with the torch reference over the same
-    bf16 cache to fp32 rounding, and each row is still the same bits in any batch."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_cache_matches_the_reference_reading_the_same_values(dtype):
+    """bf16 and fp16 K/V are widened exactly, so the kernel agrees with the torch reference over
+    the same cache to fp32 rounding, and each row is still the same bits in any batch."""
     from kernels.torch_ref import TorchAttentionBackend
 
     seqs = [(40, 2), (0, 30), (100, 1), (7, 9)]
     q, k, v, k_cache, v_cache, meta, _ = paged_case(seqs, 9, 3, 64, seed=8)
-    kc, vc = k_cache.bfloat16(), v_cache.bfloat16()
+    kc, vc = k_cache.to(dtype), v_cache.to(dtype)
     backend = _backend()
     backend.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
     out = backend.forward(q, kc, vc, meta, 0.125)
@@ -98,3 +99,20 @@ def test_bf16_cache_matches_the_reference_reading_the_same_values():
     one = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([13], dtype=torch.int32),
                             meta.block_tables[1:2], meta.slot_mapping[t:t + 1], 1, 13, [0, 1], [13])
     assert torch.equal(backend.forward(q[t:t + 1], kc, vc, one, 0.125)[0], out[t])
+
+
+@pytest.mark.skipif(not vec_attention.available(), reason="the portable kernel needs a C compiler on x86-64")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_portable_kernel_reads_each_cache_dtype_as_the_reference_does(dtype):
+    """The portable kernel (the default where AVX512 is missing; called directly here, whatever
+    this CPU has) over fp32, bf16 and fp16 caches against the torch reference on the same cache."""
+    from kernels.torch_ref import TorchAttentionBackend
+
+    seqs = [(40, 2), (0, 30), (100, 1)]
+    q, k, v, k_cache, v_cache, meta, _ = paged_case(seqs, 8, 2, 64, seed=9)
+    kc, vc = k_cache.to(dtype), v_cache.to(dtype)
+    ref_backend = TorchAttentionBackend()
+    ref_backend.reshape_and_cache(k, v, kc, vc, meta.slot_mapping)
+    out = vec_attention.paged_attention(q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125)
+    ref = ref_backend.forward(q, kc, vc, meta, 0.125)
+    torch.testing.assert_close(out, ref.float(), atol=2e-5, rtol=2e-5)

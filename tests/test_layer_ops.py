@@ -35,7 +35,7 @@ def _torch_path(q, k, v, cos, sin, k_cache, v_cache, slots):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 9, 3, 64), (37, 4, 1, 256), (5, 2, 2, 6)])
 def test_same_bits_as_the_torch_path(dtype, shape):
     t, heads, kv_heads, dim = shape
@@ -46,9 +46,29 @@ def test_same_bits_as_the_torch_path(dtype, shape):
     got = layer_ops.rope_and_cache(q, k, v, cos, sin, caches[2], caches[3], slots, WRITE)
     assert torch.equal(got, want) and got.is_contiguous()
     for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
-        assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # bit for bit
+        assert torch.equal(a.view(torch.int32 if dtype == torch.float32 else torch.int16),
+                           b.view(torch.int32 if dtype == torch.float32 else torch.int16))  # bit for bit
     assert bool(caches[2].flatten(0, 1)[slots].ne(0).any())
+
+
+@needs_kernel
+def test_fp16_cache_writes_round_as_torch_rounds_at_every_edge():
+    """Subnormals, ties, the largest half, overflow to infinity, signed zeros, NaN: each value
+    written to an fp16 cache is torch's ``.to(torch.float16)`` of it, bit for bit."""
+    edges = torch.tensor([0.0, -0.0, 1.0, -1.5, 65504.0, 65519.0, 65520.0, -70000.0, float("inf"), float("-inf"),
+                          2.0 ** -14, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -25 * 1.0001, 5.96e-8, 6.1e-5,
+                          1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 1e-40, -3e-6, 0.1, 1000.06, 2049.0, 4095.5])
+    values = torch.cat([edges, torch.randn(999) * torch.logspace(-9, 5, 999)])
+    n = values.numel() // 8 * 8
+    v = values[:n].reshape(n // 8, 1, 8)
+    q, k, _, cos, sin = _case(n // 8, 1, 1, 8, seed=3)
+    caches = [torch.zeros(n // 8, 1, 1, 8, dtype=torch.float16) for _ in range(2)]
+    layer_ops.rope_and_cache(q, k, v, cos, sin, *caches, torch.arange(n // 8), WRITE)
+    assert torch.equal(caches[1].view(torch.int16).flatten(), v.to(torch.float16).view(torch.int16).flatten())
+    nan = v.clone()
+    nan[0, 0, 0] = float("nan")
+    layer_ops.rope_and_cache(q, k, nan, cos, sin, *caches, torch.arange(n // 8), WRITE)
+    assert bool(caches[1][0, 0, 0, 0].isnan())
 
 
 @needs_kernel

@@ -7,8 +7,8 @@ k-quant mix of a Q4_K_M file (Q4_K, Q5_0, Q5_K, Q6_K; the GGUF block kernel) and
 (the VNNI int4 kernel; a fused layer mixing Q4_1 and Q8_0 takes the bf16 int4 kernel, which the C
 decoder does not run). Each step runs on two identical caches, once through the C decoder and
 once through the torch layers, and the logits must be equal bit for bit: prefill chunks, two
-sequences in one flat batch, decode rows, Gemma's sliding window (8 tokens) passed, and a bf16
-cache.
+sequences in one flat batch, decode rows, Gemma's sliding window (8 tokens) passed, and bf16 and
+fp16 caches.
 """
 
 from __future__ import annotations
@@ -101,10 +101,11 @@ def test_c_decoder_gives_the_bits_of_the_torch_layers(arch, mix, tiny, monkeypat
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def test_c_decoder_with_a_bf16_cache(tiny, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_c_decoder_with_a_half_cache(dtype, tiny, monkeypatch):
     model, _ = load_model(tiny("gemma3", "kquant"), weights="auto")
     backend = CpuAttentionBackend()
-    on, off = (PagedBatch(model, seed=4, backend=backend, kv_dtype=torch.bfloat16) for _ in range(2))
+    on, off = (PagedBatch(model, seed=4, backend=backend, kv_dtype=dtype) for _ in range(2))
     for batch in (on, off):
         batch.add(), batch.add()
     for work in _steps(model.vocab_size, seed=8):

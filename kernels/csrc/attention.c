@@ -13,7 +13,7 @@
  * for e^r (Taylor coefficients; relative error below 2e-7 on that interval), times 2^n by
  * VSCALEFPS. Arguments are <= 0 here (s_j - m), and below -87 the result is flushed to 0.
  *
- * Layouts: q, out fp32 [T, H, D]; k_cache, v_cache fp32 or bf16 (cache_bf16; widened exactly on
+ * Layouts: q, out fp32 [T, H, D]; k_cache, v_cache fp32, bf16 or fp16 (cache_bf16 0, 1, 2; widened exactly on
  * load) [num_blocks, block_size, Hkv, D];
  * block_tables int32 [num_seqs, max_blocks]; query_start_loc int32 [num_seqs + 1]; seq_lens
  * int32 [num_seqs]. Row t = query_start_loc[i] + j of sequence i sits at position
@@ -65,11 +65,13 @@ static inline __m512 sum16(const __m512 *t) {
                          _mm512_shuffle_f32x4(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* 16 cache elements from index i: fp32, or bf16 widened exactly to fp32. */
+/* 16 cache elements from index i: fp32 (kind 0), or bf16 (1) / fp16 (2) widened exactly to fp32. */
 static inline __attribute__((always_inline)) __m512 load16(const void *base, size_t i, const int bf16) {
-    if (bf16)
+    if (bf16 == 1)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))), 16));
+    if (bf16 == 2)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
     return _mm512_loadu_ps((const float *)base + i);
 }
 
@@ -169,19 +171,26 @@ ATTEND(attend_any, 0, 0)
 ATTEND(attend_64_bf16, 64, 1)
 ATTEND(attend_128_bf16, 128, 1)
 ATTEND(attend_any_bf16, 0, 1)
+ATTEND(attend_64_fp16, 64, 2)
+ATTEND(attend_128_fp16, 128, 2)
+ATTEND(attend_any_fp16, 0, 2)
 
 /* Returns 0, or -1 on bad arguments / no memory. */
 int stencil_paged_attention(const float *q, int heads, int kv_heads, int d, const void *k_cache,
                             const void *v_cache, int cache_bf16, int block_size, const int *block_tables,
                             int max_blocks, const int *query_start_loc, const int *seq_lens, int num_seqs,
                             float scale, int window, float *out, int threads) {
-    if (d % 16 || d / 16 > MAX_DV || kv_heads <= 0 || heads % kv_heads || block_size <= 0 || window < 0) return -1;
+    if (d % 16 || d / 16 > MAX_DV || kv_heads <= 0 || heads % kv_heads || block_size <= 0 || window < 0 ||
+        cache_bf16 < 0 || cache_bf16 > 2)
+        return -1;
     const int group = heads / kv_heads, kv_stride = kv_heads * d;
     int longest = 0;
     for (int i = 0; i < num_seqs; ++i) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
     const int items = num_seqs * kv_heads;
-    const attend_fn attend = cache_bf16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
-                                        : (d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any);
+    const attend_fn attend =
+        cache_bf16 == 2 ? (d == 64 ? attend_64_fp16 : d == 128 ? attend_128_fp16 : attend_any_fp16)
+        : cache_bf16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
+                     : (d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any);
     int failed = 0;
     (void)threads;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (threads > 1 && items > 1)

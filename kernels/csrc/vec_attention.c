@@ -20,8 +20,8 @@
  * 2e-7 there), times 2^n built in the exponent bits. Arguments are <= 0 (s_j - m); below -87 the
  * result is 0.
  *
- * Layouts: q, out fp32 [T, H, D] (D % 8 == 0, D <= 256); k_cache, v_cache fp32 or bf16
- * (cache_bf16: widened exactly on load) [num_blocks, block_size, Hkv, D]; block_tables int32
+ * Layouts: q, out fp32 [T, H, D] (D % 8 == 0, D <= 256); k_cache, v_cache fp32, bf16 or fp16
+ * (cache_bf16 0, 1, 2: widened exactly on load) [num_blocks, block_size, Hkv, D]; block_tables int32
  * [num_seqs, max_blocks]; query_start_loc int32 [num_seqs + 1]; seq_lens int32 [num_seqs]. Row
  * t = query_start_loc[i] + j of sequence i sits at position seq_lens[i] - q_len + j and sees keys
  * 0 .. that position, or with window > 0 only the last `window` of them. Head h reads kv head
@@ -31,6 +31,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -52,12 +55,41 @@ static inline f32x8 select8(i32x8 mask, f32x8 a, f32x8 b) { /* mask ? a : b, lan
 
 static inline float hsum8(f32x8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 
-/* 8 cache elements from index i: fp32, or bf16 widened exactly to fp32. */
+/* One IEEE half widened to float, exactly (subnormals, infinities, NaNs included). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31, m = h & 1023;
+    uint32_t bits;
+    if (e == 0) {
+        float f = (float)m * 0x1p-24f; /* exact: m < 2^10 */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (e == 31) {
+        bits = sign | 0x7f800000u | m << 13;
+    } else {
+        bits = sign | (e + 112) << 23 | m << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* 8 cache elements from index i: fp32 (kind 0), or bf16 (1) / fp16 (2) widened exactly to fp32. */
 static inline __attribute__((always_inline)) f32x8 load8(const void *base, size_t i, const int bf16) {
-    if (bf16) {
+    if (bf16 == 1) {
         u16x8 h;
         memcpy(&h, (const uint16_t *)base + i, 16);
         return (f32x8)(__builtin_convertvector(h, u32x8) << 16);
+    }
+    if (bf16 == 2) {
+#ifdef __F16C__
+        __m128i h;
+        memcpy(&h, (const uint16_t *)base + i, 16);
+        return (f32x8)_mm256_cvtph_ps(h);
+#else
+        f32x8 v;
+        for (int l = 0; l < 8; ++l) v[l] = half_to_float(((const uint16_t *)base)[i + l]);
+        return v;
+#endif
     }
     f32x8 v;
     memcpy(&v, (const float *)base + i, 32);
@@ -195,6 +227,10 @@ ATTEND(attend_64_bf16, 64, 1)
 ATTEND(attend_128_bf16, 128, 1)
 ATTEND(attend_256_bf16, 256, 1)
 ATTEND(attend_any_bf16, 0, 1)
+ATTEND(attend_64_fp16, 64, 2)
+ATTEND(attend_128_fp16, 128, 2)
+ATTEND(attend_256_fp16, 256, 2)
+ATTEND(attend_any_fp16, 0, 2)
 
 /* Work (multiply-adds) below which one thread does it all: a thread team costs more than it
  * saves on a small step, and on a shared machine a waiting team is worse. */
@@ -206,7 +242,7 @@ int stencil_vec_attention(const float *q, int heads, int kv_heads, int d, const 
                           const int *query_start_loc, const int *seq_lens, int num_seqs, float scale, int window,
                           float *out, int threads) {
     if (d % 8 || d / 8 > MAX_DV || kv_heads <= 0 || heads % kv_heads || block_size <= 0 || window < 0 ||
-        num_seqs < 0)
+        num_seqs < 0 || cache_bf16 < 0 || cache_bf16 > 2)
         return -1;
     const int group = heads / kv_heads, kv_stride = kv_heads * d;
     const int rows = num_seqs ? query_start_loc[num_seqs] : 0;
@@ -223,10 +259,12 @@ int stencil_vec_attention(const float *q, int heads, int kv_heads, int d, const 
         work += (long)q_len * keys * heads * d * 2;
     }
     const long items = (long)rows * kv_heads;
-    const attend_fn attend = cache_bf16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16
-                                           : d == 256 ? attend_256_bf16 : attend_any_bf16)
-                                        : (d == 64 ? attend_64 : d == 128 ? attend_128
-                                           : d == 256 ? attend_256 : attend_any);
+    const attend_fn attend =
+        cache_bf16 == 2 ? (d == 64 ? attend_64_fp16 : d == 128 ? attend_128_fp16 : d == 256 ? attend_256_fp16
+                                                                                          : attend_any_fp16)
+        : cache_bf16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16
+                        : d == 256 ? attend_256_bf16 : attend_any_bf16)
+                     : (d == 64 ? attend_64 : d == 128 ? attend_128 : d == 256 ? attend_256 : attend_any);
     int failed = 0;
     (void)threads;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (threads > 1 && items > 1 && work >= PARALLEL_WORK)
