@@ -119,7 +119,44 @@ def check_supported(pattern: str) -> str:
         raise GrammarError("unterminated character class", position=class_start)
     if open_groups:
         raise GrammarError("missing ), unterminated group", position=open_groups[-1])
+    copies = nested_copies(core)
+    if copies > MAX_REPEAT_COUNT:
+        raise GrammarError(f"counted repetitions nest to {copies} copies of their innermost part, above the "
+                           f"{MAX_REPEAT_COUNT} a grammar can count")
     return core
+
+
+def nested_copies(core: str) -> int:
+    """The largest product of counted repetitions nested in one another in ``core`` (``(a{100}){50}``:
+    5000): how many copies of its innermost part a matcher unrolls. An unbounded repetition
+    counts its lower bound (``*``, ``+``: a loop, no copies). Read with Python's ``re`` parser;
+    1 where it cannot parse ``core`` (its syntax errors are reported elsewhere)."""
+    from re import _constants as c, _parser
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = _parser.parse(core)
+    except (re.error, OverflowError, RecursionError, ValueError):
+        return 1
+    repeats = (c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", c.MAX_REPEAT))
+
+    def walk(items) -> int:
+        most = 1
+        for op, av in items:
+            if op in repeats:
+                lo, hi, item = av
+                count = lo if hi == c.MAXREPEAT else hi
+                most = max(most, max(count, 1) * walk(item))
+            elif op is c.SUBPATTERN:
+                most = max(most, walk(av[-1]))
+            elif op is c.BRANCH:
+                most = max([most] + [walk(b) for b in av[1]])
+            elif op in (c.ATOMIC_GROUP,) if hasattr(c, "ATOMIC_GROUP") else ():
+                most = max(most, walk(av))
+        return most
+
+    return walk(tree)
 
 
 def locate_syntax_error(pattern: str) -> tuple[int | None, str | None]:

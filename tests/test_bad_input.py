@@ -257,6 +257,7 @@ def test_whitespace_prompt_and_max_tokens_one_are_served(client):
      "minItems", "#/minItems"),
     ({"type": "string", "pattern": "^a{1000000}$"}, "repetition count 1000000 is above the 10000", "pattern",
      "#/pattern"),
+    ({"type": "string", "pattern": "^(a{1000}){1000}$"}, "nest to 1000000 copies", "pattern", "#/pattern"),
     ({"type": "integer", "minimum": 5, "maximum": 3}, "admits no value", "minimum", "#"),
     (False, "admits no value", "false", "#"),
     ({"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/evil.json"}}}, "points outside the schema",
@@ -345,7 +346,9 @@ def test_exploding_regexes_are_served_lazily_or_refused_by_name(client):
 
 
 @pytest.mark.parametrize("pattern, needle", [("(?=a)b", "lookaround"), ("ab(c", "position"),
-                                              ("[z-a]", "regex"), ("a" * 5000, "4096")])
+                                              ("[z-a]", "regex"), ("a" * 5000, "4096"),
+                                              ("(b{1000}){1000}", "nest to 1000000 copies"),
+                                              ("x((c{50}){50}){5}y", "nest to 12500 copies")])
 def test_invalid_regexes_name_the_problem(client, pattern, needle):
     p = _problem(client.post("/generate", json={"prompt": "x", "regex": pattern}), 400)
     assert needle in p["detail"] or (needle == "position" and p.get("position") is not None), p

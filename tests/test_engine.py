@@ -314,7 +314,7 @@ def test_bf16_kv_cache_keeps_the_invariant_at_half_the_bytes(tiny_model_dir, pro
     eng = LLMEngine(EngineConfig(model=tiny_model_dir, kv_cache_dtype="bfloat16", num_kv_blocks=24, max_num_seqs=8,
                                  max_prefill_chunk=16, max_num_batched_tokens=48, speculative=spec))
     assert all(c.dtype == torch.bfloat16 for pair in eng.runner.kv_caches for c in pair)
-    fp32 = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=24))
+    fp32 = LLMEngine(EngineConfig(model=tiny_model_dir, kv_cache_dtype="float32", num_kv_blocks=24))
     assert eng.runner.bytes_per_block * 2 == fp32.runner.bytes_per_block
     results = eng.generate(prompts, params)
     assert [r["token_ids"] for r in results] == alone

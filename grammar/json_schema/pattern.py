@@ -64,6 +64,17 @@ class Anchor:
 _SIMPLE_ESCAPES = {"t": 9, "n": 10, "r": 13, "f": 12, "v": 11, "a": 7, "0": 0}
 
 
+def _copies(node) -> int:
+    """The largest product of nested counted repetitions under ``node`` (an unbounded one counts
+    its lower bound): the copies of its innermost part a matcher unrolls."""
+    if isinstance(node, Rep):
+        count = node.lo if node.hi is None else node.hi
+        return max(count, 1) * _copies(node.item)
+    if isinstance(node, (Seq, Alt)):
+        return max((_copies(x) for x in node.items), default=1)
+    return 1
+
+
 class _Parser:
     def __init__(self, text: str, over: bool = False):
         self.text = text
@@ -80,6 +91,10 @@ class _Parser:
         node = self.alternation()
         if self.i != len(self.text):
             raise self.error("unbalanced ')'")
+        copies = _copies(node)
+        if copies > MAX_REPEAT_COUNT:
+            raise self.error(f"counted repetitions nest to {copies} copies of their innermost part, above the "
+                             f"{MAX_REPEAT_COUNT} a grammar can count")
         return node
 
     def alternation(self):
