@@ -25,7 +25,7 @@ BackendName = Literal["auto", "eager", "lazy"]
 # expressions constructed") after seconds per token, and a 10^8 ``minLength`` killed an index
 # worker. Larger counts are a 400 naming the count; a ``maxItems`` above it is written as the cap.
 # Counts nested in one another multiply (``(b{1000}){1000}`` unrolls a million copies and failed
-# the same way): their product is held to the same bound (``regex_tools.nested_copies``).
+# the same way): their product is held to the same bound (``regex_tools.check_supported``).
 MAX_REPEAT_COUNT = 10_000
 
 

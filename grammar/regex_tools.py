@@ -50,7 +50,9 @@ def check_supported(pattern: str) -> str:
     Raises:
         GrammarError: with ``position`` (offset in ``pattern``) of the first lookaround,
             backreference, atomic group, conditional, inner anchor / word boundary, unbalanced
-            parenthesis, trailing backslash or repetition count above ``MAX_REPEAT_COUNT``. Balance matters beyond syntax: the pattern is
+            parenthesis, trailing backslash or repetition count above ``MAX_REPEAT_COUNT``, or
+            (without a position) counted repetitions nested to more copies than that
+            (``(b{1000}){1000}``: a million). Balance matters beyond syntax: the pattern is
             wrapped as ``(?:pattern)\\x01``, and ``x)|(y`` would otherwise parse, leaving one
             branch without the end sentinel.
     """
@@ -58,6 +60,10 @@ def check_supported(pattern: str) -> str:
     i, n = 0, len(core)
     class_depth = class_start = 0
     open_groups: list[int] = []
+    # Copies a matcher unrolls: per open group [the most inside it, the last item's], a counted
+    # repetition multiplying its item's (``(a{100}){50}``: 5000; ``*``, ``+``, ``?`` add none).
+    frames: list[list[int]] = [[1, 1]]
+    copies = 1
     while i < n:
         c = core[i]
         pos = i + offset
@@ -73,6 +79,7 @@ def check_supported(pattern: str) -> str:
                 if nxt and nxt in _ANCHORS:
                     raise GrammarError(f"anchor {_ANCHORS[nxt]} is not supported (the regex is "
                                        "matched as a whole)", position=pos)
+                frames[-1][1] = 1
             i += 2
             continue
         if class_depth:
@@ -84,6 +91,7 @@ def check_supported(pattern: str) -> str:
             continue
         if c == "[":
             class_depth, class_start = 1, pos
+            frames[-1][1] = 1
             i += 1
             if core[i:i + 1] == "^":
                 i += 1
@@ -95,12 +103,26 @@ def check_supported(pattern: str) -> str:
             if times > MAX_REPEAT_COUNT:
                 raise GrammarError(f"repetition count {times} is above the {MAX_REPEAT_COUNT} a grammar can "
                                    "count", position=pos)
+            frame = frames[-1]
+            frame[1] *= max(times, 1)
+            frame[0] = max(frame[0], frame[1])
+            copies = max(copies, frame[1])
+            i = count.end()
+            continue
         if c == "(":
             open_groups.append(pos)
+            frames.append([1, 1])
         elif c == ")":
             if not open_groups:
                 raise GrammarError("unbalanced parenthesis", position=pos)
             open_groups.pop()
+            inner = frames.pop()[0]
+            frames[-1][1] = inner
+            frames[-1][0] = max(frames[-1][0], inner)
+        elif c == "|":
+            frames[-1][1] = 1
+        elif c not in "*+?":
+            frames[-1][1] = 1  # a literal: the item a following count repeats
         if c in "^$":
             raise GrammarError(f"anchor {c!r} inside the regex is not supported (the regex is "
                                "matched as a whole)", position=pos)
@@ -119,44 +141,10 @@ def check_supported(pattern: str) -> str:
         raise GrammarError("unterminated character class", position=class_start)
     if open_groups:
         raise GrammarError("missing ), unterminated group", position=open_groups[-1])
-    copies = nested_copies(core)
     if copies > MAX_REPEAT_COUNT:
         raise GrammarError(f"counted repetitions nest to {copies} copies of their innermost part, above the "
                            f"{MAX_REPEAT_COUNT} a grammar can count")
     return core
-
-
-def nested_copies(core: str) -> int:
-    """The largest product of counted repetitions nested in one another in ``core`` (``(a{100}){50}``:
-    5000): how many copies of its innermost part a matcher unrolls. An unbounded repetition
-    counts its lower bound (``*``, ``+``: a loop, no copies). Read with Python's ``re`` parser;
-    1 where it cannot parse ``core`` (its syntax errors are reported elsewhere)."""
-    from re import _constants as c, _parser
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tree = _parser.parse(core)
-    except (re.error, OverflowError, RecursionError, ValueError):
-        return 1
-    repeats = (c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", c.MAX_REPEAT))
-
-    def walk(items) -> int:
-        most = 1
-        for op, av in items:
-            if op in repeats:
-                lo, hi, item = av
-                count = lo if hi == c.MAXREPEAT else hi
-                most = max(most, max(count, 1) * walk(item))
-            elif op is c.SUBPATTERN:
-                most = max(most, walk(av[-1]))
-            elif op is c.BRANCH:
-                most = max([most] + [walk(b) for b in av[1]])
-            elif op in (c.ATOMIC_GROUP,) if hasattr(c, "ATOMIC_GROUP") else ():
-                most = max(most, walk(av))
-        return most
-
-    return walk(tree)
 
 
 def locate_syntax_error(pattern: str) -> tuple[int | None, str | None]:
