@@ -50,9 +50,9 @@ def check_supported(pattern: str) -> str:
     Raises:
         GrammarError: with ``position`` (offset in ``pattern``) of the first lookaround,
             backreference, atomic group, conditional, inner anchor / word boundary, unbalanced
-            parenthesis, trailing backslash or repetition count above ``MAX_REPEAT_COUNT``, or
-            (without a position) counted repetitions nested to more copies than that
-            (``(b{1000}){1000}``: a million). Balance matters beyond syntax: the pattern is
+            parenthesis, trailing backslash or repetition count above ``MAX_REPEAT_COUNT``, or of
+            the count that nests counted repetitions to more copies than that
+            (``(b{1000}){1000}``: a million, at the second ``{``). Balance matters beyond syntax: the pattern is
             wrapped as ``(?:pattern)\\x01``, and ``x)|(y`` would otherwise parse, leaving one
             branch without the end sentinel.
     """
@@ -63,7 +63,6 @@ def check_supported(pattern: str) -> str:
     # Copies a matcher unrolls: per open group [the most inside it, the last item's], a counted
     # repetition multiplying its item's (``(a{100}){50}``: 5000; ``*``, ``+``, ``?`` add none).
     frames: list[list[int]] = [[1, 1]]
-    copies = 1
     while i < n:
         c = core[i]
         pos = i + offset
@@ -106,7 +105,9 @@ def check_supported(pattern: str) -> str:
             frame = frames[-1]
             frame[1] *= max(times, 1)
             frame[0] = max(frame[0], frame[1])
-            copies = max(copies, frame[1])
+            if frame[1] > MAX_REPEAT_COUNT:
+                raise GrammarError(f"the regex's counted repetitions nest to {frame[1]} copies of their innermost "
+                                   f"part, above the {MAX_REPEAT_COUNT} a grammar can count", position=pos)
             i = count.end()
             continue
         if c == "(":
@@ -141,9 +142,6 @@ def check_supported(pattern: str) -> str:
         raise GrammarError("unterminated character class", position=class_start)
     if open_groups:
         raise GrammarError("missing ), unterminated group", position=open_groups[-1])
-    if copies > MAX_REPEAT_COUNT:
-        raise GrammarError(f"counted repetitions nest to {copies} copies of their innermost part, above the "
-                           f"{MAX_REPEAT_COUNT} a grammar can count")
     return core
 
 
