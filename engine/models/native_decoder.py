@@ -10,7 +10,7 @@ model is not one the C decoder runs:
 * every projection native and quantized: an ``Int4Linear`` whose ``PackedInt4`` is packed for
   VNNI, or a ``QuantLinear`` on the GGUF block kernel with at most four quantized parts (no
   float part); a dense projection (an F32/F16 file, an HF checkpoint) keeps the torch layers;
-* the ``cpu`` attention backend with a kernel that takes the cache (fp32 or bf16, contiguous);
+* the ``cpu`` attention backend with a kernel that takes the cache (fp32, bf16 or fp16, contiguous);
 * the C library builds (``STENCIL_NATIVE=0`` or ``STENCIL_DECODER=0`` keep the torch layers).
 
 Both paths call the same kernels in the same order with the same arithmetic between them (fp32

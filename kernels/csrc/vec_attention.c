@@ -55,22 +55,21 @@ static inline f32x8 select8(i32x8 mask, f32x8 a, f32x8 b) { /* mask ? a : b, lan
 
 static inline float hsum8(f32x8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 
-/* One IEEE half widened to float, exactly (subnormals, infinities, NaNs included). */
+/* One IEEE half widened to float, exactly: its exponent and mantissa bits placed as a float's are
+ * the value times 2^-112 (a half subnormal becomes a float subnormal), so one exact product by
+ * 2^112 restores it; infinities stay infinite, NaNs keep their payload, made quiet (F16C's bits). */
 static inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31, m = h & 1023;
-    uint32_t bits;
-    if (e == 0) {
-        float f = (float)m * 0x1p-24f; /* exact: m < 2^10 */
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    } else if (e == 31) {
-        bits = sign | 0x7f800000u | m << 13;
-    } else {
-        bits = sign | (e + 112) << 23 | m << 13;
-    }
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, body = (uint32_t)(h & 0x7fffu) << 13;
     float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    if ((h & 0x7c00u) == 0x7c00u) {
+        const uint32_t payload = body & 0x007fffffu; /* a NaN comes back quiet, as F16C returns it */
+        const uint32_t bits = sign | 0x7f800000u | payload | (payload ? 0x00400000u : 0u);
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    memcpy(&f, &body, 4);
+    f *= 0x1p112f;
+    return sign ? -f : f;
 }
 
 /* 8 cache elements from index i: fp32 (kind 0), or bf16 (1) / fp16 (2) widened exactly to fp32. */
