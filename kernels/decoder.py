@@ -46,7 +46,7 @@ class Layer(ctypes.Structure):
 class Model(ctypes.Structure):
     """The stack's shapes, the kernels' pointers and the layers."""
     _fields_ = [("num_layers", _i32), ("hidden", _i32), ("heads", _i32), ("kv_heads", _i32), ("head_dim", _i32),
-                ("inter", _i32), ("act", _i32), ("cache_bf16", _i32), ("block_size", _i32), ("num_slots", _i64),
+                ("inter", _i32), ("act", _i32), ("cache_kind", _i32), ("block_size", _i32), ("num_slots", _i64),
                 ("eps", _f), ("vnni_gemm", _p), ("gguf_quantize", _p), ("gguf_gemm", _p), ("attention", _p),
                 ("layers", ctypes.POINTER(Layer))]
 

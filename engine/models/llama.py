@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.models.rope import RopeSpec, rope_cos_sin
 from engine.models.architecture import LlamaSpec
+from engine.models.native_decoder import DecoderPlan, plan_key
 from kernels import layer_ops
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
 from kernels.layer_ops import apply_rope
@@ -264,8 +265,6 @@ class LlamaForCausalLM(nn.Module):
         built on first use; None where the model, its weights or the backend are not what the
         C decoder runs (the torch-driven layers then run, with the same bits). Call
         ``drop_decoder_plan`` after replacing a layer or a weight tensor."""
-        from engine.models.native_decoder import DecoderPlan, plan_key
-
         key = plan_key(kv_caches, backend)
         if self._decoder is None or self._decoder[0] != key:
             self._decoder = (key, DecoderPlan.build(self, kv_caches, backend))

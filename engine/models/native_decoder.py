@@ -108,7 +108,7 @@ class DecoderPlan:
             L.scale = attn.scale
         m = C.Model(num_layers=spec.num_layers, hidden=spec.hidden_size, heads=spec.num_heads,
                     kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, inter=spec.intermediate_size,
-                    act=C.ACT_GELU_TANH if gemma else C.ACT_SILU, cache_bf16=native.CACHE_KINDS[k0.dtype],
+                    act=C.ACT_GELU_TANH if gemma else C.ACT_SILU, cache_kind=native.CACHE_KINDS[k0.dtype],
                     block_size=k0.shape[1], num_slots=k0.shape[0] * k0.shape[1], eps=spec.rms_norm_eps,
                     vnni_gemm=pointers["vnni_gemm"], gguf_quantize=pointers["gguf_quantize"],
                     gguf_gemm=pointers["gguf_gemm"], attention=pointers["attention"],

@@ -13,7 +13,7 @@
  * for e^r (Taylor coefficients; relative error below 2e-7 on that interval), times 2^n by
  * VSCALEFPS. Arguments are <= 0 here (s_j - m), and below -87 the result is flushed to 0.
  *
- * Layouts: q, out fp32 [T, H, D]; k_cache, v_cache fp32, bf16 or fp16 (cache_bf16 0, 1, 2; widened exactly on
+ * Layouts: q, out fp32 [T, H, D]; k_cache, v_cache fp32, bf16 or fp16 (cache_kind 0, 1, 2; widened exactly on
  * load) [num_blocks, block_size, Hkv, D];
  * block_tables int32 [num_seqs, max_blocks]; query_start_loc int32 [num_seqs + 1]; seq_lens
  * int32 [num_seqs]. Row t = query_start_loc[i] + j of sequence i sits at position
@@ -66,20 +66,20 @@ static inline __m512 sum16(const __m512 *t) {
 }
 
 /* 16 cache elements from index i: fp32 (kind 0), or bf16 (1) / fp16 (2) widened exactly to fp32. */
-static inline __attribute__((always_inline)) __m512 load16(const void *base, size_t i, const int bf16) {
-    if (bf16 == 1)
+static inline __attribute__((always_inline)) __m512 load16(const void *base, size_t i, const int kind) {
+    if (kind == 1)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i))), 16));
-    if (bf16 == 2)
+    if (kind == 2)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
     return _mm512_loadu_ps((const float *)base + i);
 }
 
 /* q . k for the key at cache index ko: D / 16 vector products in order, one per lane. */
 static inline __attribute__((always_inline)) __m512 dot_key(const __m512 *qv, int dv, const void *k_cache, size_t ko,
-                                                          const int bf16) {
-    __m512 acc = _mm512_mul_ps(qv[0], load16(k_cache, ko, bf16));
-    for (int c = 1; c < dv; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k_cache, ko + 16 * c, bf16), acc);
+                                                          const int kind) {
+    __m512 acc = _mm512_mul_ps(qv[0], load16(k_cache, ko, kind));
+    for (int c = 1; c < dv; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k_cache, ko + 16 * c, kind), acc);
     return acc;
 }
 
@@ -88,7 +88,7 @@ static inline __attribute__((always_inline)) __m512 dot_key(const __m512 *qv, in
 static inline __attribute__((always_inline)) void attend_row(
     const float *q, int group, const int d, int lo, int n, const void *k_cache, const void *v_cache,
     int block_size, int kv_stride, int h_off, const int *table, float scale, float *scores, float *out,
-    const int bf16) {
+    const int kind) {
     const int dv = d / 16, span = n - lo, stride = span + 16;
     for (int g = 0; g < group; ++g) {
         __m512 qv[MAX_DV];
@@ -102,13 +102,13 @@ static inline __attribute__((always_inline)) void attend_row(
             if (len == 16 && j0 % block_size + 16 <= block_size) { /* 16 keys of one block, kv_stride apart */
                 const size_t k = ((size_t)table[j0 / block_size] * block_size + j0 % block_size) * kv_stride + h_off;
 #pragma GCC unroll 16
-                for (int o = 0; o < 16; ++o) t[o] = dot_key(qv, dv, k_cache, k + (size_t)o * kv_stride, bf16);
+                for (int o = 0; o < 16; ++o) t[o] = dot_key(qv, dv, k_cache, k + (size_t)o * kv_stride, kind);
             } else {
                 for (int o = 0; o < 16; ++o) {
                     if (o >= len) { t[o] = _mm512_setzero_ps(); continue; }
                     const int j = j0 + o;
                     t[o] = dot_key(qv, dv, k_cache,
-                                   ((size_t)table[j / block_size] * block_size + j % block_size) * kv_stride + h_off, bf16);
+                                   ((size_t)table[j / block_size] * block_size + j % block_size) * kv_stride + h_off, kind);
                 }
             }
             const __mmask16 live = len == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << len) - 1);
@@ -141,7 +141,7 @@ static inline __attribute__((always_inline)) void attend_row(
             const int len = n - j0 < block_size - off ? n - j0 : block_size - off;
             for (int o = 0; o < len; ++o, v += kv_stride) {
                 __m512 vv[MAX_DV];
-                for (int c = 0; c < dv; ++c) vv[c] = load16(v_cache, v + 16 * c, bf16);
+                for (int c = 0; c < dv; ++c) vv[c] = load16(v_cache, v + 16 * c, kind);
                 for (int g = 0; g < gn; ++g) {
                     const __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * stride + (j0 - lo) + o]);
                     for (int c = 0; c < dv; ++c) acc[g * dv + c] = _mm512_fmadd_ps(p, vv[c], acc[g * dv + c]);
@@ -160,10 +160,10 @@ static inline __attribute__((always_inline)) void attend_row(
 /* head_dim 64 and 128 and each cache dtype get their own copies, so the loops unroll. */
 typedef void (*attend_fn)(const float *, int, int, int, int, const void *, const void *, int, int, int,
                           const int *, float, float *, float *);
-#define ATTEND(NAME, D, BF16)                                                                               \
+#define ATTEND(NAME, D, KIND)                                                                               \
     static void NAME(const float *q, int group, int d, int lo, int n, const void *kc, const void *vc, int bs, \
                      int kv_stride, int h_off, const int *table, float scale, float *scores, float *out) {      \
-        attend_row(q, group, D ? D : d, lo, n, kc, vc, bs, kv_stride, h_off, table, scale, scores, out, BF16); \
+        attend_row(q, group, D ? D : d, lo, n, kc, vc, bs, kv_stride, h_off, table, scale, scores, out, KIND); \
     }
 ATTEND(attend_64, 64, 0)
 ATTEND(attend_128, 128, 0)
@@ -177,19 +177,19 @@ ATTEND(attend_any_fp16, 0, 2)
 
 /* Returns 0, or -1 on bad arguments / no memory. */
 int stencil_paged_attention(const float *q, int heads, int kv_heads, int d, const void *k_cache,
-                            const void *v_cache, int cache_bf16, int block_size, const int *block_tables,
+                            const void *v_cache, int cache_kind, int block_size, const int *block_tables,
                             int max_blocks, const int *query_start_loc, const int *seq_lens, int num_seqs,
                             float scale, int window, float *out, int threads) {
     if (d % 16 || d / 16 > MAX_DV || kv_heads <= 0 || heads % kv_heads || block_size <= 0 || window < 0 ||
-        cache_bf16 < 0 || cache_bf16 > 2)
+        cache_kind < 0 || cache_kind > 2)
         return -1;
     const int group = heads / kv_heads, kv_stride = kv_heads * d;
     int longest = 0;
     for (int i = 0; i < num_seqs; ++i) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
     const int items = num_seqs * kv_heads;
     const attend_fn attend =
-        cache_bf16 == 2 ? (d == 64 ? attend_64_fp16 : d == 128 ? attend_128_fp16 : attend_any_fp16)
-        : cache_bf16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
+        cache_kind == 2 ? (d == 64 ? attend_64_fp16 : d == 128 ? attend_128_fp16 : attend_any_fp16)
+        : cache_kind ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
                      : (d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any);
     int failed = 0;
     (void)threads;

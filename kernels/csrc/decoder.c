@@ -42,7 +42,7 @@ int stencil_rms_norm(const float *x, long outer, long inner, int dim, long outer
                      float *y, int threads);
 int stencil_rope_cache(const float *q, long q_row, int heads, const float *k, long k_row, const float *v, long v_row,
                        int kv_heads, int dim, const float *cos, const float *sin, int t, const int64_t *slots,
-                       long num_slots, void *k_cache, void *v_cache, int bf16, float *q_out);
+                       long num_slots, void *k_cache, void *v_cache, int kind, float *q_out);
 int stencil_glu(int kind, const float *gu, long ld, long t, int inter, float *out, int threads);
 
 typedef int (*vnni_gemm_fn)(const float *x, int m, int k, const uint8_t *codes, const float *scales,
@@ -54,7 +54,7 @@ typedef int (*gguf_gemm_fn)(int type, const uint8_t *w, long row_bytes, int k, c
                             const int8_t *q1, const int8_t *q2, const float *dx, const float *x16, int m, float *y,
                             long ldy, int threads);
 typedef int (*attention_fn)(const float *q, int heads, int kv_heads, int d, const void *k_cache, const void *v_cache,
-                            int cache_bf16, int block_size, const int *block_tables, int max_blocks,
+                            int cache_kind, int block_size, const int *block_tables, int max_blocks,
                             const int *query_start_loc, const int *seq_lens, int num_seqs, float scale, int window,
                             float *out, int threads);
 
@@ -80,7 +80,7 @@ typedef struct {
 typedef struct {
     const float *attn_in_norm, *attn_out_norm, *mlp_in_norm, *mlp_out_norm, *q_norm, *k_norm; /* [hidden] / [D] */
     linear_t qkv, o, gate_up, down;
-    void *k_cache, *v_cache; /* [num_slots, kv_heads, D], fp32 or bf16 */
+    void *k_cache, *v_cache; /* [num_slots, kv_heads, D], fp32, bf16 or fp16 */
     int32_t window, rope;    /* window in tokens (0: none); which RoPE table of the step (0 or 1) */
     float scale;             /* softmax scale */
 } layer_t;
@@ -88,7 +88,7 @@ typedef struct {
 typedef struct {
     int32_t num_layers, hidden, heads, kv_heads, head_dim, inter;
     int32_t act; /* 0: SiLU, 1: GELU (tanh) */
-    int32_t cache_bf16, block_size;
+    int32_t cache_kind, block_size;
     int64_t num_slots;
     float eps;
     vnni_gemm_fn vnni_gemm;
@@ -229,9 +229,9 @@ int stencil_decoder_forward(const model_t *m, const step_t *s) {
             q = qn, k = kn, q_row = qsize, k_row = kvsize;
         }
         if (stencil_rope_cache(q, q_row, m->heads, k, k_row, v, L->qkv.ldy, m->kv_heads, d, s->cos[L->rope],
-                               s->sin[L->rope], t, s->slots, m->num_slots, L->k_cache, L->v_cache, m->cache_bf16, qr))
+                               s->sin[L->rope], t, s->slots, m->num_slots, L->k_cache, L->v_cache, m->cache_kind, qr))
             return err - 2;
-        if (m->attention(qr, m->heads, m->kv_heads, d, L->k_cache, L->v_cache, m->cache_bf16, m->block_size,
+        if (m->attention(qr, m->heads, m->kv_heads, d, L->k_cache, L->v_cache, m->cache_kind, m->block_size,
                          s->block_tables, s->max_blocks, s->query_start_loc, s->seq_lens, s->num_seqs, L->scale,
                          L->window, ao, th))
             return err - 3;

@@ -10,7 +10,7 @@
  *   out[i + D/2] = x[i + D/2] c[i] + x[i] s[i]
  * each product and each sum rounded to fp32 on its own (compiled with -ffp-contract=off: no
  * fused multiply-add), so every value has the bits torch gives. The cache write copies k (after
- * RoPE) and v into slot slots[t] of [num_slots, kv_heads, D] caches, fp32 as they are (bf16 = 0), or
+ * RoPE) and v into slot slots[t] of [num_slots, kv_heads, D] caches, fp32 as they are (kind 0), or
  * bf16 (1) / fp16 (2) rounded to nearest even, as torch's .to(torch.bfloat16 / torch.float16) rounds
  * (a NaN stays a NaN: 0x7FC0, or a quiet fp16 NaN of its sign).
  *
@@ -61,8 +61,8 @@ static inline uint16_t to_bf16(float f) {
 /* Returns 0, or -1 on bad arguments (odd D, a slot below 0 or at or past num_slots). */
 int stencil_rope_cache(const float *q, long q_row, int heads, const float *k, long k_row, const float *v, long v_row,
                        int kv_heads, int dim, const float *cos, const float *sin, int t, const int64_t *slots,
-                       long num_slots, void *k_cache, void *v_cache, int bf16, float *q_out) {
-    if (dim <= 0 || dim % 2 || t < 0 || heads <= 0 || kv_heads <= 0 || bf16 < 0 || bf16 > 2) return -1;
+                       long num_slots, void *k_cache, void *v_cache, int kind, float *q_out) {
+    if (dim <= 0 || dim % 2 || t < 0 || heads <= 0 || kv_heads <= 0 || kind < 0 || kind > 2) return -1;
     for (int r = 0; r < t; ++r)
         if (slots[r] < 0 || slots[r] >= num_slots) return -1;
     const int half = dim / 2;
@@ -75,11 +75,11 @@ int stencil_rope_cache(const float *q, long q_row, int heads, const float *k, lo
         for (int h = 0; h < kv_heads; ++h) {
             rotate(k + r * k_row + (long)h * dim, c, s, half, krot);
             const float *vv = v + r * v_row + (long)h * dim;
-            if (bf16) {
+            if (kind) {
                 uint16_t *kc = (uint16_t *)k_cache + slot + (long)h * dim, *vc = (uint16_t *)v_cache + slot + (long)h * dim;
                 for (int i = 0; i < dim; ++i) {
-                    kc[i] = bf16 == 2 ? to_fp16(krot[i]) : to_bf16(krot[i]);
-                    vc[i] = bf16 == 2 ? to_fp16(vv[i]) : to_bf16(vv[i]);
+                    kc[i] = kind == 2 ? to_fp16(krot[i]) : to_bf16(krot[i]);
+                    vc[i] = kind == 2 ? to_fp16(vv[i]) : to_bf16(vv[i]);
                 }
             } else {
                 memcpy((float *)k_cache + slot + (long)h * dim, krot, sizeof(float) * dim);

@@ -21,7 +21,7 @@
  * result is 0.
  *
  * Layouts: q, out fp32 [T, H, D] (D % 8 == 0, D <= 256); k_cache, v_cache fp32, bf16 or fp16
- * (cache_bf16 0, 1, 2: widened exactly on load) [num_blocks, block_size, Hkv, D]; block_tables int32
+ * (cache_kind 0, 1, 2: widened exactly on load) [num_blocks, block_size, Hkv, D]; block_tables int32
  * [num_seqs, max_blocks]; query_start_loc int32 [num_seqs + 1]; seq_lens int32 [num_seqs]. Row
  * t = query_start_loc[i] + j of sequence i sits at position seq_lens[i] - q_len + j and sees keys
  * 0 .. that position, or with window > 0 only the last `window` of them. Head h reads kv head
@@ -73,13 +73,13 @@ static inline float half_to_float(uint16_t h) {
 }
 
 /* 8 cache elements from index i: fp32 (kind 0), or bf16 (1) / fp16 (2) widened exactly to fp32. */
-static inline __attribute__((always_inline)) f32x8 load8(const void *base, size_t i, const int bf16) {
-    if (bf16 == 1) {
+static inline __attribute__((always_inline)) f32x8 load8(const void *base, size_t i, const int kind) {
+    if (kind == 1) {
         u16x8 h;
         memcpy(&h, (const uint16_t *)base + i, 16);
         return (f32x8)(__builtin_convertvector(h, u32x8) << 16);
     }
-    if (bf16 == 2) {
+    if (kind == 2) {
 #ifdef __F16C__
         __m128i h;
         memcpy(&h, (const uint16_t *)base + i, 16);
@@ -129,9 +129,9 @@ static const i32x8 LANES = {0, 1, 2, 3, 4, 5, 6, 7};
 
 /* q . k for the key at cache index ko: D / 8 vector products in order, one per lane. */
 static inline __attribute__((always_inline)) f32x8 dot_key(const f32x8 *qv, int dv, const void *k_cache, size_t ko,
-                                                         const int bf16) {
-    f32x8 acc = qv[0] * load8(k_cache, ko, bf16);
-    for (int c = 1; c < dv; ++c) acc = acc + qv[c] * load8(k_cache, ko + 8 * (size_t)c, bf16);
+                                                         const int kind) {
+    f32x8 acc = qv[0] * load8(k_cache, ko, kind);
+    for (int c = 1; c < dv; ++c) acc = acc + qv[c] * load8(k_cache, ko + 8 * (size_t)c, kind);
     return acc;
 }
 
@@ -140,7 +140,7 @@ static inline __attribute__((always_inline)) f32x8 dot_key(const f32x8 *qv, int 
 static inline __attribute__((always_inline)) void attend_row(const float *q, int group, const int d, int lo, int n,
                                                            const void *k_cache, const void *v_cache, int block_size,
                                                            int kv_stride, int h_off, const int *table, float scale,
-                                                           float *scores, float *out, const int bf16) {
+                                                           float *scores, float *out, const int kind) {
     const int dv = d / 8, span = n - lo, stride = span + 8;
     for (int g = 0; g < group; ++g) {
         f32x8 qv[MAX_DV];
@@ -157,7 +157,7 @@ static inline __attribute__((always_inline)) void attend_row(const float *q, int
                 const int j = j0 + o;
                 t[o] = o < len ? dot_key(qv, dv, k_cache,
                                          ((size_t)table[j / block_size] * block_size + j % block_size) * kv_stride +
-                                             h_off, bf16)
+                                             h_off, kind)
                                : splat(0.0f);
             }
             const f32x8 sv = sum8(t);
@@ -191,7 +191,7 @@ static inline __attribute__((always_inline)) void attend_row(const float *q, int
                 const int len = n - j0 < block_size - off ? n - j0 : block_size - off;
                 for (int o = 0; o < len; ++o, v += kv_stride) {
                     f32x8 vv[PV_DIMS];
-                    for (int c = 0; c < cn; ++c) vv[c] = load8(v_cache, v + 8 * (size_t)c, bf16);
+                    for (int c = 0; c < cn; ++c) vv[c] = load8(v_cache, v + 8 * (size_t)c, kind);
                     for (int g = 0; g < gn; ++g) {
                         const f32x8 p = splat(scores[(size_t)(g0 + g) * stride + (j0 - lo) + o]);
                         for (int c = 0; c < cn; ++c) acc[g * PV_DIMS + c] = acc[g * PV_DIMS + c] + p * vv[c];
@@ -213,10 +213,10 @@ static inline __attribute__((always_inline)) void attend_row(const float *q, int
 /* head_dim 64, 128, 256 and each cache dtype get their own copies, so the loops unroll. */
 typedef void (*attend_fn)(const float *, int, int, int, int, const void *, const void *, int, int, int,
                           const int *, float, float *, float *);
-#define ATTEND(NAME, D, BF16)                                                                                \
+#define ATTEND(NAME, D, KIND)                                                                                \
     static void NAME(const float *q, int group, int d, int lo, int n, const void *kc, const void *vc, int bs,  \
                      int kv_stride, int h_off, const int *table, float scale, float *scores, float *out) {       \
-        attend_row(q, group, D ? D : d, lo, n, kc, vc, bs, kv_stride, h_off, table, scale, scores, out, BF16); \
+        attend_row(q, group, D ? D : d, lo, n, kc, vc, bs, kv_stride, h_off, table, scale, scores, out, KIND); \
     }
 ATTEND(attend_64, 64, 0)
 ATTEND(attend_128, 128, 0)
@@ -237,11 +237,11 @@ ATTEND(attend_any_fp16, 0, 2)
 
 /* Returns 0, or -1 on bad arguments / no memory. */
 int stencil_vec_attention(const float *q, int heads, int kv_heads, int d, const void *k_cache, const void *v_cache,
-                          int cache_bf16, int block_size, const int *block_tables, int max_blocks,
+                          int cache_kind, int block_size, const int *block_tables, int max_blocks,
                           const int *query_start_loc, const int *seq_lens, int num_seqs, float scale, int window,
                           float *out, int threads) {
     if (d % 8 || d / 8 > MAX_DV || kv_heads <= 0 || heads % kv_heads || block_size <= 0 || window < 0 ||
-        num_seqs < 0 || cache_bf16 < 0 || cache_bf16 > 2)
+        num_seqs < 0 || cache_kind < 0 || cache_kind > 2)
         return -1;
     const int group = heads / kv_heads, kv_stride = kv_heads * d;
     const int rows = num_seqs ? query_start_loc[num_seqs] : 0;
@@ -259,9 +259,9 @@ int stencil_vec_attention(const float *q, int heads, int kv_heads, int d, const 
     }
     const long items = (long)rows * kv_heads;
     const attend_fn attend =
-        cache_bf16 == 2 ? (d == 64 ? attend_64_fp16 : d == 128 ? attend_128_fp16 : d == 256 ? attend_256_fp16
+        cache_kind == 2 ? (d == 64 ? attend_64_fp16 : d == 128 ? attend_128_fp16 : d == 256 ? attend_256_fp16
                                                                                           : attend_any_fp16)
-        : cache_bf16 ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16
+        : cache_kind ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16
                         : d == 256 ? attend_256_bf16 : attend_any_bf16)
                      : (d == 64 ? attend_64 : d == 128 ? attend_128 : d == 256 ? attend_256 : attend_any);
     int failed = 0;
