@@ -19,14 +19,17 @@ class EngineConfig:
         device: torch device string ("cpu", "cuda", "cuda:0").
         dtype: weight and KV-cache dtype ("float32", "bfloat16", "float16") or "auto":
             bfloat16 on CUDA, float32 on CPU (this CPU's bf16 matmuls lose to fp32 for prefill).
-        kv_cache_dtype: "auto" (= ``dtype``) or "float32", "bfloat16", "float16": the K/V cache
-            alone. float16 or bfloat16 on CPU halve the cache's memory and the attention's memory
+        kv_cache_dtype: "auto", "float32", "bfloat16" or "float16": the K/V cache alone.
+            float16 or bfloat16 on CPU halve the cache's memory and the attention's memory
             traffic (the native kernels widen them to fp32 exactly as they read), at the cost of
             rounding each key and value once, to 11 significant bits (float16, llama.cpp's default
             cache) or 8 (bfloat16). Next-token agreement with transformers' fp32 forward over 512
             positions (``stencil bench agreement``): float16 1.0000 on SmolLM2 Q4_1 and 0.9980 on
-            Gemma 3 270M, bfloat16 0.9961 / 0.9922, float32 1.0000 / 1.0000. float32 stays the
-            default: an exact cache keeps CPU outputs those of the fp32 reference.
+            Gemma 3 270M, bfloat16 0.9961 / 0.9922, float32 1.0000 / 1.0000. "auto" is float16
+            for a GGUF model on CPU (what llama.cpp keeps for the same file: the same KV capacity
+            in the same memory; its weights are already rounded far more than the cache) and
+            ``dtype`` otherwise: an HF checkpoint keeps an exact fp32 cache on CPU, its outputs
+            those of the fp32 reference (on CUDA the cache always takes ``dtype``).
         gpu_memory_utilization: share of the device memory free after loading the weights that
             the KV cache takes on CUDA (when neither ``num_kv_blocks`` nor ``kv_cache_gib`` is set).
         weights: "fp32" (dense weights in ``dtype``), "int4" (GGUF 4-bit blocks served as
@@ -108,7 +111,7 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_dtype == "auto":
-            self.kv_cache_dtype = self.dtype
+            self.kv_cache_dtype = "float16" if self._gguf_on_cpu() else self.dtype
         if self.kv_cache_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}")
         if self.device.startswith("cuda") and self.kv_cache_dtype != self.dtype:
@@ -125,3 +128,14 @@ class EngineConfig:
         if self.grammar_timeout_s <= 0:
             raise ConfigError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         return self
+
+    def _gguf_on_cpu(self) -> bool:
+        """Whether ``model`` names a GGUF file (or a directory of one) served on CPU."""
+        from engine.models.source import ModelPathError, resolve_model_path
+
+        if self.device.startswith("cuda"):
+            return False
+        try:
+            return resolve_model_path(self.model).kind == "gguf"
+        except ModelPathError:
+            return False  # (the loader reports the path)

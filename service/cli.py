@@ -57,7 +57,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton", "flash"],
                    help="attention kernels (auto: cpu on CPU when it builds, flash or triton on CUDA)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="K/V cache dtype (auto: --dtype); bfloat16 halves the cache and its memory traffic")
+                   help="K/V cache dtype (auto: float16 for a GGUF model on CPU, as llama.cpp; else --dtype); "
+                        "float16 or bfloat16 halve the cache and its memory traffic")
     g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB (default: from free memory)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gib)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one engine step")

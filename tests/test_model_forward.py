@@ -11,7 +11,7 @@ import torch
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
-from engine.models.rope import RopeSpec, rope_cos_sin
+from engine.models.rope import RopeSpec, RopeTable, rope_cos_sin
 from engine.models.architecture import LlamaSpec
 from kernels.attention_backend import AttentionMetadata
 from kernels.torch_ref import TorchAttentionBackend
@@ -178,6 +178,32 @@ def test_rope_tables_match_transformers(rope_parameters):
     # transformers stores both halves (the same values twice).
     torch.testing.assert_close(cos[positions[0]], ref_cos[0, :, :64], atol=0, rtol=0)
     torch.testing.assert_close(sin[positions[0]], ref_sin[0, :, :64], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("theta,head_dim,limit", [(1e6, 256, 32768), (1e4, 80, 5000)])
+def test_rope_table_grows_on_demand_with_the_full_tables_bits(theta, head_dim, limit):
+    """A CPU table holds only the positions asked for (in blocks), and a row's bits never depend
+    on how the table grew: two tables grown in different orders, and the whole table computed at
+    once, agree exactly."""
+    spec = RopeSpec(theta=theta)
+    full_cos, full_sin = rope_cos_sin(spec, head_dim, limit)
+    a = RopeTable(spec, head_dim, limit, "cpu", torch.float32)
+    b = RopeTable(spec, head_dim, limit, "cpu", torch.float32)
+    assert len(a) == RopeTable.BLOCK
+    gen = torch.Generator().manual_seed(3)
+    for bound in (7, 1000, 1025, 2500, limit):  # a: grown step by step; b: at once
+        pos = torch.randint(0, bound, (41,), generator=gen)
+        cos, sin = a.lookup(pos)
+        assert len(a) >= int(pos.max()) + 1 and len(a) % RopeTable.BLOCK in (0, limit % RopeTable.BLOCK)
+        assert torch.equal(cos, full_cos[pos]) and torch.equal(sin, full_sin[pos])
+    assert len(a) == limit
+    b.lookup(torch.tensor([limit - 1]))
+    assert torch.equal(a.cos, b.cos) and torch.equal(a.sin, b.sin) and torch.equal(a.cos, full_cos)
+    small = RopeTable(spec, head_dim, limit, "cpu", torch.float32)
+    small.lookup(torch.tensor([1500]))
+    assert len(small) == 2 * RopeTable.BLOCK  # two blocks, not the whole range
+    with pytest.raises(IndexError):
+        small.lookup(torch.tensor([limit]))
 
 
 def test_unsupported_configs_raise_clear_errors(tmp_path):

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.llama import DenseEmbedding, DenseLinear, LlamaForCausalLM, _empty_param, rope_and_cache
-from engine.models.rope import RopeSpec, rope_cos_sin
+from engine.models.rope import RopeSpec, RopeTable
 from kernels import layer_ops
 from kernels.attention_backend import AttentionBackend, AttentionMetadata
 
@@ -236,13 +236,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self._decoder = None  # the C decoder's plan (LlamaForCausalLM.decoder_plan)
 
     def build_rope_tables(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        """(Re)compute both cos/sin tables ``[max_position_embeddings, head_dim // 2]``: the
-        global layers' (``rope_cos``) and the local ones' (``local_rope_cos``)."""
+        """(Re)make both cos/sin tables (``rope.RopeTable``): the global layers' (``rope``) and
+        the local ones' (``local_rope``, their own base)."""
         spec = self.spec
-        for prefix, rope in (("", spec.rope), ("local_", spec.local_rope)):
-            cos, sin = rope_cos_sin(rope, spec.head_dim, spec.max_position_embeddings, device)
-            self.register_buffer(f"{prefix}rope_cos", cos.to(dtype), persistent=False)
-            self.register_buffer(f"{prefix}rope_sin", sin.to(dtype), persistent=False)
+        self.rope = RopeTable(spec.rope, spec.head_dim, spec.max_position_embeddings, device, dtype)
+        self.local_rope = RopeTable(spec.local_rope, spec.head_dim, spec.max_position_embeddings, device, dtype)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -256,8 +254,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV cache pairs, got {len(kv_caches)}")
-        tables = {False: (self.rope_cos[positions], self.rope_sin[positions]),
-                  True: (self.local_rope_cos[positions], self.local_rope_sin[positions])}
+        tables = {False: self.rope.lookup(positions), True: self.local_rope.lookup(positions)}
         h = self.embed_tokens(input_ids)
         # as transformers: sqrt(hidden) as an fp32 tensor, cast to the rows' dtype (a quantized
         # embedding's rows are fp32, exactly gguf's dequantized values)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.rope import RopeSpec, rope_cos_sin
+from engine.models.rope import RopeSpec, RopeTable
 from engine.models.architecture import LlamaSpec
 from engine.models.native_decoder import DecoderPlan, plan_key
 from kernels import layer_ops
@@ -208,12 +208,11 @@ class LlamaForCausalLM(nn.Module):
         self._decoder: tuple | None = None  # (plan key, DecoderPlan or None): see decoder_plan
 
     def build_rope_tables(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        """(Re)compute the cos/sin tables ``[max_position_embeddings, head_dim // 2]`` on
-        ``device`` in ``dtype`` (HF casts its tables to the activation dtype too)."""
+        """(Re)make the cos/sin table (``rope.RopeTable``: rows ``[head_dim // 2]`` per position
+        up to ``max_position_embeddings``, grown as positions arrive on CPU) on ``device`` in
+        ``dtype`` (HF casts its tables to the activation dtype too)."""
         spec = self.spec
-        cos, sin = rope_cos_sin(spec.rope, spec.head_dim, spec.max_position_embeddings, device)
-        self.register_buffer("rope_cos", cos.to(dtype), persistent=False)
-        self.register_buffer("rope_sin", sin.to(dtype), persistent=False)
+        self.rope = RopeTable(spec.rope, spec.head_dim, spec.max_position_embeddings, device, dtype)
 
     @property
     def num_layers(self) -> int:
@@ -306,7 +305,7 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV cache pairs, got {len(kv_caches)}")
         # One table lookup per step, shared by every layer.
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = self.rope.lookup(positions)
         h = self.embed_tokens(input_ids)
         if h.dtype != self.dtype:  # a quantized embedding gives fp32 rows
             h = h.to(self.dtype)

@@ -115,15 +115,77 @@ def inv_frequencies(spec: RopeSpec, head_dim: int) -> torch.Tensor:
 
 
 def rope_cos_sin(spec: RopeSpec, head_dim: int, max_positions: int,
-                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` tables, each fp32 ``[max_positions, head_dim // 2]``; row ``p`` rotates
-    position ``p``. Computed in fp32 like transformers, so tables agree with its bit for bit.
-    On the ``meta`` device the tables are shapes only (no arithmetic: torch's meta arange goes
-    through its decompositions, which import ``torch._dynamo`` and with it Triton, ~70 MB of a
-    CPU server's memory)."""
+                 device: torch.device | str = "cpu", start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` tables, each fp32 ``[max_positions - start, head_dim // 2]``; row ``r``
+    rotates position ``start + r``. Computed in fp32 like transformers (the angle is the one
+    product ``position * inv_freq``), so tables agree with its bit for bit. On the ``meta``
+    device the tables are shapes only (no arithmetic: torch's meta arange goes through its
+    decompositions, which import ``torch._dynamo`` and with it Triton, ~70 MB of a CPU server's
+    memory)."""
     if torch.device(device).type == "meta":
-        shape = (max_positions, head_dim // 2)
+        shape = (max_positions - start, head_dim // 2)
         return torch.empty(shape, device="meta"), torch.empty(shape, device="meta")
     inv_freq = inv_frequencies(spec, head_dim).to(device)
-    angles = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq
+    angles = torch.arange(start, max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq
     return angles.cos(), angles.sin()
+
+
+class RopeTable:
+    """The cos/sin rows of one RoPE, looked up by position.
+
+    On CPU the table covers the positions a step has asked for so far, grown in blocks of
+    ``BLOCK`` positions (doubling, so a long sequence costs O(n) copies in all) and never
+    beyond ``max_positions``: a server whose requests stay short holds a few MB where the whole
+    range of a 32k-context model's two RoPEs (Gemma 3) is 67 MB. Every block is computed alone
+    over the same aligned range whenever it is computed, so a position's row has the same bits
+    whatever the table's size or history (the engine's outputs must not depend on what ran
+    before). On other devices the whole table is built at once: looking up the largest
+    position would wait for the device on every step.
+
+    Args:
+        spec, head_dim: the rotation (``rope_cos_sin``).
+        max_positions: the model's position limit (``max_position_embeddings``).
+        device, dtype: where and in what dtype rows are returned (HF casts its tables to the
+            activations' dtype too).
+    """
+
+    BLOCK = 1024
+
+    def __init__(self, spec: RopeSpec, head_dim: int, max_positions: int, device: torch.device | str,
+                 dtype: torch.dtype):
+        self.spec, self.head_dim, self.max_positions = spec, head_dim, max_positions
+        self.device, self.dtype = torch.device(device), dtype
+        self.grows = self.device.type == "cpu"
+        self.cos = torch.empty((0, head_dim // 2), dtype=dtype, device=self.device)
+        self.sin = torch.empty((0, head_dim // 2), dtype=dtype, device=self.device)
+        self.ensure(min(self.BLOCK, max_positions) if self.grows else max_positions)
+
+    def __len__(self) -> int:
+        return self.cos.shape[0]
+
+    def ensure(self, positions: int) -> None:
+        """Make rows ``[0, positions)`` present (``positions`` clipped to ``max_positions``)."""
+        have = len(self)
+        positions = min(positions, self.max_positions)
+        if self.device.type == "meta":  # shapes only until the loader builds the table
+            return
+        if positions <= have:
+            return
+        size = min(self.max_positions, max(2 * have, -(-positions // self.BLOCK) * self.BLOCK))
+        cos, sin = [self.cos], [self.sin]
+        for start in range(have, size, self.BLOCK):
+            c, s = rope_cos_sin(self.spec, self.head_dim, min(start + self.BLOCK, self.max_positions),
+                                self.device, start=start)
+            cos.append(c.to(self.dtype))
+            sin.append(s.to(self.dtype))
+        self.cos, self.sin = torch.cat(cos), torch.cat(sin)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` rows ``[T, head_dim // 2]`` of ``positions`` (int64 ``[T]``).
+
+        Raises:
+            IndexError: a position at or past ``max_positions`` (torch's indexing error).
+        """
+        if self.grows and positions.numel():
+            self.ensure(int(positions.max()) + 1)
+        return self.cos[positions], self.sin[positions]
