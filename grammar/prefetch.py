@@ -3,8 +3,8 @@
 The engine asks each constrained request for its mask (``fill_bitmask``) and for its forced
 tokens (``forced_tokens``), one request after another. For lazy (llguidance) matchers the mask
 is the expensive part, so before those loops the engine hands every matcher to
-``prefetch_masks``: llguidance's ``LLExecutor`` computes all the pending masks in one call on its
-own threads, without the GIL, and each matcher keeps its row as its cached mask. The loops that
+``prefetch_masks``: all the pending masks are computed on several threads at once, without the
+GIL (``lazy.prefetch_masks``), and each matcher keeps its mask. The loops that
 follow then only copy rows. Nothing changes in what any call returns.
 """
 
@@ -30,4 +30,4 @@ def prefetch_masks(matchers) -> None:
             groups.setdefault(id(backend), (backend, []))[1].append(inner)
     for backend, lazy in groups.values():
         if len(lazy) >= MIN_BATCH:
-            _prefetch_lazy(lazy, backend.executor())
+            _prefetch_lazy(lazy, backend)

@@ -44,9 +44,15 @@ def vocab() -> TokenVocabulary:
     return TokenVocabulary.from_token_bytes(TOKENS, EOS, SIZE)
 
 
-@pytest.fixture(scope="module")
-def both_backends(vocab):
-    eager, lazy = EagerBackend(vocab, timeout_s=10), LazyBackend(vocab)
+@pytest.fixture(scope="module", params=["c_api", "python_bindings"])
+def both_backends(vocab, request):
+    """The eager backend and a lazy one building regex/Lark programs through llguidance's C API
+    (the default) or its Python bindings (where the C API is not used: explicit parser limits
+    here, or another llguidance release)."""
+    import llguidance
+
+    limits = None if request.param == "c_api" else llguidance.LLParserLimits()
+    eager, lazy = EagerBackend(vocab, timeout_s=10), LazyBackend(vocab, limits=limits)
     yield eager, lazy
     eager.close()
 
@@ -100,7 +106,7 @@ _GRAMMARS: dict = {}
 
 
 def _grammar(backend, program):
-    key = (backend.name, program.text)
+    key = (backend.name, getattr(backend, "_limits", None) is None, program.text)
     if key not in _GRAMMARS:
         _GRAMMARS[key] = backend.build(program)
     return _GRAMMARS[key]

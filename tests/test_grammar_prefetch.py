@@ -1,5 +1,6 @@
-"""``prefetch_masks``: the masks llguidance's executor computes for many matchers at once are the
-masks each matcher computes alone, and a failing matcher still fails alone."""
+"""``prefetch_masks``: the masks computed for many matchers at once (on threads for llguidance's
+C API matchers, by its ``LLExecutor`` for the Python bindings') are the masks each matcher
+computes alone, and a failing matcher still fails alone."""
 
 from __future__ import annotations
 
@@ -33,7 +34,18 @@ def _walk(m, rng: random.Random, steps: int) -> None:
             return
 
 
-def test_prefetched_masks_equal_the_masks_computed_one_by_one():
+@pytest.fixture(params=["c_api", "python_bindings"])
+def api(request, monkeypatch):
+    """Which llguidance API the lazy backend builds regexes through: without the C library
+    (another llguidance release) it takes the Python bindings."""
+    if request.param == "python_bindings":
+        import grammar.backends.llg_c as llg_c
+
+        monkeypatch.setattr(llg_c, "library", lambda: None)
+    return request.param
+
+
+def test_prefetched_masks_equal_the_masks_computed_one_by_one(api):
     vocab = TokenVocabulary.from_token_bytes(TOKENS, EOS, MODEL_VOCAB)
     with GrammarCompiler(vocab, MODEL_VOCAB, max_workers=1, backend="lazy") as c:
         grammars = [c.compile(GrammarSpec("regex", r"(ab|xyz)[0-9]{1,4}(\.[0-9]+)?-?")),
@@ -53,6 +65,9 @@ def test_prefetched_masks_equal_the_masks_computed_one_by_one():
                 twins.append(pair[1])
             prefetch_masks(matchers)
             assert sum(getattr(m, "inner", m).needs_mask for m in matchers) == 0
+            inner = [getattr(m, "inner", m)._m for m in matchers]
+            assert all(type(x).__name__ == ("CMatcher" if api == "c_api" else "LLMatcher")
+                       for x in inner if x is not None)
             got, want = allocate_bitmask(12, MODEL_VOCAB), allocate_bitmask(12, MODEL_VOCAB)
             for i, (m, t) in enumerate(zip(matchers, twins)):
                 m.fill_bitmask(got, i)
@@ -61,7 +76,7 @@ def test_prefetched_masks_equal_the_masks_computed_one_by_one():
             assert torch.equal(got, want)
 
 
-def test_a_matcher_that_fails_after_prefetch_fails_on_its_own_call():
+def test_a_matcher_that_fails_after_prefetch_fails_on_its_own_call(api):
     vocab = TokenVocabulary.from_token_bytes(TOKENS, EOS, MODEL_VOCAB)
     with GrammarCompiler(vocab, MODEL_VOCAB, max_workers=1, backend="lazy") as c:
         ok = c.compile(GrammarSpec("regex", r"ab[0-9]"))

@@ -35,6 +35,7 @@ from grammar.base import DeadEndError, GrammarError, Program
 from grammar.vocab import TokenVocabulary
 
 MATCHER_POOL_SIZE = 4  # reset llguidance matchers kept per grammar for later cursors (``_give_back``)
+MASK_THREADS = 8  # most threads computing one step's masks (``prefetch_masks``)
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 
 
@@ -73,10 +74,19 @@ class _VocabTokenizer:
 class LazyBackend:
     """Builds llguidance matchers for programs over one vocabulary (thread-safe).
 
+    Every program is built through llguidance's C API (``llg_c``: one tokenizer, no token
+    forcing) when the installed llguidance is the release its structures were written for;
+    otherwise regex and Lark programs go through the Python bindings (``LLTokenizer``,
+    ``LLMatcher`` with ``no_forcing``: the same masks) and JSON programs are not handed over.
+    One tokenizer matters at large vocabularies: each holds the token trie and llguidance's
+    slices, ~99 MB at Gemma 3's 262,144 tokens (35 MB without the slices), and both used to be
+    built.
+
     Args:
         vocab: the grammar alphabet.
         limits: ``llguidance.LLParserLimits`` (``None``: llguidance's defaults, which bound the
-            lexer's fuel per step and the parser's items, so no mask is unbounded).
+            lexer's fuel per step and the parser's items, so no mask is unbounded); other limits
+            are set through the Python bindings (regex and Lark programs built there).
     """
 
     name = "lazy"
@@ -85,19 +95,22 @@ class LazyBackend:
     def __init__(self, vocab: TokenVocabulary, limits=None):
         import llguidance
 
+        from grammar.backends.llg_c import library
+
         self._llg = llguidance
         self.vocab = vocab
         self._limits = limits
-        self.tokenizer = llguidance.LLTokenizer(_VocabTokenizer(vocab), n_vocab=vocab.model_vocab_size,
-                                                eos_token=list(vocab.eos_token_ids))
+        self._tokenizer = None  # llguidance.LLTokenizer, made where the C API is not used
         self._executor = None
+        self._pool = None  # threads computing the masks of C matchers in parallel (``mask_pool``)
         self._lock = threading.Lock()
         self.eos = frozenset(vocab.eos_token_ids)
-        self._c_tokenizer = None  # llg_c.CTokenizer, for "json" programs
-        from grammar.backends.llg_c import library
-
-        if library() is not None:
-            self.c_tokenizer()  # ~0.5 s for 49 k tokens, like the Python tokenizer: paid up front
+        self._c_tokenizer = None  # llg_c.CTokenizer
+        self.uses_c_api = library() is not None
+        if self.uses_c_api:
+            self.c_tokenizer()  # ~0.5 s for 49 k tokens, 2.7 s for 262 k: paid up front
+        if not self.uses_c_api or limits is not None:
+            self.tokenizer  # noqa: B018 - (built up front, as above)
         self.eos_bits = tuple((e >> 5, np.uint32(1 << (e & 31))) for e in sorted(self.eos))
         words: dict[int, int] = {}
         for w, bit in self.eos_bits:
@@ -118,12 +131,22 @@ class LazyBackend:
                 raise GrammarError("llguidance refused the schema handed to it: "
                                    + (root.get_error().strip().splitlines() or ["?"])[0])
             return LazyGrammar(self, root, program)
+        if program.kind not in ("regex", "lark"):
+            raise GrammarError(f"the lazy backend cannot take a {program.kind!r} program")
+        if self.uses_c_api and self._limits is None:
+            # The C tokenizer is not canonical, so llguidance forces no tokens: a Lark grammar's
+            # masks are those of ``no_forcing`` (appended all the same: it is the meaning).
+            if program.kind == "regex" and not program.terminals:
+                root = self.c_tokenizer().matcher("regex", program.text)
+            else:
+                root = self.c_tokenizer().matcher("lark", program.lark() + "\n" + _NO_FORCING)
+            if root.is_error():
+                raise _explain(program, root.get_error())
+            return LazyGrammar(self, root, program)
         if program.kind == "regex" and not program.terminals:
             top = json.loads(llg.LLMatcher.grammar_from_regex(program.text))
-        elif program.kind in ("regex", "lark"):
-            top = {"grammars": [{"lark_grammar": program.lark()}]}
         else:
-            raise GrammarError(f"the lazy backend cannot take a {program.kind!r} program")
+            top = {"grammars": [{"lark_grammar": program.lark()}]}
         # llguidance normally narrows a mask to the canonical tokenization of bytes the grammar
         # forces ("xyz" as one token, not x-y-z); the eager index allows every tokenization, and
         # so must this backend, or the two would accept different token sequences.
@@ -137,9 +160,20 @@ class LazyBackend:
             raise _explain(program, root.get_error())
         return LazyGrammar(self, root, program)
 
+    @property
+    def tokenizer(self):
+        """The vocabulary as an ``llguidance.LLTokenizer`` of the Python bindings (made on first
+        use: only where programs are built there, see the class docstring)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._llg.LLTokenizer(_VocabTokenizer(self.vocab),
+                                                        n_vocab=self.vocab.model_vocab_size,
+                                                        eos_token=list(self.vocab.eos_token_ids))
+            return self._tokenizer
+
     def c_tokenizer(self):
-        """The vocabulary as a tokenizer of llguidance's C API (``llg_c``: JSON programs are built
-        there, without token forcing and without the Lark front end); made once, ~0.5 s."""
+        """The vocabulary as a tokenizer of llguidance's C API (``llg_c``: programs are built
+        there without token forcing; JSON ones without the Lark front end); made once."""
         with self._lock:
             if self._c_tokenizer is None:
                 from grammar.backends.llg_c import CTokenizer
@@ -153,6 +187,20 @@ class LazyBackend:
             if self._executor is None:
                 self._executor = self._llg.LLExecutor()
             return self._executor
+
+    def mask_pool(self) -> tuple:
+        """``(pool, workers)``: threads for the masks of C API matchers (``prefetch_masks``), one
+        fewer than the CPUs this process may use (the calling thread takes a share), made on
+        first use; ``(None, 0)`` on one CPU."""
+        with self._lock:
+            if self._pool is None:
+                import os
+                from concurrent.futures import ThreadPoolExecutor
+
+                cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+                n = min(cpus, MASK_THREADS) - 1
+                self._pool = (ThreadPoolExecutor(n, thread_name_prefix="llg-mask"), n) if n > 0 else (None, 0)
+            return self._pool
 
     def close(self) -> None:
         pass
@@ -588,28 +636,58 @@ class LazyMatcher:
             self._m.rollback(len(token_ids))
 
 
-def prefetch_masks(matchers: list[LazyMatcher], executor) -> list[tuple[LazyMatcher, Exception]]:
-    """Compute the current masks of many lazy matchers in one call, in parallel.
+def prefetch_masks(matchers: list[LazyMatcher], backend: LazyBackend) -> list[tuple[LazyMatcher, Exception]]:
+    """Compute the current masks of many lazy matchers at once, in parallel.
 
-    llguidance's ``LLExecutor`` fills every matcher's row on its own thread pool, without the
-    GIL, where one ``unsafe_compute_mask_ptr`` per matcher would run them one by one (vLLM
-    batches them the same way past 128 rows). Each matcher keeps its row as its cached mask,
-    so its next ``fill_bitmask`` or ``forced_tokens`` costs a copy. Matchers whose mask is
-    already valid (or that ended) are skipped.
+    Matchers of the C API (``llg_c``; every program where it is used) compute their masks on
+    ``backend.mask_pool()``'s threads and the calling one, each thread a share of the matchers
+    (each llguidance call releases the GIL); those of the Python bindings through llguidance's
+    ``LLExecutor``, which fills every row on its own thread pool without the GIL (vLLM batches
+    them the same way past 128 rows). Either way each matcher keeps its mask, so its next
+    ``fill_bitmask`` or ``forced_tokens`` costs a copy, where one call per matcher would run them
+    one by one. Matchers whose mask is already valid (or that ended) are skipped.
 
     Args:
-        matchers: lazy matchers of one vocabulary, owned by the calling thread.
-        executor: ``LazyBackend.executor()``.
+        matchers: lazy matchers of ``backend``, owned by the calling thread.
+        backend: their ``LazyBackend``.
 
     Returns:
         ``(matcher, error)`` for each matcher whose mask could not be made (its next call
         raises it again, so its request fails alone); the others' masks are valid.
     """
-    # The executor takes the Python bindings' matchers only; a JSON program's matcher (llg_c)
-    # computes its mask when asked.
-    todo = [m for m in matchers if m.needs_mask and m._m is not None and not isinstance(m._m, CMatcher)]
-    if not todo:
-        return []
+    pending = [m for m in matchers if m.needs_mask]
+    in_c = [m for m in pending if isinstance(m._grammar._root, CMatcher)]
+    failed = _prefetch_c(in_c, *backend.mask_pool()) if len(in_c) > 1 else []
+    todo = [m for m in pending if m._m is not None and not isinstance(m._m, CMatcher)]
+    if len(todo) > 1:
+        failed += _prefetch_executor(todo, backend.executor())
+    return failed
+
+
+def _prefetch_c(matchers: list[LazyMatcher], pool, workers: int) -> list[tuple[LazyMatcher, Exception]]:
+    """Each C API matcher's mask (``_current_mask``), the matchers dealt round-robin to the
+    pool's threads and this one; a mask that fails stays invalid (its next call raises)."""
+    def share(part: list[LazyMatcher]) -> list[tuple[LazyMatcher, Exception]]:
+        out = []
+        for m in part:
+            try:
+                m._current_mask()
+            except Exception as e:  # noqa: BLE001 - reported to the caller, request by request
+                out.append((m, e))
+        return out
+
+    if pool is None:
+        return share(matchers)
+    n = workers + 1
+    futures = [pool.submit(share, matchers[k::n]) for k in range(1, n) if matchers[k::n]]
+    failed = share(matchers[0::n])
+    for f in futures:
+        failed += f.result()
+    return failed
+
+
+def _prefetch_executor(todo: list[LazyMatcher], executor) -> list[tuple[LazyMatcher, Exception]]:
+    """The masks of Python-binding matchers through ``executor`` (``LLExecutor``)."""
     words = todo[0]._words
     rows = torch.empty((len(todo), words), dtype=torch.int32)
     try:
