@@ -63,8 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads of both (default: the CPU count)")
     p.add_argument("--block-terms", type=int, default=None, choices=[1, 2],
                    help="int8 terms per activation of Stencil's GGUF block layers (default: the loader's)")
-    p.add_argument("--kv-cache-dtype", choices=("float32", "float16", "bfloat16"), default="float32",
-                   help="Stencil's KV cache (llama-server keeps float16 unless --llama-args says otherwise)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                   help="Stencil's KV cache (auto: what the engine keeps for --model, EngineConfig; "
+                        "llama-server keeps float16 unless --llama-args says otherwise)")
     p.add_argument("--llama-args", default="",
                    help="more options of llama-server, in one string (e.g. \"--cache-type-k f32 --cache-type-v f32\")")
     p.add_argument("--llama-variant", action="append", default=[],
@@ -187,9 +188,15 @@ def main(args: argparse.Namespace) -> int:
     variants = {v: llama_run([*base, *shlex.split(v)]) for v in args.llama_variant}
     model, _ = load_model(args.model, weights="auto", block_terms=args.block_terms)
     torch.set_num_threads(threads)
-    ours = stencil_logits(model, tokens[: args.positions], args.chunk, kv_dtype=getattr(torch, args.kv_cache_dtype))
+    kv_dtype = args.kv_cache_dtype
+    if kv_dtype == "auto":
+        from engine.config import EngineConfig
+
+        kv_dtype = EngineConfig(model=args.model).validate().kv_cache_dtype
+    ours = stencil_logits(model, tokens[: args.positions], args.chunk, kv_dtype=getattr(torch, kv_dtype))
     report = {"command": " ".join(sys.argv), "cpu": cpu_model(), "machine": platform.machine(),
-              "model": str(args.model), "llama_server": cmd, "llama_cpp": compare(ours, theirs)}
+              "model": str(args.model), "kv_cache_dtype": kv_dtype, "llama_server": cmd,
+              "llama_cpp": compare(ours, theirs)}
     print(f"{args.model.name}: top-1 agreement with llama.cpp {report['llama_cpp']['agreement']:.4f} "
           f"({report['llama_cpp']['agree']}/{args.positions})")
     if variants:

@@ -175,6 +175,20 @@ def test_paths_resolve_or_fail_in_one_line(tiny_gguf, tmp_path, default_model_di
         resolve_model_path(tmp_path / "notes.txt")
 
 
+def test_a_gguf_model_keeps_a_float16_kv_cache_by_default_on_cpu(tiny_gguf, default_model_dir):
+    """kv_cache_dtype "auto": float16 for a GGUF file or a directory of one on CPU (llama.cpp's
+    cache for the same file), the activations' dtype for an HF directory; a stated dtype wins."""
+    from engine.config import EngineConfig
+
+    path, _ = tiny_gguf("llama")
+    assert EngineConfig(model=path).validate().kv_cache_dtype == "float16"
+    assert EngineConfig(model=path.parent).validate().kv_cache_dtype == "float16"
+    assert EngineConfig(model=default_model_dir).validate().kv_cache_dtype == "float32"
+    assert EngineConfig(model=path, kv_cache_dtype="float32").validate().kv_cache_dtype == "float32"
+    assert EngineConfig(model=path, device="cuda").validate().kv_cache_dtype == "bfloat16"
+    assert EngineConfig(model=path.parent / "missing.gguf").validate().kv_cache_dtype == "float32"
+
+
 def test_unsupported_architecture_and_tensor_type_are_named(vocab, tmp_path):
     import gguf
 
