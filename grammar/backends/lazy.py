@@ -203,7 +203,11 @@ class LazyBackend:
             return self._pool
 
     def close(self) -> None:
-        pass
+        """Let the mask threads go (matchers still alive compute their masks on the caller's)."""
+        with self._lock:
+            pool, self._pool = self._pool, (None, 0)
+        if pool is not None and pool[0] is not None:
+            pool[0].shutdown(wait=False)
 
 
 _LARK_AT = re.compile(r"(?:at )?(\d+)\((\d+)\):\s*")
