@@ -168,6 +168,7 @@ def test_engine_greedy_outputs_do_not_depend_on_batching_caching_chunking_preemp
     alone = LLMEngine(EngineConfig(model=path, enable_prefix_caching=False, num_kv_blocks=64,
                                    max_prefill_chunk=4096, max_num_batched_tokens=4096, speculative=None))
     assert alone.kernels["gguf_gemm"] != "none" or alone.kernels["int4_gemm"] != "none"
+    assert alone.kernels["kv_cache_dtype"] == "float16"  # a GGUF's default cache: the invariance holds there
     alone.scheduler.enable_forced_tokens = False
     ref = [alone.generate([p], params[i])[0]["token_ids"] for i, p in enumerate(prompts)]
     eng = LLMEngine(EngineConfig(model=path, num_kv_blocks=10, max_num_seqs=8, max_prefill_chunk=13,
