@@ -24,7 +24,7 @@ class EngineConfig:
             traffic (the native kernels widen them to fp32 exactly as they read), at the cost of
             rounding each key and value once, to 11 significant bits (float16, llama.cpp's default
             cache) or 8 (bfloat16). Next-token agreement with transformers' fp32 forward over 512
-            positions (``stencil bench agreement``): float16 1.0000 on SmolLM2 Q4_1 and 0.9980 on
+            positions (``stencil bench agreement``): float16 1.0000 on SmolLM2 Q4_1 and 0.998-1.000 on
             Gemma 3 270M, bfloat16 0.9961 / 0.9922, float32 1.0000 / 1.0000. "auto" is float16
             for a GGUF model on CPU (what llama.cpp keeps for the same file: the same KV capacity
             in the same memory; its weights are already rounded far more than the cache) and
