@@ -230,7 +230,7 @@ def test_cli_exits_non_zero_with_one_line_for_an_unsupported_model(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert lines == [f"stencil generate: unsupported GGUF architecture 'mamba' in mamba.gguf; supported: llama, "
+    assert lines == ["stencil generate: unsupported GGUF architecture 'mamba' in mamba.gguf; supported: llama, "
                      "qwen2, qwen3, gemma3 (Mistral and SmolLM files are llama)"], proc.stderr
 
 
