@@ -267,7 +267,7 @@ class BudgetMatcher:
     def _current_plan(self, a: ClosingAutomaton) -> list[int] | None:
         self._sync(a)
         if self._plan is None:
-            plan = a.plan(self._state())
+            plan = a.plan(self._state(), limit=self.remaining)
             if plan is not None and self.inner.validate_tokens(plan + [self._eos()]) < len(plan) + 1:
                 self.disabled = "the closing automaton's plan is refused by the grammar"
                 log.warning("budget disabled: %s", self.disabled)
@@ -287,7 +287,7 @@ class BudgetMatcher:
         if self._far(a, tokens_ahead):
             return False
         self._sync(a)
-        d = a.token_distance(self._state())
+        d = a.token_distance(self._state(), limit=self.remaining)
         return self.remaining - tokens_ahead < d + tokens_ahead * max(MIN_SLACK, a.slack)
 
     # -- GrammarMatcher -----------------------------------------------------------------------
@@ -313,10 +313,10 @@ class BudgetMatcher:
             return
         words = bitmask[row].numpy().view(np.uint32)
         allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:a.vocab.model_vocab_size].astype(bool)
-        nd = a.next_token_distances(s, allowed)
+        nd = a.next_token_distances(s, allowed, limit=self.remaining)
         keep = nd <= self.remaining - 1
         if guard:  # run-on guard: only tokens that bring the end nearer
-            keep &= nd < a.token_distance(s)
+            keep &= nd < a.token_distance(s, limit=self.remaining)
         plan = self._current_plan(a)
         if plan and len(plan) <= self.remaining:
             keep[plan[0]] = True
@@ -358,7 +358,7 @@ class BudgetMatcher:
                 return k + 1 if a.accepting(s) else k
             on_plan = token_ids[:k + 1] == plan[:k + 1]
             s = a.step(s, tb.get(t, b""))
-            if not on_plan and a.token_distance(s) > left - k - 1:
+            if not on_plan and a.token_distance(s, limit=left) > left - k - 1:
                 return k
         return n
 

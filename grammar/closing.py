@@ -596,9 +596,23 @@ class ClosingAutomaton:
                 self._emit(net.starts[step[1]], out)
                 state = step[2]
 
-    def token_distance(self, i: int) -> int:
+    def _beyond(self, i: int, limit: int | None) -> bool:
+        """Whether the witness from ``i`` surely takes more than ``limit`` tokens: its bytes
+        (known without writing it) need at least bytes / (longest token) tokens."""
+        if limit is None or self._tdist[i] is not None:
+            return False
+        return -(-self._bdist[i] // max(self._tokens.longest, 1)) > limit
+
+    def token_distance(self, i: int, limit: int | None = None) -> int:
         """Tokens of the least tokenization of :meth:`witness` (``INF`` from the dead state): an
-        upper bound on the tokens needed to end, met by a real token sequence."""
+        upper bound on the tokens needed to end, met by a real token sequence.
+
+        ``limit``: the caller compares the distance with ``limit`` or less only (a budget's
+        tokens left); where the witness's bytes alone show that it needs more, ``limit + 1`` is
+        returned without writing or tokenizing it (work in proportion to the witness: a grammar
+        whose shortest end is 100,000 bytes away took seconds a step)."""
+        if self._beyond(i, limit):
+            return limit + 1
         with self._lock:
             d = self._tdist[i]
             if d is None:
@@ -608,17 +622,23 @@ class ClosingAutomaton:
                 self._tdist[i] = d
             return d
 
-    def plan(self, i: int) -> list[int] | None:
-        """The token sequence :meth:`token_distance` counts."""
+    def plan(self, i: int, limit: int | None = None) -> list[int] | None:
+        """The token sequence :meth:`token_distance` counts; None where there is none, or (with
+        ``limit``) where it surely has more than ``limit`` tokens."""
+        if self._beyond(i, limit):
+            return None
         w = self.witness(i)
         return None if w is None else self._tokens.tokenize(w)
 
-    def next_token_distances(self, i: int, allowed: np.ndarray | None = None) -> np.ndarray:
+    def next_token_distances(self, i: int, allowed: np.ndarray | None = None,
+                             limit: int | None = None) -> np.ndarray:
         """int32 ``[model_vocab_size]``: the token distance after each token from state ``i``
         (``INF`` where the token is refused; EOS: 0 when ``i`` accepts). Cached per state.
 
         ``allowed``: bool ``[model_vocab_size]``, the tokens the backend allows from this state
-        (its mask); only those are walked (the others are refused by the grammar anyway)."""
+        (its mask); only those are walked (the others are refused by the grammar anyway).
+        ``limit``: as in :meth:`token_distance` (distances above it may read ``limit + 1``; such
+        a result is not cached)."""
         hit = self._next_tdist.get(i)
         if hit is not None:
             return hit
@@ -629,11 +649,14 @@ class ClosingAutomaton:
         # every state afresh).
         reached = np.flatnonzero(np.bincount(states[states != self.dead]))
         table = np.full(int(states.max()) + 1, INF, dtype=np.int64)
-        table[reached] = [self.token_distance(int(s)) for s in reached.tolist()]
+        capped = any(self._beyond(int(s), limit) for s in reached.tolist())
+        table[reached] = [self.token_distance(int(s), limit) for s in reached.tolist()]
         out = np.minimum(table[states], INF).astype(np.int32)
         out[self._tokens.not_tokens] = INF
         for e in self.vocab.eos_token_ids:
             out[e] = 0 if self.accepting(i) else INF
+        if capped or self._beyond(i, limit):
+            return out
         finite = out[out < INF]
         if finite.size:
             self.slack = max(self.slack, int(finite.max()) - self.token_distance(i))
@@ -688,6 +711,7 @@ class _TokenMatrix:
         self.n = n
         self._by_bytes = {b: t for t, b in vocab.token_bytes.items()}
         self._longest = width
+        self.longest = width  # bytes of the longest token
 
     def walk(self, automaton: ClosingAutomaton, start: int, allowed: np.ndarray | None = None) -> np.ndarray:
         """int64 ``[model_vocab_size]``: the DFA state after each token from ``start`` (tokens

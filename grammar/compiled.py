@@ -151,6 +151,14 @@ class CompiledGrammar:
 
             try:
                 p = self.own_program()
+                if p.kind == "lark" and p.root is None:  # written by hand: read through lark
+                    from grammar.closing import ClosingUnsupported
+                    from grammar.lark_closing import lark_program
+
+                    try:
+                        p = lark_program(p.text)
+                    except ClosingUnsupported:
+                        p = Program("lark", p.text)  # (no root: no admission check)
                 if p.kind == "regex":
                     self._min_bytes = min_bytes(p.text, p.terminals)
                 elif p.root is not None:
@@ -160,16 +168,19 @@ class CompiledGrammar:
             except GrammarError:  # not translated (a limit): no admission check
                 return None
             except ValueError:  # a user regex outside the compiler's dialect: 4 bytes a character
-                import re._parser as sre_parse
+                if self.program.kind != "regex":
+                    self._min_bytes = 0  # (a Lark grammar min_bytes cannot read: no check)
+                else:
+                    import re._parser as sre_parse
 
-                self._min_bytes = 4 * sre_parse.parse(self.program.text).getwidth()[0]
+                    self._min_bytes = 4 * sre_parse.parse(self.program.text).getwidth()[0]
         if max_tokens >= self._min_bytes:
             return None
         try:
             automaton = self.closing().result()
         except Exception:  # noqa: BLE001 - not modelled: no admission check
             return None
-        need = automaton.token_distance(automaton.start)
+        need = automaton.token_distance(automaton.start)  # (exact: the error states it)
         return need if need > max_tokens else None
 
     @property

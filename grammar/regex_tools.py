@@ -145,6 +145,77 @@ def check_supported(pattern: str) -> str:
     return core
 
 
+_LARK_COUNT = re.compile(r"~\s*(\d+)(?:\s*\.\.\s*(\d+))?")  # item ~ n, item ~ n..m
+
+
+def check_lark_counts(text: str) -> None:
+    """Refuse a Lark grammar whose counted repetitions exceed what a grammar can count, as
+    :func:`check_supported` refuses a regex: an ``item ~ n`` or ``~ n..m`` above
+    ``MAX_REPEAT_COUNT``, counts nested in parentheses of one rule that multiply above it
+    (``("a"~1000)~1000``), and a count above it inside a regex terminal (``/a{20000}/``). Strings,
+    regex terminals and ``//`` comments are skipped when looking for ``~``.
+
+    Why: llguidance builds such a grammar lazily, but the budget's closing automaton
+    (``grammar.closing``, through the ``lark`` library) unrolls every copy, in Python, holding
+    the interpreter lock: ``"a"~1000000`` stalled every other request for 46 s.
+
+    Raises:
+        GrammarError: ``keyword="grammar"`` with the ``line`` and ``column`` of the count.
+    """
+    def fail(message: str, at: int) -> GrammarError:
+        line = text.count("\n", 0, at) + 1
+        column = at - (text.rfind("\n", 0, at) + 1) + 1
+        return GrammarError(f"invalid Lark grammar at line {line}, column {column}: {message}",
+                            keyword="grammar", line=line, column=column)
+
+    frames: list[list[int]] = [[1, 1]]  # per open parenthesis: [most copies inside, last item's]
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "/" and text[i + 1:i + 2] == "/":  # a comment, to the end of the line
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        if c in "\"/":  # a string or a regex terminal: skipped (a regex's own counts checked)
+            j = i + 1
+            while j < n and text[j] != c and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            if c == "/":
+                for m in _COUNTED.finditer(text, i + 1, j):
+                    times = max((int(x) for x in m.groups() if x), default=0)
+                    if times > MAX_REPEAT_COUNT:
+                        raise fail(f"repetition count {times} is above the {MAX_REPEAT_COUNT} a grammar "
+                                   "can count", m.start())
+            frames[-1][1] = 1
+            i = j + 1
+            continue
+        if c == "~" and (m := _LARK_COUNT.match(text, i)) is not None:
+            times = max(int(x) for x in m.groups() if x)
+            if times > MAX_REPEAT_COUNT:
+                raise fail(f"repetition count {times} is above the {MAX_REPEAT_COUNT} a grammar can count", i)
+            frame = frames[-1]
+            frame[1] *= max(times, 1)
+            frame[0] = max(frame[0], frame[1])
+            if frame[1] > MAX_REPEAT_COUNT:
+                raise fail(f"counted repetitions nest to {frame[1]} copies of their innermost part, above the "
+                           f"{MAX_REPEAT_COUNT} a grammar can count", i)
+            i = m.end()
+            continue
+        if c == "(":
+            frames.append([1, 1])
+        elif c == ")" and len(frames) > 1:
+            inner = frames.pop()[0]
+            frames[-1][1] = inner
+            frames[-1][0] = max(frames[-1][0], inner)
+        elif c == "\n" and len(frames) == 1:
+            frames[-1][1] = 1
+        elif not c.isspace() and c not in "*+?":
+            frames[-1][1] = 1  # a name or other item: what a following count repeats
+            while i + 1 < n and (text[i + 1].isalnum() or text[i + 1] in "_."):
+                i += 1
+        i += 1
+
+
 def locate_syntax_error(pattern: str) -> tuple[int | None, str | None]:
     """Where Python's ``re`` parser stops on ``pattern``: ``(position, message)``, or
     ``(None, None)`` if Python accepts it (a Rust-only difference)."""

@@ -355,6 +355,36 @@ def test_invalid_regexes_name_the_problem(client, pattern, needle):
     assert p["field"] == "regex", p
 
 
+@pytest.mark.parametrize("grammar, needle, column", [
+    ('start: "a"~1000000', "repetition count 1000000 is above the 10000", 11),
+    ('start: ("a"~1000)~1000', "nest to 1000000 copies", 18),
+    ('start: "b" /a{20000}/', "repetition count 20000", 14),
+    ('start: "x"~1..20000', "repetition count 20000", 11),
+])
+def test_lark_counts_above_what_a_grammar_counts_are_refused_like_a_regexs(client, grammar, needle, column):
+    """Lark repetitions get the regex's limits (its budget automaton would unroll every copy,
+    holding the interpreter lock); the 400 names the grammar's line and column."""
+    p = _problem(client.post("/generate", json={"prompt": "x", "grammar": {"lark": grammar}}), 400)
+    assert needle in p["detail"] and p["field"] == "grammar", p
+    assert (p.get("line"), p.get("column")) == (1, column), p
+    r = client.post("/generate", json={"prompt": "x", "grammar": {"lark": 'start: ("ab"~2)~3 | "~9999999"'},
+                                       "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["text"] in ("abababababab", "~9999999"), r.json()
+
+
+def test_a_lark_grammar_longer_than_max_tokens_is_refused_before_it_runs(client):
+    """The admission check of a regex (``max_tokens`` below the shortest output) holds for a Lark
+    grammar written by hand too."""
+    body = {"prompt": "x", "grammar": {"lark": 'start: "a"~100'}, "max_tokens": 24}
+    p = _problem(client.post("/generate", json=body), 400)
+    q = _problem(client.post("/generate", json={"prompt": "x", "regex": "a{100}", "max_tokens": 24}), 400)
+    assert p["field"] == q["field"] == "max_tokens", (p, q)
+    need = re.search(r"needs at least (\d+) tokens", q["detail"]).group(1)
+    assert f"needs at least {need} tokens" in p["detail"], (p, q)
+    r = client.post("/generate", json={"prompt": "x", "grammar": {"lark": 'start: "a"~100'}, "max_tokens": int(need)})
+    assert r.status_code == 200 and r.json()["text"] == "a" * 100, r.json()
+
+
 @pytest.mark.parametrize("pattern, position", [("(ab[", 3), ("(?=a)b", 0), (r"(a)\1", 3), ("a{1000000}", 1),
                                                ("x[{]{2,20001}", 4)])
 def test_regex_errors_name_field_and_position(client, pattern, position):

@@ -94,6 +94,25 @@ def test_token_distance_is_an_upper_bound_met_by_a_real_sequence(vocab, pattern)
             assert ca.byte_distance(s) >= d  # tokens never exceed bytes
 
 
+def test_a_distance_beyond_the_budget_is_known_without_writing_the_witness(vocab):
+    """``limit``: where a state's bytes alone need more tokens than the budget has, the distance
+    reads ``limit + 1`` without the witness being written or tokenized (work in proportion to
+    the witness: seconds a step for a grammar whose end is 100,000 bytes away); below the
+    bound, the exact distance."""
+    with GrammarCompiler(vocab, SIZE, backend="lazy") as c:
+        g = c.compile(GrammarSpec.regex("x[0-9]{3000}"))
+        ca = ClosingAutomaton(g.program, vocab)
+        longest = max(len(b) for b in TOKENS.values())
+        assert ca.token_distance(ca.start, limit=10) == 11
+        assert ca.plan(ca.start, limit=10) is None
+        assert ca._witness[ca.start] is None and ca._tdist[ca.start] is None  # nothing written
+        exact = ca.token_distance(ca.start)
+        assert exact >= 3001 // longest and ca.token_distance(ca.start, limit=10) == exact  # then cached
+        assert len(ca.plan(ca.start, limit=exact)) == exact
+        nd = ca.next_token_distances(ca.start, limit=5)
+        assert int(nd.min()) == 6 and ca._next_tdist.get(ca.start) is None  # capped: not cached
+
+
 CLASS_TOKENS = {0: b" Rome", 1: "\u00e9".encode(), 2: b"\x03", 3: b"12", 4: b"\t", 5: "\u4e2d".encode(),
                 7: b"!"}
 
