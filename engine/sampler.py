@@ -1,12 +1,14 @@
 """Token selection: greedy, temperature, top-k, top-p, per-request seeds, and draft verification.
 
-Draft verification follows speculative sampling (Leviathan et al. 2023, "Fast Inference from
-Transformers via Speculative Decoding", arXiv 2211.17192; Chen et al. 2023). An n-gram proposer
-puts probability 1 on its draft token ``d``, so the acceptance test ``min(1, p(d) / q(d))``
-becomes "accept with probability ``p(d)``", and the residual distribution ``max(0, p - q)``
-renormalized is ``p`` with ``d`` removed. Greedy verification accepts while the draft equals the
-argmax of the masked target logits; either way the output distribution equals that of plain
-decoding.
+Draft verification keeps the output distribution of plain decoding, as speculative sampling
+does (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", arXiv
+2211.17192; Chen et al. 2023): every proposer here puts probability 1 on its draft token ``d``,
+for which that rule accepts with probability ``p(d)`` and otherwise draws from ``p`` without
+``d``. Sampled verification gets the same by coupling instead (``Sampler._verify_sampled``):
+each position draws its token from the uniform decoding without drafts would use there, and a
+draft token stands while it equals the draw; so a seeded request's tokens do not depend on
+whether it drafted. Greedy verification accepts while the draft equals the argmax of the masked
+target logits.
 """
 
 from __future__ import annotations
@@ -229,21 +231,25 @@ class Sampler:
         return int(_inverse_cdf(p.unsqueeze(0), u.to(p.device))[0])
 
     def _verify_sampled(self, probs: torch.Tensor, req: Request, draft: list[int]) -> list[int]:
-        """Rejection sampling of ``draft`` under ``probs [len(draft) + 1, V]``."""
+        """Sampled verification of ``draft`` under ``probs [len(draft) + 1, V]``, drawing what
+        decoding without drafts would draw.
+
+        Position ``j`` takes the inverse-CDF draw of the generator's next uniform, the very
+        draw a request without drafts makes for that token; the draft token stands while it
+        equals that draw, and the first draw that differs is the last token. Each token is
+        exactly distributed as ``probs[j]``, and a draft token is accepted with probability
+        ``probs[j][d]``: what Leviathan et al.'s rejection rule (2023, "Fast Inference from
+        Transformers via Speculative Decoding") gives a deterministic draft, which every drafter
+        here proposes (n-grams, prompt lookup, forced text). Unlike that rule, which spends a
+        uniform on the acceptance test and another on the residual, every output token spends
+        one uniform, so a seeded request draws the same tokens whether or not, and however
+        much, it drafted (given the same logits: the native kernels' rows do not depend on the
+        batch)."""
         g = _generator(req, self.base_seed)
         tokens: list[int] = []
-        for j, d in enumerate(draft):
-            p = probs[j]
-            u = torch.rand((), generator=g).item()
-            if u < float(p[d]):
-                tokens.append(d)
-                continue
-            residual = p.clone()
-            residual[d] = 0.0
-            if residual.sum() <= 0:  # p was a point mass on d yet u >= 1: cannot happen, but stay safe
-                tokens.append(d)
-                continue
-            tokens.append(self._draw(residual, g))
-            return tokens
-        tokens.append(self._draw(probs[len(draft)], g))
+        for j in range(len(draft) + 1):
+            t = self._draw(probs[j], g)
+            tokens.append(t)
+            if j == len(draft) or t != draft[j]:
+                break
         return tokens

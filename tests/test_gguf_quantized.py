@@ -177,3 +177,54 @@ def test_engine_greedy_outputs_do_not_depend_on_batching_caching_chunking_preemp
     st = eng.stats()
     assert st["num_preemptions"] > 0 and st["prefix_cache_hits"] > 0
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(kquant_gguf):
+    """A seeded sampled request gets the same tokens whether it drafts or not (each output token
+    spends one uniform of its generator: ``Sampler._verify_sampled``), on kernels whose rows do
+    not depend on the batch: a draft of the tokens decoding would draw is accepted whole, a wrong
+    draft token is replaced by that draw."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.request import SamplingParams
+
+    path, _ = kquant_gguf("llama")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "max_batch_size": 64, "min_acceptance": 0.0,
+            "cost_aware": False}
+    outs, accepted = {}, {}
+    for mode in ("off", "ngram"):
+        eng = LLMEngine(EngineConfig(model=path, num_kv_blocks=64), cost_model=lambda s: 10.0)
+        # drafts that are sometimes right: the last token again, or the one before it
+        if mode == "ngram":  # the plain run's next tokens; at every third position a wrong one
+            ref = outs["off"]
+
+            def draft(req, room, ref=ref):
+                at = req.num_output_tokens
+                return [t if (at + k) % 3 != 2 else (t + 1) % 1000
+                        for k, t in enumerate(ref[req.request_id][at:at + room])]
+
+            eng.drafter.draft = draft
+        verify, seen = eng.runner.sampler._verify_sampled, []
+
+        def counted(probs, req, draft, verify=verify, seen=seen):
+            tokens = verify(probs, req, draft)
+            seen.append((len(draft), len(tokens) - 1))  # (drafted, accepted)
+            return tokens
+
+        eng.runner.sampler._verify_sampled = counted
+        for i, temp in enumerate((0.7, 1.0, 1.3)):
+            eng.add_request(f"r{i}", [30 + i, 31, 32, 31, 32] * 3,
+                            SamplingParams(max_tokens=24, temperature=temp, seed=7 + i, ignore_eos=True,
+                                           speculative=spec if mode == "ngram" else {"method": "off"}))
+        got: dict[str, list[int]] = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        outs[mode] = got
+        accepted[mode] = seen
+    assert outs["ngram"] == outs["off"] and all(len(v) == 24 for v in outs["off"].values())
+    assert len({tuple(v) for v in outs["off"].values()}) == 3
+    assert accepted["off"] == []
+    # right drafts are accepted whole (the same draws), a wrong token is replaced by the draw
+    assert any(d > 0 and a == d for d, a in accepted["ngram"]), accepted
+    assert any(a < d for d, a in accepted["ngram"]), accepted
