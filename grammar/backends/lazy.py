@@ -260,8 +260,10 @@ class LazyGrammar:
         except RuntimeError:
             if root.is_error() and "NoExtension" not in root.get_error():
                 raise GrammarError("cannot compile: " + root.get_error().strip().splitlines()[0]) from None
-            raise GrammarError("no token sequence can produce this pattern: no token of the "
-                               "vocabulary can start it") from None
+            what = "pattern" if program.kind == "regex" else "grammar"
+            raise GrammarError(f"no token sequence can produce this {what}: no token of the vocabulary "
+                               f"can start it (its first bytes are none the vocabulary spells, or the "
+                               f"{what} has no finite output, as 'start: start')") from None
         finally:
             probe._m = None  # the root stays the grammar's: never given back to the pool
         self.nbytes = 0
