@@ -400,6 +400,10 @@ class GrammarCompiler:
                 grammar = self._new_grammar(spec, grammar.own_program(), policy)
                 built = self._build(first, grammar.program, spec)
             grammar._set(first, built)
+            if program.kind == "lark" and program.root is None:
+                # A hand-written grammar's shortest output is read through lark (ms for most, more
+                # for a large one): here, not on the engine thread at the request's admission.
+                grammar.min_output_tokens(1 << 30)
             if grammar.program.own_warnings:  # ready before the first answer asks for them
                 self._closing_pool.submit(grammar.own_program)
             with self._lock:
