@@ -42,6 +42,7 @@ from grammar.charclass import UnmodelledClass, class_ranges, complement_ranges
 from grammar.vocab import TokenVocabulary
 
 MAX_NFA_STATES = 400_000
+EXACT_END_BYTES = 1 << 16  # ends longer than this are counted by their bytes at admission (compiled.py)
 _MAX_PRODUCT = 100_000  # pairs of an intersection's product (more: no budget rule)
 MAX_STACK = 64  # deeper configurations are dropped (a subset: distances stay upper bounds)
 MAX_CONFIGS = 4096  # configurations kept per DFA state, nearest ends first (the same kind of subset)
@@ -596,12 +597,17 @@ class ClosingAutomaton:
                 self._emit(net.starts[step[1]], out)
                 state = step[2]
 
+    def token_lower_bound(self, i: int) -> int:
+        """Tokens an end from ``i`` needs at least: its bytes (known without writing a witness)
+        over the longest token's."""
+        return -(-self._bdist[i] // max(self._tokens.longest, 1))
+
     def _beyond(self, i: int, limit: int | None) -> bool:
-        """Whether the witness from ``i`` surely takes more than ``limit`` tokens: its bytes
-        (known without writing it) need at least bytes / (longest token) tokens."""
+        """Whether the witness from ``i`` surely takes more than ``limit`` tokens
+        (:meth:`token_lower_bound`), when its distance is not known yet."""
         if limit is None or self._tdist[i] is not None:
             return False
-        return -(-self._bdist[i] // max(self._tokens.longest, 1)) > limit
+        return self.token_lower_bound(i) > limit
 
     def token_distance(self, i: int, limit: int | None = None) -> int:
         """Tokens of the least tokenization of :meth:`witness` (``INF`` from the dead state): an

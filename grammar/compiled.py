@@ -180,7 +180,15 @@ class CompiledGrammar:
             automaton = self.closing().result()
         except Exception:  # noqa: BLE001 - not modelled: no admission check
             return None
-        need = automaton.token_distance(automaton.start)  # (exact: the error states it)
+        from grammar.closing import EXACT_END_BYTES
+
+        start = automaton.start
+        if automaton.byte_distance(start) > EXACT_END_BYTES and automaton.token_lower_bound(start) > max_tokens:
+            # the least its bytes need, without writing (and tokenizing) an end that may be
+            # millions of bytes long (rules that repeat rules); shorter ends are counted exactly
+            need = automaton.token_lower_bound(start)
+        else:
+            need = automaton.token_distance(start)
         return need if need > max_tokens else None
 
     @property

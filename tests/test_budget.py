@@ -113,6 +113,21 @@ def test_a_distance_beyond_the_budget_is_known_without_writing_the_witness(vocab
         assert int(nd.min()) == 6 and ca._next_tdist.get(ca.start) is None  # capped: not cached
 
 
+def test_an_admission_far_beyond_max_tokens_is_refused_without_writing_the_end(vocab):
+    """Rules repeating rules (10,000 x 10,000 bytes) stay within the count limit of one rule;
+    the admission check then reports the least tokens the end's bytes need, without writing or
+    tokenizing the 10^8-byte end (that froze a server: the new-user trial)."""
+    with GrammarCompiler(vocab, SIZE, backend="lazy") as c:
+        g = c.compile(GrammarSpec("lark", 'start: x~10000\nx: "a"~10000'))
+        longest = max(len(b) for b in TOKENS.values())
+        assert g.min_output_tokens(24) == -(-10 ** 8 // longest)
+        ca = g.closing().result()
+        assert ca._tdist[ca.start] is None and ca._witness[ca.start] is None
+        small = c.compile(GrammarSpec("lark", 'start: "ab"~30'))
+        exact, sa = small.min_output_tokens(5), small.closing().result()
+        assert exact is not None and exact >= 60 // longest and sa._tdist[sa.start] == exact  # short: exact
+
+
 CLASS_TOKENS = {0: b" Rome", 1: "\u00e9".encode(), 2: b"\x03", 3: b"12", 4: b"\t", 5: "\u4e2d".encode(),
                 7: b"!"}
 
