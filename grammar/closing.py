@@ -655,8 +655,8 @@ class ClosingAutomaton:
         # every state afresh).
         reached = np.flatnonzero(np.bincount(states[states != self.dead]))
         table = np.full(int(states.max()) + 1, INF, dtype=np.int64)
-        capped = any(self._beyond(int(s), limit) for s in reached.tolist())
         table[reached] = [self.token_distance(int(s), limit) for s in reached.tolist()]
+        capped = any(self._tdist[s] is None for s in reached.tolist())  # (read as limit + 1)
         out = np.minimum(table[states], INF).astype(np.int32)
         out[self._tokens.not_tokens] = INF
         for e in self.vocab.eos_token_ids:

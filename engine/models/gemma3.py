@@ -254,7 +254,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV cache pairs, got {len(kv_caches)}")
-        tables = {False: self.rope.lookup(positions), True: self.local_rope.lookup(positions)}
+        end = int(positions.max()) + 1 if self.rope.grows and positions.numel() else None
+        tables = {False: self.rope.lookup(positions, end), True: self.local_rope.lookup(positions, end)}
         h = self.embed_tokens(input_ids)
         # as transformers: sqrt(hidden) as an fp32 tensor, cast to the rows' dtype (a quantized
         # embedding's rows are fp32, exactly gguf's dequantized values)

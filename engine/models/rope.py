@@ -180,12 +180,13 @@ class RopeTable:
             sin.append(s.to(self.dtype))
         self.cos, self.sin = torch.cat(cos), torch.cat(sin)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` rows ``[T, head_dim // 2]`` of ``positions`` (int64 ``[T]``).
+    def lookup(self, positions: torch.Tensor, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` rows ``[T, head_dim // 2]`` of ``positions`` (int64 ``[T]``); ``end``:
+        their largest plus one when the caller knows it (a model with two tables reads it once).
 
         Raises:
             IndexError: a position at or past ``max_positions`` (torch's indexing error).
         """
         if self.grows and positions.numel():
-            self.ensure(int(positions.max()) + 1)
+            self.ensure(int(positions.max()) + 1 if end is None else end)
         return self.cos[positions], self.sin[positions]
