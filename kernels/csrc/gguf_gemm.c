@@ -37,28 +37,38 @@
  * Per output element y[r, n], in this order and nothing else (so a row's bits never depend on
  * the batch, the columns asked for or the threads), acc and zacc 8 fp32 lanes from 0, for each
  * span of 256 weights (8 units of 32; the last span of a 32-block type may have fewer):
- *   k-quants: T1 = sum_u pairs(c_u, q1_u) . sc_u, T2 likewise with q2 (int32 lanes, exact:
+ *   Q4_K, Q5_K: t_u = 256 dot4(c_u, q1_u) + dot4(c_u, q2_u), lane l of t_u the four products of
+ *             weights 4l..4l+3 of unit u; S = sum_u t_u sc_u (int32 lanes, exact: < 2^31, sc_u the
+ *             unit's integer scale); acc = acc + float(S) * (d dx) (one term: t_u = dot4(c_u, q1_u)
+ *             and the factor d dx 256)
+ *             zacc = zacc + z X32, X32[j] = X16[2j] + X16[2j + 1] the sums of sub-block j's inputs
+ *   Q6_K:     T1 = sum_u pairs(c_u, q1_u) . sc_u, T2 likewise with q2 (int32 lanes, exact:
  *             pairs() are i16 sums of two products, sc_u the sub-block's integer scale)
  *             acc = acc + (float(T1) * 256 + float(T2)) * (d dx)
  *   32-blocks: per unit u, S = 256 dot(c_u, q1_u) + dot(c_u, q2_u) (exact, |S| < 2^24)
  *             acc = acc + float(S) * (d_u dx_u)
- *   both:     zacc = (zacc + z[0:8] X16[0:8]) + z[8:16] X16[8:16]
+ *   Q6_K and 32-blocks: zacc = (zacc + z[0:8] X16[0:8]) + z[8:16] X16[8:16]
  *   y = hsum(acc) + hsum(zacc), hsum in a fixed order.
  * The file is compiled with -ffp-contract=off: no multiply-add is fused, so every ISA below gives
  * the same bits (the integer sums are exact whichever instruction computes them).
  *
- * ISAs (chosen at compile time by -march=native): AVX512-VNNI and AVX-VNNI (VPDPWSSD applies
- * the integer scales and accumulates in one instruction), AVX2 (VPMADDUBSW + VPMADDWD; no
+ * ISAs (chosen at compile time by -march=native): AVX512-VNNI and AVX-VNNI (VPDPBUSD gives
+ * dot4 in one instruction; VPDPWSSD applies Q6_K's integer scales and accumulates in one),
+ * AVX2 (VPMADDUBSW + VPMADDWD; no
  * saturation: c <= 63 with |q| <= 127, or c = |q8| <= 128, keeps each i16 pair below 32767), or
  * plain C (tests/test_kquants.py checks that it gives this build's bits). GCC vector extensions
  * carry the rest, on 256-bit vectors.
  *
  * One row (a decode step) is bound by how fast the weights arrive: the k-quant spans are
  * prefetched PREFETCH_SPANS ahead (the hardware prefetcher alone kept a 1B model's Q4_K / Q6_K
- * matrices at 18 GB/s on a 2-core AMD EPYC whose DRAM streams 34; with it 24-25 GB/s), each
- * term's integer sums run in four independent chains, and a sub-block's scale reaches every
+ * matrices at 18 GB/s on a 2-core AMD EPYC whose DRAM streams 34; with it 24-25 GB/s), Q6_K's
+ * integer sums run in four independent chains per term and a sub-block's scale reaches every
  * lane by one byte shuffle (timed over all 112 layer matrices read once, in process; the decode
  * steps of `stencil bench overhead` before and after are in README, "The model the user brings").
+ * Q4_K / Q5_K merge the two terms before their scale (one VPMULLD a unit, not two VPDPWSSD), read
+ * the 12 scale bytes with vector shifts and meet their offsets per sub-block of 32: a 2048 x 8192
+ * Q4_K matrix at one row, one thread, in cache, 104.6 -> 111.8 M spans/s on that AMD EPYC (two
+ * terms; one term 122 either way).
  *
  * Layouts: w uint8 [N, row_bytes] (GGUF rows of blocks); q1, q2 int8 [M, K]; dx fp32
  * [M, 8 S], X16 fp32 [M, 16 S] with S = ceil(K / 256) spans (padding zero); y fp32 [M, ldy].
@@ -197,13 +207,38 @@ static inline i32x8 madd_acc(i32x8 acc, i16x16 p, i16x16 s) {
 #endif
 }
 
+/* acc + lane sums of four products: lane l gains c[4l..4l+3] . a[4l..4l+3] (exact in int32:
+ * c <= 31, |a| <= 127). */
+static inline i32x8 dot4_acc(i32x8 acc, u8x32 c, i8x32 a) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (i32x8)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)c, (__m256i)a);
+#elif defined(__AVXVNNI__)
+    return (i32x8)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)c, (__m256i)a);
+#elif defined(__AVX2__)
+    return acc + (i32x8)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)c, (__m256i)a), _mm256_set1_epi16(1));
+#else
+    for (int l = 0; l < 8; ++l)
+        for (int i = 0; i < 4; ++i) acc[l] += c[4 * l + i] * a[4 * l + i];
+    return acc;
+#endif
+}
+
+/* The sums of 32 inputs from their X16 halves (x0 = X16[0:8], x1 = X16[8:16]), in sub-block order:
+ * lane j = X16[2j] + X16[2j + 1]. */
+static inline f32x8 sums32(f32x8 x0, f32x8 x1) {
+    return __builtin_shuffle(x0, x1, (i32x8){0, 2, 4, 6, 8, 10, 12, 14}) +
+           __builtin_shuffle(x0, x1, (i32x8){1, 3, 5, 7, 9, 11, 13, 15});
+}
+
 /* One span of one weight row, decoded. */
 typedef struct {
     u8x32 c[8];     /* codes of units 0..7 */
     i8x32 neg[8];   /* Q8_0: -1 where the weight is negative, else 0 */
-    i16x16 sc[8];   /* k-quants: the integer sub-block scale of each pair of weights of a unit */
+    i16x16 sc[8];   /* Q6_K: the integer sub-block scale of each pair of weights of a unit */
+    i32x8 sc32;     /* Q4_K, Q5_K: lane u the integer scale of unit u */
     f32x8 d;        /* k-quants: lane 0 the super-block's d; 32-blocks: each block's d */
-    f32x8 z[2];     /* offsets of the span's 16 groups of 16 weights (0 past the row's end) */
+    f32x8 z[2];     /* offsets of the span's 16 groups of 16 weights (0 past the row's end); Q4_K,
+                     * Q5_K: z[0] those of its 8 sub-blocks of 32 */
     int units;
 } span_t;
 
@@ -281,8 +316,6 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
         }
         const float d = h2f(b), dmin = h2f(b + 2);
         sp->d = splat(d);
-        uint8_t sm[16];
-        scale_min_k4(b + 4, sm);
         const uint8_t *qs = b + (type == Q4_K ? 16 : 48);
         for (int i = 0; i < 4; ++i) {
             const u8x32 v = load32(qs + 32 * i);
@@ -294,22 +327,26 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
             for (int j = 0; j < 8; ++j) sp->c[j] |= (u8x32)(j <= 4 ? h << (4 - j) : h >> (j - 4)) & 16;
         }
 #if defined(__AVX2__)
-        const __m128i smv = _mm_loadu_si128((const __m128i *)sm);
-        /* the 8 scales as i16 in both 128-bit lanes; unit j's in every lane by one byte shuffle */
-        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));
-        for (int j = 0; j < 8; ++j)
-            sp->sc[j] = (i16x16)_mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
+        /* get_scale_min_k4 on the three words w0 w1 w2 at once, as 32-bit lanes: lanes 0-3 of the
+         * result are sc 0-3, sc 4-7, m 0-3, m 4-7 (scale_min_k4's o[0..3]) */
+        const __m128i w = _mm_loadu_si128((const __m128i *)(b + 4)); /* 12 bytes used (inside the block) */
+        const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(w, 0x98), _mm_setr_epi32(0, 0, 0, 4)),
+                                         _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(w, 0x50), 2),
+                                         _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+        const __m128i smv = _mm_or_si128(lo, hi);
+        sp->sc32 = (i32x8)_mm256_cvtepu8_epi32(smv);
         const f32x8 m8 = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8)));
 #else
+        uint8_t sm[16];
+        scale_min_k4(b + 4, sm);
         f32x8 m8;
         for (int j = 0; j < 8; ++j) {
-            sp->sc[j] = (i16x16){0} + (int16_t)sm[j];
+            sp->sc32[j] = sm[j];
             m8[j] = (float)sm[8 + j];
         }
 #endif
-        const f32x8 mins = -(splat(dmin) * m8); /* -(dmin m) */
-        sp->z[0] = __builtin_shuffle(mins, PAIRS_LO);
-        sp->z[1] = __builtin_shuffle(mins, PAIRS_HI);
+        sp->z[0] = -(splat(dmin) * m8); /* -(dmin m) of each sub-block of 32 */
         return;
     }
     const int first = span * 8, blocks = k / 32, units = blocks - first < 8 ? blocks - first : 8;
@@ -367,7 +404,26 @@ __attribute__((always_inline)) static inline void column_tile(const int type, co
         for (int r = 0; r < R; ++r) {
             const size_t rr = (size_t)(r0 + r);
             const int8_t *q1 = a->q1 + rr * a->k + (size_t)s * SPAN, *q2 = a->q2 + rr * a->k + (size_t)s * SPAN;
-            if (type >= Q4_K) { /* one activation scale per span: sub-block scales in integer */
+            if (type == Q4_K || type == Q5_K) { /* one activation scale per span: unit scales in integer */
+                /* t[u]'s lanes: 256 (c . q1) + (c . q2) over four weights each; their sum times the
+                 * unit's scale is exact in int32 (|.| <= 32 31 127 257 63 < 2^31) */
+                i32x8 t[8];
+                for (int u = 0; u < 8; ++u) {
+                    t[u] = dot4_acc((i32x8){0}, sp.c[u], (i8x32)load32(q1 + 32 * u));
+                    if (TERMS == 2) t[u] = dot4_acc(t[u] << 8, sp.c[u], (i8x32)load32(q2 + 32 * u));
+                }
+                int32_t sc[8];
+                memcpy(sc, &sp.sc32, 32);
+                i32x8 S = t[0] * sc[0]; /* |lane| <= 8 4 31 127 257 63 < 2^31 */
+                for (int u = 1; u < 8; ++u) S += t[u] * sc[u];
+                const float scale = sp.d[0] * a->dx[(rr * a->spans + s) * 8] * (TERMS == 2 ? 1.0f : 256.0f);
+                acc[r] = acc[r] + __builtin_convertvector(S, f32x8) * splat(scale);
+                f32x8 x0, x1;
+                memcpy(&x0, a->x16 + (rr * a->spans + s) * 16, 32);
+                memcpy(&x1, a->x16 + (rr * a->spans + s) * 16 + 8, 32);
+                zacc[r] = zacc[r] + sp.z[0] * sums32(x0, x1);
+                continue;
+            } else if (type == Q6_K) { /* one activation scale per span: sub-block scales in integer */
                 /* Four independent sums per term, added at the end: one chain of eight dependent
                  * VPDPWSSD would bound a one-row step by its latency (integer: the same bits). */
                 i32x8 t1[4] = {{0}}, t2[4] = {{0}};
