@@ -161,9 +161,12 @@ class Activations:
 
     @property
     def x16(self) -> torch.Tensor:
-        """fp32 ``[M, 16 S]``: the sum of each 16 raw inputs (in the order of ``csrc/gguf_gemm.c``)."""
+        """``[M, 16 S]``, the sums of each 16 inputs: with group 32, fp32 sums of the raw inputs
+        (two terms, in the order of ``csrc/gguf_gemm.c``) or ``dq`` times the sum of ``q1`` (one);
+        with group 256 (k-quants), int32 ``B16``, the exact sums of ``256 q1 + q2``."""
         mk, f = 2 * self.m * self.k, 32 * self.m * self.spans
-        return self.buffer[mk + f:].view(torch.float32).view(self.m, 16 * self.spans)
+        dtype = torch.int32 if self.group == SPAN else torch.float32
+        return self.buffer[mk + f:].view(dtype).view(self.m, 16 * self.spans)
 
 
 def quantize(x: torch.Tensor, group: int, threads: int | None = None, terms: int = 2) -> Activations:

@@ -77,6 +77,10 @@ def test_activations_are_the_two_term_reference(group):
     assert torch.equal(dx * (256 * a.q1.double() + a.q2.double()), ref)  # the same arithmetic
     amax = x.abs().reshape(5, -1, group).amax(-1).repeat_interleave(group, 1).double()
     assert bool(((ref - x.double()).abs() <= amax / 32512).all())  # the stated bound
+    if group == 256:  # k-quants: the exact integer sums of 16 activations, in units of dx
+        units = 256 * a.q1.to(torch.int32) + a.q2.to(torch.int32)
+        assert torch.equal(a.x16, units.reshape(5, 32, 16).sum(-1))
+        return
     halves = x.reshape(5, 32, 2, 8)
     v = halves[:, :, 0] + halves[:, :, 1]  # the sums of 16 inputs in the kernel's order, in fp32
     seq = ((v[..., 0] + v[..., 4]) + (v[..., 2] + v[..., 6])) + ((v[..., 1] + v[..., 5]) + (v[..., 3] + v[..., 7]))
@@ -103,6 +107,8 @@ def exact_and_bound(qtype: str, raw: np.ndarray, x: torch.Tensor, terms: int = 2
     x16 = x.double().reshape(x.shape[0], -1, 16).sum(-1).abs()
     bound = ((amax / 32512) @ cs.T + rounding * (xh.abs() @ cs.T + x16 @ z.T)
              + 2.0 ** -24 * (x.double().abs() @ w.abs().T))
+    if group == 256:  # k-quants: the offsets meet the quantized activations too (16 inputs a z)
+        bound = bound + (16 * amax.reshape(x.shape[0], -1, 16)[..., 0] / 32512) @ z.T
     return x.double() @ w.T, bound
 
 
@@ -137,29 +143,46 @@ def test_each_row_gets_the_same_bits_at_any_row_count_columns_and_threads(qtype,
                        whole[:, cols])
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 @needs_kernel
-def test_plain_c_build_gives_the_same_bits_as_this_build(tmp_path, monkeypatch):
-    """The ISA paths differ only in how they compute exact integer dot products, so a build for
-    a baseline x86-64 (plain C, no AVX2) must give this build's bits."""
+@pytest.mark.parametrize("isa", ["plain", "avx2"])
+def test_other_isa_builds_give_the_same_bits_as_this_build(isa, tmp_path, monkeypatch):
+    """The ISA paths differ only in how they compute exact integer dot products (and which of the
+    k-quant column paths they have), so a build for a baseline x86-64 (plain C) or for AVX2 alone
+    must give this build's bits, at one row (a decode step) and at six (a prompt)."""
     import ctypes
     import shutil
 
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU runs no AVX2 build")
     monkeypatch.setenv("STENCIL_CACHE_DIR", str(tmp_path))
-    flags = [f for f in ggml_blocks._FLAGS if f not in ("-march=native", "-O3")] + ["-O1", "-march=x86-64"]
-    plain = ctypes.CDLL(str(native._build([shutil.which("cc") or "gcc"], [ggml_blocks.SOURCE], flags, "plain")))
-    assert plain.stencil_gguf_isa() == 0
+    march = ["-march=x86-64"] if isa == "plain" else ["-march=x86-64", "-mavx2", "-mfma", "-mf16c"]
+    flags = [f for f in ggml_blocks._FLAGS if f not in ("-march=native", "-O3")] + ["-O1", *march]
+    other = ctypes.CDLL(str(native._build([shutil.which("cc") or "gcc"], [ggml_blocks.SOURCE], flags, isa)))
+    assert other.stencil_gguf_isa() == (0 if isa == "plain" else 1)
     lib = ggml_blocks.library()
-    x = torch.randn(6, 512)
-    for qtype, terms in (("Q4_K", 2), ("Q6_K", 2), ("Q5_0", 2), ("Q8_0", 2), ("Q4_1", 2), ("Q4_K", 1), ("Q8_0", 1)):
-        raw = torch.from_numpy(random_blocks(qtype, 16, 512, seed=11))
-        group = ggml_blocks.BLOCKS[qtype][1]
-        a = ggml_blocks.quantize(x, group, terms=terms)
-        want = ggml_blocks.gemm(qtype, raw, a)
-        y = torch.empty_like(want)
-        plain.stencil_gguf_gemm.argtypes = lib.stencil_gguf_gemm.argtypes
-        assert plain.stencil_gguf_gemm(ggml_blocks.BLOCKS[qtype][0], raw.data_ptr(), raw.shape[1], 512, None, 16,
-                                       group, *a.pointers(), 6, y.data_ptr(), 16, 1) == 0
-        assert torch.equal(y, want), (qtype, terms)
+    other.stencil_gguf_gemm.argtypes = lib.stencil_gguf_gemm.argtypes
+    for rows in (1, 6):
+        x = torch.randn(rows, 512)
+        for qtype, terms in (("Q4_K", 2), ("Q5_K", 2), ("Q6_K", 2), ("Q5_0", 2), ("Q8_0", 2), ("Q4_1", 2),
+                             ("Q4_K", 1), ("Q8_0", 1)):
+            raw = torch.from_numpy(random_blocks(qtype, 20, 512, seed=11))  # 20: eight-column groups and a rest
+            group = ggml_blocks.BLOCKS[qtype][1]
+            a = ggml_blocks.quantize(x, group, terms=terms)
+            want = ggml_blocks.gemm(qtype, raw, a)
+            y = torch.empty_like(want)
+            assert other.stencil_gguf_gemm(ggml_blocks.BLOCKS[qtype][0], raw.data_ptr(), raw.shape[1], 512, None, 20,
+                                           group, *a.pointers(), rows, y.data_ptr(), 20, 1) == 0
+            assert torch.equal(y, want), (qtype, terms, rows)
 
 
 @needs_kernel

@@ -20,58 +20,66 @@
  * the 32-weight types and a whole super-block of 256 for the k-quants, whose sub-block scales
  * are then applied in integer): dq = max|x_g| / 127, q1 = clamp(round(x / dq)),
  * q2 = clamp(round((x - q1 dq) 256 / dq)), both in -127..127, so x = dq (q1 + q2 / 256) + e,
- * |e| <= max|x_g| / 32512; dx = dq / 256 (exact), stored once per 32 inputs. X16 = fp32 sum of
- * each 16 raw x (the two halves added lane-wise, then hsum's order). With one term (q2 NULL) the
- * activations are dq q1 alone (|e| <= max|x_g| / 254, as llama.cpp's Q8_0 / Q8_K blocks) and
- * every dot product with q2 is skipped: half the integer work. One term is llama.cpp's arithmetic,
- * not only its precision (ggml-cpu's quantize_row_q8_0 / q8_K and vec_dot_*_q8_*): the group's
- * scale is 1 / (127 / max|x|) for a super-block (Q8_K keeps an fp32 d) and max|x| / 127 rounded
- * to fp16 for 32 inputs (Q8_0 stores d as fp16; the codes still come from the fp32 127 / max),
- * and X16 sums the quantized inputs, dq * (sum of the 16 q1), so that every weight's offset z
- * meets the same activations as its codes: y = W . (dq q1) up to fp32 rounding, as llama.cpp
- * gets it (its integer dot products fold the offsets in; Q4_1 / Q5_1's Q8_1 sums are also
- * rounded to fp16 there, not here). With two terms X16 sums the raw inputs (the exact product
- * is the target). stencil_gguf_quantize writes them; kernels/ggml_blocks.py's
+ * |e| <= max|x_g| / 32512; dx = dq / 256 (exact), stored once per 32 inputs. The sums of each 16
+ * inputs: for the 32-weight types X16, fp32 sums of the raw x (the two halves added lane-wise,
+ * then hsum's order); for the k-quants B16, the exact int32 sums of 256 q1 + q2 (the inputs in
+ * units of dx: every weight's offset meets the same activations as its codes). With one term
+ * (q2 NULL) the activations are dq q1 alone (|e| <= max|x_g| / 254, as llama.cpp's Q8_0 / Q8_K
+ * blocks) and every dot product with q2 is skipped: half the integer work. One term is
+ * llama.cpp's arithmetic, not only its precision (ggml-cpu's quantize_row_q8_0 / q8_K and
+ * vec_dot_*_q8_*): the group's scale is 1 / (127 / max|x|) for a super-block (Q8_K keeps an fp32
+ * d) and max|x| / 127 rounded to fp16 for 32 inputs (Q8_0 stores d as fp16; the codes still come
+ * from the fp32 127 / max), and X16 sums the quantized inputs, dq * (sum of the 16 q1) (B16: 256
+ * times the sum of the q1), so that y = W . (dq q1) up to fp32 rounding, as llama.cpp gets it (its
+ * integer dot products fold the offsets in; Q4_1 / Q5_1's Q8_1 sums are also rounded to fp16
+ * there, not here). stencil_gguf_quantize writes them; kernels/ggml_blocks.py's
  * reference_activations is the same arithmetic in torch.
  *
  * Per output element y[r, n], in this order and nothing else (so a row's bits never depend on
- * the batch, the columns asked for or the threads), acc and zacc 8 fp32 lanes from 0, for each
- * span of 256 weights (8 units of 32; the last span of a 32-block type may have fewer):
- *   Q4_K, Q5_K: t_u = 256 dot4(c_u, q1_u) + dot4(c_u, q2_u), lane l of t_u the four products of
- *             weights 4l..4l+3 of unit u; S = sum_u t_u sc_u (int32 lanes, exact: < 2^31, sc_u the
- *             unit's integer scale); acc = acc + float(S) * (d dx) (one term: t_u = dot4(c_u, q1_u)
- *             and the factor d dx 256)
- *             zacc = zacc + z X32, X32[j] = X16[2j] + X16[2j + 1] the sums of sub-block j's inputs
+ * the batch, the columns asked for or the threads), for each span of 256 weights (8 units of 32;
+ * the last span of a 32-block type may have fewer):
+ *   Q4_K, Q5_K: two exact integers per span, W = sum_u sc_u (256 c_u . q1_u + c_u . q2_u) (int64;
+ *             one term: 256 sum_u sc_u c_u . q1_u) and M = sum_j m_j B32_j (int32, B32_j =
+ *             B16[2j] + B16[2j + 1], the sums of sub-block j's inputs), sc_u, m_j the 6-bit
+ *             scales and mins; the span's value v = float(W) (d dx) - float(M) (dmin dx), and
+ *             y = ((0 + v_0) + v_1) + ... in span order. W and M being exact, the integer work
+ *             may be organised in any way that fits the rows at hand, with the same bits: one
+ *             column at a time (kquant_column), eight columns whose lane sums are taken together
+ *             (kquant_cols8_few: a decode step's rows), or eight columns transposed so that a
+ *             vector lane holds a column and an activation word is broadcast (cols8, AVX512:
+ *             from COLS8_MIN_ROWS rows, prompts and large batches).
+ *   Q6_K and the 32-blocks, acc and zacc 8 fp32 lanes from 0, y = hsum(acc) + hsum(zacc) (hsum in
+ *   a fixed order):
  *   Q6_K:     T1 = sum_u pairs(c_u, q1_u) . sc_u, T2 likewise with q2 (int32 lanes, exact:
  *             pairs() are i16 sums of two products, sc_u the sub-block's integer scale)
  *             acc = acc + (float(T1) * 256 + float(T2)) * (d dx)
+ *             zacc = zacc + (z[0:8] float(B16[0:8]) + z[8:16] float(B16[8:16])) * dx
  *   32-blocks: per unit u, S = 256 dot(c_u, q1_u) + dot(c_u, q2_u) (exact, |S| < 2^24)
  *             acc = acc + float(S) * (d_u dx_u)
- *   Q6_K and 32-blocks: zacc = (zacc + z[0:8] X16[0:8]) + z[8:16] X16[8:16]
- *   y = hsum(acc) + hsum(zacc), hsum in a fixed order.
+ *             zacc = (zacc + z[0:8] X16[0:8]) + z[8:16] X16[8:16]
  * The file is compiled with -ffp-contract=off: no multiply-add is fused, so every ISA below gives
  * the same bits (the integer sums are exact whichever instruction computes them).
  *
- * ISAs (chosen at compile time by -march=native): AVX512-VNNI and AVX-VNNI (VPDPBUSD gives
- * dot4 in one instruction; VPDPWSSD applies Q6_K's integer scales and accumulates in one),
- * AVX2 (VPMADDUBSW + VPMADDWD; no
- * saturation: c <= 63 with |q| <= 127, or c = |q8| <= 128, keeps each i16 pair below 32767), or
- * plain C (tests/test_kquants.py checks that it gives this build's bits). GCC vector extensions
- * carry the rest, on 256-bit vectors.
+ * ISAs (chosen at compile time by -march=native): AVX512-VNNI and AVX-VNNI (VPDPBUSD multiplies
+ * four pairs of bytes and accumulates in one instruction; VPDPWSSD applies Q6_K's integer scales
+ * likewise), AVX2 (VPMADDUBSW + VPMADDWD; no saturation: c <= 63 with |q| <= 127, or c = |q8| <=
+ * 128, keeps each i16 pair below 32767), or plain C (tests/test_kquants.py checks that it gives
+ * this build's bits). GCC vector extensions carry the rest, on 256-bit vectors.
  *
  * One row (a decode step) is bound by how fast the weights arrive: the k-quant spans are
  * prefetched PREFETCH_SPANS ahead (the hardware prefetcher alone kept a 1B model's Q4_K / Q6_K
  * matrices at 18 GB/s on a 2-core AMD EPYC whose DRAM streams 34; with it 24-25 GB/s), Q6_K's
  * integer sums run in four independent chains per term and a sub-block's scale reaches every
- * lane by one byte shuffle (timed over all 112 layer matrices read once, in process; the decode
- * steps of `stencil bench overhead` before and after are in README, "The model the user brings").
- * Q4_K / Q5_K merge the two terms before their scale (one VPMULLD a unit, not two VPDPWSSD), read
- * the 12 scale bytes with vector shifts and meet their offsets per sub-block of 32: a 2048 x 8192
- * Q4_K matrix at one row, one thread, in cache, 104.6 -> 111.8 M spans/s on that AMD EPYC (two
- * terms; one term 122 either way).
+ * lane by one byte shuffle; Q4_K / Q5_K merge the two terms before their unit's scale (one
+ * VPMULLD a unit) and read the 12 scale bytes with vector shifts. Many rows (a prompt, a batch)
+ * are bound by the integer work: Q4_K / Q5_K's eight transposed columns do a span's 512 products
+ * a row in 16 VPDPBUSD and two VPMULLD (one column at a time needs about 55 instructions): on a
+ * 2-core AMD EPYC, a 8192 x 2048 Q4_K matrix at 32-128 rows 71 -> 120 G multiply-adds a second
+ * (`stencil bench cpu_kernels`), at one row unchanged.
  *
  * Layouts: w uint8 [N, row_bytes] (GGUF rows of blocks); q1, q2 int8 [M, K]; dx fp32
- * [M, 8 S], X16 fp32 [M, 16 S] with S = ceil(K / 256) spans (padding zero); y fp32 [M, ldy].
+ * [M, 8 S], X16 fp32 or B16 int32 [M, 16 S] (the same place) with S = ceil(K / 256) spans
+ * (padding zero); y fp32 [M, ldy].
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -223,11 +231,62 @@ static inline i32x8 dot4_acc(i32x8 acc, u8x32 c, i8x32 a) {
 #endif
 }
 
-/* The sums of 32 inputs from their X16 halves (x0 = X16[0:8], x1 = X16[8:16]), in sub-block order:
- * lane j = X16[2j] + X16[2j + 1]. */
-static inline f32x8 sums32(f32x8 x0, f32x8 x1) {
-    return __builtin_shuffle(x0, x1, (i32x8){0, 2, 4, 6, 8, 10, 12, 14}) +
-           __builtin_shuffle(x0, x1, (i32x8){1, 3, 5, 7, 9, 11, 13, 15});
+/* Lane u = the sum of t[u]'s eight lanes, for lanes whose absolute values sum below 2^31 (exact
+ * in any order). */
+static inline i32x8 lane_sums8(const i32x8 *t) {
+#if defined(__AVX2__)
+    const __m256i s01 = _mm256_hadd_epi32((__m256i)t[0], (__m256i)t[1]);
+    const __m256i s23 = _mm256_hadd_epi32((__m256i)t[2], (__m256i)t[3]);
+    const __m256i s45 = _mm256_hadd_epi32((__m256i)t[4], (__m256i)t[5]);
+    const __m256i s67 = _mm256_hadd_epi32((__m256i)t[6], (__m256i)t[7]);
+    /* per 128-bit half: the sums of lanes 0-3 (low half) and 4-7 (high half) of t[0..3], t[4..7] */
+    const __m256i a = _mm256_hadd_epi32(s01, s23), b = _mm256_hadd_epi32(s45, s67);
+    return (i32x8)_mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+#else
+    i32x8 d;
+    for (int u = 0; u < 8; ++u) {
+        int32_t v = 0;
+        for (int l = 0; l < 8; ++l) v += t[u][l];
+        d[u] = v;
+    }
+    return d;
+#endif
+}
+
+/* The integer sums of 32 activations from those of 16 (b0 = B16[0:8], b1 = B16[8:16]): lane j =
+ * B16[2j] + B16[2j + 1]. */
+static inline i32x8 sums32(i32x8 b0, i32x8 b1) {
+    return __builtin_shuffle(b0, b1, (i32x8){0, 2, 4, 6, 8, 10, 12, 14}) +
+           __builtin_shuffle(b0, b1, (i32x8){1, 3, 5, 7, 9, 11, 13, 15});
+}
+
+static inline f32x8 load8f(const float *p) {
+    f32x8 v;
+    memcpy(&v, p, 32);
+    return v;
+}
+
+typedef int64_t i64x8 __attribute__((vector_size(64)));
+
+static inline i64x8 wide(i32x8 v) { return __builtin_convertvector(v, i64x8); }
+
+/* The sum of v's lanes, for lanes whose absolute values sum below 2^31 (exact in any order). */
+static inline int32_t hsum_i32(i32x8 v) {
+    uint32_t t = 0; /* unsigned: wraps nowhere for such lanes, and never undefined */
+    for (int l = 0; l < 8; ++l) t += (uint32_t)v[l];
+    return (int32_t)t;
+}
+
+/* W of a Q4_K / Q5_K span for eight outputs (lanes), exact, from the lane sums A, B of the high
+ * and low halves of kquant_span's S. */
+static inline i64x8 span_w(const int TERMS, i32x8 A, i32x8 B) {
+    return ((wide(A) << 16) + wide(B)) << (TERMS == 2 ? 0 : 8); /* in units of dx */
+}
+
+/* The span's values v = float(W) (d dx) - float(M) (dmin dx), d, dmin, dx per lane (int64 ->
+ * float rounds to nearest on every path). */
+static inline f32x8 span_values(i64x8 W, i32x8 M, f32x8 d, f32x8 dmin, f32x8 dx) {
+    return __builtin_convertvector(W, f32x8) * (d * dx) - __builtin_convertvector(M, f32x8) * (dmin * dx);
 }
 
 /* One span of one weight row, decoded. */
@@ -236,9 +295,10 @@ typedef struct {
     i8x32 neg[8];   /* Q8_0: -1 where the weight is negative, else 0 */
     i16x16 sc[8];   /* Q6_K: the integer sub-block scale of each pair of weights of a unit */
     i32x8 sc32;     /* Q4_K, Q5_K: lane u the integer scale of unit u */
+    i32x8 m32;      /* Q4_K, Q5_K: lane u the integer min of unit u */
+    float dmin;     /* Q4_K, Q5_K: the super-block's dmin */
     f32x8 d;        /* k-quants: lane 0 the super-block's d; 32-blocks: each block's d */
-    f32x8 z[2];     /* offsets of the span's 16 groups of 16 weights (0 past the row's end); Q4_K,
-                     * Q5_K: z[0] those of its 8 sub-blocks of 32 */
+    f32x8 z[2];     /* offsets of the span's 16 groups of 16 weights (32-blocks: 0 past the row's end) */
     int units;
 } span_t;
 
@@ -301,16 +361,16 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
             sp->sc[3] = UNIT_SCALES(3); sp->sc[4] = UNIT_SCALES(4); sp->sc[5] = UNIT_SCALES(5);
             sp->sc[6] = UNIT_SCALES(6); sp->sc[7] = UNIT_SCALES(7);
 #undef UNIT_SCALES
-            const f32x8 d32 = splat(-32.0f), dv = splat(d);
+            const f32x8 d32 = splat(-32.0f) * splat(d); /* exact */
             for (int h = 0; h < 2; ++h) {
 #if defined(__AVX2__)
-                const f32x8 sc_f = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h))));
+                const i32x8 sc = (i32x8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)));
 #else
                 i8x8 part;
                 memcpy(&part, b + 192 + 8 * h, 8);
-                const f32x8 sc_f = __builtin_convertvector(__builtin_convertvector(part, i32x8), f32x8);
+                const i32x8 sc = __builtin_convertvector(part, i32x8);
 #endif
-                sp->z[h] = d32 * (dv * sc_f); /* -32 (d sc) */
+                sp->z[h] = d32 * __builtin_convertvector(sc, f32x8); /* -32 d sc, exact */
             }
             return;
         }
@@ -336,17 +396,16 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
                                          _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
         const __m128i smv = _mm_or_si128(lo, hi);
         sp->sc32 = (i32x8)_mm256_cvtepu8_epi32(smv);
-        const f32x8 m8 = (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8)));
+        sp->m32 = (i32x8)_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8));
 #else
         uint8_t sm[16];
         scale_min_k4(b + 4, sm);
-        f32x8 m8;
         for (int j = 0; j < 8; ++j) {
             sp->sc32[j] = sm[j];
-            m8[j] = (float)sm[8 + j];
+            sp->m32[j] = sm[8 + j];
         }
 #endif
-        sp->z[0] = -(splat(dmin) * m8); /* -(dmin m) of each sub-block of 32 */
+        sp->dmin = dmin;
         return;
     }
     const int first = span * 8, blocks = k / 32, units = blocks - first < 8 ? blocks - first : 8;
@@ -388,15 +447,158 @@ typedef struct {
 } acts_t;
 
 /* y[r * ldy] for rows r0 .. r0 + R - 1 of one weight row. */
+#ifndef GROUP_AHEAD
+#define GROUP_AHEAD 2
+#endif
+/* The span GROUP_AHEAD after span s of weight row w on its way into the cache: in w, or in the
+ * row that the same lane reads next (wnext, none when NULL) past w's end. */
+static inline void prefetch_ahead(const int type, const uint8_t *w, const uint8_t *wnext, int s, int spans) {
+    const int t = s + GROUP_AHEAD;
+    const uint8_t *row = t < spans ? w : wnext;
+    if (!row) return;
+    const char *p = (const char *)row + (size_t)(t < spans ? t : t - spans) * BLOCK_BYTES[type];
+    for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(p + l, 0, 0);
+}
+
+/* out[l] lane j = in[j] lane l (32-bit lanes). */
+static inline void transpose8(const i32x8 *in, i32x8 *out) {
+#if defined(__AVX2__)
+    const __m256i *v = (const __m256i *)in;
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    const __m256i t4 = _mm256_unpacklo_epi32(v[4], v[5]), t5 = _mm256_unpackhi_epi32(v[4], v[5]);
+    const __m256i t6 = _mm256_unpacklo_epi32(v[6], v[7]), t7 = _mm256_unpackhi_epi32(v[6], v[7]);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    out[0] = (i32x8)_mm256_permute2x128_si256(u0, u4, 0x20);
+    out[1] = (i32x8)_mm256_permute2x128_si256(u1, u5, 0x20);
+    out[2] = (i32x8)_mm256_permute2x128_si256(u2, u6, 0x20);
+    out[3] = (i32x8)_mm256_permute2x128_si256(u3, u7, 0x20);
+    out[4] = (i32x8)_mm256_permute2x128_si256(u0, u4, 0x31);
+    out[5] = (i32x8)_mm256_permute2x128_si256(u1, u5, 0x31);
+    out[6] = (i32x8)_mm256_permute2x128_si256(u2, u6, 0x31);
+    out[7] = (i32x8)_mm256_permute2x128_si256(u3, u7, 0x31);
+#else
+    for (int l = 0; l < 8; ++l)
+        for (int j = 0; j < 8; ++j) out[l][j] = in[j][l];
+#endif
+}
+
+/* One activation row against one decoded Q4_K / Q5_K span: S's lanes, the scaled integer sums of
+ * four weights of each unit (header), as their high and low 16 bits (p[0], p[1]: the lane sums of
+ * each fit int32; S's lanes sum to W, or W / 256 with one term). */
+__attribute__((always_inline)) static inline void kquant_span(const int TERMS, const span_t *sp, const int8_t *q1,
+                                                              const int8_t *q2, i32x8 *p) {
+    /* t[u]'s lanes: 256 (c . q1) + (c . q2) over four weights each; their sum times the unit's
+     * scale is exact in int32 (|.| <= 32 31 127 257 63 < 2^31) */
+    i32x8 t[8];
+    for (int u = 0; u < 8; ++u) {
+        t[u] = dot4_acc((i32x8){0}, sp->c[u], (i8x32)load32(q1 + 32 * u));
+        if (TERMS == 2) t[u] = dot4_acc(t[u] << 8, sp->c[u], (i8x32)load32(q2 + 32 * u));
+    }
+    int32_t sc[8];
+    memcpy(sc, &sp->sc32, 32);
+    i32x8 S = t[0] * sc[0]; /* |lane| <= 8 4 31 127 257 63 < 2^31 */
+    for (int u = 1; u < 8; ++u) S += t[u] * sc[u];
+    p[0] = S >> 16; /* S = 65536 p0 + p1 */
+    p[1] = S & 0xffff;
+}
+
+/* M of a span (header) for one column: its units' mins times the sums of 32 activations. */
+static inline int32_t span_m(const span_t *sp, const int32_t *b16) {
+    i32x8 b0, b1;
+    memcpy(&b0, b16, 32);
+    memcpy(&b1, b16 + 8, 32);
+    return hsum_i32(sp->m32 * sums32(b0, b1)); /* |.| summed <= 8 63 32 127 257 < 2^31 */
+}
+
+/* y[j + r ldy] for eight Q4_K / Q5_K weight rows wrow[j] and activation rows r0 .. r0 + R - 1
+ * (R <= 3, few rows: a decode step): each column's S span by span (kquant_span; the weights
+ * stream one row after the other, as one column at a time would read them), then per span the
+ * lane sums of the eight columns' at once (lane_sums8), their M (the mins transposed, a lane per
+ * column) and the eight span values. */
+__attribute__((always_inline)) static inline void kquant_cols8_few(const int type, const int TERMS,
+                                                                   const uint8_t *const *wrow, const acts_t *a,
+                                                                   int r0, const int R, float *y, size_t ldy) {
+    const int spans = a->spans;
+    i32x8 p[R][spans][2][8], mins[spans][8]; /* [row][span][half][column]; [span][column] */
+    float d[spans][8], dmin[spans][8];
+    span_t sp;
+    for (int j = 0; j < 8; ++j)
+        for (int s = 0; s < spans; ++s) {
+            /* the weights a few spans ahead (the next row's after the row's end) */
+            const char *ahead = (const char *)wrow[j] + (size_t)(s + PREFETCH_SPANS) * BLOCK_BYTES[type];
+            for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(ahead + l, 0, 0);
+            decode_span(type, wrow[j], a->k, s, &sp);
+            d[s][j] = sp.d[0];
+            dmin[s][j] = sp.dmin;
+            mins[s][j] = sp.m32;
+            for (int r = 0; r < R; ++r) {
+                const size_t at = (size_t)(r0 + r) * a->k + (size_t)s * SPAN;
+                i32x8 v[2];
+                kquant_span(TERMS, &sp, a->q1 + at, a->q2 + at, v);
+                p[r][s][0][j] = v[0];
+                p[r][s][1][j] = v[1];
+            }
+        }
+    for (int r = 0; r < R; ++r) {
+        f32x8 acc = splat(0.0f);
+        for (int s = 0; s < spans; ++s) {
+            const size_t rs = (size_t)(r0 + r) * spans + s;
+            const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
+            i32x8 mn[8];
+            transpose8(mins[s], mn);
+            i32x8 M = mn[0] * (b16[0] + b16[1]);
+            for (int u = 1; u < 8; ++u) M += mn[u] * (b16[2 * u] + b16[2 * u + 1]);
+            acc = acc + span_values(span_w(TERMS, lane_sums8(p[r][s][0]), lane_sums8(p[r][s][1])), M, load8f(d[s]),
+                                    load8f(dmin[s]), splat(a->dx[rs * 8]));
+        }
+        memcpy(y + (size_t)r * ldy, &acc, 32);
+    }
+}
+
+/* y[r ldy] for one Q4_K / Q5_K weight row and activation rows r0 .. r0 + R - 1 (the columns the
+ * eight-column paths leave over): the same span values, one lane used. */
+__attribute__((always_inline)) static inline void kquant_column(const int type, const int TERMS, const uint8_t *row,
+                                                                const acts_t *a, int r0, const int R, float *y,
+                                                                size_t ldy) {
+    float acc[TILE_ROWS];
+    for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+    span_t sp;
+    for (int s = 0; s < a->spans; ++s) {
+        const char *ahead = (const char *)row + (size_t)(s + PREFETCH_SPANS) * BLOCK_BYTES[type];
+        for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(ahead + l, 0, 0);
+        decode_span(type, row, a->k, s, &sp);
+        for (int r = 0; r < R; ++r) {
+            const size_t rs = (size_t)(r0 + r) * a->spans + s;
+            i32x8 v[2];
+            kquant_span(TERMS, &sp, a->q1 + (size_t)(r0 + r) * a->k + (size_t)s * SPAN,
+                        a->q2 + (size_t)(r0 + r) * a->k + (size_t)s * SPAN, v);
+            const i32x8 M = (i32x8){0} + span_m(&sp, (const int32_t *)a->x16 + rs * 16);
+            const f32x8 val = span_values(span_w(TERMS, (i32x8){0} + hsum_i32(v[0]), (i32x8){0} + hsum_i32(v[1])), M,
+                                          sp.d, splat(sp.dmin), splat(a->dx[rs * 8]));
+            acc[r] = acc[r] + val[0];
+        }
+    }
+    for (int r = 0; r < R; ++r) y[(size_t)r * ldy] = acc[r];
+}
+
+/* y[r * ldy] for rows r0 .. r0 + R - 1 of one weight row of a 32-weight block type. */
 __attribute__((always_inline)) static inline void column_tile(const int type, const int TERMS, const uint8_t *row,
                                                               const acts_t *a, int r0, const int R, float *y,
                                                               size_t ldy) {
+    if (type == Q4_K || type == Q5_K) {
+        kquant_column(type, TERMS, row, a, r0, R, y, ldy);
+        return;
+    }
     const i16x16 ONE = (i16x16){0} + 1, H256 = (i16x16){0} + 256;
     f32x8 acc[TILE_ROWS], zacc[TILE_ROWS];
     for (int r = 0; r < R; ++r) acc[r] = zacc[r] = splat(0.0f);
     span_t sp;
     for (int s = 0; s < a->spans; ++s) {
-        if (type >= Q4_K) { /* the weights a few spans ahead (the next column's after the row's end) */
+        if (type == Q6_K) { /* the weights a few spans ahead (the next column's after the row's end) */
             const char *ahead = (const char *)row + (size_t)(s + PREFETCH_SPANS) * BLOCK_BYTES[type];
             for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(ahead + l, 0, 0);
         }
@@ -404,26 +606,7 @@ __attribute__((always_inline)) static inline void column_tile(const int type, co
         for (int r = 0; r < R; ++r) {
             const size_t rr = (size_t)(r0 + r);
             const int8_t *q1 = a->q1 + rr * a->k + (size_t)s * SPAN, *q2 = a->q2 + rr * a->k + (size_t)s * SPAN;
-            if (type == Q4_K || type == Q5_K) { /* one activation scale per span: unit scales in integer */
-                /* t[u]'s lanes: 256 (c . q1) + (c . q2) over four weights each; their sum times the
-                 * unit's scale is exact in int32 (|.| <= 32 31 127 257 63 < 2^31) */
-                i32x8 t[8];
-                for (int u = 0; u < 8; ++u) {
-                    t[u] = dot4_acc((i32x8){0}, sp.c[u], (i8x32)load32(q1 + 32 * u));
-                    if (TERMS == 2) t[u] = dot4_acc(t[u] << 8, sp.c[u], (i8x32)load32(q2 + 32 * u));
-                }
-                int32_t sc[8];
-                memcpy(sc, &sp.sc32, 32);
-                i32x8 S = t[0] * sc[0]; /* |lane| <= 8 4 31 127 257 63 < 2^31 */
-                for (int u = 1; u < 8; ++u) S += t[u] * sc[u];
-                const float scale = sp.d[0] * a->dx[(rr * a->spans + s) * 8] * (TERMS == 2 ? 1.0f : 256.0f);
-                acc[r] = acc[r] + __builtin_convertvector(S, f32x8) * splat(scale);
-                f32x8 x0, x1;
-                memcpy(&x0, a->x16 + (rr * a->spans + s) * 16, 32);
-                memcpy(&x1, a->x16 + (rr * a->spans + s) * 16 + 8, 32);
-                zacc[r] = zacc[r] + sp.z[0] * sums32(x0, x1);
-                continue;
-            } else if (type == Q6_K) { /* one activation scale per span: sub-block scales in integer */
+            if (type == Q6_K) { /* one activation scale per span: sub-block scales in integer */
                 /* Four independent sums per term, added at the end: one chain of eight dependent
                  * VPDPWSSD would bound a one-row step by its latency (integer: the same bits). */
                 i32x8 t1[4] = {{0}}, t2[4] = {{0}};
@@ -433,24 +616,33 @@ __attribute__((always_inline)) static inline void column_tile(const int type, co
                         t2[u & 3] = madd_acc(t2[u & 3], pairs(sp.c[u], (i8x32)load32(q2 + 32 * u)), sp.sc[u]);
                 }
                 const i32x8 T1 = (t1[0] + t1[1]) + (t1[2] + t1[3]), T2 = (t2[0] + t2[1]) + (t2[2] + t2[3]);
+                i32x8 b0, b1;
+                memcpy(&b0, (const int32_t *)a->x16 + (rr * a->spans + s) * 16, 32);
+                memcpy(&b1, (const int32_t *)a->x16 + (rr * a->spans + s) * 16 + 8, 32);
                 const float scale = sp.d[0] * a->dx[(rr * a->spans + s) * 8];
                 acc[r] = acc[r] + (__builtin_convertvector(T1, f32x8) * 256.0f + __builtin_convertvector(T2, f32x8)) *
                                       splat(scale);
-            } else { /* one activation scale per block of 32, as the weights */
-                f32x8 p;
-                memcpy(&p, a->dx + (rr * a->spans + s) * 8, 32);
-                p = sp.d * p;
-                for (int u = 0; u < sp.units; ++u) {
-                    i8x32 a1 = (i8x32)load32(q1 + 32 * u);
-                    if (type == Q8_0) a1 = (a1 ^ sp.neg[u]) - sp.neg[u];
-                    i32x8 S = madd_acc((i32x8){0}, pairs(sp.c[u], a1), H256);
-                    if (TERMS == 2) {
-                        i8x32 a2 = (i8x32)load32(q2 + 32 * u);
-                        if (type == Q8_0) a2 = (a2 ^ sp.neg[u]) - sp.neg[u];
-                        S = madd_acc(S, pairs(sp.c[u], a2), ONE);
-                    }
-                    acc[r] = acc[r] + __builtin_convertvector(S, f32x8) * __builtin_shuffle(p, LANE[u]);
+                /* the offsets z = -32 d sc_j of the sub-blocks j = l and l + 8 in lane l, times their
+                 * activations' sums (dx B16, B16 exact in fp32: |B16| < 2^20) */
+                zacc[r] = zacc[r] + (sp.z[0] * __builtin_convertvector(b0, f32x8) +
+                                     sp.z[1] * __builtin_convertvector(b1, f32x8)) *
+                                        splat(a->dx[(rr * a->spans + s) * 8]);
+                continue;
+            }
+            /* one activation scale per block of 32, as the weights */
+            f32x8 p;
+            memcpy(&p, a->dx + (rr * a->spans + s) * 8, 32);
+            p = sp.d * p;
+            for (int u = 0; u < sp.units; ++u) {
+                i8x32 a1 = (i8x32)load32(q1 + 32 * u);
+                if (type == Q8_0) a1 = (a1 ^ sp.neg[u]) - sp.neg[u];
+                i32x8 S = madd_acc((i32x8){0}, pairs(sp.c[u], a1), H256);
+                if (TERMS == 2) {
+                    i8x32 a2 = (i8x32)load32(q2 + 32 * u);
+                    if (type == Q8_0) a2 = (a2 ^ sp.neg[u]) - sp.neg[u];
+                    S = madd_acc(S, pairs(sp.c[u], a2), ONE);
                 }
+                acc[r] = acc[r] + __builtin_convertvector(S, f32x8) * __builtin_shuffle(p, LANE[u]);
             }
             f32x8 x0, x1;
             memcpy(&x0, a->x16 + (rr * a->spans + s) * 16, 32);
@@ -476,12 +668,132 @@ TILES(Q4_0) TILES(Q4_1) TILES(Q5_0) TILES(Q5_1) TILES(Q8_0) TILES(Q4_K) TILES(Q5
 static const tile_fn TILES_OF[NTYPES][2][TILE_ROWS] = {ROW(Q4_0), ROW(Q4_1), ROW(Q5_0), ROW(Q5_1),
                                                        ROW(Q8_0), ROW(Q4_K), ROW(Q5_K), ROW(Q6_K)};
 
+/* Eight k-quant columns of up to three activation rows (kquant_cols8_few), one function each. */
+typedef void (*few_fn)(const uint8_t *const *, const acts_t *, int, float *, size_t);
+#define FEW(T, N, R)                                                                                   \
+    static void few_##T##_##N##_##R(const uint8_t *const *w, const acts_t *a, int r0, float *y, size_t ldy) { \
+        kquant_cols8_few(T, N, w, a, r0, R, y, ldy);                                                     \
+    }
+#define FEWS(T) FEW(T, 1, 1) FEW(T, 1, 2) FEW(T, 1, 3) FEW(T, 2, 1) FEW(T, 2, 2) FEW(T, 2, 3)
+FEWS(Q4_K) FEWS(Q5_K)
+#define FEW_ROW(T) {{few_##T##_1_1, few_##T##_1_2, few_##T##_1_3}, {few_##T##_2_1, few_##T##_2_2, few_##T##_2_3}}
+static const few_fn FEW_OF[2][2][3] = {FEW_ROW(Q4_K), FEW_ROW(Q5_K)};
+
 static void column(int type, const uint8_t *row, const acts_t *a, int r0, int rows, float *y, size_t ldy) {
     for (int r = r0; r < r0 + rows; r += TILE_ROWS) {
         const int R = r0 + rows - r < TILE_ROWS ? r0 + rows - r : TILE_ROWS;
         TILES_OF[type][a->terms - 1][R - 1](row, a, r, y + (size_t)r * ldy, ldy);
     }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
+#define COLS8 1
+/* Rows (of a row block) from which eight columns at once beat one column at a time: each span's
+ * codes are transposed once for all the rows (measured: `stencil bench cpu_kernels`). */
+#define COLS8_MIN_ROWS 4
+
+/* transpose8 on __m256i. */
+static inline void transpose8_avx(const __m256i *in, __m256i *out) {
+    const __m256i t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpackhi_epi32(in[0], in[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(in[2], in[3]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
+    const __m256i t4 = _mm256_unpacklo_epi32(in[4], in[5]), t5 = _mm256_unpackhi_epi32(in[4], in[5]);
+    const __m256i t6 = _mm256_unpacklo_epi32(in[6], in[7]), t7 = _mm256_unpackhi_epi32(in[6], in[7]);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    out[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
+    out[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
+    out[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
+    out[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
+    out[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+    out[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+    out[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+    out[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+/* Four int8 activations at p in every lane. */
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* Lanes: the eight columns' four products of weights 4l..4l+3 with activations p[0..3], added
+ * for l = l0 .. l0 + n - 1. */
+#define DOTS(acc, w, p, l0, n)                                                                  \
+    for (int l = l0; l < l0 + n; ++l) acc = _mm256_dpbusd_epi32(acc, w[l], bcast4((p) + 4 * l))
+
+/* y[r * ldy + j] for rows r0 .. r0 + nrows - 1 (nrows <= ROW_BLOCK) and the eight k-quant weight
+ * rows wrow[j]: the same integers W, M and the same float operations, span by span, as
+ * column_tile (header), with a lane per column: each span's codes are decoded and transposed once
+ * (lane j of Wt[u][l] = column j's codes 4l..4l+3 of unit u), each activation word broadcast. */
+__attribute__((always_inline)) static inline void cols8(const int type, const int TERMS, const uint8_t *const *wrow,
+                                                        const uint8_t *const *wnext, const acts_t *a, int r0,
+                                                        int nrows, float *y, size_t ldy) {
+    f32x8 acc[ROW_BLOCK];
+    __m256i T1[ROW_BLOCK], T2[ROW_BLOCK];
+    for (int r = 0; r < nrows; ++r) acc[r] = splat(0.0f);
+    for (int s = 0; s < a->spans; ++s) {
+        __m256i cod[8][8], sca[8], scb[8], Wt[8][8], SC[8], MN[8];
+        float dcol[8], dmcol[8];
+        span_t sp;
+        for (int j = 0; j < 8; ++j) {
+            prefetch_ahead(type, wrow[j], wnext[j], s, a->spans);
+            decode_span(type, wrow[j], a->k, s, &sp);
+            for (int u = 0; u < 8; ++u) cod[u][j] = (__m256i)sp.c[u];
+            sca[j] = (__m256i)sp.sc32;
+            scb[j] = (__m256i)sp.m32;
+            dcol[j] = sp.d[0];
+            dmcol[j] = sp.dmin;
+        }
+        for (int u = 0; u < 8; ++u) transpose8_avx(cod[u], Wt[u]);
+        transpose8_avx(sca, SC);
+        transpose8_avx(scb, MN);
+        const f32x8 dv = load8f(dcol), dmv = load8f(dmcol);
+        for (int r = 0; r < nrows; ++r) T1[r] = T2[r] = _mm256_setzero_si256();
+        for (int u = 0; u < 8; ++u) {
+            __m256i w[8];
+            for (int l = 0; l < 8; ++l) w[l] = Wt[u][l];
+            for (int r = 0; r < nrows; ++r) {
+                const size_t at = (size_t)(r0 + r) * a->k + (size_t)s * SPAN + 32 * u;
+                for (int term = 0; term < TERMS; ++term) {
+                    const int8_t *p = (term ? a->q2 : a->q1) + at;
+                    __m256i *T = term ? T2 : T1;
+                    __m256i t = _mm256_setzero_si256(), t2 = _mm256_setzero_si256();
+                    DOTS(t, w, p, 0, 4); /* two chains of four (integer: the same sums) */
+                    DOTS(t2, w, p, 4, 4);
+                    /* |T| <= 8 32 31 127 63 */
+                    T[r] = _mm256_add_epi32(T[r], _mm256_mullo_epi32(_mm256_add_epi32(t, t2), SC[u]));
+                }
+            }
+        }
+        for (int r = 0; r < nrows; ++r) {
+            const size_t rs = (size_t)(r0 + r) * a->spans + s;
+            const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
+            __m256i M = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j)
+                M = _mm256_add_epi32(M, _mm256_mullo_epi32(MN[j], _mm256_set1_epi32(b16[2 * j] + b16[2 * j + 1])));
+            /* W = 256 T1 + T2: the integer of span_w */
+            const i64x8 W = (wide((i32x8)T1[r]) << 8) + wide((i32x8)T2[r]);
+            acc[r] = acc[r] + span_values(W, (i32x8)M, dv, dmv, splat(a->dx[rs * 8]));
+        }
+    }
+    for (int r = 0; r < nrows; ++r) memcpy(y + (size_t)(r0 + r) * ldy, &acc[r], 32);
+}
+#undef DOTS
+
+typedef void (*cols8_fn)(const uint8_t *const *, const uint8_t *const *, const acts_t *, int, int, float *,
+                         size_t);
+#define COLS8_FN(T, N)                                                                                  \
+    static void cols8_##T##_##N(const uint8_t *const *w, const uint8_t *const *wn, const acts_t *a, int r0, int n, \
+                                float *y, size_t ldy) {                                                 \
+        cols8(T, N, w, wn, a, r0, n, y, ldy);                                                          \
+    }
+COLS8_FN(Q4_K, 1) COLS8_FN(Q4_K, 2) COLS8_FN(Q5_K, 1) COLS8_FN(Q5_K, 2)
+static const cols8_fn COLS8_OF[2][2] = {{cols8_Q4_K_1, cols8_Q4_K_2}, {cols8_Q5_K_1, cols8_Q5_K_2},
+};
+#endif
 
 static int valid(int type, int k, long row_bytes) {
     return type >= 0 && type < NTYPES && k > 0 && k % BLOCK_WEIGHTS[type] == 0 &&
@@ -552,8 +864,9 @@ static inline float amax32(const float *v) {
     return r;
 }
 
-/* Quantize x fp32 [M, K] (K % group == 0) into q1, q2, dx, X16 (layouts in the header).
- * X16[h] = hsum(x[16h .. 16h+7] + x[16h+8 .. 16h+15]) (lane-wise add, then hsum's fixed order). */
+/* Quantize x fp32 [M, K] (K % group == 0) into q1, q2, dx and X16 (group 32) or B16 (group 256),
+ * layouts in the header. X16[h] = hsum(x[16h .. 16h+7] + x[16h+8 .. 16h+15]) (lane-wise add, then
+ * hsum's fixed order; one term: dq times the sum of the 16 q1). */
 int stencil_gguf_quantize(const float *x, int m, int k, int group, int8_t *q1, int8_t *q2, float *dx, float *x16,
                           int threads) { /* q2 NULL: one term */
     if (m <= 0 || k <= 0 || (group != 32 && group != SPAN) || k % group) return -1;
@@ -580,14 +893,22 @@ int stencil_gguf_quantize(const float *x, int m, int k, int group, int8_t *q1, i
             if (!q2) /* llama.cpp's block scale (see the header) */
                 step = group == SPAN ? (amax > 0.0f ? 1.0f / inv : 0.0f) : round_to_fp16(step);
             for (int b = 0; b < group / 32; ++b) dr[g * (group / 32) + b] = step / 256.0f; /* exact */
-            if (!q2)
+            if (group == SPAN) { /* k-quants: B16, the exact sums of 256 q1 + q2 */
+                const int8_t *g2 = q2 ? q2 + (size_t)r * k + (size_t)group * g : NULL;
+                int32_t *bs = (int32_t *)xs + (group * g) / 16;
+                for (int h = 0; h < group / 16; ++h) {
+                    int32_t sum = 0;
+                    for (int i = 0; i < 16; ++i) sum += 256 * g1[16 * h + i] + (g2 ? g2[16 * h + i] : 0);
+                    bs[h] = sum;
+                }
+            } else if (!q2)
                 for (int h = 0; h < group / 16; ++h) {
                     int sum = 0;
                     for (int i = 0; i < 16; ++i) sum += g1[16 * h + i];
                     xs[(group * g) / 16 + h] = step * (float)sum;
                 }
         }
-        for (int h = 0; q2 && h < k / 16; ++h) {
+        for (int h = 0; q2 && group != SPAN && h < k / 16; ++h) {
             f32x8 lo, hi;
             memcpy(&lo, xr + 16 * h, 32);
             memcpy(&hi, xr + 16 * h + 8, 32);
@@ -618,7 +939,27 @@ int stencil_gguf_gemm(int type, const uint8_t *w, long row_bytes, int k, const i
         const int c0 = (int)((long)ncols * t / n), c1 = (int)((long)ncols * (t + 1) / n);
         for (int r0 = 0; r0 < m; r0 += ROW_BLOCK) {
             const int rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
-            for (int c = c0; c < c1; ++c) {
+            int c = c0;
+            /* k-quants: eight columns at once (the same bits as one at a time, header) */
+            for (; (type == Q4_K || type == Q5_K) && c + 8 <= c1; c += 8) {
+                const uint8_t *wrow[8];
+                for (int j = 0; j < 8; ++j) wrow[j] = w + (size_t)(cols ? cols[c + j] : c + j) * row_bytes;
+#ifdef COLS8
+                if (rows >= COLS8_MIN_ROWS) {
+                    /* the next eight rows, for the prefetches (NULL past the thread's columns) */
+                    const uint8_t *wnext[8];
+                    for (int j = 0; j < 8; ++j)
+                        wnext[j] = c + 8 + j < c1 ? w + (size_t)(cols ? cols[c + 8 + j] : c + 8 + j) * row_bytes : NULL;
+                    COLS8_OF[type - Q4_K][a.terms - 1](wrow, wnext, &a, r0, rows, y + c, (size_t)ldy);
+                    continue;
+                }
+#endif
+                for (int r = r0; r < r0 + rows; r += 3) {
+                    const int R = r0 + rows - r < 3 ? r0 + rows - r : 3;
+                    FEW_OF[type - Q4_K][a.terms - 1][R - 1](wrow, &a, r, y + (size_t)r * ldy + c, (size_t)ldy);
+                }
+            }
+            for (; c < c1; ++c) {
                 const int wr = cols ? cols[c] : c;
                 column(type, w + (size_t)wr * row_bytes, &a, r0, rows, y + c, (size_t)ldy);
             }
