@@ -6,7 +6,8 @@ One ``stencil serve`` app runs in this process (uvicorn on a loopback port, the 
 thread, configured exactly as ``stencil serve`` with ``--serve-args``: its defaults unless
 told otherwise); one client sends the person-extraction
 chat requests of the peers comparison (``benchmarks.workload.person_items``: about 40 prompt
-tokens, name/age/city) to ``POST /v1/chat/completions``, one at a time, first with
+tokens, name/age/city) to ``POST /v1/chat/completions`` (a base model, whose tokenizer has no chat
+template: their text prompts to ``POST /v1/completions``), one at a time, first with
 ``response_format: json_schema`` (strict), then without a response format. Each request's time,
 from the client's send to its last byte, is cut into consecutive phases by probes that wrap the
 service's and the engine's own functions (the app's code is unchanged; the probes cost about a
@@ -175,7 +176,7 @@ def install(probes: Probes, state) -> None:
 def asgi_probe(app, probes: Probes):
     """The ASGI ``app`` with a mark at each HTTP request's entry (``asgi_in``)."""
     async def probed(scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(("/v1/chat", "/generate")):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/chat", "/v1/completions", "/generate")):
             probes.mark("asgi_in")
         await app(scope, receive, send)
     return probed
@@ -259,15 +260,17 @@ def _send(http, url: str, body: dict, stream: bool) -> tuple[float, float, str]:
     if not stream:
         r = http.post(url, json=body)
         received = time.perf_counter()
-        r.raise_for_status()
-        return sent, received, r.json()["choices"][0]["message"]["content"] or ""
+        if r.status_code >= 400:
+            raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:500]}")
+        choice = r.json()["choices"][0]  # a chat's message, or a completion's text
+        return sent, received, (choice["message"]["content"] if "message" in choice else choice.get("text")) or ""
     text = ""
     with http.stream("POST", url, json={**body, "stream": True}) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data:") and line[5:].strip() != "[DONE]":
                 for c in json.loads(line[5:]).get("choices") or []:
-                    text += (c.get("delta") or {}).get("content") or ""
+                    text += (c.get("delta") or {}).get("content") or c.get("text") or ""
     return sent, time.perf_counter(), text
 
 
@@ -288,6 +291,20 @@ def padded(messages: list[dict], tokenizer, tokens: int) -> list[dict]:
     return out
 
 
+def padded_prompt(it, tokenizer, tokens: int) -> str:
+    """The text prompt of item ``it`` for a base model (``benchmarks.serve.completion_prompt``),
+    filler sentences before its document to about ``tokens`` prompt tokens."""
+    from benchmarks.serve import completion_prompt
+
+    fields = list(it.schema["properties"])
+    prompt = completion_prompt(it.instruction, it.document, fields)
+    if tokens <= 0 or tokenizer is None:
+        return prompt
+    have = len(tokenizer.encode(prompt, add_special_tokens=False))
+    per = max(1, len(tokenizer.encode(_FILLER, add_special_tokens=False)))
+    return completion_prompt(it.instruction, _FILLER * max(0, (tokens - have) // per) + it.document, fields)
+
+
 def fresh_schema(schema: dict, k: int) -> dict:
     """``schema`` with one more optional property, ``note_<k>``: a schema never compiled before."""
     s = json.loads(json.dumps(schema))
@@ -300,17 +317,22 @@ def fresh_schema(schema: dict, k: int) -> dict:
 
 def run_variant(http, url: str, model: str, probes: Probes, items, variant: str, max_tokens: int,
                 stream: bool, tokenizer=None, prompt_tokens: int = 0, schema: dict | None = None,
-                fresh_from: int = 0) -> dict:
-    """``len(items)`` requests one after the other; the first is the cold one."""
-    from benchmarks.serve import Job, request_body
+                fresh_from: int = 0, api: str = "chat") -> dict:
+    """``len(items)`` requests one after the other; the first is the cold one. ``api``: ``chat``
+    (``url`` is ``/v1/chat/completions``) or ``completions`` (a base model: ``/v1/completions``
+    with the items' text prompts)."""
+    from benchmarks.serve import Dialect, Job, request_body
 
     rows, texts = [], []
     for k, it in enumerate(items):
-        messages = padded(it.messages(), tokenizer, prompt_tokens) if tokenizer is not None else it.messages()
         ask = schema if schema is not None else it.schema
         if variant == "json_schema_cold":
             ask = fresh_schema(ask, fresh_from + k)
-        body = request_body(Job(messages, ask), model, max_tokens, stream=False)
+        if api == "completions":
+            job = Job(it.messages(), ask, prompt=padded_prompt(it, tokenizer, prompt_tokens))
+        else:
+            job = Job(padded(it.messages(), tokenizer, prompt_tokens) if tokenizer is not None else it.messages(), ask)
+        body = request_body(job, model, max_tokens, stream=False, dialect=Dialect(api))
         if variant == "none":
             del body["response_format"]
         probes.take()
@@ -342,7 +364,7 @@ def main(args: argparse.Namespace) -> int:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     thread, server = _serve(asgi_probe(app, probes), sock)
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"  # or /v1/completions: a base model, below
     report: dict = {"model": str(model), "max_tokens": args.max_tokens, "stream": args.stream,
                     "serve_args": args.serve_args, "speculative": cfg.speculative, "threads": cfg.num_threads,
                     "variants": {}}
@@ -357,14 +379,18 @@ def main(args: argparse.Namespace) -> int:
         items = person_items(args.requests, seed=11)
         schema = json.loads(args.schema.read_text()) if args.schema is not None else None
         tok = state.engine.tokenizer
+        api = "chat" if getattr(tok, "chat_template", None) else "completions"  # a base model: text prompts
+        if api == "completions":
+            url = url.replace("/chat/completions", "/completions")
         report["prompt_tokens"] = args.prompt_tokens
+        report["api"] = api
         with httpx.Client(timeout=600) as http:
             # Warm-up: the first forward and the first compile of the run are not the cold grammar's.
             run_variant(http, url, state.model_name, probes, items[:1], "json_schema_cold", args.max_tokens,
-                        args.stream, tok, args.prompt_tokens, schema, fresh_from=10**6)
+                        args.stream, tok, args.prompt_tokens, schema, fresh_from=10**6, api=api)
             for variant in [v for v in args.variants.split(",") if v]:
                 r = run_variant(http, url, state.model_name, probes, items, variant, args.max_tokens,
-                                args.stream, tok, args.prompt_tokens, schema)
+                                args.stream, tok, args.prompt_tokens, schema, api=api)
                 report["variants"][variant] = r
                 _print(variant, r)
         v = report["variants"]
