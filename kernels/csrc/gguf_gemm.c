@@ -460,6 +460,32 @@ static inline void prefetch_ahead(const int type, const uint8_t *w, const uint8_
     for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(p + l, 0, 0);
 }
 
+/* out[l] lane j = in[j] lane l (32-bit lanes). */
+static inline void transpose8(const i32x8 *in, i32x8 *out) {
+#if defined(__AVX2__)
+    const __m256i *v = (const __m256i *)in;
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    const __m256i t4 = _mm256_unpacklo_epi32(v[4], v[5]), t5 = _mm256_unpackhi_epi32(v[4], v[5]);
+    const __m256i t6 = _mm256_unpacklo_epi32(v[6], v[7]), t7 = _mm256_unpackhi_epi32(v[6], v[7]);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    out[0] = (i32x8)_mm256_permute2x128_si256(u0, u4, 0x20);
+    out[1] = (i32x8)_mm256_permute2x128_si256(u1, u5, 0x20);
+    out[2] = (i32x8)_mm256_permute2x128_si256(u2, u6, 0x20);
+    out[3] = (i32x8)_mm256_permute2x128_si256(u3, u7, 0x20);
+    out[4] = (i32x8)_mm256_permute2x128_si256(u0, u4, 0x31);
+    out[5] = (i32x8)_mm256_permute2x128_si256(u1, u5, 0x31);
+    out[6] = (i32x8)_mm256_permute2x128_si256(u2, u6, 0x31);
+    out[7] = (i32x8)_mm256_permute2x128_si256(u3, u7, 0x31);
+#else
+    for (int l = 0; l < 8; ++l)
+        for (int j = 0; j < 8; ++j) out[l][j] = in[j][l];
+#endif
+}
+
 /* One activation row against one decoded Q4_K / Q5_K span: S's lanes, the scaled integer sums of
  * four weights of each unit (header), as their high and low 16 bits (p[0], p[1]: the lane sums of
  * each fit int32; S's lanes sum to W, or W / 256 with one term). */
@@ -489,59 +515,48 @@ static inline int32_t span_m(const span_t *sp, const int32_t *b16) {
 }
 
 /* y[j + r ldy] for eight Q4_K / Q5_K weight rows wrow[j] and activation rows r0 .. r0 + R - 1
- * (R <= 3, few rows: a decode step), eight spans a pass: each column's S and M products span by
- * span (kquant_span; the weights stream one row after the other, as one column at a time would
- * read them), then per span the lane sums of the eight columns' at once (lane_sums8) and the
- * eight span values. At one row this runs as fast as one column at a time with its per-column
- * sums did for rows of 2048 weights and ~15% slower for rows of 8192 (in cache, 2 threads, AMD
- * EPYC): the price of giving these rows the bits of the many-row path. */
+ * (R <= 3, few rows: a decode step): each column's S span by span (kquant_span; the weights
+ * stream one row after the other, as one column at a time would read them), then per span the
+ * lane sums of the eight columns' at once (lane_sums8), their M (the mins transposed, a lane per
+ * column) and the eight span values. */
 __attribute__((always_inline)) static inline void kquant_cols8_few(const int type, const int TERMS,
                                                                    const uint8_t *const *wrow, const acts_t *a,
                                                                    int r0, const int R, float *y, size_t ldy) {
-    enum { SB = 8 }; /* spans a pass: the pass's sums stay in L1 whatever K */
     const int spans = a->spans;
-    f32x8 acc[3];
-    for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
-    for (int s0 = 0; s0 < spans; s0 += SB) {
-        const int ns = spans - s0 < SB ? spans - s0 : SB;
-        i32x8 p[3][SB][3][8], b32[3][SB]; /* [row][span][S's halves, M's products][column] */
-        float d[SB][8], dmin[SB][8];
-        span_t sp;
-        for (int r = 0; r < R; ++r)
-            for (int i = 0; i < ns; ++i) { /* the sums of each 32 activations */
-                i32x8 b0, b1;
-                const int32_t *b16 = (const int32_t *)a->x16 + ((size_t)(r0 + r) * spans + s0 + i) * 16;
-                memcpy(&b0, b16, 32);
-                memcpy(&b1, b16 + 8, 32);
-                b32[r][i] = sums32(b0, b1);
+    i32x8 p[R][spans][2][8], mins[spans][8]; /* [row][span][half][column]; [span][column] */
+    float d[spans][8], dmin[spans][8];
+    span_t sp;
+    for (int j = 0; j < 8; ++j)
+        for (int s = 0; s < spans; ++s) {
+            /* the weights a few spans ahead (the next row's after the row's end) */
+            const char *ahead = (const char *)wrow[j] + (size_t)(s + PREFETCH_SPANS) * BLOCK_BYTES[type];
+            for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(ahead + l, 0, 0);
+            decode_span(type, wrow[j], a->k, s, &sp);
+            d[s][j] = sp.d[0];
+            dmin[s][j] = sp.dmin;
+            mins[s][j] = sp.m32;
+            for (int r = 0; r < R; ++r) {
+                const size_t at = (size_t)(r0 + r) * a->k + (size_t)s * SPAN;
+                i32x8 v[2];
+                kquant_span(TERMS, &sp, a->q1 + at, a->q2 + at, v);
+                p[r][s][0][j] = v[0];
+                p[r][s][1][j] = v[1];
             }
-        for (int j = 0; j < 8; ++j)
-            for (int i = 0; i < ns; ++i) {
-                const int s = s0 + i;
-                /* the weights a few spans ahead (the next row's after the row's end) */
-                const char *ahead = (const char *)wrow[j] + (size_t)(s + PREFETCH_SPANS) * BLOCK_BYTES[type];
-                for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(ahead + l, 0, 0);
-                decode_span(type, wrow[j], a->k, s, &sp);
-                d[i][j] = sp.d[0];
-                dmin[i][j] = sp.dmin;
-                for (int r = 0; r < R; ++r) {
-                    const size_t at = (size_t)(r0 + r) * a->k + (size_t)s * SPAN;
-                    i32x8 v[2];
-                    kquant_span(TERMS, &sp, a->q1 + at, a->q2 + at, v);
-                    p[r][i][0][j] = v[0];
-                    p[r][i][1][j] = v[1];
-                    p[r][i][2][j] = sp.m32 * b32[r][i]; /* |.| summed <= 8 63 32 127 257 < 2^31 */
-                }
-            }
-        for (int r = 0; r < R; ++r)
-            for (int i = 0; i < ns; ++i) {
-                const size_t rs = (size_t)(r0 + r) * spans + s0 + i;
-                acc[r] = acc[r] + span_values(span_w(TERMS, lane_sums8(p[r][i][0]), lane_sums8(p[r][i][1])),
-                                              lane_sums8(p[r][i][2]), load8f(d[i]), load8f(dmin[i]),
-                                              splat(a->dx[rs * 8]));
-            }
+        }
+    for (int r = 0; r < R; ++r) {
+        f32x8 acc = splat(0.0f);
+        for (int s = 0; s < spans; ++s) {
+            const size_t rs = (size_t)(r0 + r) * spans + s;
+            const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
+            i32x8 mn[8];
+            transpose8(mins[s], mn);
+            i32x8 M = mn[0] * (b16[0] + b16[1]);
+            for (int u = 1; u < 8; ++u) M += mn[u] * (b16[2 * u] + b16[2 * u + 1]);
+            acc = acc + span_values(span_w(TERMS, lane_sums8(p[r][s][0]), lane_sums8(p[r][s][1])), M, load8f(d[s]),
+                                    load8f(dmin[s]), splat(a->dx[rs * 8]));
+        }
+        memcpy(y + (size_t)r * ldy, &acc, 32);
     }
-    for (int r = 0; r < R; ++r) memcpy(y + (size_t)r * ldy, &acc[r], 32);
 }
 
 /* y[r ldy] for one Q4_K / Q5_K weight row and activation rows r0 .. r0 + R - 1 (the columns the
@@ -677,7 +692,7 @@ static void column(int type, const uint8_t *row, const acts_t *a, int r0, int ro
  * codes are transposed once for all the rows (measured: `stencil bench cpu_kernels`). */
 #define COLS8_MIN_ROWS 4
 
-/* out[l] lane j = in[j] lane l (32-bit lanes). */
+/* transpose8 on __m256i. */
 static inline void transpose8_avx(const __m256i *in, __m256i *out) {
     const __m256i t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpackhi_epi32(in[0], in[1]);
     const __m256i t2 = _mm256_unpacklo_epi32(in[2], in[3]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
