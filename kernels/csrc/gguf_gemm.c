@@ -75,7 +75,7 @@
  * are bound by the integer work: Q4_K / Q5_K's eight transposed columns do a span's 512 products
  * a row in 16 VPDPBUSD and two VPMULLD (one column at a time needs about 55 instructions): on a
  * 2-core AMD EPYC, a 8192 x 2048 Q4_K matrix at 32-128 rows 71 -> 120 G multiply-adds a second
- * (`stencil bench cpu_kernels`), at one row unchanged.
+ * (`stencil bench cpu_kernels`); at one row see kquant_cols8_few.
  *
  * Layouts: w uint8 [N, row_bytes] (GGUF rows of blocks); q1, q2 int8 [M, K]; dx fp32
  * [M, 8 S], X16 fp32 or B16 int32 [M, 16 S] (the same place) with S = ceil(K / 256) spans
@@ -518,7 +518,10 @@ static inline int32_t span_m(const span_t *sp, const int32_t *b16) {
  * (R <= 3, few rows: a decode step): each column's S span by span (kquant_span; the weights
  * stream one row after the other, as one column at a time would read them), then per span the
  * lane sums of the eight columns' at once (lane_sums8), their M (the mins transposed, a lane per
- * column) and the eight span values. */
+ * column) and the eight span values. At one row, against one column at a time with lane-wise
+ * float sums (the arithmetic before W and M): as fast on rows of 2048 weights, ~15% slower on
+ * rows of 8192 in cache, the 1B model's decode step unchanged (2-core AMD EPYC). Tried and
+ * dropped: passes of eight spans with M lane-summed like S (its decode step 7-15% slower). */
 __attribute__((always_inline)) static inline void kquant_cols8_few(const int type, const int TERMS,
                                                                    const uint8_t *const *wrow, const acts_t *a,
                                                                    int r0, const int R, float *y, size_t ldy) {
