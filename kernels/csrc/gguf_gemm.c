@@ -695,26 +695,6 @@ static void column(int type, const uint8_t *row, const acts_t *a, int r0, int ro
  * codes are transposed once for all the rows (measured: `stencil bench cpu_kernels`). */
 #define COLS8_MIN_ROWS 4
 
-/* transpose8 on __m256i. */
-static inline void transpose8_avx(const __m256i *in, __m256i *out) {
-    const __m256i t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpackhi_epi32(in[0], in[1]);
-    const __m256i t2 = _mm256_unpacklo_epi32(in[2], in[3]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
-    const __m256i t4 = _mm256_unpacklo_epi32(in[4], in[5]), t5 = _mm256_unpackhi_epi32(in[4], in[5]);
-    const __m256i t6 = _mm256_unpacklo_epi32(in[6], in[7]), t7 = _mm256_unpackhi_epi32(in[6], in[7]);
-    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-    out[0] = _mm256_permute2x128_si256(u0, u4, 0x20);
-    out[1] = _mm256_permute2x128_si256(u1, u5, 0x20);
-    out[2] = _mm256_permute2x128_si256(u2, u6, 0x20);
-    out[3] = _mm256_permute2x128_si256(u3, u7, 0x20);
-    out[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
-    out[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
-    out[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
-    out[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
-}
-
 /* Four int8 activations at p in every lane. */
 static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
@@ -738,26 +718,26 @@ __attribute__((always_inline)) static inline void cols8(const int type, const in
     __m256i T1[ROW_BLOCK], T2[ROW_BLOCK];
     for (int r = 0; r < nrows; ++r) acc[r] = splat(0.0f);
     for (int s = 0; s < a->spans; ++s) {
-        __m256i cod[8][8], sca[8], scb[8], Wt[8][8], SC[8], MN[8];
+        i32x8 cod[8][8], sca[8], scb[8], Wt[8][8], SC[8], MN[8];
         float dcol[8], dmcol[8];
         span_t sp;
         for (int j = 0; j < 8; ++j) {
             prefetch_ahead(type, wrow[j], wnext[j], s, a->spans);
             decode_span(type, wrow[j], a->k, s, &sp);
-            for (int u = 0; u < 8; ++u) cod[u][j] = (__m256i)sp.c[u];
-            sca[j] = (__m256i)sp.sc32;
-            scb[j] = (__m256i)sp.m32;
+            for (int u = 0; u < 8; ++u) cod[u][j] = (i32x8)sp.c[u];
+            sca[j] = sp.sc32;
+            scb[j] = sp.m32;
             dcol[j] = sp.d[0];
             dmcol[j] = sp.dmin;
         }
-        for (int u = 0; u < 8; ++u) transpose8_avx(cod[u], Wt[u]);
-        transpose8_avx(sca, SC);
-        transpose8_avx(scb, MN);
+        for (int u = 0; u < 8; ++u) transpose8(cod[u], Wt[u]);
+        transpose8(sca, SC);
+        transpose8(scb, MN);
         const f32x8 dv = load8f(dcol), dmv = load8f(dmcol);
         for (int r = 0; r < nrows; ++r) T1[r] = T2[r] = _mm256_setzero_si256();
         for (int u = 0; u < 8; ++u) {
             __m256i w[8];
-            for (int l = 0; l < 8; ++l) w[l] = Wt[u][l];
+            for (int l = 0; l < 8; ++l) w[l] = (__m256i)Wt[u][l];
             for (int r = 0; r < nrows; ++r) {
                 const size_t at = (size_t)(r0 + r) * a->k + (size_t)s * SPAN + 32 * u;
                 for (int term = 0; term < TERMS; ++term) {
@@ -767,7 +747,7 @@ __attribute__((always_inline)) static inline void cols8(const int type, const in
                     DOTS(t, w, p, 0, 4); /* two chains of four (integer: the same sums) */
                     DOTS(t2, w, p, 4, 4);
                     /* |T| <= 8 32 31 127 63 */
-                    T[r] = _mm256_add_epi32(T[r], _mm256_mullo_epi32(_mm256_add_epi32(t, t2), SC[u]));
+                    T[r] = _mm256_add_epi32(T[r], _mm256_mullo_epi32(_mm256_add_epi32(t, t2), (__m256i)SC[u]));
                 }
             }
         }
@@ -776,7 +756,7 @@ __attribute__((always_inline)) static inline void cols8(const int type, const in
             const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
             __m256i M = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j)
-                M = _mm256_add_epi32(M, _mm256_mullo_epi32(MN[j], _mm256_set1_epi32(b16[2 * j] + b16[2 * j + 1])));
+                M = _mm256_add_epi32(M, _mm256_mullo_epi32((__m256i)MN[j], _mm256_set1_epi32(b16[2 * j] + b16[2 * j + 1])));
             /* W = 256 T1 + T2: the integer of span_w */
             const i64x8 W = (wide((i32x8)T1[r]) << 8) + wide((i32x8)T2[r]);
             acc[r] = acc[r] + span_values(W, (i32x8)M, dv, dmv, splat(a->dx[rs * 8]));
