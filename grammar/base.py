@@ -27,6 +27,10 @@ BackendName = Literal["auto", "eager", "lazy"]
 # Counts nested in one another multiply (``(b{1000}){1000}`` unrolls a million copies and failed
 # the same way): their product is held to the same bound (``regex_tools.check_supported``).
 MAX_REPEAT_COUNT = 10_000
+# Counts side by side add up (eight alternatives of ``(a{100}){100}``, each within the bound,
+# held the interpreter ~1.9 s before their 400): the copies all the counts of one regex (or one
+# Lark grammar) unroll, summed, are held to four times the bound.
+MAX_TOTAL_COPIES = 4 * MAX_REPEAT_COUNT
 
 
 class GrammarError(ValueError):

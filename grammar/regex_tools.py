@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import warnings
 
-from grammar.base import MAX_REPEAT_COUNT, GrammarError
+from grammar.base import MAX_REPEAT_COUNT, MAX_TOTAL_COPIES, GrammarError
 
 # Rust regex-syntax's own escape set (``regex_syntax::escape``); others may not be escaped
 # (``\<`` is a word boundary in Rust).
@@ -52,7 +52,8 @@ def check_supported(pattern: str) -> str:
             backreference, atomic group, conditional, inner anchor / word boundary, unbalanced
             parenthesis, trailing backslash or repetition count above ``MAX_REPEAT_COUNT``, or of
             the count that nests counted repetitions to more copies than that
-            (``(b{1000}){1000}``: a million, at the second ``{``). Balance matters beyond syntax: the pattern is
+            (``(b{1000}){1000}``: a million, at the second ``{``), or that brings the copies of
+            all the counts, summed, above ``MAX_TOTAL_COPIES``. Balance matters beyond syntax: the pattern is
             wrapped as ``(?:pattern)\\x01``, and ``x)|(y`` would otherwise parse, leaving one
             branch without the end sentinel.
     """
@@ -63,6 +64,7 @@ def check_supported(pattern: str) -> str:
     # Copies a matcher unrolls: per open group [the most inside it, the last item's], a counted
     # repetition multiplying its item's (``(a{100}){50}``: 5000; ``*``, ``+``, ``?`` add none).
     frames: list[list[int]] = [[1, 1]]
+    total = 0  # the copies of every count so far
     while i < n:
         c = core[i]
         pos = i + offset
@@ -108,6 +110,10 @@ def check_supported(pattern: str) -> str:
             if frame[1] > MAX_REPEAT_COUNT:
                 raise GrammarError(f"the regex's counted repetitions nest to {frame[1]} copies of their innermost "
                                    f"part, above the {MAX_REPEAT_COUNT} a grammar can count", position=pos)
+            total += frame[1]
+            if total > MAX_TOTAL_COPIES:
+                raise GrammarError(f"the regex's counted repetitions unroll to {total} copies in all, above the "
+                                   f"{MAX_TOTAL_COPIES} a grammar can count", position=pos)
             i = count.end()
             continue
         if c == "(":
@@ -152,7 +158,8 @@ def check_lark_counts(text: str) -> None:
     """Refuse a Lark grammar whose counted repetitions exceed what a grammar can count, as
     :func:`check_supported` refuses a regex: an ``item ~ n`` or ``~ n..m`` above
     ``MAX_REPEAT_COUNT``, counts nested in parentheses of one rule that multiply above it
-    (``("a"~1000)~1000``), and a count above it inside a regex terminal (``/a{20000}/``). Strings,
+    (``("a"~1000)~1000``), counts whose copies sum above ``MAX_TOTAL_COPIES`` over the grammar,
+    and a count above it inside a regex terminal (``/a{20000}/``). Strings,
     regex terminals and ``//`` comments are skipped when looking for ``~``.
 
     Why: llguidance builds such a grammar lazily, but the budget's closing automaton
@@ -172,6 +179,7 @@ def check_lark_counts(text: str) -> None:
                             keyword="grammar", line=line, column=column)
 
     frames: list[list[int]] = [[1, 1]]  # per open parenthesis: [most copies inside, last item's]
+    total = 0  # the copies of every count so far
     i, n = 0, len(text)
     while i < n:
         c = text[i]
@@ -202,6 +210,10 @@ def check_lark_counts(text: str) -> None:
             if frame[1] > MAX_REPEAT_COUNT:
                 raise fail(f"counted repetitions nest to {frame[1]} copies of their innermost part, above the "
                            f"{MAX_REPEAT_COUNT} a grammar can count", i)
+            total += frame[1]
+            if total > MAX_TOTAL_COPIES:
+                raise fail(f"counted repetitions unroll to {total} copies in all, above the {MAX_TOTAL_COPIES} a "
+                           "grammar can count", i)
             i = m.end()
             continue
         if c == "(":

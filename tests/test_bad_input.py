@@ -348,7 +348,10 @@ def test_exploding_regexes_are_served_lazily_or_refused_by_name(client):
 @pytest.mark.parametrize("pattern, needle", [("(?=a)b", "lookaround"), ("ab(c", "position"),
                                               ("[z-a]", "regex"), ("a" * 5000, "4096"),
                                               ("(b{1000}){1000}", "nest to 1000000 copies"),
-                                              ("x((c{50}){50}){5}y", "nest to 12500 copies")])
+                                              ("x((c{50}){50}){5}y", "nest to 12500 copies"),
+                                              # counts side by side: each within the bound, summed above it
+                                              ("|".join(f"({c}{{100}}){{100}}" for c in "abcdefgh"),
+                                               "unroll to 40400 copies in all")])
 def test_invalid_regexes_name_the_problem(client, pattern, needle):
     p = _problem(client.post("/generate", json={"prompt": "x", "regex": pattern}), 400)
     assert needle in p["detail"] or (needle == "position" and p.get("position") is not None), p
@@ -360,6 +363,7 @@ def test_invalid_regexes_name_the_problem(client, pattern, needle):
     ('start: ("a"~1000)~1000', "nest to 1000000 copies", 18),
     ('start: "b" /a{20000}/', "repetition count 20000", 14),
     ('start: "x"~1..20000', "repetition count 20000", 11),
+    ("start: " + " | ".join(f'("{c}"~100)~100' for c in "abcdefgh"), "unroll to 40400 copies in all", 65),
 ])
 def test_lark_counts_above_what_a_grammar_counts_are_refused_like_a_regexs(client, grammar, needle, column):
     """Lark repetitions get the regex's limits (its budget automaton would unroll every copy,
