@@ -241,18 +241,22 @@ def reference_activations(x: torch.Tensor, group: int, terms: int = 2) -> torch.
     """What ``gemm`` multiplies the weights by, fp64 ``[M, K]`` (for tests): per group,
     ``dq (q1 + q2 / 256)`` with ``dq = max|x| / 127``, or with one term ``dq q1`` with llama.cpp's
     scale (``1 / (127 / max|x|)`` for a 256-input group, ``max|x| / 127`` rounded to fp16 for 32),
-    the arithmetic of ``quantize`` in torch (unfused, as the C file is built). Its error is at
-    most the group's ``max|x| / 32512`` (one term: ``max|x| / 254``, plus fp16's rounding of the
-    scale, ``2^-11`` of it, for 32-input groups)."""
+    the arithmetic of ``quantize`` in torch (unfused, as the C file is built; each division in
+    fp64 rounded to fp32, the correctly rounded fp32 quotient the C file gets: torch's own fp32
+    division may be an ulp off). Its error is at most the group's ``max|x| / 32512`` up to fp32
+    rounding (a residual a hair over half a step, its q2 clamped from 128 to 127, reaches
+    1.0002 times that; one term: ``max|x| / 254``, plus fp16's rounding of the scale, ``2^-11``
+    of it, for 32-input groups)."""
     m, k = x.shape
     g = x.float().reshape(m, k // group, group)
     amax = g.abs().amax(-1, keepdim=True)
-    step = amax / 127.0
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    step = (amax.double() / 127.0).float()
+    inv = torch.where(amax > 0, (127.0 / amax.double()).float(), torch.zeros_like(amax))
     q1 = torch.round(g * inv).clamp(-127, 127)
     q2 = torch.round((g - q1 * step) * (inv * 256.0)).clamp(-127, 127) if terms == 2 else torch.zeros_like(g)
     if terms == 1:  # llama.cpp's scales: Q8_K's 1 / (127 / max), Q8_0's fp16 max / 127
-        step = torch.where(amax > 0, 1.0 / inv, torch.zeros_like(amax)) if group == SPAN else step.half().float()
+        step = (torch.where(amax > 0, (1.0 / inv.double()).float(), torch.zeros_like(amax)) if group == SPAN
+                else step.half().float())
     return ((step / 256.0).double() * (256.0 * q1.double() + q2.double())).reshape(m, k)
 
 

@@ -20,7 +20,8 @@
  * the 32-weight types and a whole super-block of 256 for the k-quants, whose sub-block scales
  * are then applied in integer): dq = max|x_g| / 127, q1 = clamp(round(x / dq)),
  * q2 = clamp(round((x - q1 dq) 256 / dq)), both in -127..127, so x = dq (q1 + q2 / 256) + e,
- * |e| <= max|x_g| / 32512; dx = dq / 256 (exact), stored once per 32 inputs. The sums of each 16
+ * |e| <= max|x_g| / 32512 (up to fp32 rounding: a residual a hair over half a step, its q2 clamped
+ * from 128 to 127, reaches 1.0002 times that); dx = dq / 256 (exact), stored once per 32 inputs. The sums of each 16
  * inputs: for the 32-weight types X16, fp32 sums of the raw x (the two halves added lane-wise,
  * then hsum's order); for the k-quants B16, the exact int32 sums of 256 q1 + q2 (the inputs in
  * units of dx: every weight's offset meets the same activations as its codes). With one term
