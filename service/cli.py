@@ -270,10 +270,13 @@ async def _generate_once(args: argparse.Namespace) -> int:
     cfg = ServiceConfig(max_tokens_cap=max(args.max_tokens, 1), default_max_tokens=max(args.max_tokens, 1))
     state = ServiceState(engine=aeng, config=cfg.validate(), metrics=Metrics(lambda: aeng),
                          checker=OutputChecker(), model_name=model_id(aeng.model_path))
+    raw = args.raw or not getattr(aeng.tokenizer, "chat_template", None)
+    if raw and not args.raw:  # a base model: PROMPT is the text to continue, as llama.cpp's CLI takes it
+        _progress("this model has no chat template: PROMPT is sent as it is (as with --raw)")
     try:
-        messages = None if args.raw else [{"role": "user", "content": args.prompt}]
-        prompt_ids = await inputs.tokenize(state, prompt=args.prompt if args.raw else None, messages=messages,
-                                               parse_special_tokens=args.raw and args.parse_special_tokens)
+        messages = None if raw else [{"role": "user", "content": args.prompt}]
+        prompt_ids = await inputs.tokenize(state, prompt=args.prompt if raw else None, messages=messages,
+                                               parse_special_tokens=raw and args.parse_special_tokens)
         params = inputs.sampling_params(cfg, max_tokens=args.max_tokens, temperature=args.temperature,
                                             seed=args.seed)
         spec = inputs.grammar_spec(cfg, response_schema=schema, regex=args.regex)
@@ -376,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_mutually_exclusive_group()
     c.add_argument("--schema", type=Path, default=None, help="JSON Schema file the output must match")
     c.add_argument("--regex", default=None, help="regex the whole output must match")
-    p.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
+    p.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template (always so "
+                   "for a model without one)")
     p.add_argument("--parse-special-tokens", action="store_true",
                    help="with --raw: parse control-token text in PROMPT (<|im_end|>, ...) into control tokens "
                         "(default: plain text)")

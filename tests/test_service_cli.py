@@ -45,6 +45,20 @@ def test_generate_one_shot(tiny_model_dir, capsys):
     assert "loading model" in out.err and "finish_reason=stop" in out.err
 
 
+def test_generate_sends_a_base_models_prompt_as_it_is(tmp_path, capsys):
+    """A model without a chat template continues PROMPT (as with --raw) instead of refusing
+    after the load with the HTTP API's advice."""
+    from engine.models.default_model import fetch_gguf
+    from gguf_testing import smol_vocab, write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "base.gguf", "llama", smol_vocab(fetch_gguf()), seed=2, chat_template=None)[0]
+    rc = cli.main(["generate", "--model", str(gguf), "--num-kv-blocks", "64", "--regex", "[0-9]{3}", "Digits:"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert re.fullmatch(r"[0-9]{3}\n", out.out)
+    assert "no chat template: PROMPT is sent as it is" in out.err
+
+
 def test_generate_reports_bad_schema(tiny_model_dir, tmp_path, capsys):
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "strin"}')
