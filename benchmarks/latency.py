@@ -30,7 +30,8 @@ Variants: ``json_schema`` (the same schema every time: the first request is cold
 the compiler's cache), ``json_schema_cold`` (a schema never seen before on every request: one
 more optional property with a fresh name), ``none`` (no response format). A warm-up request
 (another schema) runs first, so ``cold`` means a cold grammar, not a cold model.
-``--prompt-tokens N`` pads each prompt with filler sentences to about N tokens; ``--schema FILE``
+``--prompt-tokens N`` pads each prompt with filler sentences to about N tokens (each request starts
+with its own tag, so none reads its prompt from another's cached blocks); ``--schema FILE``
 asks for that schema instead of the person schema. The report's ``ttft_cold_over_warm`` is the
 median TTFT of ``json_schema_cold`` over that of ``json_schema``'s warm requests.
 
@@ -321,7 +322,7 @@ def run_variant(http, url: str, model: str, probes: Probes, items, variant: str,
     """``len(items)`` requests one after the other; the first is the cold one. ``api``: ``chat``
     (``url`` is ``/v1/chat/completions``) or ``completions`` (a base model: ``/v1/completions``
     with the items' text prompts)."""
-    from benchmarks.serve import Dialect, Job, request_body
+    from benchmarks.serve import Dialect, Job, request_body, tagged
 
     rows, texts = [], []
     for k, it in enumerate(items):
@@ -332,6 +333,9 @@ def run_variant(http, url: str, model: str, probes: Probes, items, variant: str,
             job = Job(it.messages(), ask, prompt=padded_prompt(it, tokenizer, prompt_tokens))
         else:
             job = Job(padded(it.messages(), tokenizer, prompt_tokens) if tokenizer is not None else it.messages(), ask)
+        # Its own first words: no request reads its prompt from another's cached blocks (the
+        # filler and the instructions are shared), so each TTFT is of a prompt actually read.
+        job = tagged(job, f"[{variant} {fresh_from + k}]")
         body = request_body(job, model, max_tokens, stream=False, dialect=Dialect(api))
         if variant == "none":
             del body["response_format"]

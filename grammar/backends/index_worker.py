@@ -168,7 +168,19 @@ def _classify(message: str) -> str:
     return "other"
 
 
+WORKER_NICE = 10
+"""The children build at a lower CPU priority (``os.nice``): an eager index is background work
+under ``auto`` (a request never waits for it), and at equal priority its build had taken a core
+from the engine's prefill on a 2-core machine: the second request of a new schema, the one that
+starts the build, saw its TTFT rise 3-40x (Gemma 3, 200-token prompts). Where a core is free the
+build runs at full speed; under load it yields (an ``eager``-policy request then waits longer)."""
+
+
 def _serve(memory_limit: int) -> None:
+    try:
+        os.nice(WORKER_NICE)
+    except OSError:  # not permitted here: build at the parent's priority
+        pass
     if memory_limit > 0:
         import resource
 
