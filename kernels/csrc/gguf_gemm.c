@@ -447,7 +447,6 @@ typedef struct {
     int k, spans, terms; /* terms: 2, or 1 (q2 neither written nor read) */
 } acts_t;
 
-/* y[r * ldy] for rows r0 .. r0 + R - 1 of one weight row. */
 #ifndef GROUP_AHEAD
 #define GROUP_AHEAD 2
 #endif
@@ -589,7 +588,8 @@ __attribute__((always_inline)) static inline void kquant_column(const int type, 
     for (int r = 0; r < R; ++r) y[(size_t)r * ldy] = acc[r];
 }
 
-/* y[r * ldy] for rows r0 .. r0 + R - 1 of one weight row of a 32-weight block type. */
+/* y[r * ldy] for rows r0 .. r0 + R - 1 of one weight row: Q4_K / Q5_K through kquant_column, Q6_K
+ * and the 32-weight types with lane-wise float sums (header). */
 __attribute__((always_inline)) static inline void column_tile(const int type, const int TERMS, const uint8_t *row,
                                                               const acts_t *a, int r0, const int R, float *y,
                                                               size_t ldy) {
@@ -672,7 +672,7 @@ TILES(Q4_0) TILES(Q4_1) TILES(Q5_0) TILES(Q5_1) TILES(Q8_0) TILES(Q4_K) TILES(Q5
 static const tile_fn TILES_OF[NTYPES][2][TILE_ROWS] = {ROW(Q4_0), ROW(Q4_1), ROW(Q5_0), ROW(Q5_1),
                                                        ROW(Q8_0), ROW(Q4_K), ROW(Q5_K), ROW(Q6_K)};
 
-/* Eight k-quant columns of up to three activation rows (kquant_cols8_few), one function each. */
+/* Eight Q4_K / Q5_K columns of up to three activation rows (kquant_cols8_few), one function each. */
 typedef void (*few_fn)(const uint8_t *const *, const acts_t *, int, float *, size_t);
 #define FEW(T, N, R)                                                                                   \
     static void few_##T##_##N##_##R(const uint8_t *const *w, const acts_t *a, int r0, float *y, size_t ldy) { \
@@ -708,9 +708,9 @@ static inline __m256i bcast4(const int8_t *p) {
 #define DOTS(acc, w, p, l0, n)                                                                  \
     for (int l = l0; l < l0 + n; ++l) acc = _mm256_dpbusd_epi32(acc, w[l], bcast4((p) + 4 * l))
 
-/* y[r * ldy + j] for rows r0 .. r0 + nrows - 1 (nrows <= ROW_BLOCK) and the eight k-quant weight
- * rows wrow[j]: the same integers W, M and the same float operations, span by span, as
- * column_tile (header), with a lane per column: each span's codes are decoded and transposed once
+/* y[r * ldy + j] for rows r0 .. r0 + nrows - 1 (nrows <= ROW_BLOCK) and the eight Q4_K / Q5_K
+ * weight rows wrow[j]: the same integers W, M and the same float operations, span by span, as
+ * kquant_column (header), with a lane per column: each span's codes are decoded and transposed once
  * (lane j of Wt[u][l] = column j's codes 4l..4l+3 of unit u), each activation word broadcast. */
 __attribute__((always_inline)) static inline void cols8(const int type, const int TERMS, const uint8_t *const *wrow,
                                                         const uint8_t *const *wnext, const acts_t *a, int r0,
@@ -775,8 +775,7 @@ typedef void (*cols8_fn)(const uint8_t *const *, const uint8_t *const *, const a
         cols8(T, N, w, wn, a, r0, n, y, ldy);                                                          \
     }
 COLS8_FN(Q4_K, 1) COLS8_FN(Q4_K, 2) COLS8_FN(Q5_K, 1) COLS8_FN(Q5_K, 2)
-static const cols8_fn COLS8_OF[2][2] = {{cols8_Q4_K_1, cols8_Q4_K_2}, {cols8_Q5_K_1, cols8_Q5_K_2},
-};
+static const cols8_fn COLS8_OF[2][2] = {{cols8_Q4_K_1, cols8_Q4_K_2}, {cols8_Q5_K_1, cols8_Q5_K_2}};
 #endif
 
 static int valid(int type, int k, long row_bytes) {
