@@ -447,6 +447,13 @@ typedef struct {
     int k, spans, terms; /* terms: 2, or 1 (q2 neither written nor read) */
 } acts_t;
 
+/* Span s + PREFETCH_SPANS of the weight row at w on its way into the cache (past the row's end:
+ * the next row's, the next column when the rows are adjacent). */
+static inline void prefetch_ahead_in_row(const int type, const uint8_t *w, int s) {
+    const char *p = (const char *)w + (size_t)(s + PREFETCH_SPANS) * BLOCK_BYTES[type];
+    for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(p + l, 0, 0);
+}
+
 #ifndef GROUP_AHEAD
 #define GROUP_AHEAD 2
 #endif
@@ -531,9 +538,7 @@ __attribute__((always_inline)) static inline void kquant_cols8_few(const int typ
     span_t sp;
     for (int j = 0; j < 8; ++j)
         for (int s = 0; s < spans; ++s) {
-            /* the weights a few spans ahead (the next row's after the row's end) */
-            const char *ahead = (const char *)wrow[j] + (size_t)(s + PREFETCH_SPANS) * BLOCK_BYTES[type];
-            for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(ahead + l, 0, 0);
+            prefetch_ahead_in_row(type, wrow[j], s);
             decode_span(type, wrow[j], a->k, s, &sp);
             d[s][j] = sp.d[0];
             dmin[s][j] = sp.dmin;
@@ -546,20 +551,21 @@ __attribute__((always_inline)) static inline void kquant_cols8_few(const int typ
                 p[r][s][1][j] = v[1];
             }
         }
-    for (int r = 0; r < R; ++r) {
-        f32x8 acc = splat(0.0f);
-        for (int s = 0; s < spans; ++s) {
+    f32x8 acc[3];
+    for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
+    for (int s = 0; s < spans; ++s) { /* each row's spans in order */
+        i32x8 mn[8];
+        transpose8(mins[s], mn); /* once for the rows */
+        for (int r = 0; r < R; ++r) {
             const size_t rs = (size_t)(r0 + r) * spans + s;
             const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
-            i32x8 mn[8];
-            transpose8(mins[s], mn);
             i32x8 M = mn[0] * (b16[0] + b16[1]);
             for (int u = 1; u < 8; ++u) M += mn[u] * (b16[2 * u] + b16[2 * u + 1]);
-            acc = acc + span_values(span_w(TERMS, lane_sums8(p[r][s][0]), lane_sums8(p[r][s][1])), M, load8f(d[s]),
-                                    load8f(dmin[s]), splat(a->dx[rs * 8]));
+            acc[r] = acc[r] + span_values(span_w(TERMS, lane_sums8(p[r][s][0]), lane_sums8(p[r][s][1])), M,
+                                          load8f(d[s]), load8f(dmin[s]), splat(a->dx[rs * 8]));
         }
-        memcpy(y + (size_t)r * ldy, &acc, 32);
     }
+    for (int r = 0; r < R; ++r) memcpy(y + (size_t)r * ldy, &acc[r], 32);
 }
 
 /* y[r ldy] for one Q4_K / Q5_K weight row and activation rows r0 .. r0 + R - 1 (the columns the
@@ -571,8 +577,7 @@ __attribute__((always_inline)) static inline void kquant_column(const int type, 
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     span_t sp;
     for (int s = 0; s < a->spans; ++s) {
-        const char *ahead = (const char *)row + (size_t)(s + PREFETCH_SPANS) * BLOCK_BYTES[type];
-        for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(ahead + l, 0, 0);
+        prefetch_ahead_in_row(type, row, s);
         decode_span(type, row, a->k, s, &sp);
         for (int r = 0; r < R; ++r) {
             const size_t rs = (size_t)(r0 + r) * a->spans + s;
@@ -602,10 +607,7 @@ __attribute__((always_inline)) static inline void column_tile(const int type, co
     for (int r = 0; r < R; ++r) acc[r] = zacc[r] = splat(0.0f);
     span_t sp;
     for (int s = 0; s < a->spans; ++s) {
-        if (type == Q6_K) { /* the weights a few spans ahead (the next column's after the row's end) */
-            const char *ahead = (const char *)row + (size_t)(s + PREFETCH_SPANS) * BLOCK_BYTES[type];
-            for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(ahead + l, 0, 0);
-        }
+        if (type == Q6_K) prefetch_ahead_in_row(type, row, s);
         decode_span(type, row, a->k, s, &sp);
         for (int r = 0; r < R; ++r) {
             const size_t rr = (size_t)(r0 + r);
