@@ -111,6 +111,9 @@ REFUSED = [
     {"type": "integer", "minimum": 3, "maximum": 2},
     {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # no finite instance
     {"type": "object", "properties": {"a\x01": {"type": "string"}}},
+    {"$schema": "http://json-schema.org/draft-03/schema#", "type": "string"},  # draft 3 (with or
+    {"$schema": "http://json-schema.org/draft-03/schema", "type": "string"},  # without the '#')
+    {"$schema": ["not", "a", "uri"], "type": "string"}, {"$schema": 3, "type": "string"},
 ]
 
 
@@ -216,6 +219,12 @@ def test_what_the_argument_does_not_cover_is_not_handed_over(schema):
         assert to_program(spec).kind != "json"
     except Exception:  # noqa: BLE001 - Stencil's own refusal is fine: the point is no handover
         pass
+
+
+def test_a_later_draft_is_handed_over():
+    for uri in ("http://json-schema.org/draft-04/schema#", "http://json-schema.org/draft-07/schema#",
+                "https://json-schema.org/draft/2020-12/schema", "urn:unknown-draft"):
+        assert llguidance_schema({"$schema": uri, "type": "string"}, "flexible") is not None, uri
 
 
 def test_the_handed_over_schema_spells_each_part():

@@ -129,6 +129,12 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 ESCAPES = 'nrbtf\\"'  # llguidance's json_allowed_escapes: the named escapes, no \u
 
 
+# what Stencil acts on and this module does not hand over (a schema using one is refused)
+_UNHANDLED = frozenset(ASSERTIONS | {"$dynamicRef", "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor",
+                                     "dependentSchemas", "unevaluatedItems", "unevaluatedProperties",
+                                     "propertyNames", "contentSchema"}) - _HANDLED
+
+
 class _Refused(Exception):
     """The schema is outside the argument of the module docstring."""
 
@@ -153,8 +159,7 @@ def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
     if not isinstance(schema, dict) or whitespace not in ("compact", "flexible"):
         return None
     try:
-        cls = validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        if cls is jsonschema.Draft3Validator:
+        if "$schema" in schema and _draft3(schema["$schema"]):
             return None
         if text is not None and '"x-' not in text and '"$id"' not in text and '"id"' not in text \
                 and '"$anchor"' not in text:
@@ -182,6 +187,15 @@ def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
     if defs:
         out["$defs"] = defs
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _draft3(uri: object) -> bool:
+    """Whether ``$schema`` ``uri`` names draft 3 (``jsonschema``'s reading, kept per URI: its
+    lookup normalizes the URI on every call). Raises TypeError for a ``$schema`` that is no
+    URI (the caller refuses the handover)."""
+    return validators.validator_for({"$schema": uri}, default=jsonschema.Draft202012Validator) \
+        is jsonschema.Draft3Validator
 
 
 def _scan(root: dict) -> tuple[bool, bool]:
@@ -218,9 +232,7 @@ class _Writer:
 
         self.root = root
         self.ids = ids  # the document has identifiers below its root: the compiler's resolver
-        self.known = (ASSERTIONS | {"$dynamicRef", "$recursiveRef", "$dynamicAnchor", "$recursiveAnchor",
-                                     "dependentSchemas", "unevaluatedItems", "unevaluatedProperties",
-                                     "propertyNames", "contentSchema"}) - _HANDLED
+        self.known = _UNHANDLED
         self.annotations = ANNOTATIONS
         self.defs: dict[str, dict] = {}
         self.names: dict[int, str] = {}  # id(target) → its name in ``$defs``
