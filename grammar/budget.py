@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from grammar.closing import INF, ClosingAutomaton
+from grammar.closing import ClosingAutomaton
 
 log = logging.getLogger(__name__)
 
