@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -142,6 +143,8 @@ class LLMEngine:
             EngineOverloaded: the waiting queue is full (unless ``admitted``).
         """
         request_id = request_id or uuid.uuid4().hex
+        if params.max_tokens > self.max_model_len - len(prompt_token_ids):
+            params = dataclasses.replace(params)  # lowered to the context's room: the caller's may be shared
         spec = self.check_request(prompt_token_ids, params, admission=not admitted)
         if request_id in self.scheduler.requests:
             raise EngineError(f"request id {request_id!r} is already in use")
@@ -167,6 +170,11 @@ class LLMEngine:
         earlier. A server decides admission once, before it answers; deciding again later (on the
         engine thread, after a stream's headers are out) would turn a 429 into a broken stream.
 
+        A prompt that leaves fewer than ``params.max_tokens`` tokens of ``max_model_len`` lowers
+        ``params.max_tokens`` to that room, in place (``params.context_room`` records it): the
+        budget check and the budget-aware masks then close a constrained answer before the
+        context ends, where they would have planned for tokens the context cannot hold.
+
         Raises:
             EngineError: naming the offending field.
             EngineOverloaded: the waiting queue is full.
@@ -183,6 +191,9 @@ class LLMEngine:
                               f"({self.kv.num_blocks} blocks of {self.config.block_size} tokens)", field="prompt")
         if params.max_tokens < 1:
             raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}", field="max_tokens", lead=True)
+        room = self.max_model_len - n
+        if params.max_tokens > room:
+            params.max_tokens = params.context_room = room
         if not 0 <= params.temperature <= MAX_TEMPERATURE:
             # Above float32's range the sampler divides -inf (masked) logits by inf: NaN, and
             # torch.multinomial would take the whole engine loop down with it.
@@ -211,7 +222,11 @@ class LLMEngine:
         try:
             self.structured.check_budget(grammar, params)
         except BudgetError as e:
-            raise EngineError(str(e), field="max_tokens", lead=True) from None
+            why = str(e)
+            if params.context_room is not None:
+                why += (f" (max_tokens was lowered to {params.context_room}, the tokens the prompt leaves of the "
+                        f"model's context of {self.max_model_len}: shorten the prompt)")
+            raise EngineError(why, field="max_tokens", lead=True) from None
 
     @property
     def kernels(self) -> dict[str, str]:

@@ -69,6 +69,10 @@ class SamplingParams:
         soft_limits: the run-on guard for JSON: a ``grammar.budget.SoftLimits``, ``False`` (off)
             or ``None`` (the defaults). Given as a dict of its fields or ``True`` (the defaults),
             it is parsed when the params are made.
+        context_room: set by the engine's admission check (``LLMEngine.check_request``) when the
+            prompt leaves fewer than ``max_tokens`` tokens of the model's context: ``max_tokens``
+            was lowered to that room, so the budget closes a constrained answer before the
+            context ends (as it does before ``max_tokens``); ``None`` otherwise.
 
     Raises (on construction):
         engine.speculative.SpecConfigError / grammar.budget.SoftLimitsError: ``speculative`` /
@@ -91,6 +95,7 @@ class SamplingParams:
     speculative: SpecConfig | bool | None = None
     close_on_budget: bool = True
     soft_limits: "SoftLimits | bool | None" = None
+    context_room: int | None = None
 
     def __post_init__(self) -> None:
         from engine.structured_output import soft_limits_types

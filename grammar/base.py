@@ -85,6 +85,13 @@ class DeadEndError(RuntimeError):
     """
 
 
+class GrammarLimitError(DeadEndError):
+    """The grammar matcher reached one of its limits at this point of the output (llguidance's
+    Earley items in a row or in a step, its lexer's fuel): the constraint is too large or too
+    ambiguous to follow here. The constraint's fault too (a 400 naming its field), not the
+    engine's: nothing else in the batch is disturbed."""
+
+
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """What a request asks its output to match.

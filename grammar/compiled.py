@@ -167,6 +167,8 @@ class CompiledGrammar:
                     self._min_bytes = 0
             except GrammarError:  # not translated (a limit): no admission check
                 return None
+            except RecursionError:  # rules nested too deeply to read: no admission check
+                self._min_bytes = 0
             except ValueError:  # a user regex outside the compiler's dialect: 4 bytes a character
                 if self.program.kind != "regex":
                     self._min_bytes = 0  # (a Lark grammar min_bytes cannot read: no check)

@@ -12,7 +12,8 @@ import json
 import time
 
 from grammar.base import GrammarError, GrammarSpec, GrammarTimeout, Program
-from grammar.regex_tools import check_lark_counts, check_supported, choice_regex, locate_syntax_error
+from grammar.regex_tools import (check_lark_counts, check_lark_size, check_supported, choice_regex,
+                                 locate_syntax_error)
 
 MAX_GRAMMAR_CHARS = 1_000_000  # a user Lark grammar longer than this is refused
 
@@ -74,6 +75,7 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         if len(spec.value) > MAX_GRAMMAR_CHARS:
             raise GrammarError(f"the grammar is {len(spec.value)} characters, above the limit of "
                                f"{MAX_GRAMMAR_CHARS}", keyword="grammar")
+        check_lark_size(spec.value)
         check_lark_counts(spec.value)
         return Program("lark", spec.value)
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")

@@ -73,6 +73,8 @@ def lark_program(text: str) -> Program:
                 out.append("")
             elif all(not r for r in groups[key]):
                 out.append(lead + key)
+            elif len(groups[key]) == 1:  # one rest: written flat, not nested one group a symbol
+                out.append(lead + key + "".join(skip + sym for sym in groups[key][0]))
             else:
                 out.append(lead + key + "(?:" + factored(groups[key], skip) + ")")
         return "|".join(f"(?:{o})" for o in out)
@@ -83,6 +85,9 @@ def lark_program(text: str) -> Program:
             return head
         return head + "(?:" + skip + "(?:" + factored(tails[k], "") + "))*"
 
-    rule_texts = tuple((k, body(k)) for k in bodies)
+    try:
+        rule_texts = tuple((k, body(k)) for k in bodies)
+    except RecursionError:  # alternatives sharing thousands of leading symbols: not modelled
+        raise ClosingUnsupported("the grammar's rules nest too deeply for the closing automaton") from None
     root = skip + ref(rule_ids["start"]) + skip
     return Program("lark", text, (), tuple(term_texts), root, rule_texts)

@@ -231,6 +231,37 @@ def check_lark_counts(text: str) -> None:
         i += 1
 
 
+MAX_LARK_DEFINITIONS = 1000  # rules and terminals a Lark grammar may define
+_LARK_DEFINITION = re.compile(r"^[ \t]*[?!]?([A-Za-z_][A-Za-z_0-9]*)(?:\.-?\d+)?[ \t]*:", re.M)
+
+
+def check_lark_size(text: str) -> None:
+    """Refuse a Lark grammar that defines more than ``MAX_LARK_DEFINITIONS`` rules and
+    terminals (counted by name, as definitions at the start of a line).
+
+    Why: llguidance 1.9.1 walks a chain of rules (``r0: r1 | "x"``, ``r1: r2 | "x"``, ...)
+    recursively when it builds the grammar; about 2,700 links overflowed an 8 MB thread stack
+    and killed the server with a segmentation fault (a 51 KB grammar, below every other limit).
+    A chain is at most as long as the grammar has definitions; 1,000 keeps a wide margin (its
+    recursion measured at about 3 KB of stack a link) and is far above what hand-written
+    grammars define.
+
+    Raises:
+        GrammarError: ``keyword="grammar"`` with the line and column of the first definition
+            past the limit.
+    """
+    names: set[str] = set()
+    for m in _LARK_DEFINITION.finditer(text):
+        names.add(m.group(1))
+        if len(names) > MAX_LARK_DEFINITIONS:
+            at = m.start(1)
+            line = text.count("\n", 0, at) + 1
+            column = at - (text.rfind("\n", 0, at) + 1) + 1
+            raise GrammarError(f"invalid Lark grammar at line {line}, column {column}: the grammar defines more "
+                               f"than {MAX_LARK_DEFINITIONS} rules and terminals, the most it may",
+                               keyword="grammar", line=line, column=column)
+
+
 def locate_syntax_error(pattern: str) -> tuple[int | None, str | None]:
     """Where Python's ``re`` parser stops on ``pattern``: ``(position, message)``, or
     ``(None, None)`` if Python accepts it (a Rust-only difference)."""

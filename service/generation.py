@@ -292,6 +292,9 @@ class GenerationStream:
         now = time.perf_counter()
         checked = st.checker.check(self.spec, text, out.finish_reason, token_ids, self.compiled)
         warnings = [str(w) for w in (getattr(self.compiled, "warnings", None) or ())] + checked.warnings
+        if self.params.context_room is not None:
+            warnings.append(f"max_tokens was lowered to {self.params.context_room}: the prompt leaves that many "
+                            f"tokens of the model's context")
         usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                       total_tokens=out.num_prompt_tokens + out.num_output_tokens,
                       cached_tokens=out.num_cached_tokens, draft_tokens=out.num_draft_tokens,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -289,11 +290,18 @@ def relaxed(c: Constraint, stream: gen.GenerationStream) -> list[str]:
 
 
 def warnings_header(warnings: list[str]) -> dict[str, str]:
-    """``X-Stencil-Warnings`` with the relaxed keywords (ASCII, ``" | "``-joined, capped)."""
+    """``X-Stencil-Warnings`` with the relaxed keywords (ASCII, ``" | "``-joined, capped).
+    Control characters (a property name may hold CR / LF) are written as escapes, as non-ASCII
+    ones are: a header value holds none (the server refused to send one that did, and the
+    client got no answer at all)."""
     if not warnings:
         return {}
     text = " | ".join(warnings).encode("ascii", "backslashreplace").decode()
+    text = _HEADER_CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
     return {WARNINGS_HEADER: text[:_MAX_HEADER_CHARS]}
+
+
+_HEADER_CONTROLS = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def schema_errors(svc: ServiceState, schema: Any, text: str) -> list[str]:

@@ -22,7 +22,7 @@ from litestar.testing import TestClient
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineError, LLMEngine
 from engine.request import SamplingParams
 from engine.structured_output import StructuredOutputManager
 from grammar.base import GrammarError, GrammarSpec
@@ -722,3 +722,95 @@ def test_a_budget_that_cannot_be_kept_is_a_warning_on_the_cut_answer(client):
     assert body["finish_reason"] == "length" and body["valid"] is False
     assert any("could not be kept by closing" in w and "closing automaton" in w for w in body["warnings"]), body
     _engine_idle(client)
+
+
+def test_a_lark_grammar_with_too_many_definitions_is_refused_before_llguidance_sees_it(client):
+    """A chain of rules past llguidance's stack (about 2,700 links killed the server with a
+    segmentation fault) is refused by its count of definitions, with the line of the first one
+    past the limit; a chain of 900 is served (it needs more Earley items in a row than
+    llguidance's default 2,000: the raised limit, ``llg_c.MAX_ITEMS_IN_ROW``)."""
+    from grammar.regex_tools import MAX_LARK_DEFINITIONS
+
+    def chain(n: int) -> str:
+        return "start: r0\n" + "\n".join(f'r{i}: r{i + 1} | "x"' for i in range(n)) + f'\nr{n}: "y"'
+
+    too_many = {"prompt": "x", "grammar": {"lark": chain(MAX_LARK_DEFINITIONS + 5)}}
+    p = _problem(client.post("/generate", json=too_many), 400)
+    assert p["field"] == "grammar" and f"more than {MAX_LARK_DEFINITIONS} rules" in p["detail"], p
+    assert p.get("line") == MAX_LARK_DEFINITIONS + 1, p
+    r = client.post("/generate", json={"prompt": "x", "grammar": {"lark": chain(900)}, "max_tokens": 4,
+                                       "temperature": 0})
+    assert r.status_code == 200 and r.json()["text"] in ("x", "y"), r.json()
+    _engine_idle_soon(client)
+
+
+def test_long_lark_sequences_and_shared_prefixes_compile(client):
+    """A rule of 300 literals in a row (its closing automaton's text was one nested group a
+    symbol: Python's recursion limit, a 500) and alternatives sharing long prefixes are served."""
+    seq = "start: " + " ".join(f'"w{i}"' for i in range(300))
+    p = _problem(client.post("/generate", json={"prompt": "x", "grammar": {"lark": seq}, "max_tokens": 64}), 400)
+    assert p["field"] == "max_tokens" and "needs at least" in p["detail"], p  # (its shortest output, read)
+    r = client.post("/generate", json={"prompt": "x", "grammar": {"lark": seq}, "max_tokens": 16, "temperature": 0,
+                                       "close_on_budget": False})
+    assert r.status_code == 200 and r.json()["text"].startswith("w0w1w2"), r.json()
+    shared = " ".join(f'"s{i}"' for i in range(400))
+    fork = f'start: {shared} "a" | {shared} "b"'
+    r = client.post("/generate", json={"prompt": "x", "grammar": {"lark": fork}, "max_tokens": 4, "temperature": 0,
+                                       "close_on_budget": False})
+    assert r.status_code == 200 and r.json()["text"].startswith("s0s1"), r.json()
+    _engine_idle_soon(client)
+
+
+def test_a_grammar_past_the_matchers_limits_fails_alone_as_the_constraints_fault(tiny_model_dir):
+    """A rule of 12,000 alternatives holds more Earley items in a row than llguidance allows:
+    that request fails with the constraint's error (``GrammarLimitError``, a 400 where the
+    service answers it), not an internal one (a 500), and the request beside it is served."""
+    from grammar.base import GrammarLimitError
+    from engine.structured_output import is_dead_end
+
+    assert is_dead_end(GrammarLimitError("x"))
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64))
+    alts = eng.grammar.compile(GrammarSpec.grammar("start: " + " | ".join(f'"w{i}"' for i in range(12_000))))
+    ok = eng.grammar.compile(GrammarSpec.regex("ab"))
+    out = eng.generate([[1, 2, 3], [1, 2, 3]], SamplingParams(max_tokens=6, temperature=0), [alts, ok])
+    assert out[0]["error"] is not None and "too large for the grammar matcher" in out[0]["error"], out[0]
+    assert out[0]["output"].constraint_error, out[0]
+    assert out[1]["error"] is None and out[1]["text"] == "ab", out[1]
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_an_object_of_many_optional_properties_is_served(client):
+    """300 optional properties: not handed to llguidance (its parser held items in proportion,
+    and failed mid-answer at 600), served by Stencil's own translation; the answer is valid."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
+    r = client.post("/generate", json={"prompt": "x", "response_schema": schema, "max_tokens": 64})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["valid"] is True and isinstance(body["output"], dict), body
+    assert set(body["output"]) <= set(schema["properties"]), body
+
+
+def test_the_context_left_after_the_prompt_caps_max_tokens_and_the_budget_keeps_to_it(tiny_model_dir):
+    """A prompt that leaves fewer tokens of the context than ``max_tokens``: the answer's budget
+    is the room left (the budget-aware masks close the document within it; before, the context
+    cut it mid-value: 200, ``valid`` false), the caller's shared params are left as they were,
+    and a room below the shortest answer is a 400 naming ``max_tokens`` and the context."""
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, max_model_len=64))
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 2},
+                                               "b": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["a", "b"]}
+    g = eng.grammar.compile(GrammarSpec.json_schema(schema))
+    need = g.min_output_tokens(0)
+    params = SamplingParams(max_tokens=500, temperature=0)
+    for room in (need, need + 3, need + 9):
+        out = eng.generate([[1] * (64 - room)], params, [g])[0]
+        assert out["error"] is None and len(out["token_ids"]) <= room, out
+        value = json.loads(out["text"])  # complete: closed within the room
+        assert set(value) == {"a", "b"} and len(value["a"]) >= 2, out["text"]
+    assert params.max_tokens == 500 and params.context_room is None
+    short = SamplingParams(max_tokens=500, temperature=0)
+    eng.check_request([1] * (64 - need + 1), short)
+    assert short.max_tokens == short.context_room == need - 1
+    with pytest.raises(EngineError) as e:
+        eng.check_budget(g, short)
+    assert e.value.field == "max_tokens" and "the model's context of 64" in str(e.value), e.value

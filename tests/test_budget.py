@@ -113,6 +113,53 @@ def test_a_distance_beyond_the_budget_is_known_without_writing_the_witness(vocab
         assert int(nd.min()) == 6 and ca._next_tdist.get(ca.start) is None  # capped: not cached
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(alphabet="abxyz12\":,", min_size=0, max_size=40), min_size=1, max_size=6))
+def test_token_counts_of_suffixes_are_the_least_tokenizations(vocab, texts):
+    """``count`` (one backward pass, every suffix's count kept for the next call) equals the
+    length of ``tokenize``'s least tokenization, for a string, its suffixes (read from the kept
+    counts) and unrelated strings; ``INF`` where the vocabulary cannot spell it."""
+    from grammar.closing import token_matrix
+
+    tm = token_matrix(vocab)
+    for text in texts:
+        data = text.encode()
+        for cut in range(len(data), -1, -1):
+            for piece in (data[cut:], data[:cut]):
+                tokens = tm.tokenize(piece)
+                assert tm.count(piece) == (INF if tokens is None else len(tokens)), piece
+    assert tm.count(b"a\x00b") == INF and tm.tokenize(b"a\x00b") is None
+
+
+def test_a_long_run_costs_one_tokenization_not_one_a_step(vocab, monkeypatch):
+    """A long run (``a{5000}``, here ``b{1000}``): the states after each token have the witness before it
+    less that token's bytes, so their distances come from the first tokenization's kept counts
+    (each step re-tokenizing 5,000 bytes in Python took a 4,096-token answer 169 s)."""
+    from grammar.closing import token_matrix
+
+    with GrammarCompiler(vocab, SIZE, backend="lazy") as c:
+        g = c.compile(GrammarSpec.regex("ab{1000}x"))
+        ca = ClosingAutomaton(g.program, vocab)
+        tm = token_matrix(vocab)
+        passes = []
+        real = tm.count.__func__
+
+        def counted(self, data):
+            last = self._last
+            if not (last is not None and last[0].endswith(data)):
+                passes.append(len(data))
+            return real(self, data)
+
+        monkeypatch.setattr(type(tm), "count", counted)
+        state, dists, least = ca.start, [], []
+        for piece in (b"a", b"b", b"b", b"b"):
+            state = ca.step(state, piece)
+            dists.append(ca.token_distance(state))
+            least.append(len(tm.tokenize(ca.witness(state))))
+        assert dists == least == [1001, 1000, 999, 998], (dists, least)
+        assert passes == [1001], passes  # one pass over the first witness, the rest read from it
+
+
 def test_an_admission_far_beyond_max_tokens_is_refused_without_writing_the_end(vocab):
     """Rules repeating rules (10,000 x 10,000 bytes) stay within the count limit of one rule;
     the admission check then reports the least tokens the end's bytes need, without writing or

@@ -221,6 +221,22 @@ def test_what_the_argument_does_not_cover_is_not_handed_over(schema):
         pass
 
 
+def test_an_object_of_many_optional_properties_is_not_handed_over():
+    """Past ``MAX_OPTIONAL`` optional properties llguidance's parser holds too many items a
+    member (a step past its limit at 600): Stencil's own translation serves the object.
+    Required properties do not count."""
+    from grammar.json_schema.handover import MAX_OPTIONAL
+
+    def obj(n: int, required: int = 0) -> dict:
+        props = {f"p{i}": {"type": "integer"} for i in range(n)}
+        return {"type": "object", "properties": props, "required": [f"p{i}" for i in range(required)]}
+
+    assert llguidance_schema(obj(MAX_OPTIONAL), "flexible") is not None
+    assert llguidance_schema(obj(MAX_OPTIONAL + 1), "flexible") is None
+    assert llguidance_schema(obj(MAX_OPTIONAL + 10, required=10), "flexible") is not None
+    assert to_program(GrammarSpec.json_schema(obj(MAX_OPTIONAL + 1))).kind != "json"
+
+
 def test_a_later_draft_is_handed_over():
     for uri in ("http://json-schema.org/draft-04/schema#", "http://json-schema.org/draft-07/schema#",
                 "https://json-schema.org/draft/2020-12/schema", "urn:unknown-draft"):

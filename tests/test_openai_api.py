@@ -350,3 +350,22 @@ def test_a_streamed_answer_says_closed_by_budget_as_the_whole_one(client):
         assert (last.choices[0].model_extra or {}).get("closed_by_budget", False) == flag
         seen.add(flag)
     assert True in seen
+
+
+def test_a_warning_with_control_characters_is_escaped_in_its_header(server):
+    """A relaxed keyword under a property name holding CR / LF: the answer comes, its
+    ``X-Stencil-Warnings`` header holds the name escaped (the server used to refuse to write
+    the raw header and drop the connection with no answer)."""
+    import httpx
+
+    key = "a\r\nX-Injected: 1"
+    schema = {"type": "object", "required": [key],
+              "properties": {key: {"type": "array", "items": {"type": "string"}, "uniqueItems": True,
+                                   "maxItems": 2}}}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 40,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    header = r.headers["x-stencil-warnings"]
+    assert "uniqueItems" in header and "\\x0d\\x0aX-Injected" in header, header
+    assert "x-injected" not in r.headers

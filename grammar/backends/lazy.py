@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from grammar.backends.llg_c import CMatcher
-from grammar.base import DeadEndError, GrammarError, Program
+from grammar.base import DeadEndError, GrammarError, GrammarLimitError, Program
 from grammar.vocab import TokenVocabulary
 
 MATCHER_POOL_SIZE = 4  # reset llguidance matchers kept per grammar for later cursors (``_give_back``)
@@ -405,7 +405,12 @@ class LazyMatcher:
         if self._m.is_error():
             if "NoExtension" in self._m.get_error() or "NoExtension" in str(self._m.stop_reason()):
                 raise _dead_end()
-            raise RuntimeError(f"grammar matcher failed: {self._m.get_error().strip().splitlines()[0]}")
+            error = self._m.get_error().strip().splitlines()[0]
+            if any(mark in error for mark in _LIMIT_MARKS):
+                raise GrammarLimitError(f"the constraint is too large for the grammar matcher at this point of the "
+                                        f"output ({error}); write long lists of alternatives as one terminal (a "
+                                        f"regex) or split the constraint")
+            raise RuntimeError(f"grammar matcher failed: {error}")
 
     def validate_tokens(self, token_ids: list[int]) -> int:
         """Length of the longest admitted prefix (EOS only where the output may end); no state change.
@@ -710,6 +715,11 @@ def _prefetch_executor(todo: list[LazyMatcher], executor) -> list[tuple[LazyMatc
             m._set_buffer(torch.zeros((1, words), dtype=torch.int32))
             failed.append((m, e))
     return failed
+
+
+# How llguidance 1.9.1 words a matcher that reached one of its limits ("Current row has 5001
+# items; max is 2000", "Too many items (limit 50000; mask)", the lexer's fuel).
+_LIMIT_MARKS = ("max is", "Too many items", "limit", "fuel")
 
 
 def _dead_end() -> DeadEndError:

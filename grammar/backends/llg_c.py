@@ -47,6 +47,13 @@ class _TokenizerInitV2(ctypes.Structure):
 
 _INIT_BYTES = 512  # room for LlgConstraintInit (about 90 bytes in 1.9.1); filled by the library
 _INIT_STDERR_LOG = 12  # offset of ``log_stderr_level`` (after the tokenizer pointer and buffer level)
+_INIT_MAX_ITEMS_IN_ROW = 24  # offset of ``limits.max_items_in_row`` (size_t; llguidance's default 2,000)
+# Earley items one row of the parser may hold. llguidance's 2,000 failed requests mid-answer on
+# Lark grammars well inside every other limit: a rule of 5,000 literal alternatives, a chain of
+# 1,000 rules (two items a link). 10,000 serves those; the per-step limits (``step_max_items``,
+# the lexer's fuel) still bound every mask, and a request that reaches one fails alone with a 400
+# (``grammar.base.GrammarLimitError``).
+MAX_ITEMS_IN_ROW = 10_000
 
 
 def _signatures(lib) -> None:
@@ -167,6 +174,9 @@ class CTokenizer:
         self._init = ctypes.create_string_buffer(_INIT_BYTES)
         lib.llg_constraint_init_set_defaults(self._init, ptr)
         ctypes.memmove(ctypes.addressof(self._init) + _INIT_STDERR_LOG, ctypes.byref(_u32(0)), 4)
+        items = _size.from_buffer(self._init, _INIT_MAX_ITEMS_IN_ROW)
+        if items.value == 2000:  # (the field where 1.9.1 keeps it: checked before it is written)
+            items.value = MAX_ITEMS_IN_ROW
         self.mask_bytes = 4 * ((n + 31) // 32)
         # for forced bytes (``compute_ff_bytes``): each id's bytes, length and first byte (-1: none)
         self.token_bytes = vocab.token_bytes

@@ -119,6 +119,11 @@ from grammar.json_schema.rx import alt, repeat, seq
 
 MAX_EXACT_INT = 2 ** 53
 MAX_DEPTH = 48  # schemas nested deeper are not handed over
+# An object with more optional properties than this is not handed over: llguidance's parser
+# holds items in proportion to them at every member (its masks 3-6 ms at 300-550 optional
+# properties, and at 600 a step past its 50,000-item limit: the request failed mid-answer);
+# Stencil's own translation writes the members as one lexeme (masks under 1 ms at 700).
+MAX_OPTIONAL = 256
 # Stencil acts on these (``compiler._ASSERTIONS`` and a few more); only the handled ones pass.
 _HANDLED = {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
             "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
@@ -497,6 +502,8 @@ class _Writer:
                 if not _plain_text(name, keys=True):
                     raise _Refused("property name")
                 out_props[name] = self.node(declared_addl)
+        if sum(1 for k, v in out_props.items() if v is not False and k not in required) > MAX_OPTIONAL:
+            raise _Refused("optional properties")
         out = {"type": "object", "properties": out_props, "additionalProperties": addl_out}
         if patterns:
             out["patternProperties"] = self.patterns(patterns, list(props), addl)
