@@ -259,6 +259,8 @@ def test_whitespace_prompt_and_max_tokens_one_are_served(client):
      "#/pattern"),
     ({"type": "string", "pattern": "^(a{1000}){1000}$"}, "nest to 1000000 copies", "pattern", "#/pattern"),
     ({"type": "integer", "minimum": 5, "maximum": 3}, "admits no value", "minimum", "#"),
+    ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "admits no value", "exclusiveMinimum", "#"),
+    ({"not": {}}, "admits no value", "not", "#"),
     (False, "admits no value", "false", "#"),
     ({"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/evil.json"}}}, "points outside the schema",
      "$ref", "#/properties/a"),

@@ -924,9 +924,12 @@ def _compile(schema: dict | bool, opts: SchemaOptions, **state) -> tuple["Schema
 
 
 def _culprit(schema: object) -> str:
+    """The keyword to name for a root schema that admits no value: the first of the keywords that
+    can empty a schema it holds ("schema" when it holds none of them)."""
     if isinstance(schema, dict):
-        for k in ("enum", "minItems", "maxItems", "minimum", "maximum", "minLength", "required",
-                  "allOf", "$ref"):
+        for k in ("enum", "const", "not", "minItems", "maxItems", "minimum", "maximum", "exclusiveMinimum",
+                  "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "required",
+                  "minProperties", "maxProperties", "allOf", "anyOf", "oneOf", "$ref", "type"):
             if k in schema:
                 return k
     return "schema"
