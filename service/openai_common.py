@@ -474,7 +474,8 @@ class Verdict:
         finish_reason: the engine's ("stop", "length"), or "tool_calls" for complete calls.
         valid: passed jsonschema (response format, or each call's parameters); ``None`` for
             unconstrained text.
-        problems: why it is not valid.
+        problems: why it is not valid, then the generation's own notes (the budget's narrowing,
+            the run-on guard, a lowered ``max_tokens``): the choice's ``warnings``.
     """
 
     text: str | None
@@ -511,6 +512,9 @@ def verdict(svc: ServiceState, c: Constraint, r: gen.GenerationResult, relaxed_w
             else "output is not a complete answer"
         return Verdict(r.text, [], r.finish_reason, False, [why])
     text, calls = parsed
+    # the generation's own notes (the budget's narrowing and where, the run-on guard, a lowered
+    # max_tokens), as the response_format path above gives them: not problems of the answer
+    notes = [w for w in r.warnings if w not in relaxed_warnings]
     if calls:
         problems = []
         for call in calls:
@@ -520,8 +524,8 @@ def verdict(svc: ServiceState, c: Constraint, r: gen.GenerationResult, relaxed_w
                 raise GenerationFailed(f"tool call arguments for {call.name!r} fail their schema although "
                                        f"it is strict: {errors[0]}")
             problems += errors
-        return Verdict(None, calls, "tool_calls", not problems, problems)
+        return Verdict(None, calls, "tool_calls", not problems, problems + notes)
     if c.schema is None:
-        return Verdict(text, [], r.finish_reason, None, [])
+        return Verdict(text, [], r.finish_reason, None, notes)
     problems = schema_errors(svc, c.schema, text or "")
-    return Verdict(text, [], r.finish_reason, not problems, problems)
+    return Verdict(text, [], r.finish_reason, not problems, problems + notes)

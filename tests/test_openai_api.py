@@ -369,3 +369,24 @@ def test_a_warning_with_control_characters_is_escaped_in_its_header(server):
     header = r.headers["x-stencil-warnings"]
     assert "uniqueItems" in header and "\\x0d\\x0aX-Injected" in header, header
     assert "x-injected" not in r.headers
+
+
+def test_a_tool_call_the_budget_closed_says_so_in_its_warnings(server):
+    """A ``tool_choice: "required"`` answer at the least ``max_tokens`` the call admits: the
+    budget narrows it (``closed_by_budget``) and the answer's warnings say so for that choice, as
+    a ``response_format`` answer's do (they were dropped for calls)."""
+    import re
+
+    import httpx
+
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required",
+            "temperature": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={**body, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    need = int(re.search(r"needs at least (\d+) tokens", r.json()["error"]["message"]).group(1))
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={**body, "max_tokens": need})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice.get("closed_by_budget") is True, choice
+    notes = r.json().get("warnings", [])
+    assert any(w.startswith("choice 0: max_tokens narrowed the answer") for w in notes), r.json()
