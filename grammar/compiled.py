@@ -133,14 +133,17 @@ class CompiledGrammar:
         return own
 
     def _build_closing(self):
-        from grammar.closing import ClosingAutomaton
+        from grammar.closing import ClosingAutomaton, ClosingUnsupported
 
         program = self.own_program()
         if program.kind == "lark" and program.root is None:  # written by hand: read through lark
             from grammar.lark_closing import lark_program
 
             program = lark_program(program.text)
-        return ClosingAutomaton(program, self.vocab)
+        try:
+            return ClosingAutomaton(program, self.vocab)
+        except RecursionError:  # (a chain of hundreds of rules: the automaton's reading recurses a rule a level)
+            raise ClosingUnsupported("the grammar's rules nest too deeply for the closing automaton") from None
 
     def min_output_tokens(self, max_tokens: int) -> int | None:
         """The fewest tokens an output needs, when that is more than ``max_tokens`` (``None``:

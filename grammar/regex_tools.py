@@ -232,6 +232,9 @@ def check_lark_counts(text: str) -> None:
 
 
 MAX_LARK_DEFINITIONS = 1000  # rules and terminals a Lark grammar may define
+MAX_TERMINAL_CHARS = 100_000  # a Lark terminal with the terminals it names written in
+# the names in a terminal's body outside its strings and regexes (uppercase: terminals)
+_TERMINAL_REFS = re.compile(r'"(?:\\.|[^"\\\n])*"i?|/(?:\\.|[^/\\\n])+/[imslux]*|\b(_?[A-Z][A-Z_0-9]*)\b')
 _LARK_DEFINITION = re.compile(r"^[ \t]*[?!]?([A-Za-z_][A-Za-z_0-9]*)(?:\.-?\d+)?[ \t]*:", re.M)
 
 
@@ -250,16 +253,49 @@ def check_lark_size(text: str) -> None:
         GrammarError: ``keyword="grammar"`` with the line and column of the first definition
             past the limit.
     """
+    def fail(message: str, at: int) -> GrammarError:
+        line = text.count("\n", 0, at) + 1
+        column = at - (text.rfind("\n", 0, at) + 1) + 1
+        return GrammarError(f"invalid Lark grammar at line {line}, column {column}: {message}",
+                            keyword="grammar", line=line, column=column)
+
     names: set[str] = set()
-    for m in _LARK_DEFINITION.finditer(text):
+    found = list(_LARK_DEFINITION.finditer(text))
+    for m in found:
         names.add(m.group(1))
         if len(names) > MAX_LARK_DEFINITIONS:
-            at = m.start(1)
-            line = text.count("\n", 0, at) + 1
-            column = at - (text.rfind("\n", 0, at) + 1) + 1
-            raise GrammarError(f"invalid Lark grammar at line {line}, column {column}: the grammar defines more "
-                               f"than {MAX_LARK_DEFINITIONS} rules and terminals, the most it may",
-                               keyword="grammar", line=line, column=column)
+            raise fail(f"the grammar defines more than {MAX_LARK_DEFINITIONS} rules and terminals, the most it may",
+                       m.start(1))
+    # Terminals are regexes, each written out in full with the terminals it names inside: a
+    # terminal naming the next one twice, twenty deep (``T0: T1 T1``, ... 220 bytes), is a regex
+    # of millions of characters, which the budget's automaton held the server's memory (8 GB)
+    # and CPU with for more than ten minutes.
+    bodies: dict[str, tuple[int, str]] = {}
+    for k, m in enumerate(found):
+        name = m.group(1)
+        if name.lstrip("_").isupper() and name not in bodies:
+            end = found[k + 1].start() if k + 1 < len(found) else len(text)
+            bodies[name] = (m.start(1), text[m.end():end])
+    size: dict[str, int] = {}
+    visiting: set[str] = set()  # on the walk's path: a cycle is lark's error to report, counted as nothing here
+    for name in bodies:
+        stack = [(name, False)]
+        while stack:  # (iterative: a chain of a thousand terminals)
+            t, done = stack.pop()
+            if t in size or (not done and t in visiting):
+                continue
+            refs = [r for r in _TERMINAL_REFS.findall(bodies[t][1]) if r in bodies]
+            if not done:
+                visiting.add(t)
+                stack.append((t, True))
+                stack.extend((r, False) for r in refs if r not in size and r not in visiting)
+                continue
+            visiting.discard(t)
+            size[t] = len(bodies[t][1]) + sum(size.get(r, 0) for r in refs)
+            if size[t] > MAX_TERMINAL_CHARS:
+                raise fail(f"terminal {t} is a regex of more than {MAX_TERMINAL_CHARS} characters once the "
+                           "terminals it names are written into it; name shared parts with rules (lowercase), "
+                           "which are not copied", bodies[t][0])
 
 
 def locate_syntax_error(pattern: str) -> tuple[int | None, str | None]:

@@ -816,3 +816,52 @@ def test_the_context_left_after_the_prompt_caps_max_tokens_and_the_budget_keeps_
     with pytest.raises(EngineError) as e:
         eng.check_budget(g, short)
     assert e.value.field == "max_tokens" and "the model's context of 64" in str(e.value), e.value
+
+
+def test_a_terminal_that_writes_others_in_many_times_over_is_refused_at_once(client):
+    """``T0: T1 T1``, ``T1: T2 T2``, ... twenty deep is 220 bytes of grammar and a regex of
+    millions of characters (each terminal is written out in full): the budget's automaton held
+    the server's memory and CPU for minutes. A 400 naming the line of the terminal past the
+    limit, at once; the same shape with rules (not copied) is served or refused by its budget."""
+    from grammar.regex_tools import MAX_TERMINAL_CHARS
+
+    doubling = "start: T0\n" + "".join(f"T{i}: T{i + 1} T{i + 1}\n" for i in range(20)) + 'T20: "ab"\n'
+    p = _problem(client.post("/generate", json={"prompt": "x", "grammar": {"lark": doubling}}), 400)
+    assert p["field"] == "grammar" and f"more than {MAX_TERMINAL_CHARS} characters" in p["detail"], p
+    rules = "start: r0\n" + "".join(f"r{i}: r{i + 1} r{i + 1}\n" for i in range(20)) + 'r20: "ab"\n'
+    p = _problem(client.post("/generate", json={"prompt": "x", "grammar": {"lark": rules}, "max_tokens": 16}), 400)
+    assert p["field"] == "max_tokens", p  # its shortest output (2^21 bytes) is far above 16 tokens
+    _engine_idle_soon(client)
+
+
+def test_llguidance_limit_messages_are_the_constraints_fault():
+    """Each way llguidance 1.9.1 words a limit it reached maps to ``GrammarLimitError`` (a 400);
+    any other failure stays internal (a 500)."""
+    from grammar.backends.lazy import LazyMatcher
+    from grammar.base import GrammarLimitError
+
+    class Stub:
+        def __init__(self, error):
+            self._m = self
+
+        def _own(self):
+            pass
+
+        def is_error(self):
+            return True
+
+        def stop_reason(self):
+            return ""
+
+    for message in ("Parser Error: Current row has 12001 items; max is 10000; consider ...",
+                    "parser error: Too many items (limit 50000; mask); try avoiding ...",
+                    "lexer error: too many expressions constructed"):
+        stub = Stub(message)
+        stub.get_error = lambda message=message: message
+        with pytest.raises(GrammarLimitError, match="too large for the grammar matcher"):
+            LazyMatcher._check(stub)
+    stub = Stub("something else broke")
+    stub.get_error = lambda: "something else broke"
+    with pytest.raises(RuntimeError, match="grammar matcher failed: something else broke") as e:
+        LazyMatcher._check(stub)
+    assert not isinstance(e.value, GrammarLimitError)

@@ -718,8 +718,9 @@ def _prefetch_executor(todo: list[LazyMatcher], executor) -> list[tuple[LazyMatc
 
 
 # How llguidance 1.9.1 words a matcher that reached one of its limits ("Current row has 5001
-# items; max is 2000", "Too many items (limit 50000; mask)", the lexer's fuel).
-_LIMIT_MARKS = ("max is", "Too many", "(limit ", "fuel")
+# items; max is 2000", "Too many items (limit 50000; mask)", "lexer error: too many expressions
+# constructed", the lexer's fuel).
+_LIMIT_MARKS = ("max is", "Too many", "too many", "(limit ", "fuel")
 
 
 def _dead_end() -> DeadEndError:
