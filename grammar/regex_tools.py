@@ -154,6 +154,14 @@ def check_supported(pattern: str) -> str:
 _LARK_COUNT = re.compile(r"~\s*(\d+)(?:\s*\.\.\s*(\d+))?")  # item ~ n, item ~ n..m
 
 
+def _lark_error(text: str, message: str, at: int) -> GrammarError:
+    """A 400 naming ``grammar`` at offset ``at`` of ``text`` (its line and column, from 1)."""
+    line = text.count("\n", 0, at) + 1
+    column = at - (text.rfind("\n", 0, at) + 1) + 1
+    return GrammarError(f"invalid Lark grammar at line {line}, column {column}: {message}",
+                        keyword="grammar", line=line, column=column)
+
+
 def check_lark_counts(text: str) -> None:
     """Refuse a Lark grammar whose counted repetitions exceed what a grammar can count, as
     :func:`check_supported` refuses a regex: an ``item ~ n`` or ``~ n..m`` above
@@ -173,10 +181,7 @@ def check_lark_counts(text: str) -> None:
         GrammarError: ``keyword="grammar"`` with the ``line`` and ``column`` of the count.
     """
     def fail(message: str, at: int) -> GrammarError:
-        line = text.count("\n", 0, at) + 1
-        column = at - (text.rfind("\n", 0, at) + 1) + 1
-        return GrammarError(f"invalid Lark grammar at line {line}, column {column}: {message}",
-                            keyword="grammar", line=line, column=column)
+        return _lark_error(text, message, at)
 
     frames: list[list[int]] = [[1, 1]]  # per open parenthesis: [most copies inside, last item's]
     total = 0  # the copies of every count so far
@@ -249,15 +254,16 @@ def check_lark_size(text: str) -> None:
     recursion measured at about 3 KB of stack a link) and is far above what hand-written
     grammars define.
 
+    A terminal is refused too when, with the terminals it names written into it (as lark and
+    the budget's automaton write a terminal: one regex), it holds more than ``MAX_TERMINAL_CHARS``
+    characters (counted, not written).
+
     Raises:
         GrammarError: ``keyword="grammar"`` with the line and column of the first definition
-            past the limit.
+            past the limit, or of the terminal too large.
     """
     def fail(message: str, at: int) -> GrammarError:
-        line = text.count("\n", 0, at) + 1
-        column = at - (text.rfind("\n", 0, at) + 1) + 1
-        return GrammarError(f"invalid Lark grammar at line {line}, column {column}: {message}",
-                            keyword="grammar", line=line, column=column)
+        return _lark_error(text, message, at)
 
     names: set[str] = set()
     found = list(_LARK_DEFINITION.finditer(text))
@@ -276,6 +282,7 @@ def check_lark_size(text: str) -> None:
         if name.lstrip("_").isupper() and name not in bodies:
             end = found[k + 1].start() if k + 1 < len(found) else len(text)
             bodies[name] = (m.start(1), text[m.end():end])
+    refs_of = {t: [r for r in _TERMINAL_REFS.findall(body) if r in bodies] for t, (_, body) in bodies.items()}
     size: dict[str, int] = {}
     visiting: set[str] = set()  # on the walk's path: a cycle is lark's error to report, counted as nothing here
     for name in bodies:
@@ -284,7 +291,7 @@ def check_lark_size(text: str) -> None:
             t, done = stack.pop()
             if t in size or (not done and t in visiting):
                 continue
-            refs = [r for r in _TERMINAL_REFS.findall(bodies[t][1]) if r in bodies]
+            refs = refs_of[t]
             if not done:
                 visiting.add(t)
                 stack.append((t, True))

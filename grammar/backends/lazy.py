@@ -406,7 +406,7 @@ class LazyMatcher:
             if "NoExtension" in self._m.get_error() or "NoExtension" in str(self._m.stop_reason()):
                 raise _dead_end()
             error = self._m.get_error().strip().splitlines()[0]
-            if any(mark in error for mark in _LIMIT_MARKS):
+            if any(mark in error.lower() for mark in _LIMIT_MARKS):
                 raise GrammarLimitError(f"the constraint is too large for the grammar matcher at this point of the "
                                         f"output ({error}); write long lists of alternatives as one terminal (a "
                                         f"regex) or split the constraint")
@@ -720,7 +720,7 @@ def _prefetch_executor(todo: list[LazyMatcher], executor) -> list[tuple[LazyMatc
 # How llguidance 1.9.1 words a matcher that reached one of its limits ("Current row has 5001
 # items; max is 2000", "Too many items (limit 50000; mask)", "lexer error: too many expressions
 # constructed", the lexer's fuel).
-_LIMIT_MARKS = ("max is", "Too many", "too many", "(limit ", "fuel")
+_LIMIT_MARKS = ("max is", "too many", "(limit ", "fuel")  # (matched in lowercase)
 
 
 def _dead_end() -> DeadEndError:
