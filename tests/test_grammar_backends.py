@@ -389,6 +389,30 @@ def test_matchers_start_from_the_root_mask_without_sharing_it(both_backends):
     assert _mask_rows(m1, [])[0] == first
 
 
+def test_every_new_bitmask_is_checked_though_the_backend_remembers_the_last_one(both_backends):
+    """A lazy backend remembers the last bitmask a cursor checked, so a new cursor writing into
+    the same rows skips the checks; any other tensor, for any cursor, is still checked (dtype,
+    width, row range), and the rows written are the mask whichever path the check took."""
+    eager, lazy = both_backends
+    prog = Program("regex", r"ab(cd)?|x[0-9]")
+    gl = _grammar(lazy, prog)
+    good = allocate_bitmask(3, SIZE)
+    m1, m2 = gl.matcher(), gl.matcher()
+    m1.fill_bitmask(good, 2)
+    m2.fill_bitmask(good, 0)  # the backend's remembered bitmask: the same rows
+    assert good[0].numpy().tobytes() == good[2].numpy().tobytes() == _mask_rows(_grammar(eager, prog).matcher(), [])[0]
+    bad = [torch.zeros((1, good.shape[1]), dtype=torch.int64), torch.zeros((1, good.shape[1] + 1), dtype=torch.int32),
+           torch.zeros((1, 2 * good.shape[1]), dtype=torch.int32)[:, ::2]]
+    for m in (m1, m2, gl.matcher()):
+        for b in bad:
+            with pytest.raises(ValueError, match="bitmask must be"):
+                m.fill_bitmask(b, 0)
+        with pytest.raises(ValueError, match="outside"):
+            m.fill_bitmask(good, 3)
+        m.fill_bitmask(good, 1)
+        assert good[1].numpy().tobytes() == good[0].numpy().tobytes()
+
+
 JSON_TOKENS = {i: bytes([c]) for i, c in enumerate(b'{}[]":, abcxyz0123456789')} | {30: b'"a', 31: b'":', 32: b"12"}
 JSON_TOKENS_ID = {b: i for i, b in JSON_TOKENS.items()}
 

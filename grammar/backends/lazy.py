@@ -106,6 +106,7 @@ class LazyBackend:
         self._lock = threading.Lock()
         self.eos = frozenset(vocab.eos_token_ids)
         self._c_tokenizer = None  # llg_c.CTokenizer
+        self.checked = None  # (bitmask, row stride in bytes, rows): the last one a matcher checked
         self.uses_c_api = library() is not None
         if self.uses_c_api:
             self.c_tokenizer()  # ~0.5 s for 49 k tokens, 2.7 s for 262 k: paid up front
@@ -332,13 +333,19 @@ class LazyMatcher:
     """
 
     __slots__ = ("_grammar", "_m", "_vocab", "_eos", "_eos_bits", "_words", "_num_tokens", "_terminated",
-                 "_mask", "_view", "_bits", "_mask_ptr", "_mask_valid", "_checked", "_mask_shared", "_size")
+                 "_view", "_bits", "_mask_ptr", "_mask_valid", "_checked", "_mask_shared", "_size")
 
-    def __init__(self, grammar: LazyGrammar, m, mask: torch.Tensor | None = None, shared: bool = False):
+    def __init__(self, grammar: LazyGrammar, m, mask: np.ndarray | None = None, shared: bool = False):
         """``m``: llguidance's matcher, or None for the grammar's root, copied at the first step
         (``_own``). ``mask``: the current state's mask when the caller knows it (int32
-        ``[1, words]``; ``shared``: the root's, never written, else owned by this matcher from now
-        on), or None (computed on first use)."""
+        ``[words]`` of numpy's uint32; ``shared``: the root's, never written, else owned by this
+        matcher from now on), or None (computed on first use).
+
+        The masks live in numpy arrays, not tensors: a torch call on the path of a new schema
+        (to its first mask) cost 40-50 us each where the CPU's caches had gone cold between
+        schemas, as they do between a server's requests (MaskBench's harness, median schema: the
+        allocation and the views of a tensor took 0.09 ms of 1.3; numpy's 0.025).
+        """
         self._grammar = grammar
         self._m = m
         self._vocab = grammar.backend.vocab
@@ -348,7 +355,7 @@ class LazyMatcher:
         self._size = self._vocab.model_vocab_size
         self._num_tokens = 0
         self._terminated = False
-        self._set_buffer(torch.zeros((1, self._words), dtype=torch.int32) if mask is None else mask)
+        self._set_buffer(np.zeros(self._words, np.uint32) if mask is None else mask)
         self._mask_shared = shared
         self._mask_valid = mask is not None
         self._checked = None  # (bitmask, row stride in bytes, rows) of the last bitmask checked
@@ -369,13 +376,12 @@ class LazyMatcher:
             except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter exit)
                 pass
 
-    def _set_buffer(self, mask: torch.Tensor) -> None:
-        """Keep the current state's mask in ``mask`` (int32 ``[1, words]``, contiguous)."""
+    def _set_buffer(self, mask: np.ndarray) -> None:
+        """Keep the current state's mask in ``mask`` (uint32 ``[words]``, contiguous)."""
         self._mask_shared = False
-        self._mask = mask
-        self._view = mask[0].numpy().view(np.uint32)
-        self._bits = memoryview(self._view)  # the same words, read one at a time as Python ints
-        self._mask_ptr = mask.data_ptr()
+        self._view = mask
+        self._bits = memoryview(mask)  # the same words, read one at a time as Python ints
+        self._mask_ptr = mask.__array_interface__["data"][0]
 
     @property
     def grammar(self) -> LazyGrammar:
@@ -492,8 +498,9 @@ class LazyMatcher:
         self._terminated = False
         self._mask_valid = False
 
-    def _current_mask(self) -> torch.Tensor:
-        """The current state's mask, EOS bits set exactly when accepting (cached per state).
+    def _current_mask(self) -> np.ndarray:
+        """The current state's mask (uint32 ``[words]``), EOS bits set exactly when accepting
+        (cached per state).
 
         Raises:
             RuntimeError: llguidance failed, or no token can continue a non-accepting state (the
@@ -503,7 +510,7 @@ class LazyMatcher:
             if self._m is None:
                 self._own()
             if self._mask_shared:  # the root's buffer: this state's mask goes in a buffer of its own
-                self._set_buffer(torch.zeros((1, self._words), dtype=torch.int32))
+                self._set_buffer(np.zeros(self._words, np.uint32))
             if self._m.unsafe_compute_mask_ptr(self._mask_ptr, self._words * 4) is True:  # (llg_c)
                 bits = self._bits
                 for w, b in self._grammar.backend.eos_words:
@@ -511,11 +518,11 @@ class LazyMatcher:
                         break
                 else:  # no EOS bit in a computed mask: final as it stands (``_finish_mask``)
                     self._mask_valid = True
-                    return self._mask
+                    return self._view
                 self._finish_mask()
             else:  # (the Python bindings' call returns None)
                 self._finish_mask()
-        return self._mask
+        return self._view
 
     @property
     def needs_mask(self) -> bool:
@@ -523,7 +530,7 @@ class LazyMatcher:
         return not self._mask_valid and not self._terminated
 
     def _finish_mask(self) -> None:
-        """Check llguidance's raw mask in ``self._mask`` and set the EOS bits; mark it valid.
+        """Check llguidance's raw mask in ``self._view`` and set the EOS bits; mark it valid.
 
         llguidance computes a real mask unless the matcher is stopped or failed, when it writes
         its EOS set as a stand-in (``compute_mask_or_eos`` in its ``python_ext/src/llmatcher.rs``);
@@ -568,8 +575,13 @@ class LazyMatcher:
         """
         checked = self._checked
         if checked is None or checked[0] is not bitmask:
-            _check_bitmask(bitmask, row, self._words)
-            checked = self._checked = (bitmask, bitmask.stride(0) * 4, bitmask.shape[0])
+            # The backend keeps the last bitmask checked: a new cursor writing into the same
+            # rows as the last one (a server's batch bitmask) asks torch nothing more.
+            checked = self._grammar.backend.checked
+            if checked is None or checked[0] is not bitmask:
+                _check_bitmask(bitmask, row, self._words)
+                checked = self._grammar.backend.checked = (bitmask, bitmask.stride(0) * 4, bitmask.shape[0])
+            self._checked = checked
         if not 0 <= row < checked[2]:
             raise ValueError(f"row {row} outside [0, {checked[2]})")
         dst = bitmask.data_ptr() + row * checked[1]
@@ -594,7 +606,7 @@ class LazyMatcher:
         self._own()
         out: list[int] = []
         while len(out) < max_n:
-            mask = self._current_mask()[0].numpy().view(np.uint8)
+            mask = self._current_mask().view(np.uint8)
             nz = np.flatnonzero(mask)
             if nz.size == 0 or nz.size > 8:  # cheap exit: many allowed tokens
                 break
@@ -700,19 +712,19 @@ def _prefetch_c(matchers: list[LazyMatcher], pool, workers: int) -> list[tuple[L
 def _prefetch_executor(todo: list[LazyMatcher], executor) -> list[tuple[LazyMatcher, Exception]]:
     """The masks of Python-binding matchers through ``executor`` (``LLExecutor``)."""
     words = todo[0]._words
-    rows = torch.empty((len(todo), words), dtype=torch.int32)
+    rows = np.empty((len(todo), words), np.uint32)
     try:
-        executor.unsafe_compute_mask_ptr([(m._m, k) for k, m in enumerate(todo)], rows.data_ptr(), words * 4,
-                                         len(todo))
+        executor.unsafe_compute_mask_ptr([(m._m, k) for k, m in enumerate(todo)],
+                                         rows.__array_interface__["data"][0], words * 4, len(todo))
     except Exception:  # noqa: BLE001 - each matcher computes (and reports) its own mask instead
         return []
     failed = []
     for k, m in enumerate(todo):
-        m._set_buffer(rows[k:k + 1])
+        m._set_buffer(rows[k])
         try:
             m._finish_mask()
         except Exception as e:  # noqa: BLE001 - reported to the caller, request by request
-            m._set_buffer(torch.zeros((1, words), dtype=torch.int32))
+            m._set_buffer(np.zeros(words, np.uint32))
             failed.append((m, e))
     return failed
 
