@@ -1,6 +1,7 @@
 """Character sets and the regex text shared by the JSON Schema compiler.
 
-A ``CharSet`` is a sorted tuple of disjoint inclusive code-point ranges. It is turned into
+A ``CharSet`` is a sorted tuple of disjoint, non-adjacent inclusive code-point ranges (what
+``charset`` makes; every operation here takes and returns that form). It is turned into
 regex text in the one dialect both Python ``re`` and outlines-core 0.2.14 (Rust
 ``regex-automata`` syntax, Unicode mode, matching UTF-8 bytes) read the same way: classes
 with every metacharacter escaped, control characters as ``\\xHH`` and everything else as the
@@ -69,11 +70,27 @@ def complement(s: CharSet) -> CharSet:
 
 
 def intersect(a: CharSet, b: CharSet) -> CharSet:
-    return complement(union(complement(a), complement(b)))
+    """The characters in both: one sweep over the two sorted range lists (the pieces come out
+    sorted, and no two adjacent, since neither input has adjacent ranges)."""
+    out = []
+    i = j = 0
+    na, nb = len(a), len(b)
+    while i < na and j < nb:
+        alo, ahi = a[i]
+        blo, bhi = b[j]
+        lo = alo if alo > blo else blo
+        hi = ahi if ahi < bhi else bhi
+        if lo <= hi:
+            out.append((lo, hi))
+        if ahi < bhi:
+            i += 1
+        else:
+            j += 1
+    return tuple(out)
 
 
 def subtract(a: CharSet, b: CharSet) -> CharSet:
-    return intersect(a, complement(b))
+    return intersect(a, complement(b)) if b else a
 
 
 def contains(s: CharSet, cp: int) -> bool:
@@ -111,12 +128,18 @@ def literal(text: str) -> str:
     return "".join(out)
 
 
+_NOT_SURROGATE: CharSet = ((0, 0xD7FF), (0xE000, MAX_CP))
+
+
 def _without_surrogates(s: CharSet) -> CharSet:
-    return subtract(s, ((0xD800, 0xDFFF),))
+    return intersect(s, _NOT_SURROGATE)
 
 
+@functools.lru_cache(maxsize=4096)
 def class_regex(s: CharSet) -> str | None:
-    """Regex text for one character of ``s`` (None when ``s`` is empty)."""
+    """Regex text for one character of ``s`` (None when ``s`` is empty); kept per set, since
+    the same classes (digits, word characters, "any but a quote") come back in pattern after
+    pattern."""
     s = _without_surrogates(s)
     if not s:
         return None

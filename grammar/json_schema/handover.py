@@ -748,14 +748,7 @@ def _decoded(node) -> str | None:
     characters: the language ``pattern.emit`` writes over their JSON encodings (None: empty)."""
 
     if isinstance(node, sp.Atom):
-        chars = cs.subtract(node.chars, ((0xD800, 0xDFFF),))
-        if chars == cs.subtract(cs.ANY_CHAR, ((0xD800, 0xDFFF),)):
-            return _ANY
-        # Without the characters no string can spell (controls without a named escape, U+007F):
-        # the same language, and llguidance quotes a set holding every control with every
-        # escape, ``\\"`` and ``\\\\`` included even where the set lacks those (derivre's
-        # ``quote_all_ctrl``): ``[^\\\\]`` would take a backslash.
-        return cs.class_regex(cs.subtract(chars, _UNWRITTEN))
+        return _decoded_atom(node.chars)
     if isinstance(node, sp.Seq):
         return seq(*(_decoded(i) for i in node.items))
     if isinstance(node, sp.Alt):
@@ -763,6 +756,22 @@ def _decoded(node) -> str | None:
     if isinstance(node, sp.Rep):
         return repeat(_decoded(node.item), node.lo, node.hi)
     raise _Refused("anchor inside the pattern")
+
+
+@functools.lru_cache(maxsize=4096)
+def _decoded_atom(chars: cs.CharSet) -> str | None:
+    """``_decoded`` of one atom, a set of characters (kept per set, as ``cs.class_regex``)."""
+    chars = cs.subtract(chars, ((0xD800, 0xDFFF),))
+    if chars == _ANY_SCALAR:
+        return _ANY
+    # Without the characters no string can spell (controls without a named escape, U+007F):
+    # the same language, and llguidance quotes a set holding every control with every
+    # escape, ``\\"`` and ``\\\\`` included even where the set lacks those (derivre's
+    # ``quote_all_ctrl``): ``[^\\\\]`` would take a backslash.
+    return cs.class_regex(cs.subtract(chars, _UNWRITTEN))
+
+
+_ANY_SCALAR = cs.subtract(cs.ANY_CHAR, ((0xD800, 0xDFFF),))
 
 
 def _numbers(s: dict) -> dict:
