@@ -252,6 +252,29 @@ def test_the_handed_over_schema_spells_each_part():
                                                   {"type": "integer", "maximum": -1}]}}}
 
 
+_LEAVES = [{"type": t, **extra} for t in ("string", "number", "integer", "boolean", "null")
+           for extra in ({}, {"description": "d", "title": "t", "examples": [1]}, {"$id": "x", "default": None})]
+_LEAVES += [{"type": "string", "minLength": 2}, {"type": "string", "maxLength": 5.0, "description": "d"},
+            {"type": "string", "minLength": 3, "maxLength": 1}, {"type": "string", "maxLength": -1},
+            {"type": "string", "maxLength": 10 ** 6}, {"type": "string", "minLength": True}]
+# not leaves: these go _node's way whatever their type
+_NOT_LEAVES = [{"type": "string", "pattern": "a"}, {"type": "integer", "minimum": 1}, {"type": "number", "enum": [1]},
+               {"type": "array"}, {"type": ["string"]}, {"type": "strange"}, {"type": "string", "x-unknown": 1}]
+
+
+@pytest.mark.parametrize("leaf", _LEAVES + _NOT_LEAVES, ids=json.dumps)
+def test_a_leaf_is_written_at_once_as_the_general_path_writes_it(leaf):
+    """``_Writer.node``'s shortcut for leaves gives what ``_Writer._node`` gives (or refuses as it does)."""
+    from grammar.json_schema.handover import _Refused, _Writer
+
+    def written(fn):
+        try:
+            return json.dumps(fn(leaf), sort_keys=True)
+        except _Refused as e:
+            return f"refused {e}"
+
+    assert written(_Writer(leaf).node) == written(_Writer(leaf)._node)
+
 def test_repeated_parts_are_written_once_as_definitions():
     from grammar.json_schema.handover import share_repeats
 

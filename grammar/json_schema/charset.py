@@ -51,6 +51,9 @@ def charset(*ranges: tuple[int, int]) -> CharSet:
 
 def chars(text: str) -> CharSet:
     """The set of the characters of ``text``."""
+    if len(text) == 1:
+        cp = ord(text)
+        return ((cp, cp),)
     return charset(*((ord(c), ord(c)) for c in text))
 
 

@@ -132,6 +132,10 @@ _HANDLED = {"type", "properties", "required", "additionalProperties", "items", "
             "enum", "const", "anyOf", "$ref", "pattern", "format", "allOf", "patternProperties", "oneOf",
             "minProperties", "maxProperties", "prefixItems", "additionalItems"}
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+# The keys of a leaf per scalar type (``_Writer.node`` writes it at once): annotations, "type",
+# and a string's lengths (bounds and patterns, formats, enums take ``_node``'s way).
+_LEAVES = {t: frozenset(ANNOTATIONS | {"type"} | ({"minLength", "maxLength"} if t == "string" else set()))
+           for t in ("string", "number", "integer", "boolean", "null")}
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 ESCAPES = 'nrbtf\\"'  # llguidance's json_allowed_escapes: the named escapes, no \u
 
@@ -258,7 +262,17 @@ class _Writer:
     # -- one schema ------------------------------------------------------------------------
     def node(self, s: object) -> dict:
         """The llguidance schema of ``s``, in the order of Stencil's ``SchemaCompiler._sub``:
-        a reference, then finite values, ``allOf``, ``anyOf``, ``oneOf``, then the types."""
+        a reference, then finite values, ``allOf``, ``anyOf``, ``oneOf``, then the types.
+
+        A leaf (one scalar type, with annotations, and a string's lengths) is written at once:
+        what ``_node`` writes for it, without its checks for the keywords it lacks; most of a
+        schema's nodes are leaves (``test_grammar_handover`` compares the two paths)."""
+        if type(s) is dict:
+            t = s.get("type")
+            if type(t) is str:
+                leaf = _LEAVES.get(t)
+                if leaf is not None and s.keys() <= leaf:
+                    return self.typed(_normalize(s), t)
         key = id(s) if isinstance(s, dict) else None
         if key is not None and key in self.memo:  # a schema object reached twice is written once
             return self.memo[key][1]
@@ -307,7 +321,7 @@ class _Writer:
                 raise _Refused(k)
         types = self.types(s)
         parts = [self.typed(s, t) for t in types]
-        parts = [p for part in parts for p in (part["anyOf"] if set(part) == {"anyOf"} else [part])]
+        parts = [p for part in parts for p in (part["anyOf"] if len(part) == 1 and "anyOf" in part else [part])]
         return parts[0] if len(parts) == 1 else {"anyOf": parts}
 
     def compiler(self):

@@ -16,6 +16,7 @@ and anchors in the middle raise ``PatternError``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from grammar.base import MAX_REPEAT_COUNT
@@ -59,6 +60,15 @@ class Rep:
 class Anchor:
     start: bool  # True: ^ or \A; False: $ (newline allowed before the end) or \Z
     newline_ok: bool = False
+
+
+_DOT = Atom(cs.complement(cs.chars("\n")))
+
+
+@functools.lru_cache(maxsize=1024)
+def _literal(c: str) -> Atom:
+    """The atom of one literal character (atoms are immutable: one per character serves all)."""
+    return Atom(cs.chars(c))
 
 
 _SIMPLE_ESCAPES = {"t": 9, "n": 10, "r": 13, "f": 12, "v": 11, "a": 7, "0": 0}
@@ -156,7 +166,7 @@ class _Parser:
             return self.char_class()
         if c == ".":
             self.i += 1
-            return Atom(cs.complement(cs.chars("\n")))
+            return _DOT
         if c == "^":
             self.i += 1
             return Anchor(start=True)
@@ -168,7 +178,7 @@ class _Parser:
         if c == "\\":
             return self.escape(in_class=False)
         self.i += 1
-        return Atom(cs.chars(c))
+        return _literal(c)
 
     def group(self):
         self.i += 1
