@@ -127,7 +127,8 @@ class GrammarCompiler:
                 ``line``/``column`` for Lark grammars, ``keyword``/``path`` for schemas).
             GrammarTimeout: the compile exceeded ``timeout_s``.
         """
-        return self.submit(spec, backend, hot=hot, _inline=True).result()
+        out = self.submit(spec, backend, hot=hot, _inline=True)
+        return out.result() if isinstance(out, Future) else out
 
     def submit(self, spec: GrammarSpec, backend: str | None = None, *, hot: bool = False,
                client: str | None = None, _inline: bool = False) -> "Future[CompiledGrammar]":
@@ -148,6 +149,8 @@ class GrammarCompiler:
             ValueError: an unknown ``backend``.
             RuntimeError: the compiler is closed.
         """
+        # (``_inline``, from ``compile`` alone: a grammar that is ready comes back as itself, not
+        # in a future, which spares the caller two futures and their locks on the first-mask path)
         policy = self.policy if backend is None else backend
         if policy not in POLICIES:
             raise ValueError(f"grammar backend must be one of {POLICIES}, got {policy!r}")
@@ -161,7 +164,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.stats.cache_hits += 1
                 hit.sightings += 1
-                return self._serve(hit, policy, hot or hit.sightings >= 2, pin)
+                return self._serve(hit, policy, hot or hit.sightings >= 2, pin, _inline)
             failed = self._recent_failure(key)
             if failed is not None:
                 self.stats.cache_hits += 1
@@ -189,7 +192,7 @@ class GrammarCompiler:
                 first.set_exception(e)
                 return _done(exc=_own_copy(e))
             first.set_result(grammar)
-            return self._serve(grammar, policy, hot, pin)  # (what ``_chain`` would give, without its futures)
+            return self._serve(grammar, policy, hot, pin, True)  # (what ``_chain`` would give, without its futures)
         out = Future()
         first.add_done_callback(lambda f: self._chain(f, out, policy, hot, pin))
         return out
@@ -273,12 +276,14 @@ class GrammarCompiler:
         served = self._serve(first.result(), policy, hot, pin)
         served.add_done_callback(lambda f: _copy_result(f, out))
 
-    def _serve(self, grammar: CompiledGrammar, policy: str, hot: bool, pin: bool) -> Future:
+    def _serve(self, grammar: CompiledGrammar, policy: str, hot: bool, pin: bool, ready: bool = False):
         """A future of ``grammar`` as ``policy`` wants it (builds what is missing); ``pin``: its
-        matchers come from that backend even when the other one is ready."""
+        matchers come from that backend even when the other one is ready. ``ready``: a grammar
+        that needs no build comes back as itself, not in a future."""
+        done = (lambda g: g) if ready else _done
         if policy in ("lazy", "eager"):
             if grammar.has(policy):
-                return _done(grammar.using(policy) if pin else grammar)
+                return done(grammar.using(policy) if pin else grammar)
             return self._ensure(grammar, policy, wait=True, pin=pin)
         # auto: whatever is ready now; the eager index later, in the background, when hot.
         if (hot and (grammar.program.regular or grammar.program.kind == "json") and not grammar.has("eager")
@@ -286,7 +291,7 @@ class GrammarCompiler:
             # (a "json" program is regular when Stencil's own translation is: found in the build)
             self._ensure(grammar, "eager", wait=False, exact_only=True)
         if grammar.has("eager") or grammar.has("lazy"):
-            return _done(grammar)
+            return done(grammar)
         return self._ensure(grammar, "lazy", wait=True, pin=False)
 
     def backend_kinds(self, name: str) -> frozenset:

@@ -57,8 +57,9 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
             schema = json.loads(spec.value)
         except json.JSONDecodeError as e:
             raise GrammarError(f"schema is not valid JSON: {e.msg}") from None
-        from grammar.json_schema import schema_to_program
-        from grammar.json_schema.schema_compiler import SharedProofs
+        # (from the module itself: the package's lazy names cost a trip through importlib's
+        # Python code on every call)
+        from grammar.json_schema.schema_compiler import SharedProofs, schema_to_program
 
         shared = SharedProofs()  # (what a refused handover proved, for the translation after it)
         if grammar and handover:

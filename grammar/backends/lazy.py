@@ -257,7 +257,8 @@ class LazyGrammar:
         probe = LazyMatcher(self, root)
         try:
             # Warms the start's lexer states; the mask is kept for every matcher's first step.
-            self._root_mask = probe._current_mask()
+            probe._current_mask()
+            self._root_buf = (probe._view, probe._bits, probe._mask_ptr)
         except RuntimeError:
             if root.is_error() and "NoExtension" not in root.get_error():
                 raise GrammarError("cannot compile: " + root.get_error().strip().splitlines()[0]) from None
@@ -277,7 +278,7 @@ class LazyGrammar:
         waits for it: a finished cursor's, reset (``_give_back``), or else a copy of the root."""
         with self._root_lock:
             first, self._handed_out = not self._handed_out, True
-        return LazyMatcher(self, None if first else self._copy_root(), self._root_mask, shared=True)
+        return LazyMatcher(self, None if first else self._copy_root(), self._root_buf, shared=True)
 
     def _copy_root(self):
         """An llguidance matcher in the start state: a pooled one, reset, else a copy of the root."""
@@ -335,11 +336,12 @@ class LazyMatcher:
     __slots__ = ("_grammar", "_m", "_vocab", "_eos", "_eos_bits", "_words", "_num_tokens", "_terminated",
                  "_view", "_bits", "_mask_ptr", "_mask_valid", "_checked", "_mask_shared", "_size")
 
-    def __init__(self, grammar: LazyGrammar, m, mask: np.ndarray | None = None, shared: bool = False):
+    def __init__(self, grammar: LazyGrammar, m, mask: tuple | None = None, shared: bool = False):
         """``m``: llguidance's matcher, or None for the grammar's root, copied at the first step
-        (``_own``). ``mask``: the current state's mask when the caller knows it (int32
-        ``[words]`` of numpy's uint32; ``shared``: the root's, never written, else owned by this
-        matcher from now on), or None (computed on first use).
+        (``_own``). ``mask``: the current state's mask when the caller knows it, as another
+        matcher holds it (``(_view, _bits, _mask_ptr)``: uint32 ``[words]``, its memoryview, its
+        address; ``shared``: the root's, never written, else owned by this matcher from now on),
+        or None (computed on first use).
 
         The masks live in numpy arrays, not tensors: a torch call on the path of a new schema
         (to its first mask) cost 40-50 us each where the CPU's caches had gone cold between
@@ -355,7 +357,10 @@ class LazyMatcher:
         self._size = self._vocab.model_vocab_size
         self._num_tokens = 0
         self._terminated = False
-        self._set_buffer(np.zeros(self._words, np.uint32) if mask is None else mask)
+        if mask is None:
+            self._set_buffer(np.zeros(self._words, np.uint32))
+        else:
+            self._view, self._bits, self._mask_ptr = mask
         self._mask_shared = shared
         self._mask_valid = mask is not None
         self._checked = None  # (bitmask, row stride in bytes, rows) of the last bitmask checked
