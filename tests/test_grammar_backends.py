@@ -561,3 +561,30 @@ def test_a_cursor_dropped_while_its_grammar_is_locked_is_freed_not_waited_for():
     assert m2.accept_tokens([JSON_TOKENS_ID[b"b"]])
     del m2
     assert len(g._pool) == 1
+
+
+def test_every_c_matcher_is_freed_once_when_its_last_reference_goes(monkeypatch):
+    """A C API matcher (``llg_c.CMatcher``) hands its pointer to the freeing thread exactly once,
+    when it is dropped: the root and the copies of a grammar, and the matchers its cursors gave
+    back to its pool, all with the grammar; none before."""
+    from grammar.backends import llg_c
+
+    if llg_c.library() is None:
+        pytest.skip("llguidance is not the release the C API binding is for")
+    freed: list[int] = []
+    monkeypatch.setattr(llg_c, "_FREE", lambda lib, ptr: freed.append(ptr))
+    vocab = TokenVocabulary.from_token_bytes(JSON_TOKENS, 40, 48)
+    g = LazyBackend(vocab).build(Program("json", '{"type": "integer"}'))
+    cursors = [g.matcher() for _ in range(3)]  # each owns a copy of the root from its first step
+    for m in cursors:
+        assert m.accept_tokens([JSON_TOKENS_ID[b"1"]])
+    ptrs = {g._root._ptr} | {m._m._ptr for m in cursors}
+    assert len(ptrs) == 4 and 0 not in ptrs
+    extra = g._root.deep_copy()
+    extra_ptr = extra._ptr
+    del extra
+    assert freed == [extra_ptr]
+    del cursors, m  # their matchers go back to the grammar's pool, not freed
+    assert freed == [extra_ptr] and len(g._pool) == 3
+    del g
+    assert sorted(freed) == sorted(ptrs | {extra_ptr})
