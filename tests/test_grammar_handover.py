@@ -148,7 +148,7 @@ def test_the_handed_over_grammar_has_the_masks_of_stencils_own(backend, index, w
     """``share``: repeated parts written once as definitions (``share_repeats``), as for a long schema."""
     from grammar.json_schema import handover
 
-    monkeypatch.setattr(handover, "SHARE_MIN_CHARS", 0 if share else 10 ** 9)
+    monkeypatch.setattr(handover, "SHARE_MIN_NODES", 0 if share else 10 ** 9)
     schema = SCHEMAS[index]
     spec = GrammarSpec.json_schema(schema, whitespace=whitespace)
     handed, own = to_program(spec), to_program(spec, handover=False)

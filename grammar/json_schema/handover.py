@@ -183,7 +183,7 @@ def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
             shared.ids_below = ids
         writer = _Writer(schema, ids, shared)
         body, defs = writer.write()
-        if text is not None and len(text) >= SHARE_MIN_CHARS:
+        if writer.count >= SHARE_MIN_NODES:
             body, defs = share_repeats(body, defs)
     except (_Refused, RecursionError, TypeError, ValueError, KeyError, AttributeError):
         return None
@@ -251,6 +251,7 @@ class _Writer:
         self._compiler = None  # a SchemaCompiler of the root, for Stencil's own allOf merge
         self.shared = shared
         self.depth = 0  # nesting of ``node`` calls
+        self.count = 0  # ``node`` calls: the size of the rewrite (``SHARE_MIN_NODES``)
         self.memo: dict[int, tuple] = {}  # id(schema) → (schema, its llguidance schema)
         self.capped = False  # a maxLength above MAX_MIN_LENGTH was written as Stencil writes it
 
@@ -267,6 +268,7 @@ class _Writer:
         A leaf (one scalar type, with annotations, and a string's lengths) is written at once:
         what ``_node`` writes for it, without its checks for the keywords it lacks; most of a
         schema's nodes are leaves (``test_grammar_handover`` compares the two paths)."""
+        self.count += 1
         if type(s) is dict:
             t = s.get("type")
             if type(t) is str:
@@ -897,7 +899,11 @@ def _check_productive(body: dict, defs: dict[str, dict]) -> None:
         raise _Refused("no finite instance")
 
 
-SHARE_MIN_CHARS = 1000  # schemas this long (as text) get their repeated parts written once
+# Schemas whose rewrite visited this many sub-schemas (``_Writer.count``; about 200 schema
+# objects written) get their repeated parts written once: below, the search for repeats cost
+# more than it saved llguidance on MaskBench-dev (0.05-0.28 ms on average per bin of size),
+# above it saved more (0.2-1.3 ms).
+SHARE_MIN_NODES = 120
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs")
 _SCHEMA_LISTS = ("anyOf", "prefixItems")
 _SCHEMA_SLOTS = ("additionalProperties", "items")
@@ -909,7 +915,7 @@ def share_repeats(body: dict, defs: dict) -> tuple[dict, dict]:
     definition, and referred to: the same language, in fewer nodes for llguidance's JSON compiler,
     which compiles each inline schema anew but a definition once. On the largest MaskBench-dev
     schemas (Kubernetes, Github "ultra") that takes a quarter to a third off llguidance's build;
-    on a median schema it saves less than it costs, hence ``SHARE_MIN_CHARS``. New definitions
+    on a median schema it saves less than it costs, hence ``SHARE_MIN_NODES``. New definitions
     are named ``s0``, ``s1``, ... (the writer's are ``h…`` and ``any…``). Linear in the size of
     the output. The inputs are not modified."""
     ids = ContentIds()
