@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import time
 
+import msgspec
+
 from grammar.base import GrammarError, GrammarSpec, GrammarTimeout, Program
 from grammar.regex_tools import (check_lark_counts, check_lark_size, check_supported, choice_regex,
                                  locate_syntax_error)
@@ -53,10 +55,7 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
             raise GrammarError("choice must be a JSON array of strings")
         return Program("regex", choice_regex(choices))
     if spec.kind == "json_schema":
-        try:
-            schema = json.loads(spec.value)
-        except json.JSONDecodeError as e:
-            raise GrammarError(f"schema is not valid JSON: {e.msg}") from None
+        schema = _load_schema(spec.value)
         # (from the module itself: the package's lazy names cost a trip through importlib's
         # Python code on every call)
         from grammar.json_schema.schema_compiler import SharedProofs, schema_to_program
@@ -96,6 +95,27 @@ def _handed_over(schema: object, spec: GrammarSpec, shared=None) -> Program | No
     capped: list = []
     out = llguidance_schema(schema, spec.whitespace, spec.value, capped, shared)
     return None if out is None else Program("json", dumps(out), own_warnings=bool(capped))
+
+
+_DECODER = msgspec.json.Decoder()
+
+
+def _load_schema(text: str) -> object:
+    """``json.loads(text)``, read by msgspec in a third of the time where it can (what it reads,
+    it reads to the same values); what it refuses (integers past 64 bits, ``1e400``, ``NaN``,
+    lone surrogates, invalid JSON) goes to ``json``.
+
+    Raises:
+        GrammarError: the text is not JSON.
+    """
+    try:
+        return _DECODER.decode(text)
+    except msgspec.MsgspecError:
+        pass
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"schema is not valid JSON: {e.msg}") from None
 
 
 def check_deadline(deadline: float | None) -> None:

@@ -11,6 +11,8 @@ import re
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from grammar.base import GrammarError
 from grammar.json_schema import schema_to_regex
@@ -616,3 +618,28 @@ def test_one_of_told_apart_by_a_required_discriminator_is_proved_in_one_pass():
     # and the schema compiles as the union of its branches
     regex, _ = schema_to_regex({"oneOf": [branch("a"), branch("b")]})
     assert re.fullmatch(regex, '{"kind":"b"}') and not re.fullmatch(regex, '{"kind":"c"}')
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=False)
+                     | st.text(), lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+                     max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON)
+def test_a_schema_text_is_read_to_what_json_reads(value):
+    """The front end reads a schema's text with msgspec where it can, else with ``json``: the
+    same values either way (big integers, infinities and lone surrogates take ``json``'s way)."""
+    from grammar.frontend import _load_schema
+
+    text = json.dumps(value)
+    assert repr(_load_schema(text)) == repr(json.loads(text))
+
+
+def test_schema_text_that_is_not_json_is_a_grammar_error():
+    from grammar.frontend import _load_schema
+
+    for text in ('{"a":', "[1,]", "", '{"a" 1}'):
+        with pytest.raises(GrammarError, match="schema is not valid JSON"):
+            _load_schema(text)
+    assert _load_schema('{"x": NaN, "y": -Infinity, "s": "\\ud800"}')["s"] == "\ud800"
