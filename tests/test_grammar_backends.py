@@ -588,3 +588,29 @@ def test_every_c_matcher_is_freed_once_when_its_last_reference_goes(monkeypatch)
     assert freed == [extra_ptr] and len(g._pool) == 3
     del g
     assert sorted(freed) == sorted(ptrs | {extra_ptr})
+
+
+def test_dropped_matchers_reach_the_freeing_thread_in_batches():
+    """``_Freer`` hands dropped matchers to its thread ``FREE_BATCH`` at a time, each exactly
+    once and in order; the rest wait for the next batch."""
+    import threading
+
+    from grammar.backends import llg_c
+
+    freed: list[int] = []
+    full = threading.Event()
+
+    class Lib:
+        @staticmethod
+        def llg_free_matcher(ptr):
+            freed.append(ptr)
+            if len(freed) == 2 * llg_c.FREE_BATCH:
+                full.set()
+
+    freer = llg_c._Freer()
+    n = 2 * llg_c.FREE_BATCH + 3
+    for ptr in range(1, n + 1):
+        freer(Lib, ptr)
+    assert full.wait(60)  # (a guard against a hang only: the batches are queued already)
+    assert freed == list(range(1, 2 * llg_c.FREE_BATCH + 1))
+    assert [p for _, p in freer._pending] == list(range(2 * llg_c.FREE_BATCH + 1, n + 1))
