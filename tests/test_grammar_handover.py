@@ -358,3 +358,31 @@ def test_maskbench_instances_get_the_same_masks_handed_over_or_not(tokenizer):
         if compared == 12:
             break
     assert compared == 12
+
+
+_SCANNED = [
+    {"$defs": {"inner": {"$id": "http://example.com/inner.json", "$defs": {"b": {"type": "boolean"}},
+                         "type": "object", "properties": {"q": {"$ref": "#/$defs/b"}}, "required": ["q"]}},
+     "type": "object", "properties": {"p": {"$ref": "#/$defs/inner"}}},
+    {"type": "object", "properties": {"id": {"type": "string"}, "n": {"$anchor": "n", "type": "integer"}}},
+    {"type": "object", "properties": {"a": {"type": "string", "x-guidance": {"lenient": True}}}},
+    {"type": "object", "properties": {"a": {"type": "string", "x-stencil-note": 1}}},
+    {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id"]},
+]
+
+
+def _ascii_escaped(text: str) -> str:
+    """``text`` with every "i" and "x" of a key written as a JSON escape (the same document)."""
+    return text.replace('"id"', '"\\u0069d"').replace('"$id"', '"$\\u0069d"').replace('"x-', '"\\u0078-')
+
+
+@pytest.mark.parametrize("schema", _SCANNED, ids=lambda s: json.dumps(s)[:60])
+def test_the_texts_shortcut_finds_what_the_walk_finds(schema):
+    """``llguidance_schema`` skips its walk for identifiers and llguidance's own keys when the
+    schema's text cannot hold them; any spelling of the text (spaces, escaped letters) gives
+    what the walk gives."""
+    want = llguidance_schema(schema, "flexible")
+    for text in (json.dumps(schema, separators=(",", ":")), json.dumps(schema, indent=2),
+                 _ascii_escaped(json.dumps(schema))):
+        assert json.loads(text) == schema
+        assert llguidance_schema(schema, "flexible", text) == want, text

@@ -172,9 +172,9 @@ def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
     try:
         if "$schema" in schema and _draft3(schema["$schema"]):
             return None
-        if text is not None and '"x-' not in text and '"$id"' not in text and '"id"' not in text \
-                and '"$anchor"' not in text:
-            internal = ids = False
+        if text is not None and _ASCII_ESCAPE.search(text) is None and '"x-guidance"' not in text \
+                and '"x-stencil' not in text and _ID_KEY.search(text) is None:
+            internal = ids = False  # (what ``_scan`` looks for is nowhere in the text)
         else:
             internal, ids = _scan(schema)
         if internal:
@@ -207,6 +207,13 @@ def _draft3(uri: object) -> bool:
     URI (the caller refuses the handover)."""
     return validators.validator_for({"$schema": uri}, default=jsonschema.Draft202012Validator) \
         is jsonschema.Draft3Validator
+
+
+# In a schema's JSON text without an escaped ASCII character, a key "x-guidance" or "x-stencil..."
+# is spelled so, and an "$id", "id" or "$anchor" with a string value is the key, a colon and a
+# quote (a property named "id" has a schema, an object, for its value): ``_scan``'s targets.
+_ASCII_ESCAPE = re.compile(r"\\u00[0-7]")
+_ID_KEY = re.compile(r'"(?:\$id|id|\$anchor)"\s*:\s*"')
 
 
 def _scan(root: dict) -> tuple[bool, bool]:
@@ -872,7 +879,13 @@ def _has_type(v: object, types: list[str]) -> bool:
 
 def _check_productive(body: dict, defs: dict[str, dict]) -> None:
     """Refuse unless every definition (and the body) has a finite instance: the fixpoint of
-    productive definitions (Hopcroft and Ullman 1979, §4.4), over the rewritten schemas."""
+    productive definitions (Hopcroft and Ullman 1979, §4.4), over the rewritten schemas.
+
+    Without definitions there is nothing to check: no reference then, and the writer never puts
+    ``false`` where an instance needs a value (a required property, an item below ``minItems``,
+    a branch: it refuses those), so every schema it wrote has a finite instance."""
+    if not defs:
+        return
     done: set[str] = set()
 
     def finite(s: dict) -> bool:
