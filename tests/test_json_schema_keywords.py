@@ -643,3 +643,27 @@ def test_schema_text_that_is_not_json_is_a_grammar_error():
         with pytest.raises(GrammarError, match="schema is not valid JSON"):
             _load_schema(text)
     assert _load_schema('{"x": NaN, "y": -Infinity, "s": "\\ud800"}')["s"] == "\ud800"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text()
+                    | st.tuples(st.integers()), lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text() | st.integers(), inner, max_size=4), max_leaves=12))
+def test_a_schema_is_written_as_json_would_write_it(value):
+    """``GrammarSpec.json_schema``'s text reads back as ``json.dumps``' does (msgspec writes it
+    where it reads back to the value itself; NaN, tuples, big integers and integer keys are
+    ``json``'s)."""
+    from grammar.base import schema_text
+
+    text = schema_text(value)
+    assert repr(json.loads(text)) == repr(json.loads(json.dumps(value)))
+
+
+def test_what_json_cannot_say_is_refused_as_json_refuses_it():
+    import decimal
+
+    from grammar.base import GrammarSpec
+
+    for bad in ({"enum": {1, 2}}, {"const": b"x"}, {"maximum": decimal.Decimal("1.5")}):
+        with pytest.raises(TypeError, match="not JSON serializable"):
+            GrammarSpec.json_schema(bad)
