@@ -325,9 +325,10 @@ class _Writer:
             return {"anyOf": [self.node(b) for b in s["anyOf"]]}
         if "oneOf" in s:
             return self.one_of(s)
-        for k in s:
-            if k in self.known and k not in self.annotations:
-                raise _Refused(k)
+        if not s.keys().isdisjoint(self.known):  # (at C speed: most schemas have none)
+            for k in s:
+                if k in self.known and k not in self.annotations:
+                    raise _Refused(k)
         types = self.types(s)
         parts = [self.typed(s, t) for t in types]
         parts = [p for part in parts for p in (part["anyOf"] if len(part) == 1 and "anyOf" in part else [part])]
@@ -507,10 +508,11 @@ class _Writer:
         else:
             addl_out = self.node(addl)
         out_props = {}
+        if _NOT_PLAIN_KEY.search("".join(props)) is not None:  # (one search for all the names)
+            raise _Refused("property name")
+        req = set(required)
         for name, sub in props.items():
-            if not _plain_text(name, keys=True):
-                raise _Refused("property name")
-            if sub is False and name not in required:
+            if sub is False and name not in req:
                 # a key that may not appear: neither writes it (llguidance skips an unsatisfiable
                 # optional property and takes its name from the additional keys, as Stencil does)
                 out_props[name] = False
@@ -527,7 +529,8 @@ class _Writer:
                 if not _plain_text(name, keys=True):
                     raise _Refused("property name")
                 out_props[name] = self.node(declared_addl)
-        if sum(1 for k, v in out_props.items() if v is not False and k not in required) > MAX_OPTIONAL:
+        if len(out_props) - len(req) > MAX_OPTIONAL and \
+                sum(1 for k, v in out_props.items() if v is not False and k not in req) > MAX_OPTIONAL:
             raise _Refused("optional properties")
         out = {"type": "object", "properties": out_props, "additionalProperties": addl_out}
         if patterns:
