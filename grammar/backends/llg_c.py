@@ -234,7 +234,8 @@ class CMatcher:
         # Freed when the last reference goes (``_FREE``'s thread). Not at the interpreter's exit,
         # when the process's end frees it (and the thread may be gone). A ``__del__``, not a
         # ``weakref.finalize``: one fifth of the cost per matcher, on every new schema's path.
-        ptr, self._ptr = self._ptr, 0
+        ptr = getattr(self, "_ptr", 0)  # (unset where ``__init__`` raised)
+        self._ptr = 0
         if ptr and not sys.is_finalizing():
             try:
                 _FREE(self._lib, ptr)
