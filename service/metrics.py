@@ -73,6 +73,8 @@ class _EngineCollector:
                 "stencil_grammar_disk_hits": ("grammar requests served from the disk cache", gstats.disk_hits),
                 "stencil_grammar_errors": ("grammar compiles that failed", gstats.errors),
                 "stencil_grammar_timeouts": ("grammar compiles that timed out", gstats.timeouts),
+                "stencil_grammar_eager_failures": ("eager index builds that failed or timed out (the "
+                                                   "grammar stays on the lazy backend)", gstats.eager_failures),
             })
             summ = SummaryMetricFamily("stencil_grammar_compile_seconds", "time to compile one grammar",
                                        count_value=gstats.compile_ms_count,
