@@ -42,10 +42,8 @@ def _wait(pred, timeout_s: float = 20.0) -> bool:
     return False
 
 
-async def _timed_post(ac: httpx.AsyncClient, path: str, body: dict) -> tuple[httpx.Response, float]:
-    t0 = time.perf_counter()
-    r = await ac.post(path, json=body)
-    return r, time.perf_counter() - t0
+async def _post(ac: httpx.AsyncClient, path: str, body: dict) -> httpx.Response:
+    return await ac.post(path, json=body)
 
 
 def test_burst_beyond_the_queue_gets_429_and_admitted_requests_complete(server):
@@ -56,37 +54,36 @@ def test_burst_beyond_the_queue_gets_429_and_admitted_requests_complete(server):
         async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as ac:
             # Fill the running slots first, then the queue: requests that arrive between two engine
             # steps all count as waiting until the next step admits some.
-            admitted = [asyncio.ensure_future(_timed_post(ac, "/generate", LONG)) for _ in range(RUNNING)]
+            admitted = [asyncio.ensure_future(_post(ac, "/generate", LONG)) for _ in range(RUNNING)]
             assert await asyncio.to_thread(_wait, lambda: eng.stats()["running"] == RUNNING), eng.stats()
-            admitted += [asyncio.ensure_future(_timed_post(ac, "/generate", LONG)) for _ in range(WAITING)]
+            admitted += [asyncio.ensure_future(_post(ac, "/generate", LONG)) for _ in range(WAITING)]
             assert await asyncio.to_thread(_wait, lambda: eng.stats()["waiting"] == WAITING), eng.stats()
-            burst = await asyncio.gather(*(_timed_post(ac, "/generate", {**LONG, "prompt": f"extra {i}"})
+            burst = await asyncio.gather(*(_post(ac, "/generate", {**LONG, "prompt": f"extra {i}"})
                                            for i in range(10)))
-            openai = await _timed_post(ac, "/v1/completions", {"prompt": "extra", "max_tokens": 4})
-            t0 = time.perf_counter()
+            openai = await _post(ac, "/v1/completions", {"prompt": "extra", "max_tokens": 4})
             h = await ac.get("/health")
-            health_s = time.perf_counter() - t0
+            # The refusals and the health answer came while every admitted request still ran: none
+            # of them waited for a slot (no clock needed to say so).
             assert eng.stats()["running"] == RUNNING, "the burst ran out before the admitted requests"
-            return await asyncio.gather(*admitted), burst, openai, (h, health_s)
+            return await asyncio.gather(*admitted), burst, openai, h
 
-    admitted, burst, openai, (health, health_s) = asyncio.run(scenario())
+    admitted, burst, openai, health = asyncio.run(scenario())
 
-    for r, seconds in burst:
+    for r in burst:
         assert r.status_code == 429, r.text
-        assert r.headers["retry-after"] == "2" and seconds < 2.0, (r.headers, seconds)
+        assert r.headers["retry-after"] == "2", r.headers
         p = r.json()
         assert p["title"] == "Too Many Requests" and f"limit {WAITING}" in p["detail"], p
-    r, seconds = openai
-    assert r.status_code == 429 and r.headers["retry-after"] == "2" and seconds < 2.0, r.text
+    r = openai
+    assert r.status_code == 429 and r.headers["retry-after"] == "2", r.text
     assert r.json()["error"]["type"] == "rate_limit_error"
-    assert health.status_code == 200 and health_s < 2.0, health_s
+    assert health.status_code == 200, health.text
 
-    for r, seconds in admitted:
+    for r in admitted:
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["finish_reason"] == "length" and body["usage"]["completion_tokens"] == LONG["max_tokens"]
         assert re.fullmatch("[ab]+", body["text"])
-        assert seconds < 120
 
     assert _wait(lambda: eng.stats()["running"] == 0 and eng.stats()["waiting"] == 0)
     stats = eng.stats()
