@@ -108,8 +108,8 @@ def schema_text(schema: object) -> str:
         out = _ENCODER.encode(schema)
         if _DECODER.decode(out) == schema:
             return out.decode()
-    except (msgspec.MsgspecError, TypeError, ValueError, OverflowError, UnicodeError):
-        pass
+    except (msgspec.MsgspecError, TypeError, ValueError, OverflowError, UnicodeError, RecursionError):
+        pass  # (a circular schema: json says so, "Circular reference detected")
     return json.dumps(schema, sort_keys=False, separators=(",", ":"))
 
 

@@ -9,6 +9,7 @@ programs, so the language of a spec does not depend on which backend serves it.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import msgspec
@@ -56,6 +57,8 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         return Program("regex", choice_regex(choices))
     if spec.kind == "json_schema":
         schema = _load_schema(spec.value)
+        if "x-stencil" in spec.value or _ASCII_ESCAPE.search(spec.value) is not None:
+            _refuse_reserved_keys(schema)
         # (from the module itself: the package's lazy names cost a trip through importlib's
         # Python code on every call)
         from grammar.json_schema.schema_compiler import SharedProofs, schema_to_program
@@ -116,6 +119,31 @@ def _load_schema(text: str) -> object:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise GrammarError(f"schema is not valid JSON: {e.msg}") from None
+
+
+_ASCII_ESCAPE = re.compile(r"\\u00[0-7]")  # an escaped ASCII character in JSON text
+
+
+def _refuse_reserved_keys(schema: object) -> None:
+    """Raise where a key of ``schema`` is one Stencil's compiler writes for itself
+    (``x-stencil-*``: its rewriting of ``not`` and ``if``): in a user's schema it would change
+    the language behind the validator's back (the validator ignores it).
+
+    Raises:
+        GrammarError: naming the key and where it is.
+    """
+    stack: list = [(schema, "#")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(k, str) and k.startswith("x-stencil"):
+                    raise GrammarError(f"'{k}' is a key Stencil reserves for its own rewriting of schemas",
+                                       keyword=k, path=path)
+                if isinstance(v, (dict, list)):
+                    stack.append((v, f"{path}/{k}"))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}/{i}") for i, v in enumerate(node) if isinstance(v, (dict, list)))
 
 
 def check_deadline(deadline: float | None) -> None:

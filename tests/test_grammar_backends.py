@@ -621,3 +621,15 @@ def test_dropped_matchers_reach_the_freeing_thread_in_batches():
     except TypeError:
         pass
     assert freed == [7, 9]
+
+
+def test_a_lone_surrogate_in_a_program_is_a_grammar_error():
+    """A Python schema may hold a lone surrogate, which no UTF-8 text spells: the C API's
+    matcher refuses it with a GrammarError, not a UnicodeEncodeError."""
+    from grammar.backends import llg_c
+
+    if llg_c.library() is None:
+        pytest.skip("llguidance is not the release the C API binding is for")
+    vocab = TokenVocabulary.from_token_bytes(JSON_TOKENS, 40, 48)
+    with pytest.raises(GrammarError, match="surrogate"):
+        LazyBackend(vocab).build(Program("json", json.dumps({"enum": ["a\ud800"]}, ensure_ascii=False)))

@@ -667,3 +667,53 @@ def test_what_json_cannot_say_is_refused_as_json_refuses_it():
     for bad in ({"enum": {1, 2}}, {"const": b"x"}, {"maximum": decimal.Decimal("1.5")}):
         with pytest.raises(TypeError, match="not JSON serializable"):
             GrammarSpec.json_schema(bad)
+
+
+@pytest.mark.parametrize("key, value", [("maximum", float("nan")), ("minimum", float("-inf")),
+                                        ("exclusiveMaximum", float("inf"))])
+def test_a_bound_that_is_no_finite_number_is_a_grammar_error_naming_it(key, value):
+    """A Python schema may hold NaN or an infinity (JSON text cannot): a GrammarError naming the
+    keyword, not an arithmetic exception from inside the compiler."""
+    from grammar.base import GrammarSpec
+    from grammar.frontend import to_program
+
+    for t in ("number", "integer"):
+        with pytest.raises(GrammarError, match="finite") as info:
+            to_program(GrammarSpec.json_schema({"type": t, key: value}))
+        assert info.value.keyword == key
+
+
+def test_a_float_bound_from_2_to_the_53_is_its_exact_value():
+    """``1.152921504606847e18`` is the float 2**60 exactly; Python's validator compares an
+    integer instance with that value, and so does the grammar (it read the shortest decimal,
+    1152921504606847000, before: integers up to it were admitted and failed validation)."""
+    schema = {"type": "integer", "minimum": 1152921504606846900, "maximum": 1.152921504606847e18}
+    rx, _ = schema_to_regex(schema)
+    check = jsonschema.Draft202012Validator(schema)
+    for n in (1152921504606846900, 1152921504606846975, 2 ** 60, 2 ** 60 + 1, 1152921504606846990,
+              1152921504606847000, 1152921504606846899):
+        assert bool(re.fullmatch(rx, str(n))) == check.is_valid(n), n
+
+
+@pytest.mark.parametrize("text", ['{"type":"string","x-stencil-not-strings":["x"]}',
+                                  '{"properties":{"a":{"x-stencil-not-patterns":["^a"]}}}',
+                                  '{"type":"string","\\u0078-stencil-not-strings":["x"]}'])
+def test_stencils_own_keys_are_refused_in_a_users_schema(text):
+    """``x-stencil-*`` keys are what the compiler writes for itself (``not``, ``if``): in a
+    user's schema they would narrow the language where the validator does not look."""
+    from grammar.base import GrammarSpec
+    from grammar.frontend import to_program
+
+    with pytest.raises(GrammarError, match="reserves") as info:
+        to_program(GrammarSpec("json_schema", text))
+    assert info.value.keyword.startswith("x-stencil")
+    assert to_program(GrammarSpec.json_schema({"enum": ["x-stencil-not-strings"]})).kind in ("json", "regex")
+
+
+def test_a_circular_schema_is_refused_as_json_refuses_it():
+    from grammar.base import GrammarSpec
+
+    d: dict = {"type": "object"}
+    d["properties"] = {"self": d}
+    with pytest.raises(ValueError, match="Circular reference"):
+        GrammarSpec.json_schema(d)

@@ -213,8 +213,20 @@ class CTokenizer:
 
     def matcher(self, kind: str, data: str) -> "CMatcher":
         """A matcher of grammar ``data`` of ``kind`` ("json" for a JSON Schema); check its
-        ``is_error()``, as with the Python ``LLMatcher``."""
-        ptr = self._lib.llg_new_matcher(self._init, kind.encode(), data.encode())
+        ``is_error()``, as with the Python ``LLMatcher``.
+
+        Raises:
+            GrammarError: ``data`` holds a lone surrogate (U+D800-U+DFFF: a Python schema may;
+                JSON text cannot), which no UTF-8 output can spell.
+        """
+        try:
+            raw = data.encode()
+        except UnicodeEncodeError as e:
+            from grammar.base import GrammarError
+
+            raise GrammarError(f"the constraint holds a lone surrogate (U+{ord(e.object[e.start]):04X}), "
+                               "which no UTF-8 text can spell") from None
+        ptr = self._lib.llg_new_matcher(self._init, kind.encode(), raw)
         return CMatcher(self._lib, ptr, self)
 
 

@@ -11,6 +11,7 @@ regexes, the multiples listed, or the remainder automaton (``multiples``).
 
 from __future__ import annotations
 
+import math
 from decimal import Decimal
 from typing import TYPE_CHECKING
 
@@ -274,20 +275,38 @@ def _multiple_tail(k: int) -> str:
     return "|".join(parts)
 
 
+_BOUND_KEYS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and float(x).is_integer()
 
 
 def _dec(x: object) -> Decimal | None:
+    """A bound as a ``Decimal`` (None where it is no number). A float is read as its shortest
+    decimal (``repr``: what the schema's text said) below 2**53, where no integer lies between
+    that decimal and the float's exact value; from 2**53 on, as its exact value, an integer, which
+    is what Python's validator compares an integer instance with (``2**60`` written
+    ``1.152921504606847e18`` admits no integer above 1152921504606846976)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
-    return Decimal(repr(x)) if isinstance(x, float) else Decimal(x)
+    if isinstance(x, float):
+        return Decimal(x) if abs(x) >= 2 ** 53 else Decimal(repr(x))
+    return Decimal(x)
 
 
 def bounds(s: dict, dec=_dec) -> tuple[Decimal | None, bool, Decimal | None, bool]:
     """``(lo, lo exclusive, hi, hi exclusive)`` of ``s`` (after ``schema_compiler._normalize``):
     the tighter of ``minimum``/``exclusiveMinimum`` and of ``maximum``/``exclusiveMaximum``,
-    each read by ``dec`` (a number to a ``Decimal``, None where it is not one)."""
+    each read by ``dec`` (a number to a ``Decimal``, None where it is not one).
+
+    Raises:
+        GrammarError: a bound is NaN or infinite (what a Python schema may hold; JSON cannot).
+    """
+    for key in _BOUND_KEYS:
+        v = s.get(key)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise GrammarError(f"{key} must be a finite number, got {v!r}", keyword=key)
     lo, lo_x = dec(s.get("minimum")), False
     emin = dec(s.get("exclusiveMinimum"))
     if emin is not None and (lo is None or emin >= lo):
