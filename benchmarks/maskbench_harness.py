@@ -27,7 +27,7 @@ instance got through: must be 0), ``compile_errors``, ``ttfm_ms_p50/p99`` (compi
 over the schemas that compiled), ``mask_us_p50/p99`` (one mask and one token commit, over every
 token the harness fed), and the ratios Stencil / llguidance.
 
-Usage: ``stencil bench maskbench --harness PATH/maskbench --corpus DIR [--limit N]
+Usage: ``stencil bench maskbench --harness JSONSCHEMABENCH --corpus DIR [--limit N]
 [--engines stencil,llguidance] --json PATH``.
 """
 
@@ -48,7 +48,7 @@ ENGINES = ("stencil", "llguidance")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--harness", type=Path, required=True, help="the jsonschemabench maskbench/ folder")
+    parser.add_argument("--harness", type=Path, required=True, help="a checkout of JSONSchemaBench (the folder that holds its maskbench/ package)")
     parser.add_argument("--corpus", type=Path, required=True, help="MaskBench-format schema files")
     parser.add_argument("--limit", type=int, default=None, help="N schemas, evenly spaced")
     parser.add_argument("--timeout", type=float, default=10.0, help="Stencil's compile limit, s")
@@ -313,7 +313,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         add_arguments(parser)
         args = parser.parse_args(args)
     if not (args.harness / "maskbench" / "runner.py").exists():
-        print(f"{args.harness} is not the jsonschemabench maskbench/ folder (no maskbench/runner.py)",
+        print(f"{args.harness} is not a JSONSchemaBench checkout (no maskbench/runner.py in it)",
               file=sys.stderr)
         return 2
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
