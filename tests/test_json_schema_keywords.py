@@ -717,3 +717,21 @@ def test_a_circular_schema_is_refused_as_json_refuses_it():
     d["properties"] = {"self": d}
     with pytest.raises(ValueError, match="Circular reference"):
         GrammarSpec.json_schema(d)
+
+
+@pytest.mark.parametrize("key, value", [("maxLength", 2.5), ("minLength", -1), ("maxLength", True),
+                                        ("maxItems", "3"), ("minItems", -2), ("maxProperties", None)])
+def test_a_count_that_is_no_non_negative_integer_is_a_grammar_error_naming_it(key, value):
+    """What the meta-schema refuses (HTTP answers it with a 400 before the compiler sees it) is
+    refused by the compiler too, for a schema from Python: by keyword and path, on either path
+    (handed to llguidance or Stencil's own translation)."""
+    from grammar.base import GrammarSpec
+    from grammar.frontend import to_program
+
+    schema = {"type": "object", "properties": {"a": {key: value}}, "required": ["a"]}
+    for handover in (True, False):
+        with pytest.raises(GrammarError, match="non-negative integer") as info:
+            to_program(GrammarSpec.json_schema(schema), handover=handover)
+        assert (info.value.keyword, info.value.path) == (key, "#/properties/a")
+    ok = {"type": "object", "properties": {key: {"type": "string", "maxLength": 2.0}}, "required": [key]}
+    assert to_program(GrammarSpec.json_schema(ok)).kind in ("json", "regex")

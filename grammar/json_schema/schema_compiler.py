@@ -306,7 +306,7 @@ class SchemaCompiler:
             raise GrammarError("a schema must be an object or a boolean", keyword="type", path=path)
         if "$ref" in schema and isinstance(schema["$ref"], str):
             return self._ref(schema, path, only_types)
-        schema = _normalize(schema)
+        schema = _normalize(schema, path)
         finite = self._finite_values(schema, path)
         if finite is not None:
             # A finite value set makes every other keyword (not, oneOf, if, ...) decidable:
@@ -786,17 +786,27 @@ _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "m
 _NORMALIZED = frozenset(_COUNTS + ("exclusiveMinimum", "exclusiveMaximum"))
 
 
-def _normalize(schema: dict) -> dict:
+def _normalize(schema: dict, path: str | None = None) -> dict:
     """Rewrite draft-04 boolean ``exclusiveMinimum``/``exclusiveMaximum`` into the numeric form,
-    and integral floats of the count keywords (``"maxLength": 2.0``, valid since draft 6) as ints."""
+    and integral floats of the count keywords (``"maxLength": 2.0``, valid since draft 6) as ints.
+
+    Raises:
+        GrammarError: a count keyword that is no non-negative integer (``2.5``, ``-1``, ``true``:
+            what the meta-schema refuses, which a schema from Python has not been checked
+            against; over HTTP it is a 400 before this), naming it (and ``path``, where given).
+    """
     if schema.keys().isdisjoint(_NORMALIZED):  # the common case, at C speed
         return schema
     out = schema
     for key in _COUNTS:
-        v = out.get(key)
-        if isinstance(v, float) and v.is_integer():
+        if key not in out:
+            continue
+        v = out[key]
+        if isinstance(v, float) and v.is_integer() and v >= 0:
             out = dict(out) if out is schema else out
             out[key] = int(v)
+        elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise GrammarError(f"{key} must be a non-negative integer, got {v!r}", keyword=key, path=path)
     for ex, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
         if isinstance(out.get(ex), bool):
             out = dict(out)
