@@ -9,12 +9,12 @@ programs, so the language of a spec does not depend on which backend serves it.
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import msgspec
 
 from grammar.base import GrammarError, GrammarSpec, GrammarTimeout, Program
+from grammar.json_schema.keywords import ASCII_ESCAPE
 from grammar.regex_tools import (check_lark_counts, check_lark_size, check_supported, choice_regex,
                                  locate_syntax_error)
 
@@ -57,7 +57,7 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         return Program("regex", choice_regex(choices))
     if spec.kind == "json_schema":
         schema = _load_schema(spec.value)
-        if "x-stencil" in spec.value or _ASCII_ESCAPE.search(spec.value) is not None:
+        if "x-stencil" in spec.value or ASCII_ESCAPE.search(spec.value) is not None:
             _refuse_reserved_keys(schema)
         # (from the module itself: the package's lazy names cost a trip through importlib's
         # Python code on every call)
@@ -119,9 +119,6 @@ def _load_schema(text: str) -> object:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise GrammarError(f"schema is not valid JSON: {e.msg}") from None
-
-
-_ASCII_ESCAPE = re.compile(r"\\u00[0-7]")  # an escaped ASCII character in JSON text
 
 
 def _refuse_reserved_keys(schema: object) -> None:

@@ -180,9 +180,6 @@ def check_lark_counts(text: str) -> None:
     Raises:
         GrammarError: ``keyword="grammar"`` with the ``line`` and ``column`` of the count.
     """
-    def fail(message: str, at: int) -> GrammarError:
-        return _lark_error(text, message, at)
-
     frames: list[list[int]] = [[1, 1]]  # per open parenthesis: [most copies inside, last item's]
     total = 0  # the copies of every count so far
     i, n = 0, len(text)
@@ -200,25 +197,26 @@ def check_lark_counts(text: str) -> None:
                 for m in _COUNTED.finditer(text, i + 1, j):
                     times = max((int(x) for x in m.groups() if x), default=0)
                     if times > MAX_REPEAT_COUNT:
-                        raise fail(f"repetition count {times} is above the {MAX_REPEAT_COUNT} a grammar "
-                                   "can count", m.start())
+                        raise _lark_error(text, f"repetition count {times} is above the {MAX_REPEAT_COUNT} a "
+                                                "grammar can count", m.start())
             frames[-1][1] = 1
             i = j + 1
             continue
         if c == "~" and (m := _LARK_COUNT.match(text, i)) is not None:
             times = max(int(x) for x in m.groups() if x)
             if times > MAX_REPEAT_COUNT:
-                raise fail(f"repetition count {times} is above the {MAX_REPEAT_COUNT} a grammar can count", i)
+                raise _lark_error(text, f"repetition count {times} is above the {MAX_REPEAT_COUNT} a grammar "
+                                        "can count", i)
             frame = frames[-1]
             frame[1] *= max(times, 1)
             frame[0] = max(frame[0], frame[1])
             if frame[1] > MAX_REPEAT_COUNT:
-                raise fail(f"counted repetitions nest to {frame[1]} copies of their innermost part, above the "
-                           f"{MAX_REPEAT_COUNT} a grammar can count", i)
+                raise _lark_error(text, f"counted repetitions nest to {frame[1]} copies of their innermost part, "
+                                        f"above the {MAX_REPEAT_COUNT} a grammar can count", i)
             total += frame[1]
             if total > MAX_TOTAL_COPIES:
-                raise fail(f"counted repetitions unroll to {total} copies in all, above the {MAX_TOTAL_COPIES} a "
-                           "grammar can count", i)
+                raise _lark_error(text, f"counted repetitions unroll to {total} copies in all, above the "
+                                        f"{MAX_TOTAL_COPIES} a grammar can count", i)
             i = m.end()
             continue
         if c == "(":
@@ -262,16 +260,13 @@ def check_lark_size(text: str) -> None:
         GrammarError: ``keyword="grammar"`` with the line and column of the first definition
             past the limit, or of the terminal too large.
     """
-    def fail(message: str, at: int) -> GrammarError:
-        return _lark_error(text, message, at)
-
     names: set[str] = set()
     found = list(_LARK_DEFINITION.finditer(text))
     for m in found:
         names.add(m.group(1))
         if len(names) > MAX_LARK_DEFINITIONS:
-            raise fail(f"the grammar defines more than {MAX_LARK_DEFINITIONS} rules and terminals, the most it may",
-                       m.start(1))
+            raise _lark_error(text, f"the grammar defines more than {MAX_LARK_DEFINITIONS} rules and terminals, "
+                                    "the most it may", m.start(1))
     # Terminals are regexes, each written out in full with the terminals it names inside: a
     # terminal naming the next one twice, twenty deep (``T0: T1 T1``, ... 220 bytes), is a regex
     # of millions of characters, which the budget's automaton held the server's memory (8 GB)
@@ -300,9 +295,9 @@ def check_lark_size(text: str) -> None:
             visiting.discard(t)
             size[t] = len(bodies[t][1]) + sum(size.get(r, 0) for r in refs)
             if size[t] > MAX_TERMINAL_CHARS:
-                raise fail(f"terminal {t} is a regex of more than {MAX_TERMINAL_CHARS} characters once the "
-                           "terminals it names are written into it; name shared parts with rules (lowercase), "
-                           "which are not copied", bodies[t][0])
+                raise _lark_error(text, f"terminal {t} is a regex of more than {MAX_TERMINAL_CHARS} characters once "
+                                        "the terminals it names are written into it; name shared parts with rules "
+                                        "(lowercase), which are not copied", bodies[t][0])
 
 
 def locate_syntax_error(pattern: str) -> tuple[int | None, str | None]:

@@ -109,7 +109,7 @@ from grammar.json_schema.schema_compiler import (FLEXIBLE_WS, GRAMMAR_ANY_DEPTH,
                                                  SchemaOptions, SharedProofs, _normalize)
 from grammar.json_schema.formats import format_pattern
 from grammar.json_schema.interning import ContentIds
-from grammar.json_schema.keywords import ANNOTATIONS, ASSERTIONS, TYPE_KEYWORDS
+from grammar.json_schema.keywords import ANNOTATIONS, ASCII_ESCAPE, ASSERTIONS, TYPE_KEYWORDS
 from grammar.json_schema.merge import MergeError, json_key, merge
 from grammar.json_schema.numbers import bounds, integer_range
 from grammar.json_schema.objects import _disjoint_patterns
@@ -172,7 +172,7 @@ def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
     try:
         if "$schema" in schema and _draft3(schema["$schema"]):
             return None
-        if text is not None and _ASCII_ESCAPE.search(text) is None and '"x-guidance"' not in text \
+        if text is not None and ASCII_ESCAPE.search(text) is None and '"x-guidance"' not in text \
                 and '"x-stencil' not in text and _ID_KEY.search(text) is None:
             internal = ids = False  # (what ``_scan`` looks for is nowhere in the text)
         else:
@@ -209,10 +209,10 @@ def _draft3(uri: object) -> bool:
         is jsonschema.Draft3Validator
 
 
-# In a schema's JSON text without an escaped ASCII character, a key "x-guidance" or "x-stencil..."
-# is spelled so, and an "$id", "id" or "$anchor" with a string value is the key, a colon and a
-# quote (a property named "id" has a schema, an object, for its value): ``_scan``'s targets.
-_ASCII_ESCAPE = re.compile(r"\\u00[0-7]")
+# In a schema's JSON text without an escaped ASCII character (``ASCII_ESCAPE``), a key
+# "x-guidance" or "x-stencil..." is spelled so, and an "$id", "id" or "$anchor" with a string
+# value is the key, a colon and a quote (a property named "id" has a schema, an object, for its
+# value): ``_scan``'s targets.
 _ID_KEY = re.compile(r'"(?:\$id|id|\$anchor)"\s*:\s*"')
 
 

@@ -5,7 +5,13 @@ rewrite needs (``json_type``, ``enum_values``). A leaf of ``grammar.json_schema`
 
 from __future__ import annotations
 
+import re
+
 from grammar.json_schema.merge import json_key
+
+# An escaped ASCII character in a schema's JSON text: where the text holds none, a key is spelled
+# as it reads, so a substring test of the text can stand in for a walk of the document.
+ASCII_ESCAPE = re.compile(r"\\u00[0-7]")
 
 TYPE_KEYWORDS = {
     "object": ("properties", "required", "additionalProperties", "patternProperties",
