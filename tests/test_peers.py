@@ -111,3 +111,81 @@ def test_decode_phase_asks_each_server_in_its_dialect(monkeypatch):
     assert [("response_schema" in b) for b in stencil] == [False, False, True, True]
     assert [("json_schema" in b) for b in llama] == [False, False, True, True]
     assert all(b["n_predict"] == 16 and b["cache_prompt"] is False for b in llama)
+
+
+def test_build_script_takes_this_cpus_flags_with_amx_off():
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "build_llama_server.sh"
+    got = subprocess.run(["bash", str(script), "--options"], capture_output=True, text=True, check=True)
+    options = dict(line.removeprefix("-D").split("=") for line in got.stdout.split())
+    assert options["GGML_NATIVE"] == "OFF"
+    assert options["GGML_AMX_TILE"] == options["GGML_AMX_INT8"] == options["GGML_AMX_BF16"] == "OFF"
+    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":")[1].split())
+    assert options["GGML_AVX2"] == ("ON" if "avx2" in flags else "OFF")
+    assert options["GGML_AVX512"] == ("ON" if "avx512f" in flags else "OFF")
+    assert options["GGML_AVX512_VNNI"] == ("ON" if "avx512_vnni" in flags else "OFF")
+    native = subprocess.run(["bash", str(script), "--options"], capture_output=True, text=True, check=True,
+                            env={**__import__("os").environ, "LLAMA_BUILD": "native"})
+    assert native.stdout.split() == ["-DGGML_NATIVE=ON"]
+    bad = subprocess.run(["bash", str(script), "--options"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "LLAMA_BUILD": "fast"})
+    assert bad.returncode == 2 and "LLAMA_BUILD" in bad.stderr
+
+
+def test_build_info_names_the_build_and_whether_amx_ran(tmp_path):
+    from benchmarks.peers.run import llama_build_info
+
+    binary = tmp_path / "llama-server"
+    (tmp_path / "BUILD_INFO").write_text("llama-cpp-python 0.3.36\nbuild explicit\n-DGGML_NATIVE=OFF\n")
+    log = "main: loading\nsystem_info: n_threads = 2 / 2 | CPU : SSE3 = 1 | AVX512 = 1 | AMX_INT8 = 0 |\n"
+    got = llama_build_info(binary, log)
+    assert got["llama_cpp_build"] == ["llama-cpp-python 0.3.36", "build explicit", "-DGGML_NATIVE=OFF"]
+    assert got["llama_cpp_system_info"].startswith("system_info: n_threads = 2") and got["llama_cpp_amx"] is False
+    assert llama_build_info(binary, log.replace("AMX_INT8 = 0", "AMX_INT8 = 1"))["llama_cpp_amx"] is True
+    assert llama_build_info(tmp_path / "elsewhere" / "llama-server", "")["llama_cpp_build"] is None
+
+
+def test_prompt_documents_are_distinct_from_their_first_block():
+    from benchmarks.peers.run import prompt_documents
+
+    docs = prompt_documents(12, 1000)
+    assert len(set(docs)) == 12
+    # no two share their first 16 words (a 16-token KV block at least), and each is ~750 words long
+    assert len({tuple(d.split()[:16]) for d in docs}) == 12
+    assert all(740 <= len(d.split()) <= 770 for d in docs)
+
+
+def test_prompt_phase_counts_each_servers_prompt_tokens(monkeypatch):
+    import json
+    import threading
+
+    import httpx
+
+    import benchmarks.peers.run as peers
+
+    seen = []
+    lock = threading.Lock()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        with lock:
+            seen.append((request.url.path, body))
+        if request.url.path == "/generate":
+            return httpx.Response(200, json={"usage": {"prompt_tokens": 100, "completion_tokens": 1}})
+        return httpx.Response(200, json={"tokens_evaluated": 101, "timings": {"prompt_n": 101}})
+
+    real = httpx.Client
+    monkeypatch.setattr(peers.httpx, "Client", lambda **kw: real(transport=httpx.MockTransport(answer), **kw))
+    out = peers.prompt_phase("http://s", "http://l", ["d1", "d2", "d3"], [1, 2])
+    assert [row["concurrency"] for row in out["levels"]] == [1, 2]
+    for row in out["levels"]:
+        assert row["stencil"]["prompt_tokens"] == 300 and row["llama_server"]["prompt_tokens"] == 303
+        assert row["ratio"] == (row["stencil"]["prompt_tokens_per_s"] / row["llama_server"]["prompt_tokens_per_s"])
+    stencil = [b for path, b in seen if path == "/generate"]
+    llama = [b for path, b in seen if path == "/completion"]
+    assert len(stencil) == len(llama) == 6
+    assert all(b["max_tokens"] == 1 and b["speculative"] is False for b in stencil)
+    assert all(b["n_predict"] == 1 and b["cache_prompt"] is False for b in llama)
+    table = peers.prompt_table(out).splitlines()
+    assert table[0].startswith("| prompt phase (3 documents)") and table[2].startswith("| c=1 |")

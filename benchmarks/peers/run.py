@@ -4,8 +4,11 @@
 (also ``.venv/bin/python -m benchmarks.peers.run ...``)
 
 1. Builds ``llama-server`` from the llama.cpp sources vendored in the ``llama-cpp-python``
-   sdist (``benchmarks/peers/build_llama_server.sh``: pip download, cmake, GGML_NATIVE), once,
-   under ``~/.cache/stencil/peers``; nothing of llama.cpp enters the repository.
+   sdist (``benchmarks/peers/build_llama_server.sh``: pip download, cmake with the x86 options
+   this CPU's flags allow and AMX off, since the native build segfaults on AMX Xeons), once,
+   under ``~/.cache/stencil/peers``; nothing of llama.cpp enters the repository. The report names
+   the build (``llama_cpp_build``: its BUILD_INFO) and what the running server says of itself
+   (``llama_cpp_system_info``, ``llama_cpp_amx``: whether it used AMX tiles).
 2. Serves ``--model`` (default: the default model's GGUF,
    ``~/.cache/stencil/gguf/SmolLM2-135M-Instruct.Q4_1.gguf``) with ``llama-server`` on 127.0.0.1
    (``--slots`` slots, ``--threads`` threads, ``--ctx-per-slot`` tokens each: ``-c`` is their
@@ -22,9 +25,14 @@
    ``speculative: false``): llama-server's ``/completion`` reports ``timings.predicted_per_second``;
    for Stencil's ``/generate`` the rate is ``(completion_tokens - 1) / (total_ms - ttft_ms)``
    (tokens after the first over the time after it). Medians per server and their ratio.
-5. **Resident memory** of both servers after the runs: the RSS summed over each server's process
+5. **Prompt phase** (``--prompt-requests``, 0 skips it): documents of about ``--prompt-tokens``
+   tokens (distinct from their first block, so no prefix cache serves them; llama-server's
+   ``cache_prompt`` off), each asking one output token, at ``--prompt-concurrency`` (1 and 8):
+   prompt tokens/s = the prompt tokens each server counted over the wall time of the level, and
+   the median time per request. Prefill is where a GEMM kernel shows first.
+6. **Resident memory** of both servers after the runs: the RSS summed over each server's process
    group (Stencil's grammar-compile workers included) and the main process's peak (``VmHWM``).
-6. Writes the JSON report (every repetition's ``bench serve`` report, the decode samples, the
+7. Writes the JSON report (every repetition's ``bench serve`` report, the decode samples, the
    memory, the commands, the machine's load average before and after) and prints the tables.
 
 Both servers stay up for the whole run and are stopped at the end (also on errors and Ctrl-C).
@@ -63,9 +71,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: chat when the GGUF has a chat template, else completions")
     p.add_argument("--decode-requests", type=int, default=8,
                    help="requests per server and kind (free, json_schema) of the plain-decode phase; 0 skips it")
+    p.add_argument("--prompt-requests", type=int, default=8,
+                   help="documents per server and concurrency level of the prompt phase; 0 skips it")
+    p.add_argument("--prompt-tokens", type=int, default=1000, help="about how long each document is (tokens)")
+    p.add_argument("--prompt-concurrency", default="1,8", help="concurrency levels of the prompt phase")
     p.add_argument("--slots", type=int, default=32, help="llama-server --parallel")
     p.add_argument("--threads", type=int, default=None, help="llama-server --threads (default: the CPU count)")
-    p.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server context per slot (tokens)")
+    p.add_argument("--ctx-per-slot", type=int, default=1280,
+                   help="llama-server context per slot (tokens; a prompt-phase document must fit in one)")
     p.add_argument("--stencil-args", default="", help="more options of stencil serve, in one string")
     p.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary (default: build one)")
 
@@ -220,6 +233,95 @@ def decode_table(decode: dict) -> str:
     return "\n".join(lines)
 
 
+# -- prompt phase ----------------------------------------------------------------------------------
+
+def prompt_documents(n: int, tokens: int, source: Path = ROOT / "README.md") -> list[str]:
+    """``n`` distinct documents of about ``tokens`` tokens each (at ~4 characters a token) cut
+    from ``source`` at different offsets, each opening with its own number so that no two share
+    a first KV block (no prefix cache hit on either server)."""
+    words = source.read_text().split()
+    per_doc = max(1, int(tokens * 0.75))  # English prose: ~1.3 tokens a word
+    out = []
+    for i in range(n):
+        start = (i * 997) % max(1, len(words) - per_doc)
+        body = " ".join(words[start:start + per_doc])
+        out.append(f"Document {i + 1} of {n}, for a summary.\n\n{body}\n\nSummary:")
+    return out
+
+
+def prompt_phase(stencil_url: str, llama_url: str, documents: list[str], levels: list[int]) -> dict:
+    """Per level ``c``: every document to one server ``c`` at a time (one output token each, no
+    prompt cache), then to the other; prompt tokens/s (the prompt tokens the server counted over
+    the level's wall time), the median seconds per request, and Stencil's rate over
+    llama-server's."""
+    import statistics
+    from concurrent.futures import ThreadPoolExecutor
+
+    def stencil_call(http: httpx.Client, doc: str) -> int:
+        r = http.post(stencil_url + "/generate", json={"prompt": doc, "max_tokens": 1, "temperature": 0,
+                                                       "speculative": False})
+        r.raise_for_status()
+        return int(r.json()["usage"]["prompt_tokens"])
+
+    def llama_call(http: httpx.Client, doc: str) -> int:
+        r = http.post(llama_url + "/completion", json={"prompt": doc, "n_predict": 1, "temperature": 0,
+                                                       "cache_prompt": False})
+        r.raise_for_status()
+        got = r.json()
+        return int(got.get("tokens_evaluated") or (got.get("timings") or {}).get("prompt_n", 0))
+
+    out: dict = {"documents": len(documents), "levels": []}
+    with httpx.Client(timeout=1800, limits=httpx.Limits(max_connections=64)) as http:
+        for c in levels:
+            row: dict = {"concurrency": c}
+            for name, call in (("llama_server", llama_call), ("stencil", stencil_call)):
+                times: list[float] = []
+
+                def one(doc: str) -> int:
+                    t0 = time.perf_counter()
+                    n = call(http, doc)
+                    times.append(time.perf_counter() - t0)
+                    return n
+
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(c) as pool:
+                    counted = list(pool.map(one, documents))
+                wall = time.perf_counter() - t0
+                row[name] = {"prompt_tokens": sum(counted), "wall_s": wall,
+                             "prompt_tokens_per_s": sum(counted) / wall,
+                             "request_s_p50": statistics.median(times)}
+            row["ratio"] = row["stencil"]["prompt_tokens_per_s"] / row["llama_server"]["prompt_tokens_per_s"]
+            out["levels"].append(row)
+    return out
+
+
+def prompt_table(prompt: dict) -> str:
+    """Markdown: per concurrency, both servers' prompt tokens/s (median seconds a request) and the ratio."""
+    lines = [f"| prompt phase ({prompt['documents']} documents) | llama-server prompt tok/s (p50 s) | "
+             "Stencil prompt tok/s (p50 s) | Stencil / llama-server |", "|---|---|---|---|"]
+    for row in prompt["levels"]:
+        cells = [f"{row[k]['prompt_tokens_per_s']:.1f} ({row[k]['request_s_p50']:.2f} s)"
+                 for k in ("llama_server", "stencil")]
+        lines.append(f"| c={row['concurrency']} | {cells[0]} | {cells[1]} | {row['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+# -- which llama.cpp ran ---------------------------------------------------------------------------
+
+def llama_build_info(binary: Path, log_text: str) -> dict:
+    """What is known of the llama-server that ran: ``llama_cpp_build`` (the BUILD_INFO lines the
+    build script wrote beside the binary: version, ``explicit`` or ``native``, the cmake options;
+    None for a binary built elsewhere), ``llama_cpp_system_info`` (the server's own
+    ``system_info`` log line: the instruction sets ggml was compiled for) and ``llama_cpp_amx``
+    (whether it ran AMX tiles: ``AMX_INT8 = 1`` in that line, or an AMX weight buffer)."""
+    info_file = binary.parent / "BUILD_INFO"
+    build = info_file.read_text().split("\n") if info_file.is_file() else None
+    system = next((line.strip() for line in log_text.splitlines() if "system_info:" in line), None)
+    amx = bool(system and "AMX_INT8 = 1" in system) or "AMX model buffer" in log_text
+    return {"llama_cpp_build": [x for x in build if x] if build else None,
+            "llama_cpp_system_info": system, "llama_cpp_amx": amx}
+
+
 # -- resident memory -------------------------------------------------------------------------------
 
 def _status_kib(pid: int, key: str) -> int:
@@ -317,24 +419,38 @@ def main(args: argparse.Namespace) -> int:
                 print(f"[peers] plain decode at one request, {args.decode_requests} prompts per kind", flush=True)
                 report["decode"] = decode_phase(stencil_url, llama_url, [j.prompt for j in jobs], jobs[0].schema,
                                                 args.max_tokens)
+            if args.prompt_requests > 0:
+                levels = [int(c) for c in args.prompt_concurrency.split(",")]
+                docs = prompt_documents(args.prompt_requests, args.prompt_tokens)
+                print(f"[peers] prompt phase: {len(docs)} documents of ~{args.prompt_tokens} tokens at c={levels}",
+                      flush=True)
+                report["prompt"] = prompt_phase(stencil_url, llama_url, docs, levels)
             report["memory"] = {"stencil": process_group_memory(stencil.pid),
                                 "llama_server": process_group_memory(llama.pid)}
     finally:
         _stop(stencil)
         _stop(llama)
     report["load_after"] = os.getloadavg()
+    report.update(llama_build_info(Path(binary), (logs / "llama-server.log").read_text(errors="replace")))
     mem = report["memory"]
     report["memory"]["stencil_over_llama_server"] = mem["stencil"]["rss_mb"] / mem["llama_server"]["rss_mb"]
     if report["runs"]:
         report["table"] = table(report["runs"], stencil_url, llama_url)
     if "decode" in report:
         report["decode_table"] = decode_table(report["decode"])
+    if "prompt" in report:
+        report["prompt_table"] = prompt_table(report["prompt"])
     args.json.write_text(json.dumps(report, indent=2))
     print(f"{gguf.name} ({api}), {report['cpu']}")
+    build = report["llama_cpp_build"]
+    print(f"llama-server: {' '.join(build[:2]) if build else binary} "
+          f"({'with' if report['llama_cpp_amx'] else 'without'} AMX)")
     if "table" in report:
         print(report["table"])
     if "decode" in report:
         print(report["decode_table"])
+    if "prompt" in report:
+        print(report["prompt_table"])
     print(f"resident memory (process groups, KV for {kv_tokens} tokens): Stencil {mem['stencil']['rss_mb']:.0f} MB, "
           f"llama-server {mem['llama_server']['rss_mb']:.0f} MB ({mem['stencil_over_llama_server']:.2f}x)")
     print(f"load average before {report['load_before']}, after {report['load_after']}; wrote {args.json}")
