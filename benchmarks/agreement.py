@@ -68,8 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also compare with transformers' forward on the dequantized weights")
     p.add_argument("--llama-server", type=Path, default=None, help="a llama-server binary (default: build one)")
     p.add_argument("--threads", type=int, default=None, help="threads of both (default: the CPU count)")
+    p.add_argument("--activation-precision", choices=("exact", "int8"), default=None,
+                   help="Stencil's activation precision (EngineConfig.activation_precision: exact = two int8 "
+                        "terms, int8 = llama.cpp's one; default: the engine's, exact)")
     p.add_argument("--block-terms", type=int, default=None, choices=[1, 2],
-                   help="int8 terms per activation of Stencil's GGUF block layers (default: the loader's)")
+                   help="int8 terms per activation of Stencil's GGUF block layers (the same as "
+                        "--activation-precision, by number: 2 exact, 1 int8)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
                    help="Stencil's KV cache (auto: what the engine keeps for --model, EngineConfig; "
                         "llama-server keeps float16 unless --llama-args says otherwise)")
@@ -193,7 +197,10 @@ def main(args: argparse.Namespace) -> int:
 
     theirs = llama_run(cmd)
     variants = {v: llama_run([*base, *shlex.split(v)]) for v in args.llama_variant}
-    model, _ = load_model(args.model, weights="auto", block_terms=args.block_terms)
+    from engine.config import ACTIVATION_PRECISIONS
+
+    terms = ACTIVATION_PRECISIONS[args.activation_precision] if args.activation_precision else args.block_terms
+    model, _ = load_model(args.model, weights="auto", block_terms=terms)
     torch.set_num_threads(threads)
     kv_dtype = args.kv_cache_dtype
     if kv_dtype == "auto":
@@ -202,7 +209,7 @@ def main(args: argparse.Namespace) -> int:
         kv_dtype = EngineConfig(model=args.model).validate().kv_cache_dtype
     ours = stencil_logits(model, tokens[: args.positions], args.chunk, kv_dtype=getattr(torch, kv_dtype))
     report = {"command": " ".join(sys.argv), "cpu": cpu_model(), "machine": platform.machine(),
-              "model": str(args.model), "kv_cache_dtype": kv_dtype, "llama_server": cmd,
+              "model": str(args.model), "kv_cache_dtype": kv_dtype, "block_terms": terms, "llama_server": cmd,
               "llama_cpp": compare(ours, theirs)}
     print(f"{args.model.name}: top-1 agreement with llama.cpp {report['llama_cpp']['agreement']:.4f} "
           f"({report['llama_cpp']['agree']}/{args.positions})")

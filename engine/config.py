@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+ACTIVATION_PRECISIONS = {"exact": 2, "int8": 1}
+"""``EngineConfig.activation_precision`` -> int8 terms per activation of the GGUF block kernels
+(``engine.models.kernel_policy``)."""
+
+
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the field."""
 
@@ -30,6 +35,14 @@ class EngineConfig:
             in the same memory; its weights are already rounded far more than the cache) and
             ``dtype`` otherwise: an HF checkpoint keeps an exact fp32 cache on CPU, its outputs
             those of the fp32 reference (on CUDA the cache always takes ``dtype``).
+        activation_precision: how the GGUF block kernels quantize a layer's input activations
+            (CPU): "exact" (the default) rounds each group of 32 to two int8 terms, error at most
+            the group's max / 32512, so every logit stays within fp32 rounding of the dequantized
+            model's (top-1 agreement with transformers 1.0000 on SmolLM2 and Gemma 3); "int8" is
+            llama.cpp's one int8 term (max / 254) and half the integer work per weight: faster where
+            a step is all GEMM (many rows: batched decode, prompts), at a measured cost in agreement
+            (README, "Activation precision"). Both are bit-identical across batch sizes, so greedy
+            output stays independent of batching either way.
         gpu_memory_utilization: share of the device memory free after loading the weights that
             the KV cache takes on CUDA (when neither ``num_kv_blocks`` nor ``kv_cache_gib`` is set).
         weights: "fp32" (dense weights in ``dtype``), "int4" (GGUF 4-bit blocks served as
@@ -69,6 +82,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    activation_precision: str = "exact"
     gpu_memory_utilization: float = 0.85
     weights: str = "auto"
     prompt_weights: str = "auto"
@@ -117,6 +131,8 @@ class EngineConfig:
         if self.device.startswith("cuda") and self.kv_cache_dtype != self.dtype:
             raise ConfigError(f"on CUDA the KV cache takes the model dtype ({self.dtype}); "
                               f"kv_cache_dtype {self.kv_cache_dtype!r} is for CPU")
+        if self.activation_precision not in ACTIVATION_PRECISIONS:
+            raise ConfigError(f"activation_precision must be exact or int8, got {self.activation_precision!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.weights not in ("auto", "fp32", "int4"):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import ACTIVATION_PRECISIONS, EngineConfig
 from engine.input_batch import build_step_inputs
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
@@ -57,7 +57,8 @@ class ModelRunner:
         self.model, self.hf_config = load_model(config.model, dtype=self.dtype, device=self.device,
                                                 weights=config.weights,
                                                 gguf_file=config.extra.get("gguf_file"),
-                                                prompt_weights=config.prompt_weights)
+                                                prompt_weights=config.prompt_weights,
+                                                block_terms=ACTIVATION_PRECISIONS[config.activation_precision])
         self.backend = get_backend(config.attention_backend, self.device)
         self.kv_dtype = _DTYPES[config.kv_cache_dtype]
         self.block_size = config.block_size

@@ -153,8 +153,11 @@ def test_one_activation_term_stays_within_its_bound(arch, kquant_gguf):
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.6
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_engine_greedy_outputs_do_not_depend_on_batching_caching_chunking_preemption(arch, kquant_gguf):
+@pytest.mark.parametrize("arch,precision", [("llama", "exact"), ("gemma3", "exact"), ("llama", "int8"),
+                                             ("gemma3", "int8")])
+def test_engine_greedy_outputs_do_not_depend_on_batching_caching_chunking_preemption(arch, precision, kquant_gguf):
+    """Both activation precisions (``EngineConfig.activation_precision``) give every row the same
+    bits at any row count, so the invariant holds in either."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.request import SamplingParams
@@ -166,13 +169,16 @@ def test_engine_greedy_outputs_do_not_depend_on_batching_caching_chunking_preemp
                for i in range(8)]
     params = [SamplingParams(max_tokens=6 + i % 4, temperature=0, ignore_eos=True) for i in range(len(prompts))]
     alone = LLMEngine(EngineConfig(model=path, enable_prefix_caching=False, num_kv_blocks=64,
-                                   max_prefill_chunk=4096, max_num_batched_tokens=4096, speculative=None))
+                                   max_prefill_chunk=4096, max_num_batched_tokens=4096, speculative=None,
+                                   activation_precision=precision))
     assert alone.kernels["gguf_gemm"] != "none" or alone.kernels["int4_gemm"] != "none"
+    if ggml_blocks.available():
+        assert alone.kernels["gguf_gemm"].endswith({"exact": "2 term(s)", "int8": "1 term(s)"}[precision])
     assert alone.kernels["kv_cache_dtype"] == "float16"  # a GGUF's default cache: the invariance holds there
     alone.scheduler.enable_forced_tokens = False
     ref = [alone.generate([p], params[i])[0]["token_ids"] for i, p in enumerate(prompts)]
     eng = LLMEngine(EngineConfig(model=path, num_kv_blocks=10, max_num_seqs=8, max_prefill_chunk=13,
-                                 max_num_batched_tokens=40))
+                                 max_num_batched_tokens=40, activation_precision=precision))
     assert [r["token_ids"] for r in eng.generate(prompts, params)] == ref
     st = eng.stats()
     assert st["num_preemptions"] > 0 and st["prefix_cache_hits"] > 0

@@ -76,3 +76,16 @@ def test_every_listed_benchmark_has_its_module(name):
     assert spec is not None and spec.origin, name
     source = open(spec.origin, encoding="utf-8").read()
     assert "def add_arguments(" in source and "def main(" in source, name
+
+
+def test_activation_precision_reaches_the_engine_config(tiny_model_dir):
+    from engine.config import ConfigError, EngineConfig
+
+    args = cli.build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--activation-precision", "int8"])
+    assert cli.engine_config_from_args(args).activation_precision == "int8"
+    args = cli.build_parser().parse_args(["serve", "--model", str(tiny_model_dir)])
+    assert cli.engine_config_from_args(args).activation_precision == "exact"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--activation-precision", "int4"])
+    with pytest.raises(ConfigError, match="activation_precision"):
+        EngineConfig(model=tiny_model_dir, activation_precision="fp8").validate()
