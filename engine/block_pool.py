@@ -9,6 +9,12 @@ Hashing (vLLM's prefix caching, Kwon et al. 2023, "PagedAttention", and the v1 d
 equal keys mean equal prefixes (``engine.kv_cache_manager.hash_block``: BLAKE2b, the same in
 every process). A 64-bit key can still collide, so a hit is confirmed against the token ids
 stored with the block (as nano-vllm does).
+
+A pool with a null block (``null_block=True``: a sliding-window group's pool,
+``engine.kv_cache_manager``) keeps block 0 out of circulation: it is never allocated, never
+written and never freed, and a block-table entry whose tokens fell out of every window points at
+it. Its K/V stay the zeros the cache was made with, so a backend that reads such an entry under
+its window mask (``kernels.flash.gather_kv``) reads finite values it then masks.
 """
 
 from __future__ import annotations
@@ -25,22 +31,33 @@ class Block:
     token_ids: tuple[int, ...] | None = None  # the tokens hashed, to confirm hits
 
 
+NULL_BLOCK = 0
+"""The block id a pool with ``null_block=True`` keeps out of circulation (see the module docstring)."""
+
+
 class BlockPool:
-    """Owns every block id in ``[0, num_blocks)``.
+    """Owns every block id in ``[0, num_blocks)`` (``NULL_BLOCK`` excepted with ``null_block``).
 
     Invariants (checked by ``check_invariants``): each block is either in the free queue with
     ref_count 0, or out of it with ref_count > 0; the hash index maps a hash to exactly one
-    block that carries that hash.
+    block that carries that hash; the null block is never free, held or hashed.
+
+    Args:
+        num_blocks: blocks in the pool, the null block included.
+        enable_caching: keep freed full blocks' hashes for prefix-cache hits.
+        null_block: reserve ``NULL_BLOCK``; ``capacity`` is then ``num_blocks - 1``.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, null_block: bool = False):
+        if num_blocks <= int(null_block):
+            raise ValueError(f"num_blocks must be > {int(null_block)}, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.null_block = null_block
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free queue, oldest first; OrderedDict gives O(1) removal of a block taken back on a hit.
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        first = NULL_BLOCK + 1 if null_block else 0
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(first, num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.hits = 0
         self.queries = 0
@@ -48,6 +65,11 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks a request can hold: every block but the null block."""
+        return self.num_blocks - int(self.null_block)
 
     def allocate(self, n: int) -> list[int] | None:
         """Take ``n`` blocks from the head of the free queue (evicting their hashes).
@@ -131,6 +153,10 @@ class BlockPool:
         free = set(self.free_queue)
         assert len(free) == len(self.free_queue)
         for block in self.blocks:
+            if self.null_block and block.block_id == NULL_BLOCK:
+                assert block.ref_count == 0 and block.block_hash is None and block.block_id not in free, "null block"
+                assert owners is None or NULL_BLOCK not in owners, "a request holds the null block"
+                continue
             in_free = block.block_id in free
             assert in_free == (block.ref_count == 0), f"block {block.block_id}: ref {block.ref_count}, free {in_free}"
             if owners is not None:
@@ -138,4 +164,4 @@ class BlockPool:
                     f"block {block.block_id}: ref {block.ref_count} != owners {owners.get(block.block_id, 0)}")
         for h, block_id in self.cached.items():
             assert self.blocks[block_id].block_hash == h
-        assert len(free) + sum(1 for b in self.blocks if b.ref_count > 0) == self.num_blocks
+        assert len(free) + sum(1 for b in self.blocks if b.ref_count > 0) == self.capacity

@@ -55,9 +55,14 @@ class EngineConfig:
         attention_backend: name in ``kernels.registry`` ("cpu", "torch", "flash", "triton") or
             "auto" (the fastest one available on ``device``).
         block_size: tokens per KV-cache block.
-        num_kv_blocks: KV-cache blocks per layer; ``None`` = derive from ``kv_cache_gib``.
-        kv_cache_gib: KV-cache size in GiB (K and V, all layers); ``None`` = a default from
-            the machine's free memory (see ``engine.model_runner.default_kv_cache_bytes``).
+        num_kv_blocks: KV-cache blocks per layer, the token capacity (``block_size`` tokens
+            each); with a hybrid cache, the full-attention layers' count (the windowed layers
+            hold fewer: ``engine.kv_cache_manager.kv_cache_groups``); ``None`` = derive from
+            ``kv_cache_gib``.
+        kv_cache_gib: KV-cache size in GiB of a cache that kept every position of every layer
+            (K and V): it sets the token capacity, and a hybrid cache then takes less;
+            ``None`` = a default from the machine's free memory (see
+            ``engine.model_runner.default_kv_cache_bytes``).
         max_num_seqs: most requests running in one step. 256: the per-step CPU work around the
             model stays under 10 % of a step there (``stencil bench overhead``), and a server
             under thousands of clients keeps that many moving.
@@ -65,6 +70,10 @@ class EngineConfig:
         max_prefill_chunk: most prompt tokens one request reads in one step (chunked prefill).
         max_model_len: longest prompt + output (tokens); ``None`` = the model's own limit.
         enable_prefix_caching: reuse cached full blocks across requests.
+        hybrid_kv_cache: a model mixing full-attention and sliding-window layers (Gemma 3) keeps
+            its windowed layers in a KV cache group of their own that holds only each request's
+            window (``engine.kv_cache_manager``); False keeps every position of every layer in
+            one group (the layout before, for tests and comparisons).
         max_waiting: requests allowed to wait before new ones are refused (HTTP 429). 4096: a
             queued request costs a few kB, so thousands of clients can wait their turn (first
             come, first served) instead of being refused; one that waits past its deadline is
@@ -95,6 +104,7 @@ class EngineConfig:
     max_prefill_chunk: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    hybrid_kv_cache: bool = True
     max_waiting: int = 4096
     num_threads: int | None = None
     grammar_workers: int = 2

@@ -32,13 +32,18 @@ class StepInputs:
     prompt_mask: torch.Tensor
 
 
-def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
+def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.device,
+                      window_group: bool = False) -> StepInputs:
     """Lay out the scheduled tokens as one flat batch (slot = block_id * block_size + offset).
 
     One Python pass gathers each request's few scalars and token ids; positions, slots, the
     block table and the logits rows are then numpy operations over the whole batch, so a
     256-request decode step costs tens of microseconds per request less than a loop per token
     and block would.
+
+    ``window_group``: the KV cache has a sliding-window group (``engine.kv_cache_manager``):
+    ``meta.window_block_tables`` and ``meta.window_slot_mapping`` then come from each request's
+    ``window_block_ids``, as wide as ``block_tables``.
     """
     scheduled = out.scheduled
     b = len(scheduled)
@@ -49,6 +54,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
     prompt_lens = np.empty(b, dtype=np.int64)
     n_blocks = np.empty(b, dtype=np.int64)
     blocks: list[int] = []
+    window_blocks: list[int] = []
     for i, sr in enumerate(scheduled):
         req = sr.request
         input_ids.extend(req.tokens_range(sr.start, sr.start + sr.num_new_tokens))
@@ -59,6 +65,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
         ids = req.block_ids
         n_blocks[i] = len(ids)
         blocks.extend(ids)
+        if window_group:
+            window_blocks.extend(req.window_block_ids)  # as long as ids (KVCacheManager.check_invariants)
     seq_lens = starts + counts
     qsl = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(counts, out=qsl[1:])
@@ -66,12 +74,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
     seq_of = np.repeat(np.arange(b), counts)  # [T]: which request each token belongs to
     positions = starts[seq_of] + (np.arange(total) - qsl[:-1][seq_of])
     max_blocks = max(int(n_blocks.max()) if b else 1, 1)
-    table = np.zeros((b, max_blocks), dtype=np.int32)
-    if blocks:
-        block_start = np.zeros(b, dtype=np.int64)
-        np.cumsum(n_blocks[:-1], out=block_start[1:])
-        rows = np.repeat(np.arange(b), n_blocks)
-        table[rows, np.arange(len(blocks)) - block_start[rows]] = blocks
+    table = _table(blocks, n_blocks, max_blocks)
     slots = table[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
     # The last num_logits tokens of each sampled request.
     ends = qsl[1:]
@@ -89,6 +92,11 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
         query_start_loc_cpu=qsl_list,
         seq_lens_cpu=seq_list,
     )
+    if window_group:
+        wtable = _table(window_blocks, n_blocks, max_blocks)
+        wslots = wtable[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        meta.window_block_tables = _to(torch.from_numpy(wtable), device)
+        meta.window_slot_mapping = _to(torch.from_numpy(wslots), device)
     return StepInputs(
         input_ids=_to(torch.tensor(input_ids, dtype=torch.long), device),
         positions=_to(torch.from_numpy(positions), device),
@@ -96,6 +104,18 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
         logits_indices=_to(torch.from_numpy(logits_idx.astype(np.int64)), device),
         prompt_mask=_to(torch.from_numpy(positions < prompt_lens[seq_of]), device),
     )
+
+
+def _table(blocks: list[int], n_blocks: np.ndarray, width: int) -> np.ndarray:
+    """int32 ``[B, width]``: row ``i`` the next ``n_blocks[i]`` ids of ``blocks``, then zeros."""
+    b = len(n_blocks)
+    table = np.zeros((b, width), dtype=np.int32)
+    if blocks:
+        block_start = np.zeros(b, dtype=np.int64)
+        np.cumsum(n_blocks[:-1], out=block_start[1:])
+        rows = np.repeat(np.arange(b), n_blocks)
+        table[rows, np.arange(len(blocks)) - block_start[rows]] = blocks
+    return table
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

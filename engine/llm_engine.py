@@ -76,7 +76,7 @@ class LLMEngine:
         model_limit = int(self.runner.model.max_context_len)
         self.max_model_len = min(config.max_model_len or model_limit, model_limit)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 hash_prompt_boundary=self.runner.prompt_rows_routed)
+                                 hash_prompt_boundary=self.runner.prompt_rows_routed, groups=self.runner.kv_groups)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.eos_token_id = self.tokenizer.eos_token_id
         if self.eos_token_id is None:
@@ -119,10 +119,10 @@ class LLMEngine:
         self.started: list[str] = []  # ids of the requests the last step scheduled for the first time
         self.idle = True  # the last step scheduled nothing
         self.load_time_s = time.perf_counter() - t0
-        log.info("engine ready: %s, %d KV blocks (%.2f GiB), max_model_len %d, kernels %s, %.1f s",
+        log.info("engine ready: %s, %d KV blocks%s (%.2f GiB), max_model_len %d, kernels %s, %.1f s",
                  config.model, self.runner.num_blocks,
-                 self.runner.num_blocks * self.runner.bytes_per_block / (1 << 30),
-                 self.max_model_len, self.kernels, self.load_time_s)
+                 "".join(f", {g.num_blocks} for the {g.window}-token windows" for g in self.kv.groups[1:]),
+                 self.runner.kv_cache_bytes / (1 << 30), self.max_model_len, self.kernels, self.load_time_s)
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -243,13 +243,22 @@ class LLMEngine:
                 "kv_cache_dtype": str(self.runner.kv_dtype).removeprefix("torch.")}
 
     def stats(self) -> dict:
-        """Gauges and counters for /metrics and /health (read without locks: approximate)."""
+        """Gauges and counters for /metrics and /health (read without locks: approximate).
+
+        ``kv_blocks_*`` and ``kv_usage`` speak of the KV cache's group 0 (the token capacity);
+        a hybrid cache adds its sliding-window group's ``kv_sliding_blocks_total`` and
+        ``kv_sliding_blocks_free``."""
         kv = self.kv
+        sliding = {}
+        if len(kv.groups) > 1:
+            total, free = kv.group_blocks()[1]
+            sliding = {"kv_sliding_blocks_total": total, "kv_sliding_blocks_free": free}
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_total": kv.num_blocks,
             "kv_blocks_free": kv.num_free_blocks,
+            **sliding,
             "kv_usage": kv.usage,
             "prefix_cache_hit_rate": kv.hit_rate,
             "prefix_cache_queries": kv.prefix_queries,

@@ -10,6 +10,7 @@ import torch
 
 from engine.config import ACTIVATION_PRECISIONS, EngineConfig
 from engine.input_batch import build_step_inputs
+from engine.kv_cache_manager import kv_cache_groups
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.step_timing import StepTimer
@@ -64,14 +65,27 @@ class ModelRunner:
         self.block_size = config.block_size
         self.vocab_size = self.model.vocab_size
         self.num_blocks = self._num_blocks()
-        shape = (self.num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                          for _ in range(self.model.num_layers)]
+        # KV cache groups: a model mixing full-attention and windowed layers gives its windowed
+        # ones tensors of their own, sized for the blocks their windows hold (kv_cache_groups).
+        windows = [self.model.spec.layer_window(i) for i in range(self.model.num_layers)]
+        self.kv_groups, layer_groups = kv_cache_groups(
+            windows, self.num_blocks, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, hybrid=config.hybrid_kv_cache)
+        self.kv_caches = []
+        for g in layer_groups:
+            shape = (self.kv_groups[g].pool_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+            self.kv_caches.append((torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                                   torch.zeros(shape, dtype=self.kv_dtype, device=self.device)))
         self.sampler = Sampler(config.seed)
 
     @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache tensors hold, every group's."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+
+    @property
     def bytes_per_block(self) -> int:
+        """Bytes of one block in every layer: what ``num_kv_blocks`` blocks cost without a window group."""
         m = self.model
         elem = torch.finfo(self.kv_dtype).bits // 8
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
@@ -106,7 +120,7 @@ class ModelRunner:
             timer: marks the phases inputs, forward, logits and sample (``engine.step_timing``).
         """
         timer = timer or StepTimer()
-        inp = build_step_inputs(out, self.block_size, self.device)
+        inp = build_step_inputs(out, self.block_size, self.device, window_group=len(self.kv_groups) > 1)
         timer.mark("inputs")
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta, self.backend,
                             prompt_mask=inp.prompt_mask)

@@ -163,7 +163,7 @@ class Request:
     """
 
     __slots__ = ("held", "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
-                 "num_computed_tokens", "draft_token_ids", "block_ids", "status", "params",
+                 "num_computed_tokens", "draft_token_ids", "block_ids", "window_block_ids", "status", "params",
                  "matcher", "grammar", "grammar_future", "eos_token_id", "metrics", "generator",
                  "error", "finish_reason_detail", "arrival_index", "num_cached_blocks",
                  "output_logprobs", "output_top_logprobs", "spec_state", "stop_token_ids")
@@ -179,6 +179,9 @@ class Request:
         self.num_computed_tokens = 0
         self.draft_token_ids: list[int] = []
         self.block_ids: list[int] = []
+        # The block table of a hybrid KV cache's sliding-window group (engine.kv_cache_manager):
+        # as long as block_ids, its entries out of every window NULL_BLOCK; empty with one group.
+        self.window_block_ids: list[int] = []
         self.num_cached_blocks = 0  # leading blocks of block_ids already hashed/registered
         self.params = params
         self.matcher = matcher

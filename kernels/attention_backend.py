@@ -13,11 +13,18 @@ position ``p`` then sees only keys ``max(0, p - W + 1)..p``, the last ``W`` posi
 included (transformers' ``sliding_window_overlay``: key ``k`` visible when ``k > p - W``;
 llama.cpp's standard SWA masks ``p - k >= W``, the same set). A backend that cannot mask a
 window raises instead of attending to the whole prefix.
+
+A cache may keep its windowed layers apart, in blocks of their own (``engine.kv_cache_manager``:
+a hybrid cache's sliding-window group); they then read ``window_block_tables`` and
+``window_slot_mapping`` (``AttentionMetadata.for_window``). There the entries of blocks that fell
+out of the window point at a null block 0 whose K/V stay zero: a backend must never let them
+reach an output, which it does by reading each row from its first visible key on (the C kernels,
+the torch reference) or by masking them (flash-attn over ``kernels.flash.gather_kv``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -42,6 +49,10 @@ class AttentionMetadata:
         max_seq_len: longest ``seq_lens`` entry (tokens).
         query_start_loc_cpu: host copy of ``query_start_loc`` (avoids device syncs).
         seq_lens_cpu: host copy of ``seq_lens``.
+        window_block_tables: int32 ``[B, max_blocks_per_seq]``, the block tables of the layers
+            with a window when the cache keeps them in a group of their own (entries out of
+            every window: the null block 0); None when those layers read ``block_tables``.
+        window_slot_mapping: int64 ``[T]``, the new tokens' slots in that group; None likewise.
     """
 
     query_start_loc: torch.Tensor
@@ -52,6 +63,16 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    window_block_tables: torch.Tensor | None = None
+    window_slot_mapping: torch.Tensor | None = None
+
+    def for_window(self) -> "AttentionMetadata":
+        """The metadata a layer with a sliding window reads: its group's block tables and
+        slots when the cache keeps windowed layers apart, else ``self``."""
+        if self.window_block_tables is None:
+            return self
+        return replace(self, block_tables=self.window_block_tables, slot_mapping=self.window_slot_mapping,
+                       window_block_tables=None, window_slot_mapping=None)
 
     @property
     def num_seqs(self) -> int:

@@ -36,27 +36,29 @@ class Linear(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """A decoder layer: its norms (NULL where absent), projections, cache and attention window."""
+    """A decoder layer: its norms (NULL where absent), projections, cache (and its slots), attention
+    window, and which of the step's block tables it reads (1: a hybrid cache's window group)."""
     _fields_ = [("attn_in_norm", _p), ("attn_out_norm", _p), ("mlp_in_norm", _p), ("mlp_out_norm", _p),
                 ("q_norm", _p), ("k_norm", _p), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
-                ("down", Linear), ("k_cache", _p), ("v_cache", _p), ("window", _i32), ("rope", _i32),
-                ("scale", _f)]
+                ("down", Linear), ("k_cache", _p), ("v_cache", _p), ("num_slots", _i64), ("window", _i32),
+                ("rope", _i32), ("table", _i32), ("scale", _f)]
 
 
 class Model(ctypes.Structure):
     """The stack's shapes, the kernels' pointers and the layers."""
     _fields_ = [("num_layers", _i32), ("hidden", _i32), ("heads", _i32), ("kv_heads", _i32), ("head_dim", _i32),
-                ("inter", _i32), ("act", _i32), ("cache_kind", _i32), ("block_size", _i32), ("num_slots", _i64),
-                ("eps", _f), ("vnni_gemm", _p), ("gguf_quantize", _p), ("gguf_gemm", _p), ("attention", _p),
+                ("inter", _i32), ("act", _i32), ("cache_kind", _i32), ("block_size", _i32), ("eps", _f),
+                ("vnni_gemm", _p), ("gguf_quantize", _p), ("gguf_gemm", _p), ("attention", _p),
                 ("layers", ctypes.POINTER(Layer))]
 
 
 class Step(ctypes.Structure):
-    """One step's tokens: the residual stream ``h`` (in and out), RoPE rows, cache slots, the
-    attention metadata and the workspace."""
+    """One step's tokens: the residual stream ``h`` (in and out), RoPE rows, cache slots and block
+    tables (two of each: group 0's and a window group's, the same with one group), the attention
+    metadata and the workspace."""
     _fields_ = [("t", _i32), ("num_seqs", _i32), ("max_blocks", _i32), ("threads", _i32), ("h", _p),
-                ("cos", _p * 2), ("sin", _p * 2), ("slots", _p), ("block_tables", _p), ("query_start_loc", _p),
-                ("seq_lens", _p), ("workspace", _p), ("workspace_bytes", _i64)]
+                ("cos", _p * 2), ("sin", _p * 2), ("slots", _p * 2), ("block_tables", _p * 2),
+                ("query_start_loc", _p), ("seq_lens", _p), ("workspace", _p), ("workspace_bytes", _i64)]
 
 
 def library() -> ctypes.CDLL | None:

@@ -42,6 +42,9 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copy every sequence's K/V (positions ``0..seq_lens[i]-1``) out of the paged cache.
 
+    In a hybrid cache's window group (``kernels.attention_backend``), positions that fell out of
+    every window come from the null block 0: zeros, which the caller's window mask then hides.
+
     Returns:
         ``(k, v, cu_seqlens_k)``: ``k`` and ``v`` are ``[sum(seq_lens), num_kv_heads,
         head_dim]`` with sequence ``i`` at rows ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``;

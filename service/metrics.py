@@ -53,6 +53,11 @@ class _EngineCollector:
             "stencil_prefix_cache_hit_rate": ("prompt tokens served from the prefix cache / looked up",
                                               s["prefix_cache_hit_rate"]),
         }
+        if "kv_sliding_blocks_total" in s:  # a hybrid KV cache's sliding-window group (Gemma 3)
+            gauges["stencil_kv_sliding_blocks_total"] = ("KV-cache blocks of the sliding-window layers",
+                                                         s["kv_sliding_blocks_total"])
+            gauges["stencil_kv_sliding_blocks_used"] = ("sliding-window KV-cache blocks held by requests",
+                                                        s["kv_sliding_blocks_total"] - s["kv_sliding_blocks_free"])
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))

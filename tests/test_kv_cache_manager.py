@@ -27,7 +27,7 @@ def test_block_holding_output_tokens_is_reused_only_when_computed_alike(boundary
     # Block 2 holds prompt tokens 8-9 and output tokens 50-51 for "a", but four prompt tokens for
     # "b": with routed weights its K/V differ, so only the two prompt-only blocks are shared.
     assert hit_tokens == (8 if boundary else 12)
-    assert blocks == first.block_ids[:hit_tokens // 4]
+    assert blocks == [first.block_ids[:hit_tokens // 4]]
     # A request with the very same prompt still shares the mixed block's prompt-only prefix.
     third = Request("c", list(range(10)) + [70, 71], SamplingParams(max_tokens=4), eos_token_id=None)
     assert kv.get_computed_blocks(third)[1] == 8
@@ -96,6 +96,6 @@ def test_colliding_hashes_are_never_a_hit(monkeypatch):
     first = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=1), eos_token_id=None)
     _finish_turn(kv, first, [])
     other = Request("b", [9, 9, 9, 9, 5], SamplingParams(max_tokens=1), eos_token_id=None)
-    assert kv.get_computed_blocks(other) == ([], 0)
+    assert kv.get_computed_blocks(other) == ([[]], 0)
     same = Request("c", [1, 2, 3, 4, 6], SamplingParams(max_tokens=1), eos_token_id=None)
-    assert kv.get_computed_blocks(same) == (first.block_ids[:1], 4)
+    assert kv.get_computed_blocks(same) == ([first.block_ids[:1]], 4)

@@ -20,9 +20,13 @@ What differs from the Llama family (``engine.models.llama``), as in transformers
 * optional final logit soft-capping ``cap * tanh(logits / cap)`` (``final_logit_softcapping``;
   Gemma 3 ships without it). Attention-logit soft-capping (Gemma 2) is refused.
 
-The KV cache holds every position of every layer; a local layer's attention masks its window
-exactly in the backend (``kernels.attention_backend``). Freeing the blocks that fell out of every local
-window (vLLM's hybrid allocator) is not done: a local layer keeps the same cache as a global one.
+A local layer's attention masks its window exactly in the backend (``kernels.attention_backend``).
+Its KV cache holds only the window: the engine keeps the local layers in a KV cache group of their
+own (vLLM's hybrid KV cache allocator, llama.cpp's SWA cache: ``engine.kv_cache_manager``), whose
+blocks are given back once they fall out of every later query's window, while the global layers
+keep every position. The local layers read that group's block tables through
+``AttentionMetadata.for_window``. ``EngineConfig.hybrid_kv_cache=False`` keeps every position of
+every layer in one group instead (the same outputs, bit for bit).
 
 Sources: Gemma Team, "Gemma 3 Technical Report" (2025, arXiv 2503.19786); GeGLU (Shazeer 2020,
 arXiv 2002.05202); RMSNorm (Zhang & Sennrich 2019, arXiv 1910.07467).
@@ -269,9 +273,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             return self.norm(h)
         if self.row_route is not None:
             self.row_route.set(prompt_mask)
+        metas = (meta, meta.for_window())  # local layers may read their own KV cache group
         try:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                h = layer(h, *tables[layer.local], k_cache, v_cache, meta, backend)
+                h = layer(h, *tables[layer.local], k_cache, v_cache, metas[layer.attn.window is not None], backend)
         finally:
             if self.row_route is not None:
                 self.row_route.clear()

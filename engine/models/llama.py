@@ -290,8 +290,10 @@ class LlamaForCausalLM(nn.Module):
             positions: position of each token in its sequence ``[T]`` (< ``max_context_len``;
                 past ``max_position_embeddings`` the table lookup raises IndexError).
             kv_caches: one ``(k_cache, v_cache)`` per layer, each
-                ``[num_blocks, block_size, num_kv_heads, head_dim]`` in ``self.dtype``.
-            meta: where each token's sequence and cache slots are.
+                ``[num_blocks, block_size, num_kv_heads, head_dim]`` in ``self.dtype`` (a layer with
+                a window may have a cache of its own size: a hybrid cache's sliding-window group).
+            meta: where each token's sequence and cache slots are (a windowed layer reads
+                ``meta.for_window()``).
             backend: the attention implementation.
             prompt_mask: which tokens are prompt tokens; only read when ``row_route`` is set
                 (int4 layers with a dense copy for prompt rows), else ignored.
@@ -316,9 +318,10 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(h)
         if self.row_route is not None:
             self.row_route.set(prompt_mask)
+        metas = (meta, meta.for_window())  # a windowed layer may read its own KV cache group
         try:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                h = layer(h, cos, sin, k_cache, v_cache, meta, backend)
+                h = layer(h, cos, sin, k_cache, v_cache, metas[layer.attn.window is not None], backend)
         finally:
             if self.row_route is not None:
                 self.row_route.clear()

@@ -21,7 +21,9 @@ without it: README, "The model the user brings".
 
 ``plan.run(h, tables, meta)`` updates the residual stream ``h`` fp32 ``[T, hidden]`` in place
 through every layer; ``tables`` is ``[(cos, sin), (local_cos, local_sin)]`` gathered for the
-step's positions (``[T, head_dim / 2]`` each; Gemma's local layers read the second pair).
+step's positions (``[T, head_dim / 2]`` each; Gemma's local layers read the second pair). A layer
+with a window reads ``meta.for_window()``'s block tables and slots, as the torch layers do (a
+hybrid KV cache's window group, whose cache tensors have their own size).
 """
 
 from __future__ import annotations
@@ -103,13 +105,15 @@ class DecoderPlan:
                                   ("down", mlp.down_proj)):
                 _linear(getattr(L, field), module, pointers, keep, f"layers.{i}.{field}")
             L.k_cache, L.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            L.num_slots = k_cache.shape[0] * k_cache.shape[1]
             L.window = attn.window or 0
+            L.table = int(attn.window is not None)  # meta.for_window(): its group's tables, if apart
             L.rope = int(gemma and layer.local)
             L.scale = attn.scale
         m = C.Model(num_layers=spec.num_layers, hidden=spec.hidden_size, heads=spec.num_heads,
                     kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, inter=spec.intermediate_size,
                     act=C.ACT_GELU_TANH if gemma else C.ACT_SILU, cache_kind=native.CACHE_KINDS[k0.dtype],
-                    block_size=k0.shape[1], num_slots=k0.shape[0] * k0.shape[1], eps=spec.rms_norm_eps,
+                    block_size=k0.shape[1], eps=spec.rms_norm_eps,
                     vnni_gemm=pointers["vnni_gemm"], gguf_quantize=pointers["gguf_quantize"],
                     gguf_gemm=pointers["gguf_gemm"], attention=pointers["attention"],
                     layers=ctypes.cast(layers, ctypes.POINTER(C.Layer)))
@@ -128,19 +132,22 @@ class DecoderPlan:
             return
         (cos, sin), (lcos, lsin) = tables[0], tables[-1]
         tabs = [x if x.is_contiguous() else x.contiguous() for x in (cos, sin, lcos, lsin)]
-        slots = _as(meta.slot_mapping, torch.int64)
-        block_tables = _as(meta.block_tables, torch.int32)
+        window = meta.for_window()  # the windowed layers' tables (the same ones with one KV cache group)
+        slots = [_as(m.slot_mapping, torch.int64) for m in (meta, window)]
+        block_tables = [_as(m.block_tables, torch.int32) for m in (meta, window)]
         starts = _as(meta.query_start_loc, torch.int32)
         lens = _as(meta.seq_lens, torch.int32)
         size = self._workspace.get(t)
         if size is None:
             size = self._workspace[t] = self._lib.stencil_decoder_workspace(self._model_ref, t)
         workspace = torch.empty(size, dtype=torch.uint8)
-        step = C.Step(t=t, num_seqs=lens.numel(), max_blocks=block_tables.shape[1], threads=torch.get_num_threads(),
-                      h=h.data_ptr(), slots=slots.data_ptr(), block_tables=block_tables.data_ptr(),
-                      query_start_loc=starts.data_ptr(), seq_lens=lens.data_ptr(),
-                      workspace=(workspace.data_ptr() + 63) // 64 * 64, workspace_bytes=size - 64)
+        step = C.Step(t=t, num_seqs=lens.numel(), max_blocks=block_tables[0].shape[1],
+                      threads=torch.get_num_threads(), h=h.data_ptr(), query_start_loc=starts.data_ptr(),
+                      seq_lens=lens.data_ptr(), workspace=(workspace.data_ptr() + 63) // 64 * 64,
+                      workspace_bytes=size - 64)
         step.cos[0], step.sin[0], step.cos[1], step.sin[1] = (x.data_ptr() for x in tabs)
+        for i in range(2):
+            step.slots[i], step.block_tables[i] = slots[i].data_ptr(), block_tables[i].data_ptr()
         rc = self._lib.stencil_decoder_forward(self._model_ref, ctypes.byref(step))
         if rc:
             where = f"layer {(-rc - 100) // 10}, stage {(-rc - 100) % 10}" if rc <= -100 else "the step's arguments"

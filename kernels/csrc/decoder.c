@@ -28,6 +28,9 @@
  * The GEMM, quantize and attention kernels live in other libraries (other compiler flags) and
  * are called through the pointers in model_t, taken from their ctypes handles.
  *
+ * KV cache groups: each layer reads the step's block tables and slots numbered `table` (1: a hybrid
+ * cache's sliding-window group, engine/kv_cache_manager.py) and writes a cache of `num_slots` slots.
+ *
  * Memory: no allocation; the caller passes a workspace of stencil_decoder_workspace(m, T) bytes
  * (per token: the attention's buffers or the MLP's, whichever is larger, plus the residual's).
  */
@@ -81,7 +84,9 @@ typedef struct {
     const float *attn_in_norm, *attn_out_norm, *mlp_in_norm, *mlp_out_norm, *q_norm, *k_norm; /* [hidden] / [D] */
     linear_t qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [num_slots, kv_heads, D], fp32, bf16 or fp16 */
+    int64_t num_slots;       /* slots of this layer's cache (its KV cache group's blocks x block_size) */
     int32_t window, rope;    /* window in tokens (0: none); which RoPE table of the step (0 or 1) */
+    int32_t table;           /* which block tables and slots of the step it reads (1: a window group's) */
     float scale;             /* softmax scale */
 } layer_t;
 
@@ -89,7 +94,6 @@ typedef struct {
     int32_t num_layers, hidden, heads, kv_heads, head_dim, inter;
     int32_t act; /* 0: SiLU, 1: GELU (tanh) */
     int32_t cache_kind, block_size;
-    int64_t num_slots;
     float eps;
     vnni_gemm_fn vnni_gemm;
     gguf_quantize_fn gguf_quantize;
@@ -102,8 +106,9 @@ typedef struct {
     int32_t t, num_seqs, max_blocks, threads;
     float *h; /* [T, hidden], in and out */
     const float *cos[2], *sin[2]; /* [T, D / 2] each */
-    const int64_t *slots;         /* [T] */
-    const int32_t *block_tables, *query_start_loc, *seq_lens;
+    const int64_t *slots[2];      /* [T] each: the new tokens' slots in table 0's group and table 1's */
+    const int32_t *block_tables[2]; /* [num_seqs, max_blocks] each (the same pointers with one group) */
+    const int32_t *query_start_loc, *seq_lens;
     void *workspace;
     int64_t workspace_bytes;
 } step_t;
@@ -229,10 +234,11 @@ int stencil_decoder_forward(const model_t *m, const step_t *s) {
             q = qn, k = kn, q_row = qsize, k_row = kvsize;
         }
         if (stencil_rope_cache(q, q_row, m->heads, k, k_row, v, L->qkv.ldy, m->kv_heads, d, s->cos[L->rope],
-                               s->sin[L->rope], t, s->slots, m->num_slots, L->k_cache, L->v_cache, m->cache_kind, qr))
+                               s->sin[L->rope], t, s->slots[L->table], L->num_slots, L->k_cache, L->v_cache,
+                               m->cache_kind, qr))
             return err - 2;
         if (m->attention(qr, m->heads, m->kv_heads, d, L->k_cache, L->v_cache, m->cache_kind, m->block_size,
-                         s->block_tables, s->max_blocks, s->query_start_loc, s->seq_lens, s->num_seqs, L->scale,
+                         s->block_tables[L->table], s->max_blocks, s->query_start_loc, s->seq_lens, s->num_seqs, L->scale,
                          L->window, ao, th))
             return err - 3;
         if (linear(m, &L->o, ao, t, lo, acts, th)) return err - 4;
