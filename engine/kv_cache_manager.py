@@ -374,7 +374,8 @@ class KVCacheManager:
     def check_invariants(self, requests: Sequence[Request]) -> None:
         """Raise AssertionError if a pool is inconsistent with the tables of ``requests`` (every
         request holding blocks): each pool's reference counts equal its tables' holders, every
-        group's table has group 0's length, and no entry a later query can see is the null block."""
+        group's table has group 0's length, and a window group's entries are the null block
+        exactly before the first block a later query can see (released at once, never early)."""
         tables = [self.block_tables(r) for r in requests]
         for g, pool in enumerate(self.pools):
             owners: dict[int, int] = {}
@@ -387,8 +388,9 @@ class KVCacheManager:
             for g, table in enumerate(t):
                 assert len(table) == len(t[0]), f"{r}: group {g} has {len(table)} entries, group 0 {len(t[0])}"
                 live = self.first_live_block(r.num_computed_tokens, g)
-                assert not any(_null(self.pools[g], b) for b in table[live:]), (
-                    f"{r}: group {g} points at the null block inside its window: {table}")
+                nulls = [_null(self.pools[g], b) for b in table]
+                assert nulls == [i < live for i in range(len(table))], (
+                    f"{r}: group {g} must point at the null block before block {live} only: {table}")
 
 
 def _null(pool: BlockPool, block_id: int) -> bool:

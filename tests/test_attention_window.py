@@ -80,6 +80,55 @@ def test_native_windowed_rows_are_the_same_bits_alone_and_in_a_batch(window):
                        backend.forward(q, k_cache, v_cache, meta, 0.125))
 
 
+def _out_of_window(tables: torch.Tensor, seqs, window: int, block: int, null: int) -> torch.Tensor:
+    """``tables`` with every entry no row of its sequence can see pointed at block ``null``, as a
+    hybrid cache's window group leaves them (``engine.kv_cache_manager.release_out_of_window``:
+    blocks wholly before the first row's first visible key, position ``cached - window + 1``)."""
+    tables = tables.clone()
+    for i, (cached, _) in enumerate(seqs):
+        tables[i, :max(0, cached - window + 1) // block] = null
+    return tables
+
+
+@pytest.mark.parametrize("window", [5, 16, 37])
+@pytest.mark.parametrize("make", _backends())
+def test_entries_out_of_every_window_are_never_read(make, window):
+    """The window group's freed entries point at its null block: a backend that skips blocks
+    outside each row's window gives the same bits when that block holds NaN."""
+    from dataclasses import replace
+
+    q, k, v, k_cache, v_cache, meta, _ = paged_case(SEQS, 9, 3, 64, seed=window, num_blocks=81)
+    backend = make("cpu")
+    backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    want = backend.forward(q, k_cache, v_cache, meta, 0.125, window=window)
+    null = sorted(set(range(81)) - set(meta.block_tables.flatten().tolist()))[0]
+    k_cache[null], v_cache[null] = float("nan"), float("nan")
+    tables = _out_of_window(meta.block_tables, SEQS, window, 16, null)
+    assert int((tables == null).sum()) > 5  # the case has entries out of the window
+    got = backend.forward(q, k_cache, v_cache, replace(meta, block_tables=tables), 0.125, window=window)
+    assert torch.equal(got, want)
+
+
+def test_flash_reads_out_of_window_entries_as_the_null_blocks_zeros_and_masks_them(fake_flash):
+    """``kernels.flash.gather_kv`` reads every position, the freed ones from the null block (zeros,
+    never written): the window mask hides them, so the rows are those of the torch reference."""
+    from dataclasses import replace
+
+    from kernels.flash import FlashAttentionBackend
+    from test_kernels_flash import make_case
+
+    seqs = [(0, 30), (40, 1), (19, 5), (300, 2)]
+    q, k_cache, v_cache, meta, _ = make_case(seqs, 4, 2, 16, dtype=torch.float16, seed=5)
+    null = sorted(set(range(k_cache.shape[0])) - set(meta.block_tables.flatten().tolist()))[0]
+    k_cache[null], v_cache[null] = 0.0, 0.0
+    windowed = replace(meta, block_tables=_out_of_window(meta.block_tables, seqs, 8, 16, null))
+    out = FlashAttentionBackend("cpu").forward(q, k_cache, v_cache, windowed, 0.25, window=8)
+    ref = TorchAttentionBackend("cpu").forward(q.float(), k_cache.nan_to_num().float(),
+                                               v_cache.nan_to_num().float(), meta, 0.25, window=8)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref, atol=3e-3, rtol=3e-3)
+
+
 @pytest.mark.parametrize("make", _backends())
 def test_a_window_below_one_token_is_refused(make):
     q, k, v, k_cache, v_cache, meta, _ = paged_case([(3, 2)], 2, 2, 16, seed=0)

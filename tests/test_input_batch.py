@@ -67,3 +67,28 @@ def test_step_inputs_match_the_per_token_layout():
         q = ref["query_start_loc"]
         assert m.max_query_len == max(b - a for a, b in zip(q, q[1:]))
         assert inp.input_ids.dtype == inp.positions.dtype == inp.logits_indices.dtype == torch.int64
+
+
+def test_a_window_group_gets_its_own_tables_and_slots():
+    """With a hybrid cache's window group, ``meta.window_block_tables`` / ``window_slot_mapping``
+    lay out each request's ``window_block_ids`` as ``block_tables`` lays out ``block_ids``, and
+    ``for_window`` hands them to the windowed layers."""
+    rng = random.Random(1)
+    for _ in range(50):
+        out = random_schedule(rng, rng.randint(1, 8))
+        for sr in out.scheduled:
+            # null (0) entries before the new tokens, fresh ids from 1000 on for the rest
+            ids = sr.request.block_ids
+            dead = rng.randint(0, sr.start // BS)
+            sr.request.window_block_ids = [0] * dead + [1000 + b for b in ids[dead:]]
+        inp = build_step_inputs(out, BS, torch.device("cpu"), window_group=True)
+        m, w = inp.meta, inp.meta.for_window()
+        width = m.block_tables.shape[1]
+        want = [sr.request.window_block_ids + [0] * (width - len(sr.request.window_block_ids))
+                for sr in out.scheduled]
+        assert w.block_tables.tolist() == m.window_block_tables.tolist() == want
+        slots = [sr.request.window_block_ids[p // BS] * BS + p % BS
+                 for sr in out.scheduled for p in range(sr.start, sr.start + sr.num_new_tokens)]
+        assert w.slot_mapping.tolist() == slots and min(s // BS for s in slots) >= 1000
+        assert w.seq_lens_cpu == m.seq_lens_cpu and w.window_block_tables is None
+        assert build_step_inputs(out, BS, torch.device("cpu")).meta.window_block_tables is None

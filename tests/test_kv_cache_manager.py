@@ -99,3 +99,98 @@ def test_colliding_hashes_are_never_a_hit(monkeypatch):
     assert kv.get_computed_blocks(other) == ([[]], 0)
     same = Request("c", [1, 2, 3, 4, 6], SamplingParams(max_tokens=1), eos_token_id=None)
     assert kv.get_computed_blocks(same) == ([first.block_ids[:1]], 4)
+
+
+# -- KV cache groups: a sliding-window group beside the full one ---------------------------------
+
+from engine.block_pool import NULL_BLOCK  # noqa: E402
+from engine.kv_cache_manager import KVCacheGroup, kv_cache_groups  # noqa: E402
+
+
+def test_kv_cache_groups_split_only_a_model_that_mixes_full_and_windowed_layers():
+    kw = dict(block_size=16, max_num_seqs=4, max_num_batched_tokens=64)
+    assert kv_cache_groups([None] * 3, 100, **kw) == ([KVCacheGroup(100)], [0, 0, 0])  # Llama, SmolLM2
+    gemma = [512] * 5 + [None]
+    assert kv_cache_groups(gemma, 100, hybrid=False, **kw) == ([KVCacheGroup(100)], [0] * 6)
+    assert kv_cache_groups([32, 32], 100, **kw) == ([KVCacheGroup(100, 32)], [0, 0])  # every layer windowed
+    # 4 requests x (a 512-token window's 32 blocks + 2) + a step's 64 tokens (4 blocks): 140 blocks
+    assert kv_cache_groups(gemma, 1000, **kw) == ([KVCacheGroup(1000), KVCacheGroup(140, 512)], [1] * 5 + [0])
+    assert kv_cache_groups(gemma, 100, **kw)[0][1] == KVCacheGroup(100, 512)  # never more than the full group
+    assert KVCacheGroup(100, 512).pool_blocks == 101 and KVCacheGroup(100).pool_blocks == 100  # the null block
+
+
+def _hybrid(window: int = 6, blocks: int = 32, window_blocks: int = 32) -> KVCacheManager:
+    return KVCacheManager(blocks, 4, groups=[KVCacheGroup(blocks), KVCacheGroup(window_blocks, window)])
+
+
+def test_window_blocks_are_released_once_no_later_query_sees_them():
+    kv = _hybrid(window=6)
+    req = Request("a", list(range(30)), SamplingParams(max_tokens=4), eos_token_id=None)
+    assert kv.allocate_slots(req, 30)
+    assert len(req.block_ids) == len(req.window_block_ids) == 8 and NULL_BLOCK not in req.window_block_ids
+    req.num_computed_tokens = 30
+    kv.cache_full_blocks(req)
+    # The next query sits at position 30 and sees keys 25..30: blocks 0-5 (keys 0..23) are dead.
+    assert kv.first_live_block(30, 1) == 6 and kv.first_live_block(30, 0) == 0
+    assert req.window_block_ids[:6] == [NULL_BLOCK] * 6 and NULL_BLOCK not in req.window_block_ids[6:]
+    assert kv.group_blocks() == [(32, 24), (32, 30)]
+    kv.check_invariants([req])
+    kv.free(req)
+    assert kv.group_blocks() == [(32, 32), (32, 32)] and req.window_block_ids == []
+    kv.check_invariants([])
+
+
+def test_a_prefix_hit_needs_the_windows_blocks_and_is_the_longest_both_groups_serve():
+    kv = _hybrid(window=6)
+    tokens = list(range(100, 130))
+    first = Request("a", tokens, SamplingParams(max_tokens=4), eos_token_id=None)
+    assert kv.allocate_slots(first, 30)
+    first.num_computed_tokens = 30
+    kv.cache_full_blocks(first)  # window blocks 0-5 released early, hashes kept in the free queue
+    kv.free(first)
+    second = Request("b", tokens + [7], SamplingParams(max_tokens=4), eos_token_id=None)
+    (full, window), hit = kv.get_computed_blocks(second)
+    # 7 full blocks (one token is left to compute); a query at 28 sees keys 23..28: blocks 5-6.
+    assert hit == 28 and full == first_full(kv, tokens, 7)
+    assert window[:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in window[5:]
+    # Evict the window block of keys 20..23 (allocation takes the least recently freed first):
+    # a hit at 28 or 24 needs it, one at 20 (keys 15..20: blocks 3-4) does not.
+    pool = kv.pools[1]
+    victim = window[5]
+    taken = []
+    while victim in pool.free_queue:
+        taken += pool.allocate(1)
+    pool.free(taken)
+    (full, window), hit = kv.get_computed_blocks(second)
+    assert hit == 20 and len(full) == len(window) == 5 and window[:3] == [NULL_BLOCK] * 3
+    second.num_computed_tokens = hit
+    assert kv.allocate_slots(second, 31 - hit, [full, window])
+    kv.check_invariants([second])
+    assert second.block_ids[:5] == full and second.window_block_ids[:5] == window
+    kv.free(second)
+    kv.check_invariants([])
+
+
+def first_full(kv: KVCacheManager, tokens: list[int], n: int) -> list[int]:
+    """Group 0's cached block ids of the first ``n`` blocks of ``tokens``."""
+    hashes = prompt_block_hashes(tokens, kv.block_size, n)
+    return [kv.pool.lookup(h, tuple(tokens[i * 4:(i + 1) * 4])) for i, h in enumerate(hashes)]
+
+
+def test_allocation_fails_whole_when_the_window_group_is_short():
+    kv = _hybrid(window=6, blocks=32, window_blocks=3)
+    a = Request("a", list(range(8)), SamplingParams(max_tokens=4), eos_token_id=None)
+    assert kv.allocate_slots(a, 8)  # 2 blocks in each group
+    b = Request("b", list(range(50, 58)), SamplingParams(max_tokens=4), eos_token_id=None)
+    assert not kv.allocate_slots(b, 8)  # group 0 has room, the window group has one block
+    assert b.block_ids == b.window_block_ids == [] and kv.group_blocks() == [(32, 30), (3, 1)]
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a)  # a query at 8 sees keys 3..8: block 0 (keys 0..3) stays
+    assert kv.group_blocks()[1] == (3, 1)
+    assert kv.allocate_slots(a, 4) and kv.group_blocks()[1] == (3, 0)
+    assert not kv.allocate_slots(b, 4)
+    a.num_computed_tokens = 12
+    kv.cache_full_blocks(a)  # the next query at 12 sees keys 7..12: block 0 is released
+    assert a.window_block_ids[0] == NULL_BLOCK and kv.group_blocks() == [(32, 29), (3, 1)]
+    assert kv.allocate_slots(b, 4)
+    kv.check_invariants([a, b])

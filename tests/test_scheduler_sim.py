@@ -4,7 +4,12 @@ The fake model writes each scheduled token id into its cache slot and, for every
 reads the whole sequence back through the block table. The next token is a hash of what it read,
 so a wrong block table, a bad prefix-cache hit or a rejected draft's stale K/V changes the
 output, which is compared with the same request computed alone. After every step the named
-invariants of the block pool are checked.
+invariants of the block pools are checked.
+
+With a hybrid cache (``engine.kv_cache_manager``: a sliding-window group beside the full one) the
+fake model also writes every token into the window group's slots and checks, for every new row,
+the keys its window sees through the window group's table; the window group's blocks must stay
+bounded by the window while the full group's grow.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.input_batch import build_step_inputs
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheGroup, KVCacheManager, kv_cache_groups
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
 
@@ -47,22 +52,33 @@ def reference_output(prompt: list[int], max_tokens: int) -> tuple[list[int], str
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int, rng: random.Random):
+    def __init__(self, groups: list[KVCacheGroup], block_size: int, rng: random.Random):
         self.bs = block_size
-        self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.kv = np.full(groups[0].pool_blocks * block_size, -1, dtype=np.int64)
+        self.window = groups[1].window if len(groups) > 1 else None
+        self.wkv = np.full(groups[-1].pool_blocks * block_size, -1, dtype=np.int64)
         self.rng = rng
 
     def execute(self, out) -> list[list[int]]:
         import torch
 
-        inp = build_step_inputs(out, self.bs, torch.device("cpu"))
+        inp = build_step_inputs(out, self.bs, torch.device("cpu"), window_group=self.window is not None)
         self.kv[inp.meta.slot_mapping.numpy()] = inp.input_ids.numpy()
+        if self.window is not None:
+            w = inp.meta.for_window()
+            assert (w.slot_mapping.numpy() >= self.bs).all(), "a new token written into the null block"
+            self.wkv[w.slot_mapping.numpy()] = inp.input_ids.numpy()
         sampled = []
         for i, sr in enumerate(out.scheduled):
-            if not sr.sample:
-                continue
             req = sr.request
             end = sr.start + sr.num_new_tokens
+            if self.window is not None:  # every key the step's rows see in the window group
+                blocks = w.block_tables[i].tolist()
+                first = max(0, sr.start - self.window + 1)
+                seen = self.wkv[[blocks[p // self.bs] * self.bs + p % self.bs for p in range(first, end)]]
+                assert seen.tolist() == req.tokens_range(first, end), f"window KV content wrong for {req}"
+            if not sr.sample:
+                continue
             blocks = inp.meta.block_tables[i].tolist()
             slots = [blocks[p // self.bs] * self.bs + p % self.bs for p in range(end)]
             seen = self.kv[slots]  # the sequence as the cache holds it
@@ -84,6 +100,7 @@ def check_invariants(sched: Scheduler, kv: KVCacheManager) -> None:
     for r in sched.waiting:
         owners.update(r.block_ids)
     kv.pool.check_invariants(dict(owners))
+    kv.check_invariants(sched.running + list(sched.waiting))
     for r in sched.running:
         assert len(r.block_ids) * kv.block_size >= r.num_computed_tokens, r
         assert r.status == RequestStatus.RUNNING
@@ -92,14 +109,36 @@ def check_invariants(sched: Scheduler, kv: KVCacheManager) -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_simulation_invariants_and_outputs(seed):
+    simulate(seed, [KVCacheGroup(48)])  # small: forces preemption
+
+
+@pytest.mark.parametrize("seed,window,window_blocks", [(0, 20, None), (1, 20, None), (2, 40, 14), (3, 7, 9)])
+def test_random_simulation_with_a_window_group(seed, window, window_blocks):
+    """A hybrid cache: the window group sized by ``kv_cache_groups`` (as many blocks as the full
+    group here: 12 running requests), or smaller, so that it is the one that runs out and
+    preempts. Outputs, prefix hits and both pools' invariants hold all the same."""
+    groups, layers = kv_cache_groups([window, None], 48, block_size=16, max_num_seqs=12, max_num_batched_tokens=96)
+    assert layers == [1, 0] and groups[0] == KVCacheGroup(48) and groups[1].window == window
+    if window_blocks is not None:
+        groups[1] = KVCacheGroup(window_blocks, window)
+    held = simulate(seed, groups)
+    # The window group held at most a window and a step's tokens per request; the full group
+    # held whole sequences.
+    assert held[1] <= 12 * (-(-(window - 1) // 16) + 2) + 6
+    assert held[0] > held[1] if window_blocks is None else held[1] <= window_blocks
+
+
+def simulate(seed: int, groups: list[KVCacheGroup]) -> list[int]:
+    """Run 700 random requests; return the most blocks each group's pool held at once."""
     rng = random.Random(seed)
     bs = 16
-    num_blocks = 48  # small: forces preemption
+    num_blocks = groups[0].num_blocks
     cfg = EngineConfig(model="unused", max_num_seqs=12, max_num_batched_tokens=96, max_prefill_chunk=40)
-    kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=True)
+    kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=True, groups=groups)
     sched = Scheduler(cfg, kv, max_model_len=400)
     sched.enable_forced_tokens = False
-    runner = FakeRunner(num_blocks, bs, rng)
+    runner = FakeRunner(groups, bs, rng)
+    most_held = [0] * len(groups)
     prefixes = [[rng.randrange(3, 3 + VOCAB) for _ in range(n)] for n in (0, 16, 33, 64, 80)]
     n_requests = 700
     expected: dict[str, tuple[list[int], str]] = {}
@@ -143,9 +182,11 @@ def test_random_simulation_invariants_and_outputs(seed):
         for req in sched.drain_finished():
             status[req.request_id] = req.status
         check_invariants(sched, kv)
+        most_held = [max(m, total - free) for m, (total, free) in zip(most_held, kv.group_blocks())]
         steps += 1
         assert steps < 20000, "simulation does not terminate"
     assert kv.num_free_blocks == num_blocks
+    assert all(free == total for total, free in kv.group_blocks())
     assert sched.num_preemptions > 0, "the cache was meant to be small enough to preempt"
     assert kv.prefix_hits > 0
     assert len(status) == n_requests
@@ -156,3 +197,4 @@ def test_random_simulation_invariants_and_outputs(seed):
             continue
         assert got[rid] == ref, rid
         assert reqs[rid].finish_reason == reason
+    return most_held
