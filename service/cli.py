@@ -33,6 +33,8 @@ BENCHMARKS = {
     "latency": "one request end to end over HTTP, phase by phase, with and without a grammar",
     "accuracy": "field-level accuracy of extractions: compact vs flexible JSON vs unconstrained, and servers",
     "agreement": "next-token top-1 agreement with llama.cpp (and transformers) on one GGUF, teacher-forced",
+    "rows": "one row through one quantized matrix per GGUF type: Stencil's block kernel against llama.cpp's "
+            "(test-backend-ops), GB/s, same run",
     "peers": "llama-server against stencil serve on the same GGUF: requests/s, validity, field accuracy, "
              "decode at one request, resident memory",
 }

@@ -3,6 +3,8 @@
 #
 #   benchmarks/peers/build_llama_server.sh            # prints the binary's path on its last line
 #   benchmarks/peers/build_llama_server.sh --options  # prints the ISA options it would use, builds nothing
+#   benchmarks/peers/build_llama_server.sh --test-backend-ops  # also builds llama.cpp's kernel benchmark
+#                                                     # (`stencil bench rows`); prints its path
 #
 # It builds llama-quantize beside it (same bin/ folder): the reference quantizer that turns an
 # F16/F32 GGUF into k-quants for the GGUF benchmarks (`python -m benchmarks.gguf_models`).
@@ -63,6 +65,11 @@ if [[ "${1:-}" == "--options" ]]; then
 fi
 BUILD="$PEERS_DIR/build-$VERSION-$TAG"
 BIN="$BUILD/bin/llama-server"
+TARGETS=(llama-server llama-quantize)
+if [[ "${1:-}" == "--test-backend-ops" ]]; then
+    TARGETS+=(test-backend-ops)
+    BIN="$BUILD/bin/test-backend-ops"
+fi
 
 if [[ -x "$BIN" && -x "$BUILD/bin/llama-quantize" && -f "$BUILD/bin/BUILD_INFO" ]]; then
     echo "$BIN"
@@ -80,9 +87,9 @@ fi
 echo "[peers] building llama-server ($MODE: ${ISA_OPTIONS[*]}; $JOBS jobs) in $BUILD" >&2
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF "${ISA_OPTIONS[@]}" \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON >&2
-cmake --build "$BUILD" --target llama-server llama-quantize -j "$JOBS" >&2
-test -x "$BIN" && test -x "$BUILD/bin/llama-quantize"
+    -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON >&2
+cmake --build "$BUILD" --target "${TARGETS[@]}" -j "$JOBS" >&2
+test -x "$BIN" && test -x "$BUILD/bin/llama-server" && test -x "$BUILD/bin/llama-quantize"
 {
     echo "llama-cpp-python $VERSION"
     echo "build $MODE"
