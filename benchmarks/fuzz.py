@@ -193,7 +193,8 @@ def main(args: argparse.Namespace) -> int:
         "soak_no_transport_errors": soak_counts is None or soak_counts["transport_errors"] == 0,
         "soak_ran": soak_counts is None or soak_counts["answered"] > 0,
         "nothing_left_in_engine": e["running"] == 0 and e["waiting"] == 0 and health["inflight"] == 0,
-        "all_kv_blocks_free": e["kv_blocks_free"] == e["kv_blocks_total"],
+        "all_kv_blocks_free": (e["kv_blocks_free"] == e["kv_blocks_total"]
+                               and e.get("kv_sliding_blocks_free") == e.get("kv_sliding_blocks_total")),
         "engine_alive": health["status"] == "ok",
         "clean_shutdown": server is None or exit_code == 0,
     }

@@ -356,7 +356,8 @@ def main(args: argparse.Namespace) -> int:
         "slow_headers_closed": not args.slow_headers or all(h["closed_by_server"] >= args.slow_headers for h in heads),
         "slow_readers_dropped": not args.slow_readers or all(r["dropped"] >= args.slow_readers for r in readers),
         "nothing_left_in_engine": e["running"] == 0 and e["waiting"] == 0 and health["inflight"] == 0,
-        "all_kv_blocks_free": e["kv_blocks_free"] == e["kv_blocks_total"],
+        "all_kv_blocks_free": (e["kv_blocks_free"] == e["kv_blocks_total"]
+                               and e.get("kv_sliding_blocks_free") == e.get("kv_sliding_blocks_total")),
         "clean_shutdown": server is None or exit_code == 0,
     }
     report = {

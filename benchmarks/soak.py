@@ -371,7 +371,7 @@ def _settle(url: str, timeout_s: float = 30.0) -> tuple[dict, dict]:
         health = httpx.get(url + "/health", timeout=10).json()
         e = health["engine"]
         idle = (e["running"] == 0 and e["waiting"] == 0 and e["kv_blocks_free"] == e["kv_blocks_total"]
-                and health["inflight"] == 0)
+                and e.get("kv_sliding_blocks_free") == e.get("kv_sliding_blocks_total") and health["inflight"] == 0)
         if idle or time.monotonic() > deadline:
             return health, _metrics(url)
         time.sleep(0.2)
@@ -545,7 +545,8 @@ def main(args: argparse.Namespace) -> int:
     every = ([reference] if reference is not None else []) + rounds
     invariants = {
         "all_kv_blocks_free": all(p.health["engine"]["kv_blocks_free"] == p.health["engine"]["kv_blocks_total"]
-                                  and p.metrics.get("stencil_kv_blocks_used", 0.0) == 0.0 for p in every),
+                                  and p.metrics.get("stencil_kv_blocks_used", 0.0) == 0.0
+                                  and p.metrics.get("stencil_kv_sliding_blocks_used", 0.0) == 0.0 for p in every),
         "no_request_left": all(p.health["engine"]["running"] + p.health["engine"]["waiting"] == 0
                                and p.health["inflight"] == 0
                                and p.metrics.get("stencil_requests_running", 0.0) == 0.0

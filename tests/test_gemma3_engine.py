@@ -48,6 +48,7 @@ def test_gemma3_greedy_outputs_do_not_depend_on_batching_caching_chunking_preemp
     st = eng.stats()
     assert st["num_preemptions"] > 0 and st["prefix_cache_hits"] > 0
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    assert st["kv_sliding_blocks_free"] == st["kv_sliding_blocks_total"] > 0  # the local layers' own pool
 
 
 def test_gemma3_engine_limits_and_stops_come_from_the_gguf(gemma_gguf):

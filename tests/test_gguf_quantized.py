@@ -183,6 +183,7 @@ def test_engine_greedy_outputs_do_not_depend_on_batching_caching_chunking_preemp
     st = eng.stats()
     assert st["num_preemptions"] > 0 and st["prefix_cache_hits"] > 0
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+    assert st.get("kv_sliding_blocks_free") == st.get("kv_sliding_blocks_total")  # Gemma's local layers' pool
 
 
 def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(kquant_gguf):

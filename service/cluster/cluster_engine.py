@@ -102,6 +102,9 @@ def aggregate_stats(per_replica: list[dict]) -> dict:
     keys = ("running", "waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_queries",
             "prefix_cache_hits", "num_preemptions", "num_steps")
     out = {k: sum(int(s.get(k, 0)) for s in per_replica) for k in keys}
+    for k in ("kv_sliding_blocks_total", "kv_sliding_blocks_free"):  # replicas with a hybrid KV cache
+        if any(k in s for s in per_replica):
+            out[k] = sum(int(s.get(k, 0)) for s in per_replica)
     total = out["kv_blocks_total"]
     out["kv_usage"] = 1.0 - out["kv_blocks_free"] / total if total else 0.0
     q = out["prefix_cache_queries"]
