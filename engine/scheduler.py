@@ -2,10 +2,11 @@
 
 Each step: running requests first (in admission order), then waiting ones, under a token budget
 (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). A prompt longer than the
-chunk limit is read over several steps (chunked prefill). When the KV cache has no room, the
-most recently admitted running request is preempted: its blocks are freed and it goes back to
-the head of the waiting queue to be recomputed (its freed blocks keep their hashes, so the
-recompute often hits the prefix cache).
+chunk limit is read over several steps (chunked prefill). When the KV cache has no room (in any
+of its groups: a hybrid cache's sliding-window pool counts like the full one,
+``engine.kv_cache_manager``), the most recently admitted running request is preempted: its
+blocks are freed and it goes back to the head of the waiting queue to be recomputed (its freed
+blocks keep their hashes, so the recompute often hits the prefix cache).
 
 A request whose grammar still compiles (``grammar_future``) is admitted all the same and reads
 all but its last prompt token meanwhile; its last prompt token, and so its first sampled token,
