@@ -69,7 +69,9 @@
  *
  * One row (a decode step) is bound by how fast the weights arrive: the k-quant spans are
  * prefetched PREFETCH_SPANS ahead (the hardware prefetcher alone kept a 1B model's Q4_K / Q6_K
- * matrices at 18 GB/s on a 2-core AMD EPYC whose DRAM streams 34; with it 24-25 GB/s), Q6_K's
+ * matrices at 18 GB/s on a 2-core AMD EPYC whose DRAM streams 34; with it 24-25 GB/s), the
+ * 32-weight types' spans BLOCK_SPANS_AHEAD ahead (Q8_0 from DRAM at one thread 5-6 -> 9-10 GB/s,
+ * Q5_0 4 -> 6-8: `stencil bench rows`), Q6_K's
  * integer sums run in four independent chains per term and a sub-block's scale reaches every
  * lane by one byte shuffle; Q4_K / Q5_K merge the two terms before their unit's scale (one
  * VPMULLD a unit) and read the 12 scale bytes with vector shifts. Many rows (a prompt, a batch)
