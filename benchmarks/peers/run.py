@@ -13,8 +13,10 @@
    ``~/.cache/stencil/gguf/SmolLM2-135M-Instruct.Q4_1.gguf``) with ``llama-server`` on 127.0.0.1
    (``--slots`` slots, ``--threads`` threads, ``--ctx-per-slot`` tokens each: ``-c`` is their
    product) and ``stencil serve --model`` the same file on another loopback port, with the same
-   KV capacity in tokens (``--num-kv-blocks``, 16 tokens a block) and otherwise its defaults
-   (plus ``--stencil-args``).
+   KV capacity in tokens (``--num-kv-blocks``, 16 tokens a block), as many requests running at
+   once as llama-server has slots (``--max-num-seqs``: it also sizes a hybrid model's window
+   pool, as ``--parallel`` sizes llama.cpp's SWA cache) and otherwise its defaults (plus
+   ``--stencil-args``).
 3. Runs ``stencil bench serve --workload person`` against both in one go (the person-extraction
    items: a one-sentence text, name/age/city, JSON Schema, greedy, ``max_tokens`` 64, streamed),
    ``--repeat`` times: as chats when the file has a chat template, else (a base model such as
@@ -392,7 +394,8 @@ def main(args: argparse.Namespace) -> int:
                  "--ctx-size", str(kv_tokens), "--no-webui", "--alias", gguf.stem]
     stencil_cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(gguf),
                    "--host", "127.0.0.1", "--port", str(sport), "--log-level", "warning",
-                   "--num-kv-blocks", str(-(-kv_tokens // 16)), *shlex.split(args.stencil_args)]
+                   "--num-kv-blocks", str(-(-kv_tokens // 16)), "--max-num-seqs", str(args.slots),
+                   *shlex.split(args.stencil_args)]
     logs = args.json.parent / (args.json.stem + "-logs")
     logs.mkdir(parents=True, exist_ok=True)
     llama = stencil = None
