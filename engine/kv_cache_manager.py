@@ -248,7 +248,7 @@ class KVCacheManager:
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         hashes = self._block_hashes(request, max_blocks)
-        tokens = [tuple(request.all_token_ids[i * bs:(i + 1) * bs]) for i in range(max_blocks)]
+        tokens: dict[int, tuple[int, ...]] = {}  # block i's token ids, made when first looked up
         n = max_blocks
         found: list[list[int | None]] = []
         for g, pool in enumerate(self.pools):
@@ -256,6 +256,8 @@ class KVCacheManager:
             run = 0  # cached blocks in a row ending at block i
             best = 0
             for i in range(n):
+                if i not in tokens:
+                    tokens[i] = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
                 block_id = pool.lookup(hashes[i], tokens[i])
                 if block_id is None and self.groups[g].window is None:
                     break  # a full-attention group needs every block
