@@ -61,6 +61,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="K/V cache dtype (auto: float16 for a GGUF model on CPU, as llama.cpp; else --dtype); "
                         "float16 or bfloat16 halve the cache and its memory traffic")
+    g.add_argument("--no-hybrid-kv-cache", action="store_true",
+                   help="keep every position of a sliding-window layer (Gemma 3's local layers) in the KV cache, "
+                        "as the full-attention layers do, instead of only its window (README, Your own model)")
     g.add_argument("--activation-precision", default="exact", choices=["exact", "int8"],
                    help="GGUF block kernels' activations: exact (two int8 terms a value, logits within fp32 "
                         "rounding of the dequantized model; default) or int8 (llama.cpp's one term: less integer "
@@ -188,7 +191,8 @@ def engine_config_from_args(args: argparse.Namespace):
         raise ModelArgError(str(e)) from None
     return EngineConfig(
         model=Path(model), device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        activation_precision=args.activation_precision, weights=args.weights,
+        activation_precision=args.activation_precision, hybrid_kv_cache=not args.no_hybrid_kv_cache,
+        weights=args.weights,
         prompt_weights=args.prompt_weights, attention_backend=args.attention_backend, kv_cache_gib=args.kv_cache_gib,
         num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

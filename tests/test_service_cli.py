@@ -78,13 +78,16 @@ def test_every_listed_benchmark_has_its_module(name):
     assert "def add_arguments(" in source and "def main(" in source, name
 
 
-def test_activation_precision_reaches_the_engine_config(tiny_model_dir):
+def test_activation_precision_and_the_hybrid_cache_reach_the_engine_config(tiny_model_dir):
     from engine.config import ConfigError, EngineConfig
 
     args = cli.build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--activation-precision", "int8"])
     assert cli.engine_config_from_args(args).activation_precision == "int8"
     args = cli.build_parser().parse_args(["serve", "--model", str(tiny_model_dir)])
     assert cli.engine_config_from_args(args).activation_precision == "exact"
+    assert cli.engine_config_from_args(args).hybrid_kv_cache is True
+    args = cli.build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--no-hybrid-kv-cache"])
+    assert cli.engine_config_from_args(args).hybrid_kv_cache is False
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--activation-precision", "int4"])
     with pytest.raises(ConfigError, match="activation_precision"):
