@@ -28,7 +28,8 @@
    for Stencil's ``/generate`` the rate is ``(completion_tokens - 1) / (total_ms - ttft_ms)``
    (tokens after the first over the time after it). Medians per server and their ratio.
 5. **Prompt phase** (``--prompt-requests``, 0 skips it): documents of about ``--prompt-tokens``
-   tokens (distinct from their first block, so no prefix cache serves them; llama-server's
+   tokens (windows of README.md's tokens, cut and read back by llama-server's own tokenizer;
+   distinct from their first block, so no prefix cache serves them; llama-server's
    ``cache_prompt`` off), each asking one output token, at ``--prompt-concurrency`` (1 and 8):
    prompt tokens/s = the prompt tokens each server counted over the wall time of the level, and
    the median time per request. Prefill is where a GEMM kernel shows first.
@@ -237,18 +238,34 @@ def decode_table(decode: dict) -> str:
 
 # -- prompt phase ----------------------------------------------------------------------------------
 
-def prompt_documents(n: int, tokens: int, source: Path = ROOT / "README.md") -> list[str]:
-    """``n`` distinct documents of about ``tokens`` tokens each (at ~4 characters a token) cut
-    from ``source`` at different offsets, each opening with its own number so that no two share
-    a first KV block (no prefix cache hit on either server)."""
-    words = source.read_text().split()
-    per_doc = max(1, int(tokens * 0.75))  # English prose: ~1.3 tokens a word
+def prompt_documents(n: int, tokens: int, tokenize, detokenize, source: Path = ROOT / "README.md") -> list[str]:
+    """``n`` distinct documents of about ``tokens`` tokens each: windows of ``source``'s tokens at
+    different offsets (``tokenize(text) -> ids``, ``detokenize(ids) -> text``: the served model's
+    own tokenizer), each opening with its own number so that no two share a first KV block (no
+    prefix cache hit on either server)."""
+    ids = tokenize(source.read_text())
+    body = max(1, tokens - 16)  # the heading's and the closing words' tokens
     out = []
     for i in range(n):
-        start = (i * 997) % max(1, len(words) - per_doc)
-        body = " ".join(words[start:start + per_doc])
-        out.append(f"Document {i + 1} of {n}, for a summary.\n\n{body}\n\nSummary:")
+        start = (i * 997) % max(1, len(ids) - body)
+        text = detokenize(ids[start:start + body])
+        out.append(f"Document {i + 1} of {n}, for a summary.\n\n{text}\n\nSummary:")
     return out
+
+
+def llama_tokenizer(url: str):
+    """``(tokenize, detokenize)`` through llama-server's ``/tokenize`` and ``/detokenize``."""
+    def tokenize(text: str) -> list[int]:
+        r = httpx.post(url + "/tokenize", json={"content": text}, timeout=120)
+        r.raise_for_status()
+        return r.json()["tokens"]
+
+    def detokenize(ids: list[int]) -> str:
+        r = httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=120)
+        r.raise_for_status()
+        return r.json()["content"]
+
+    return tokenize, detokenize
 
 
 def prompt_phase(stencil_url: str, llama_url: str, documents: list[str], levels: list[int]) -> dict:
@@ -424,7 +441,7 @@ def main(args: argparse.Namespace) -> int:
                                                 args.max_tokens)
             if args.prompt_requests > 0:
                 levels = [int(c) for c in args.prompt_concurrency.split(",")]
-                docs = prompt_documents(args.prompt_requests, args.prompt_tokens)
+                docs = prompt_documents(args.prompt_requests, args.prompt_tokens, *llama_tokenizer(llama_url))
                 print(f"[peers] prompt phase: {len(docs)} documents of ~{args.prompt_tokens} tokens at c={levels}",
                       flush=True)
                 report["prompt"] = prompt_phase(stencil_url, llama_url, docs, levels)
