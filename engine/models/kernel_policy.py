@@ -21,7 +21,8 @@ LM head, is served by ``layer_kind(types)``:
    decoded to a dense matrix (``gguf_weights.dequantize_tensor``).
 
 ``BLOCK_TERMS``: the int8 terms per activation of the block kernel (``QuantLinear(terms=)``);
-``load_model(block_terms=)`` overrides it.
+``load_model(block_terms=)`` overrides it, as the engine does from
+``EngineConfig.activation_precision`` (``--activation-precision``: exact = 2, int8 = 1).
 """
 
 from __future__ import annotations
