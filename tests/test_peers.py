@@ -137,13 +137,20 @@ def test_build_info_names_the_build_and_whether_amx_ran(tmp_path):
     from benchmarks.peers.run import llama_build_info
 
     binary = tmp_path / "llama-server"
-    (tmp_path / "BUILD_INFO").write_text("llama-cpp-python 0.3.36\nbuild explicit\n-DGGML_NATIVE=OFF\n")
+    (tmp_path / "BUILD_INFO").write_text("llama-cpp-python 0.3.36\nbuild explicit\n-DGGML_NATIVE=OFF\n"
+                                         "-DGGML_AMX_INT8=OFF\n")
     log = "main: loading\nsystem_info: n_threads = 2 / 2 | CPU : SSE3 = 1 | AVX512 = 1 | AMX_INT8 = 0 |\n"
     got = llama_build_info(binary, log)
-    assert got["llama_cpp_build"] == ["llama-cpp-python 0.3.36", "build explicit", "-DGGML_NATIVE=OFF"]
+    assert got["llama_cpp_build"][:3] == ["llama-cpp-python 0.3.36", "build explicit", "-DGGML_NATIVE=OFF"]
     assert got["llama_cpp_system_info"].startswith("system_info: n_threads = 2") and got["llama_cpp_amx"] is False
     assert llama_build_info(binary, log.replace("AMX_INT8 = 0", "AMX_INT8 = 1"))["llama_cpp_amx"] is True
-    assert llama_build_info(tmp_path / "elsewhere" / "llama-server", "")["llama_cpp_build"] is None
+    # a silent log: the build says; a native build runs AMX exactly where the CPU has it
+    assert llama_build_info(binary, "", cpu_flags={"amx_int8"})["llama_cpp_amx"] is False
+    (tmp_path / "BUILD_INFO").write_text("llama-cpp-python 0.3.36\nbuild native\n-DGGML_NATIVE=ON\n")
+    assert llama_build_info(binary, "", cpu_flags={"avx512f", "amx_int8"})["llama_cpp_amx"] is True
+    assert llama_build_info(binary, "", cpu_flags={"avx512f"})["llama_cpp_amx"] is False
+    unknown = llama_build_info(tmp_path / "elsewhere" / "llama-server", "")
+    assert unknown["llama_cpp_build"] is None and unknown["llama_cpp_amx"] is None
 
 
 def test_prompt_documents_are_windows_of_the_tokens_distinct_from_their_first_block():

@@ -327,18 +327,34 @@ def prompt_table(prompt: dict) -> str:
 
 # -- which llama.cpp ran ---------------------------------------------------------------------------
 
-def llama_build_info(binary: Path, log_text: str) -> dict:
+def llama_build_info(binary: Path, log_text: str, cpu_flags: set[str] | None = None) -> dict:
     """What is known of the llama-server that ran: ``llama_cpp_build`` (the BUILD_INFO lines the
     build script wrote beside the binary: version, ``explicit`` or ``native``, the cmake options;
     None for a binary built elsewhere), ``llama_cpp_system_info`` (the server's own
-    ``system_info`` log line: the instruction sets ggml was compiled for) and ``llama_cpp_amx``
-    (whether it ran AMX tiles: ``AMX_INT8 = 1`` in that line, or an AMX weight buffer)."""
+    ``system_info`` log line, where its verbosity printed one) and ``llama_cpp_amx``: whether it
+    ran AMX tiles. That is read from the log where it says (``AMX_INT8 = 1``, an AMX weight
+    buffer), else from the build: ggml's AMX kernels are compiled in by ``-DGGML_AMX_INT8=ON``, or
+    by a native build on a CPU with ``amx_int8`` (``cpu_flags``: /proc/cpuinfo's, by default), and
+    then take every matrix they support; None for an unknown binary with a silent log."""
     info_file = binary.parent / "BUILD_INFO"
-    build = info_file.read_text().split("\n") if info_file.is_file() else None
+    build = [x for x in info_file.read_text().split("\n") if x] if info_file.is_file() else None
     system = next((line.strip() for line in log_text.splitlines() if "system_info:" in line), None)
-    amx = bool(system and "AMX_INT8 = 1" in system) or "AMX model buffer" in log_text
-    return {"llama_cpp_build": [x for x in build if x] if build else None,
-            "llama_cpp_system_info": system, "llama_cpp_amx": amx}
+    if system is not None or "AMX model buffer" in log_text:
+        amx: bool | None = bool(system and "AMX_INT8 = 1" in system) or "AMX model buffer" in log_text
+    elif build is not None:
+        flags = cpu_flags if cpu_flags is not None else _cpu_flags()
+        amx = "-DGGML_AMX_INT8=ON" in build or ("build native" in build and "amx_int8" in flags)
+    else:
+        amx = None
+    return {"llama_cpp_build": build, "llama_cpp_system_info": system, "llama_cpp_amx": amx}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
 
 
 # -- resident memory -------------------------------------------------------------------------------
@@ -463,8 +479,8 @@ def main(args: argparse.Namespace) -> int:
     args.json.write_text(json.dumps(report, indent=2))
     print(f"{gguf.name} ({api}), {report['cpu']}")
     build = report["llama_cpp_build"]
-    print(f"llama-server: {' '.join(build[:2]) if build else binary} "
-          f"({'with' if report['llama_cpp_amx'] else 'without'} AMX)")
+    amx = {True: "with AMX", False: "without AMX", None: "AMX unknown"}[report["llama_cpp_amx"]]
+    print(f"llama-server: {' '.join(build[:2]) if build else binary} ({amx})")
     if "table" in report:
         print(report["table"])
     if "decode" in report:
