@@ -185,7 +185,7 @@ def test_prompt_phase_counts_each_servers_prompt_tokens(monkeypatch):
 
     real = httpx.Client
     monkeypatch.setattr(peers.httpx, "Client", lambda **kw: real(transport=httpx.MockTransport(answer), **kw))
-    out = peers.prompt_phase("http://s", "http://l", ["d1", "d2", "d3"], [1, 2])
+    out = peers.prompt_phase("http://s", "http://l", ["d1", "d2", "d3", "d4", "d5", "d6"], [1, 2])
     assert [row["concurrency"] for row in out["levels"]] == [1, 2]
     for row in out["levels"]:
         assert row["stencil"]["prompt_tokens"] == 300 and row["llama_server"]["prompt_tokens"] == 303
@@ -193,6 +193,8 @@ def test_prompt_phase_counts_each_servers_prompt_tokens(monkeypatch):
     stencil = [b for path, b in seen if path == "/generate"]
     llama = [b for path, b in seen if path == "/completion"]
     assert len(stencil) == len(llama) == 6
+    # each level reads documents of its own: none is a prefix-cache hit left by an earlier level
+    assert sorted(b["prompt"] for b in stencil) == ["d1", "d2", "d3", "d4", "d5", "d6"]
     assert all(b["max_tokens"] == 1 and b["speculative"] is False for b in stencil)
     assert all(b["n_predict"] == 1 and b["cache_prompt"] is False for b in llama)
     table = peers.prompt_table(out).splitlines()

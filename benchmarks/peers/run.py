@@ -75,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-requests", type=int, default=8,
                    help="requests per server and kind (free, json_schema) of the plain-decode phase; 0 skips it")
     p.add_argument("--prompt-requests", type=int, default=8,
-                   help="documents per server and concurrency level of the prompt phase; 0 skips it")
+                   help="documents per concurrency level of the prompt phase (each level its own, each sent "
+                        "to both servers); 0 skips it")
     p.add_argument("--prompt-tokens", type=int, default=1000, help="about how long each document is (tokens)")
     p.add_argument("--prompt-concurrency", default="1,8", help="concurrency levels of the prompt phase")
     p.add_argument("--slots", type=int, default=32, help="llama-server --parallel")
@@ -269,10 +270,11 @@ def llama_tokenizer(url: str):
 
 
 def prompt_phase(stencil_url: str, llama_url: str, documents: list[str], levels: list[int]) -> dict:
-    """Per level ``c``: every document to one server ``c`` at a time (one output token each, no
-    prompt cache), then to the other; prompt tokens/s (the prompt tokens the server counted over
-    the level's wall time), the median seconds per request, and Stencil's rate over
-    llama-server's."""
+    """Per level ``c``: its own share of ``documents`` (a document read at an earlier level would
+    be a prefix-cache hit for Stencil, whose cache stays on), to one server ``c`` at a time (one
+    output token each; llama-server's prompt cache off), then to the other; prompt tokens/s (the
+    prompt tokens the server counted over the level's wall time), the median seconds per request,
+    and Stencil's rate over llama-server's."""
     import statistics
     from concurrent.futures import ThreadPoolExecutor
 
@@ -289,9 +291,11 @@ def prompt_phase(stencil_url: str, llama_url: str, documents: list[str], levels:
         got = r.json()
         return int(got.get("tokens_evaluated") or (got.get("timings") or {}).get("prompt_n", 0))
 
-    out: dict = {"documents": len(documents), "levels": []}
+    per_level = len(documents) // len(levels)
+    out: dict = {"documents": per_level, "levels": []}
     with httpx.Client(timeout=1800, limits=httpx.Limits(max_connections=64)) as http:
-        for c in levels:
+        for i, c in enumerate(levels):
+            share = documents[i * per_level:(i + 1) * per_level]
             row: dict = {"concurrency": c}
             for name, call in (("llama_server", llama_call), ("stencil", stencil_call)):
                 times: list[float] = []
@@ -304,7 +308,7 @@ def prompt_phase(stencil_url: str, llama_url: str, documents: list[str], levels:
 
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(c) as pool:
-                    counted = list(pool.map(one, documents))
+                    counted = list(pool.map(one, share))
                 wall = time.perf_counter() - t0
                 row[name] = {"prompt_tokens": sum(counted), "wall_s": wall,
                              "prompt_tokens_per_s": sum(counted) / wall,
@@ -457,7 +461,8 @@ def main(args: argparse.Namespace) -> int:
                                                 args.max_tokens)
             if args.prompt_requests > 0:
                 levels = [int(c) for c in args.prompt_concurrency.split(",")]
-                docs = prompt_documents(args.prompt_requests, args.prompt_tokens, *llama_tokenizer(llama_url))
+                docs = prompt_documents(args.prompt_requests * len(levels), args.prompt_tokens,
+                                        *llama_tokenizer(llama_url))
                 print(f"[peers] prompt phase: {len(docs)} documents of ~{args.prompt_tokens} tokens at c={levels}",
                       flush=True)
                 report["prompt"] = prompt_phase(stencil_url, llama_url, docs, levels)
