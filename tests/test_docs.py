@@ -73,3 +73,13 @@ def test_no_file_cites_a_document_the_repository_lacks():
     if absent in (ROOT / "README.md").read_text():
         citing.append("README.md")
     assert citing == []
+
+
+def test_benchmarks_page_names_only_what_exists_and_each_figure_its_cpu():
+    page = ROOT / "docs" / "benchmarks.md"
+    text = page.read_text()
+    assert unresolved(text) == []
+    assert "(docs/benchmarks.md)" in (ROOT / "README.md").read_text()
+    # every CPU section says which CPU its figures hold for, as lscpu names it
+    sections = [s for s in text.split("\n## ")[1:]]
+    assert sections and all("`lscpu`" in s.split("\n", 1)[0] or "lscpu" in s[:400] for s in sections)
