@@ -29,7 +29,6 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -83,7 +82,7 @@ def stencil_us(qtype: str, threads: int, repeats: int, terms: int) -> float:
     ``M x K`` matrix of ``qtype`` blocks."""
     import torch
 
-    from benchmarks.cpu_kernels import _random_blocks
+    from benchmarks.cpu_kernels import _median_ms, _random_blocks
     from kernels import ggml_blocks
 
     g = torch.Generator().manual_seed(0)
@@ -96,14 +95,7 @@ def stencil_us(qtype: str, threads: int, repeats: int, terms: int) -> float:
         ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, group, threads=threads, terms=terms), out=out,
                          threads=threads)
 
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    return _median_ms(call, repeats) * 1e3
 
 
 def weight_bytes(qtype: str) -> int:
