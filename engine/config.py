@@ -59,10 +59,11 @@ class EngineConfig:
             each); with a hybrid cache, the full-attention layers' count (the windowed layers
             hold fewer: ``engine.kv_cache_manager.kv_cache_groups``); ``None`` = derive from
             ``kv_cache_gib``.
-        kv_cache_gib: KV-cache size in GiB of a cache that kept every position of every layer
-            (K and V): it sets the token capacity, and a hybrid cache then takes less;
+        kv_cache_gib: KV-cache size in GiB (K and V, every layer and group's tensors): the token
+            capacity is what fits, so a hybrid cache, whose windowed layers hold only their
+            windows, holds more tokens in the same bytes (``engine.kv_cache_manager.blocks_for_bytes``);
             ``None`` = a default from the machine's free memory (see
-            ``engine.model_runner.default_kv_cache_bytes``).
+            ``engine.model_runner.default_kv_cache_bytes``), counted the same way.
         max_num_seqs: most requests running in one step. 256: the per-step CPU work around the
             model stays under 10 % of a step there (``stencil bench overhead``), and a server
             under thousands of clients keeps that many moving.

@@ -107,6 +107,38 @@ class KVCacheGroup:
         return self.num_blocks + (self.window is not None)
 
 
+def window_pool_need(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Blocks a window group's running requests can hold at once (``kv_cache_groups``)."""
+    return (max_num_seqs * (math.ceil((window - 1) / block_size) + 2)
+            + math.ceil(max_num_batched_tokens / block_size))
+
+
+def blocks_for_bytes(budget: int, layer_block_bytes: int, layer_windows: Sequence[int | None], *, block_size: int,
+                     max_num_seqs: int, max_num_batched_tokens: int, hybrid: bool = True) -> int:
+    """The full group's block count (``num_kv_blocks``) whose cache tensors, every group's, fit
+    ``budget`` bytes (``--kv-cache-gib``, or the default share of free memory).
+
+    ``layer_block_bytes``: one block of one layer, K and V. Without a window group every layer
+    holds every block: ``budget // (layers * layer_block_bytes)``. With one (``kv_cache_groups``),
+    the windowed layers hold ``min(N, need) + 1`` blocks (the null block) while the full-attention
+    layers hold ``N``, so the same bytes buy more tokens: Gemma 3 270M (3 global, 15 local layers)
+    holds up to six times as many once ``N`` passes the window pool's ``need``. At least 1.
+    """
+    windows = list(layer_windows)
+    groups, layer_groups = kv_cache_groups(windows, 1, block_size=block_size, max_num_seqs=max_num_seqs,
+                                           max_num_batched_tokens=max_num_batched_tokens, hybrid=hybrid)
+    if len(groups) == 1:
+        return max(budget // (len(windows) * layer_block_bytes), 1)
+    full = layer_groups.count(0)
+    windowed = len(windows) - full
+    need = window_pool_need(groups[1].window, block_size, max_num_seqs, max_num_batched_tokens)
+    # window pool at its cap (N >= need): full N + windowed (need + 1) blocks of each layer
+    n = (budget // layer_block_bytes - windowed * (need + 1)) // full
+    if n < need:  # the window pool as large as the full one: (N + 1) windowed, N full
+        n = (budget // layer_block_bytes - windowed) // (full + windowed)
+    return max(n, 1)
+
+
 def kv_cache_groups(layer_windows: Sequence[int | None], num_blocks: int, *, block_size: int,
                     max_num_seqs: int, max_num_batched_tokens: int,
                     hybrid: bool = True) -> tuple[list[KVCacheGroup], list[int]]:
@@ -116,7 +148,8 @@ def kv_cache_groups(layer_windows: Sequence[int | None], num_blocks: int, *, blo
       blocks, every position of every layer kept (the layout before groups; Llama, SmolLM2);
     * every layer with a window (Mistral): one group of ``num_blocks`` blocks with that window;
     * both kinds (Gemma 3): group 0 the full-attention layers with ``num_blocks`` blocks, so
-      ``num_kv_blocks`` / ``kv_cache_gib`` still name the token capacity; group 1 the windowed
+      ``num_kv_blocks`` still names the token capacity (a byte budget buys more of it:
+      ``blocks_for_bytes``); group 1 the windowed
       layers with ``min(num_blocks, max_num_seqs * (ceil((W - 1) / block_size) + 2) +
       ceil(max_num_batched_tokens / block_size))`` blocks: what the running requests hold at
       once. A request whose step computes ``n`` tokens from position ``p`` holds the window
@@ -137,8 +170,7 @@ def kv_cache_groups(layer_windows: Sequence[int | None], num_blocks: int, *, blo
     window = max(sliding)
     if len(sliding) == len(windows):
         return [KVCacheGroup(num_blocks, window)], [0] * len(windows)
-    need = (max_num_seqs * (math.ceil((window - 1) / block_size) + 2)
-            + math.ceil(max_num_batched_tokens / block_size))
+    need = window_pool_need(window, block_size, max_num_seqs, max_num_batched_tokens)
     groups = [KVCacheGroup(num_blocks), KVCacheGroup(min(num_blocks, need), window)]
     return groups, [0 if w is None else 1 for w in windows]
 

@@ -10,7 +10,7 @@ import torch
 
 from engine.config import ACTIVATION_PRECISIONS, EngineConfig
 from engine.input_batch import build_step_inputs
-from engine.kv_cache_manager import kv_cache_groups
+from engine.kv_cache_manager import blocks_for_bytes, kv_cache_groups
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
 from engine.step_timing import StepTimer
@@ -64,10 +64,10 @@ class ModelRunner:
         self.kv_dtype = _DTYPES[config.kv_cache_dtype]
         self.block_size = config.block_size
         self.vocab_size = self.model.vocab_size
-        self.num_blocks = self._num_blocks()
         # KV cache groups: a model mixing full-attention and windowed layers gives its windowed
         # ones tensors of their own, sized for the blocks their windows hold (kv_cache_groups).
         windows = [self.model.spec.layer_window(i) for i in range(self.model.num_layers)]
+        self.num_blocks = self._num_blocks(windows)
         self.kv_groups, layer_groups = kv_cache_groups(
             windows, self.num_blocks, block_size=self.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, hybrid=config.hybrid_kv_cache)
@@ -96,7 +96,11 @@ class ModelRunner:
         then a cached block's K/V also depend on where the prompt ended."""
         return getattr(self.model, "row_route", None) is not None
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, windows: list[int | None]) -> int:
+        """The full group's blocks: ``num_kv_blocks`` as given, else as many as the byte budget
+        (``kv_cache_gib``, free CUDA memory times ``gpu_memory_utilization``, or
+        ``default_kv_cache_bytes``) holds with every group's tensors counted
+        (``kv_cache_manager.blocks_for_bytes``: a hybrid cache holds more tokens in the same bytes)."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
@@ -107,7 +111,9 @@ class ModelRunner:
             total = int(free * cfg.gpu_memory_utilization)
         else:
             total = default_kv_cache_bytes(self.device)
-        return max(total // self.bytes_per_block, 1)
+        return blocks_for_bytes(total, self.bytes_per_block // self.model.num_layers, windows,
+                                block_size=self.block_size, max_num_seqs=cfg.max_num_seqs,
+                                max_num_batched_tokens=cfg.max_num_batched_tokens, hybrid=cfg.hybrid_kv_cache)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, bitmask: torch.Tensor | None,

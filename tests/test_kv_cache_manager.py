@@ -194,3 +194,29 @@ def test_allocation_fails_whole_when_the_window_group_is_short():
     assert a.window_block_ids[0] == NULL_BLOCK and kv.group_blocks() == [(32, 29), (3, 1)]
     assert kv.allocate_slots(b, 4)
     kv.check_invariants([a, b])
+
+
+def test_a_byte_budget_buys_a_hybrid_cache_more_tokens_and_fits():
+    """``blocks_for_bytes``: every group's tensors fit the budget, and the next block would not."""
+    from engine.kv_cache_manager import blocks_for_bytes, kv_cache_groups, window_pool_need
+
+    layer = 2 * 16 * 1 * 256 * 2  # one block of one Gemma-3-270M-shaped layer: K and V, fp16
+    windows = [512, 512, 512, 512, 512, None] * 3
+    kw = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=2048)
+
+    def cost(n: int) -> int:
+        groups, which = kv_cache_groups(windows, n, **kw)
+        return sum(groups[g].pool_blocks for g in which) * layer
+
+    for budget in (10 * 2**20, 64 * 2**20, 300 * 2**20, 4 * 2**30):
+        n = blocks_for_bytes(budget, layer, windows, **kw)
+        assert cost(n) <= budget < cost(n + 1)
+        # never fewer tokens than keeping every position, but for the window pool's null block
+        assert n >= budget // (len(windows) * layer) - 1
+    need = window_pool_need(512, **kw)
+    big = blocks_for_bytes(4 * 2**30, layer, windows, **kw)
+    assert big > need and big > 5 * (4 * 2**30 // (len(windows) * layer))  # 3 of 18 layers keep everything
+    # no window group (switched off, or no windowed layer): every layer holds every block
+    assert blocks_for_bytes(4 * 2**30, layer, windows, hybrid=False, **kw) == 4 * 2**30 // (18 * layer)
+    assert blocks_for_bytes(4 * 2**30, layer, [None] * 18, **kw) == 4 * 2**30 // (18 * layer)
+    assert blocks_for_bytes(1, layer, windows, **kw) == 1
