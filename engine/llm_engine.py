@@ -74,7 +74,16 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         hf = self.runner.hf_config
         model_limit = int(self.runner.model.max_context_len)
-        self.max_model_len = min(config.max_model_len or model_limit, model_limit)
+        context = min(config.max_model_len or model_limit, model_limit)
+        # One request's tokens must fit the whole KV cache (the full-attention group: a window
+        # group holds a request's window at most): a longer one would preempt itself forever.
+        # vLLM refuses to start then; llama.cpp caps a slot's context. Stencil caps the context.
+        kv_tokens = self.runner.num_blocks * config.block_size
+        self.max_model_len = min(context, kv_tokens)
+        self.kv_bound = kv_tokens < context  # max_model_len is the KV cache's, not the model's
+        if self.kv_bound:
+            log.warning("the KV cache holds %d tokens, fewer than the context of %d: max_model_len is %d "
+                        "(a larger --num-kv-blocks or --kv-cache-gib lifts it)", kv_tokens, context, kv_tokens)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  hash_prompt_boundary=self.runner.prompt_rows_routed, groups=self.runner.kv_groups)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
@@ -170,7 +179,8 @@ class LLMEngine:
         earlier. A server decides admission once, before it answers; deciding again later (on the
         engine thread, after a stream's headers are out) would turn a 429 into a broken stream.
 
-        A prompt that leaves fewer than ``params.max_tokens`` tokens of ``max_model_len`` lowers
+        A prompt that leaves fewer than ``params.max_tokens`` tokens of ``max_model_len`` (the
+        model's context, or the KV cache's capacity where that is smaller: ``kv_bound``) lowers
         ``params.max_tokens`` to that room, in place (``params.context_room`` records it): the
         budget check and the budget-aware masks then close a constrained answer before the
         context ends, where they would have planned for tokens the context cannot hold.
@@ -183,12 +193,13 @@ class LLMEngine:
         if n == 0:
             raise EngineError("prompt is empty: at least one token is needed", field="prompt", lead=True)
         if n >= self.max_model_len:
+            if self.kv_bound:
+                raise EngineError(f"the prompt of {n} tokens does not fit in the KV cache ({self.kv.num_blocks} "
+                                  f"blocks of {self.config.block_size} tokens: at most {self.max_model_len - 1} "
+                                  f"prompt tokens and one output token)", field="prompt")
             raise EngineError(f"the prompt has {n} tokens; this model allows at most {self.max_model_len - 1} "
                               f"(max_model_len {self.max_model_len} includes at least one output token)",
                               field="prompt")
-        if -(-(n + 1) // self.config.block_size) > self.kv.num_blocks:
-            raise EngineError(f"the prompt of {n} tokens does not fit in the KV cache "
-                              f"({self.kv.num_blocks} blocks of {self.config.block_size} tokens)", field="prompt")
         if params.max_tokens < 1:
             raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}", field="max_tokens", lead=True)
         room = self.max_model_len - n
@@ -224,8 +235,9 @@ class LLMEngine:
         except BudgetError as e:
             why = str(e)
             if params.context_room is not None:
+                whose = "KV cache's room" if self.kv_bound else "model's context"
                 why += (f" (max_tokens was lowered to {params.context_room}, the tokens the prompt leaves of the "
-                        f"model's context of {self.max_model_len}: shorten the prompt)")
+                        f"{whose} of {self.max_model_len}: shorten the prompt)")
             raise EngineError(why, field="max_tokens", lead=True) from None
 
     @property

@@ -294,7 +294,7 @@ class GenerationStream:
         warnings = [str(w) for w in (getattr(self.compiled, "warnings", None) or ())] + checked.warnings
         if self.params.context_room is not None:
             warnings.append(f"max_tokens was lowered to {self.params.context_room}: the prompt leaves that many "
-                            f"tokens of the model's context")
+                            f"tokens of max_model_len (the model's context, or the KV cache's capacity where smaller)")
         usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                       total_tokens=out.num_prompt_tokens + out.num_output_tokens,
                       cached_tokens=out.num_cached_tokens, draft_tokens=out.num_draft_tokens,

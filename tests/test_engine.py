@@ -319,3 +319,20 @@ def test_bf16_kv_cache_keeps_the_invariant_at_half_the_bytes(tiny_model_dir, pro
     results = eng.generate(prompts, params)
     assert [r["token_ids"] for r in results] == alone
     assert eng.stats()["num_preemptions"] > 0 and eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]
+
+
+def test_a_request_longer_than_the_kv_cache_is_capped_not_left_to_preempt_itself(tiny_model_dir):
+    """A KV cache smaller than the context caps ``max_model_len`` (one request must fit it whole):
+    an answer that would outgrow the cache ends at its room with ``length``, and a prompt past it
+    is refused naming the KV cache, where it used to preempt itself forever."""
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=4, max_model_len=512, speculative=None))
+    assert eng.kv_bound and eng.max_model_len == 4 * 16
+    r = eng.generate([[5] * 40], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert r["finish_reason"] == "length" and len(r["token_ids"]) == 64 - 40
+    st = eng.stats()
+    assert st["num_preemptions"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]
+    with pytest.raises(EngineError, match="does not fit in the KV cache") as e:
+        eng.add_request(None, [5] * 64, SamplingParams(max_tokens=1))
+    assert e.value.field == "prompt"
+    roomy = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, max_model_len=512, speculative=None))
+    assert not roomy.kv_bound and roomy.max_model_len == 512
