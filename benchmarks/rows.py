@@ -38,13 +38,17 @@ _RUN = re.compile(r"MUL_MAT\(type_a=(\w+),type_b=f32,m=(\d+),n=1,k=(\d+),.*?\s(\
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, required=True, help="where to write the report")
-    p.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q5_0,Q4_0,Q4_1", help="GGUF types (comma-separated)")
-    p.add_argument("--repeats", type=int, default=60, help="Stencil's timed calls per type and round")
+    p.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q5_0,Q4_0,Q4_1",
+                   help="GGUF types (comma-separated; default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=60,
+                   help="Stencil's timed calls per type and round (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="alternations of the two kernels per type (the medians are reported, each round listed)")
+                   help="alternations of the two kernels per type (the medians are reported, each round listed; "
+                        "default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="Stencil's threads for the comparison (default: test-backend-ops' own, CPU count / 2)")
-    p.add_argument("--activation-precision", choices=("exact", "int8"), default="exact")
+    p.add_argument("--activation-precision", choices=("exact", "int8"), default="exact",
+                   help="Stencil's activations: exact (two int8 terms) or int8 (llama.cpp's one; default: %(default)s)")
     p.add_argument("--test-backend-ops", type=Path, default=None, help="a test-backend-ops binary (default: build one)")
 
 

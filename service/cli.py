@@ -70,7 +70,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "work, faster batches and prompts, lower agreement; README, Activation precision)")
     g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB (default: from free memory)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gib)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one engine step")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most requests in one engine step (default: %(default)s); also sizes a hybrid KV cache's "
+                        "window pool (Gemma 3): set it to the concurrency served")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (tokens)")
     g.add_argument("--max-waiting", type=int, default=4096, help="waiting requests before new ones get 429")

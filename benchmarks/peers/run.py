@@ -66,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=2,
                    help="runs of bench serve (each against both servers); 0: only decode and memory")
     p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
-    p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", default="1,8,32", help="concurrency levels of bench serve (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every answer (default: %(default)s)")
     p.add_argument("--model", "--gguf", dest="model", type=Path, default=None,
                    help="the GGUF both servers load (default: the one the default model was converted from)")
     p.add_argument("--api", choices=("auto", "chat", "completions"), default="auto",
