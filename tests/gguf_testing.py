@@ -25,6 +25,12 @@ SMOL_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'
                  "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
                  "{% endif %}")
 
+# Every supported k-quant, a 32-block type in a fused layer, and a Q8_0 embedding / tied head: the
+# mix of the tiny quantized models (hidden 256, so every matrix holds whole 256-weight super-blocks).
+KQUANT = {"attn_q.weight": "Q4_K", "attn_k.weight": "Q5_0", "attn_v.weight": "Q6_K", "attn_output.weight": "Q5_K",
+          "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q5_0", "ffn_down.weight": "Q6_K",
+          "token_embd.weight": "Q8_0"}
+
 
 def hf_config(arch: str, **overrides):
     """A tiny transformers config of ``arch`` (vocabulary of SmolLM2's 49,152 tokens)."""

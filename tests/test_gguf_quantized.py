@@ -33,13 +33,9 @@ from engine.models.gguf_layers import QuantEmbedding, QuantLinear
 from engine.models.kernel_policy import layer_kind
 from engine.models.loader import load_model
 from kernels import ggml_blocks
-from gguf_testing import smol_vocab, write_tiny_gguf
+from gguf_testing import KQUANT, smol_vocab, write_tiny_gguf
 from test_model_forward import PagedBatch, hf_logits, random_prompt
 
-# Every supported k-quant, a 32-block type in a fused layer, and a Q8_0 embedding / tied head.
-KQUANT = {"attn_q.weight": "Q4_K", "attn_k.weight": "Q5_0", "attn_v.weight": "Q6_K", "attn_output.weight": "Q5_K",
-          "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q5_0", "ffn_down.weight": "Q6_K",
-          "token_embd.weight": "Q8_0"}
 SIZES = dict(hidden_size=256, intermediate_size=512)
 GEMMA = dict(head_dim=64, query_pre_attn_scalar=64)  # q and attention output: 4 x 64 = 256 wide
 

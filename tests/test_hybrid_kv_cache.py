@@ -20,12 +20,9 @@ import pytest
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
-from gguf_testing import smol_vocab, write_tiny_gguf
+from gguf_testing import KQUANT, smol_vocab, write_tiny_gguf
 
 WINDOW = 32
-KQUANT = {"attn_q.weight": "Q4_K", "attn_k.weight": "Q5_0", "attn_v.weight": "Q6_K", "attn_output.weight": "Q5_K",
-          "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q5_0", "ffn_down.weight": "Q6_K",
-          "token_embd.weight": "Q8_0"}
 
 
 @pytest.fixture(scope="module")
