@@ -28,7 +28,7 @@ $(VENV)/.project: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
 	touch $@
 
 setup: $(VENV)/.project
-	$(PY) -m engine.models.default_model
+	$(PY) -m stencil.engine.models.default_model
 
 serve: setup
 	$(VENV)/bin/stencil serve --host $(HOST) --port $(PORT)

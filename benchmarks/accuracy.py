@@ -3,7 +3,7 @@
 ``stencil bench accuracy [--items 48] [--workloads person,extraction] [--modes compact,flexible,unconstrained]
 [--base-url URL ...] --json PATH``
 
-Items come from ``benchmarks.workload`` with their planted answers: ``person_items`` (one
+Items come from ``stencil.benchmarks.workload`` with their planted answers: ``person_items`` (one
 sentence, name/age/city, the requests of the latency comparison) and ``extraction_items``
 (documents of 150-400 tokens, four schemas). Each item is generated greedily, on the default
 model in process, once per mode:
@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.common import make_validator
+from stencil.benchmarks.common import make_validator
 
 LOCAL_MODES = ("compact", "flexible", "unconstrained")
 SERVER_MODES = ("json_schema", "unconstrained")
@@ -144,8 +144,8 @@ def run_local(engine, items, mode: str, max_tokens: int) -> tuple[list[str], lis
     All items go to the engine at once: greedy outputs do not depend on batching (the engine's
     invariant), and the run takes a fraction of the time.
     """
-    from engine.request import SamplingParams
-    from grammar.base import GrammarSpec
+    from stencil.engine.request import SamplingParams
+    from stencil.grammar.base import GrammarSpec
 
     tok = engine.tokenizer
     prompts = [tok.encode(tok.apply_chat_template(it.messages(), add_generation_prompt=True, tokenize=False),
@@ -175,7 +175,7 @@ async def run_server(root: str, model: str, items, mode: str, max_tokens: int, c
     """Non-streamed chat requests for ``items``; (texts, extras, wall seconds, errors)."""
     import httpx
 
-    from benchmarks.serve import Job, request_body
+    from stencil.benchmarks.serve import Job, request_body
 
     texts: list[str] = [""] * len(items)
     extra: list[dict] = [{"tokens": 0}] * len(items)
@@ -215,7 +215,7 @@ async def run_server(root: str, model: str, items, mode: str, max_tokens: int, c
 def workload_items(names: list[str], n: int) -> tuple[list, list[str]]:
     """The items of the named workloads (``person``, ``extraction``), ``n`` of each, and the
     workload of each item."""
-    from benchmarks.workload import extraction_items, person_items
+    from stencil.benchmarks.workload import extraction_items, person_items
 
     makers = {"person": person_items, "extraction": extraction_items}
     unknown = [w for w in names if w not in makers]
@@ -232,7 +232,7 @@ def _print(label: str, s: dict) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.serve import NotLoopback, served_model, v1_root
+    from stencil.benchmarks.serve import NotLoopback, served_model, v1_root
 
     workloads = [w for w in args.workloads.split(",") if w]
     modes = [m for m in args.modes.split(",") if m]
@@ -249,9 +249,9 @@ def main(args: argparse.Namespace) -> int:
     report: dict = {"workloads": workloads, "items_per_workload": args.items, "max_tokens": args.max_tokens,
                     "seed": 3, "stencil": {}, "servers": {}}
     if modes:
-        from engine.config import EngineConfig
-        from engine.llm_engine import LLMEngine
-        from engine.models.default_model import ensure_default_model
+        from stencil.engine.config import EngineConfig
+        from stencil.engine.llm_engine import LLMEngine
+        from stencil.engine.models.default_model import ensure_default_model
 
         model = args.model or ensure_default_model()
         engine = LLMEngine(EngineConfig(model=model, num_threads=args.threads, max_num_seqs=64))

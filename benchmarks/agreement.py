@@ -123,8 +123,8 @@ def stencil_logits(model, tokens: list[int], chunk: int, block_size: int = 16,
     """fp32 logits ``[len(tokens), V]`` of one sequence, prefilled in ``chunk``-token steps
     through a paged KV cache (blocks in order, ``kv_dtype``, default the model's) with the
     engine's attention backend for that cache."""
-    from kernels.attention_backend import AttentionMetadata
-    from kernels.registry import get_backend
+    from stencil.kernels.attention_backend import AttentionMetadata
+    from stencil.kernels.registry import get_backend
 
     kv_dtype = kv_dtype or model.dtype
     backend = get_backend("auto", "cpu")
@@ -168,9 +168,9 @@ def compare(ours: torch.Tensor, theirs: list[int]) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.peers.run import _free_port, _stop, _wait_healthy, build_llama_server
-    from engine.models.loader import load_model
-    from benchmarks.spec import cpu_model
+    from stencil.benchmarks.peers.run import _free_port, _stop, _wait_healthy, build_llama_server
+    from stencil.engine.models.loader import load_model
+    from stencil.benchmarks.spec import cpu_model
 
     threads = args.threads or (torch.get_num_threads())
     binary = args.llama_server or build_llama_server()
@@ -197,14 +197,14 @@ def main(args: argparse.Namespace) -> int:
 
     theirs = llama_run(cmd)
     variants = {v: llama_run([*base, *shlex.split(v)]) for v in args.llama_variant}
-    from engine.config import ACTIVATION_PRECISIONS
+    from stencil.engine.config import ACTIVATION_PRECISIONS
 
     terms = ACTIVATION_PRECISIONS[args.activation_precision] if args.activation_precision else args.block_terms
     model, _ = load_model(args.model, weights="auto", block_terms=terms)
     torch.set_num_threads(threads)
     kv_dtype = args.kv_cache_dtype
     if kv_dtype == "auto":
-        from engine.config import EngineConfig
+        from stencil.engine.config import EngineConfig
 
         kv_dtype = EngineConfig(model=args.model).validate().kv_cache_dtype
     ours = stencil_logits(model, tokens[: args.positions], args.chunk, kv_dtype=getattr(torch, kv_dtype))

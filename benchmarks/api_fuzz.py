@@ -1,5 +1,5 @@
 """Schema-driven fuzzing of the HTTP API with schemathesis: the checks, shared by the CI test
-(``tests/test_fuzz_api.py``, small and derandomized) and ``stencil bench fuzz`` (any size, random).
+(``tests/e2e/test_fuzz_api.py``, small and derandomized) and ``stencil bench fuzz`` (any size, random).
 
 The OpenAPI document the server publishes at ``/schema/openapi.json`` is the contract. Each
 operation is fuzzed in modes:
@@ -44,10 +44,10 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, negativ
                                                response_headers_conformance, response_schema_conformance,
                                                status_code_conformance)
 
-from schemas.generate import StreamDelta, StreamError, StreamFinal
-from schemas.openai import ChatCompletionChunk, Completion, ErrorResponse
-from service.openai_api import UNSERVED_CHAT
-from service.responses_api import UNSERVED as UNSERVED_RESPONSES
+from stencil.schemas.generate import StreamDelta, StreamError, StreamFinal
+from stencil.schemas.openai import ChatCompletionChunk, Completion, ErrorResponse
+from stencil.service.openai_api import UNSERVED_CHAT
+from stencil.service.responses_api import UNSERVED as UNSERVED_RESPONSES
 
 MODES = ("positive", "negative", "servable", "stateful")
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,

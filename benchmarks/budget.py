@@ -1,6 +1,6 @@
 """``stencil bench budget``: structured answers under tight ``max_tokens``, closed in time or not.
 
-Requests: the throughput workload's extraction items (``benchmarks.workload``), plus small schemas
+Requests: the throughput workload's extraction items (``stencil.benchmarks.workload``), plus small schemas
 from a MaskBench corpus (``--corpus``) asked for an example document. Each runs first unbudgeted
 (``close_on_budget`` off, a generous ``max_tokens``) to get its natural length ``L``; then at
 ``max_tokens`` = 25%, 50%, 100% and 150% of ``L`` with budget-aware masks on, greedy, batched.
@@ -68,14 +68,14 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from benchmarks.common import is_valid, make_validator
-    from benchmarks.workload import extraction_items
-    from engine.config import EngineConfig
-    from engine.llm_engine import EngineError, LLMEngine
-    from engine.models.default_model import ensure_default_model
-    from engine.request import SamplingParams
-    from grammar.base import GrammarError, GrammarSpec
-    from grammar.budget import BudgetMatcher
+    from stencil.benchmarks.common import is_valid, make_validator
+    from stencil.benchmarks.workload import extraction_items
+    from stencil.engine.config import EngineConfig
+    from stencil.engine.llm_engine import EngineError, LLMEngine
+    from stencil.engine.models.default_model import ensure_default_model
+    from stencil.engine.request import SamplingParams
+    from stencil.grammar.base import GrammarError, GrammarSpec
+    from stencil.grammar.budget import BudgetMatcher
 
     model = args.model or ensure_default_model()
     engine = LLMEngine(EngineConfig(model=model, kv_cache_gib=1.0, max_num_seqs=8))

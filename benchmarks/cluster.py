@@ -48,8 +48,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import pct
-from benchmarks.workload import COMPANIES, FILLER, FIRST, PRODUCTS
+from stencil.benchmarks.common import pct
+from stencil.benchmarks.workload import COMPANIES, FILLER, FIRST, PRODUCTS
 
 NETNS_ENV = "STENCIL_PRIVATE_NETNS"
 QUESTIONS = ["Can I return the {p} after thirty days?", "Does the {p} come with a warranty?",
@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=2, help="engine replicas")
     p.add_argument("--model", default=None, help="model directory, or 'tiny' (default: the default model)")
     p.add_argument("--routers", default="round_robin,ray_prefix,affinity",
-                   help="routers to compare, comma-separated (service.cluster.ROUTERS); the last one "
+                   help="routers to compare, comma-separated (stencil.service.cluster.ROUTERS); the last one "
                         "also serves the replica-kill phase")
     p.add_argument("--prompts", type=int, default=8, help="distinct system prompts")
     p.add_argument("--users", type=int, default=6, help="requests per system prompt")
@@ -285,24 +285,24 @@ def run_cluster(args: argparse.Namespace) -> dict:
     import ray
     from ray import serve
 
-    from engine.config import EngineConfig
-    from service.cluster.deploy import ClusterOptions, build_app, start_local_ray, start_serve
-    from service.state import ServiceConfig
+    from stencil.engine.config import EngineConfig
+    from stencil.service.cluster.deploy import ClusterOptions, build_app, start_local_ray, start_serve
+    from stencil.service.state import ServiceConfig
 
     tmp = Path(tempfile.mkdtemp(prefix="stb-", dir="/tmp"))  # short: Ray's socket paths have a limit
     try:
         if args.model == "tiny":
-            from benchmarks.soak import _tiny_model
+            from stencil.benchmarks.soak import _tiny_model
 
             model = _tiny_model(tmp / "tiny")
         elif args.model is None:
-            from engine.models.default_model import ensure_default_model
+            from stencil.engine.models.default_model import ensure_default_model
 
             model = ensure_default_model()
         else:
             model = Path(args.model)
         workload = shared_prefix_workload(args.prompts, args.users, args.prompt_sentences, args.seed)
-        from engine.models.tokenizer import load_tokenizer
+        from stencil.engine.models.tokenizer import load_tokenizer
 
         tok = load_tokenizer(model)
         system_tokens = [len(tok.encode(tok.apply_chat_template(w["messages"][:1], tokenize=False),
@@ -372,7 +372,7 @@ def _reexec_in_namespace(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$0" "$@"',
-           sys.executable, "-m", "benchmarks.cluster", *argv]
+           sys.executable, "-m", "stencil.benchmarks.cluster", *argv]
     env = {**os.environ, NETNS_ENV: "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.call(cmd, env=env, cwd=Path(__file__).resolve().parents[1])
 
@@ -381,7 +381,7 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if os.environ.get(NETNS_ENV) != "1":
         return _reexec_in_namespace(argv if argv is not None else sys.argv[sys.argv.index("cluster") + 1:])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from service.cluster.deploy import require_ray
+    from stencil.service.cluster.deploy import require_ray
 
     try:
         require_ray()
@@ -398,6 +398,6 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cluster")
+    parser = argparse.ArgumentParser(prog="python -m stencil.benchmarks.cluster")
     add_arguments(parser)
     sys.exit(main(parser.parse_args(), sys.argv[1:]))

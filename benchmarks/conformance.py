@@ -1,10 +1,10 @@
 """Conformance and speed of the JSON Schema grammar, per backend, on MaskBench or the test suite.
 
-For each schema the front end runs once (``grammar.frontend.to_program``: our JSON Schema compiler,
+For each schema the front end runs once (``stencil.grammar.frontend.to_program``: our JSON Schema compiler,
 a regex, or a Lark grammar where the schema is recursive); then each backend builds its grammar
 from that program (``eager``: outlines-core index in a child process, limited to ``--timeout``;
 ``lazy``: llguidance) and answers every test instance: serialized the way the grammar writes JSON
-(compact, keys in schema order, see ``grammar.json_schema.canonical``), tokenized, fed token by
+(compact, keys in schema order, see ``stencil.grammar.json_schema.canonical``), tokenized, fed token by
 token to a matcher, accepted when every token is and the matcher is accepting at the end. A schema
 passes when every valid instance is accepted and every invalid one rejected (MaskBench's
 criterion, JSONSchemaBench, Geng et al. 2025, arXiv 2501.10868).
@@ -134,7 +134,7 @@ def _warm_masks(grammar, texts, bitmask) -> list[float]:
 
 def _make_view(compiler):
     """``view(schema, value)`` for ``order_keys``: the effective schema the grammar used."""
-    from grammar.json_schema.merge import MergeError, merge
+    from stencil.grammar.json_schema.merge import MergeError, merge
 
     def view(schema, value, depth=0):
         if depth > 16 or not isinstance(schema, dict):
@@ -202,7 +202,7 @@ class _Tally:
 
 
 def _reason(e) -> str:
-    from grammar.base import GrammarTimeout
+    from stencil.grammar.base import GrammarTimeout
 
     if isinstance(e, GrammarTimeout):
         return "timeout"
@@ -222,14 +222,14 @@ def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 1
     """Run the benchmark; returns the report (keys in the module docstring)."""
     import torch
 
-    from engine.models.tokenizer import load_tokenizer
-    from grammar.backends.eager import EagerBackend
-    from grammar.backends.lazy import LazyBackend
-    from grammar.base import GrammarError, GrammarSpec, Program
-    from grammar.frontend import to_program, warm_up
-    from grammar.json_schema import SchemaCompiler, SchemaOptions
-    from grammar.json_schema.canonical import canonical_json, order_keys
-    from grammar.vocab import build_vocabulary
+    from stencil.engine.models.tokenizer import load_tokenizer
+    from stencil.grammar.backends.eager import EagerBackend
+    from stencil.grammar.backends.lazy import LazyBackend
+    from stencil.grammar.base import GrammarError, GrammarSpec, Program
+    from stencil.grammar.frontend import to_program, warm_up
+    from stencil.grammar.json_schema import SchemaCompiler, SchemaOptions
+    from stencil.grammar.json_schema.canonical import canonical_json, order_keys
+    from stencil.grammar.vocab import build_vocabulary
 
     if "auto" in backends and "lazy" not in backends:
         backends = ("lazy", *backends)
@@ -289,7 +289,7 @@ def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 1
             try:
                 if b == "eager" and program.kind == "json":
                     # Handed to llguidance's JSON front end: the index is of Stencil's own
-                    # translation, the same language (grammar.json_schema.handover).
+                    # translation, the same language (stencil.grammar.json_schema.handover).
                     prog = to_program(spec, deadline=time.monotonic() + timeout_s, handover=False)
                 if b == "eager" and prog.kind == "lark":
                     # What `--grammar-backend eager` serves for a recursive schema: the unrolled regex.
@@ -398,10 +398,10 @@ def bitmask_step_share(model_dir: Path, samples: list, backends: dict, rows: int
 
     import torch
 
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.request import SamplingParams
-    from grammar.bitmask import allocate_bitmask
+    from stencil.engine.config import EngineConfig
+    from stencil.engine.llm_engine import LLMEngine
+    from stencil.engine.request import SamplingParams
+    from stencil.grammar.bitmask import allocate_bitmask
 
     rng = random.Random(0)
     picks = [samples[rng.randrange(len(samples))] for _ in range(rows)]

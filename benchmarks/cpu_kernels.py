@@ -1,12 +1,12 @@
 """``stencil bench cpu_kernels``: the native CPU kernels against their torch baselines, same run.
 
-* int4 GEMM (``kernels.native.PackedInt4``: the int8-activation VNNI kernel where the CPU has
+* int4 GEMM (``stencil.kernels.native.PackedInt4``: the int8-activation VNNI kernel where the CPU has
   it) against the bf16-activation native kernel (``vnni=False``), torch's
   ``_weight_int4pack_mm_for_cpu`` and a dense bf16 ``F.linear`` (oneDNN) on SmolLM2-135M's
   projection shapes, 1-256 rows (a decode batch, a verification step, a prompt chunk);
-* paged attention (``kernels.cpu``) against the torch reference backend (``kernels.torch_ref``)
+* paged attention (``stencil.kernels.cpu``) against the torch reference backend (``stencil.kernels.torch_ref``)
   and against torch SDPA over dense, unpaged K/V, for decode rows, draft rows and a prefill;
-* the GGUF block GEMM (``kernels.ggml_blocks``: k-quants and the 32-weight types read in place)
+* the GGUF block GEMM (``stencil.kernels.ggml_blocks``: k-quants and the 32-weight types read in place)
   on random valid blocks of SmolLM2's and a Llama-3.2-1B-shaped model's projections (``--block-shapes``),
   1-256 rows, against a dense fp32 ``F.linear`` of the same dequantized weight and, for Q4_K,
   torch's int4 kernel on the same weight (Q4_K is exactly int4 with group 32); at 1 row it reports
@@ -71,7 +71,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def gemm_rows(repeats: int) -> list[dict]:
-    from kernels.native import PackedInt4
+    from stencil.kernels.native import PackedInt4
 
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -104,7 +104,7 @@ def gemm_rows(repeats: int) -> list[dict]:
 
 def _random_blocks(qtype: str, n: int, k: int, g: torch.Generator) -> torch.Tensor:
     """uint8 ``[n, row_bytes]`` of valid blocks: random codes, fp16 scales about 0.01."""
-    from engine.models.kquants import BLOCK_SHAPES as SHAPES
+    from stencil.engine.models.kquants import BLOCK_SHAPES as SHAPES
 
     weights, nbytes = SHAPES[qtype]
     raw = torch.randint(0, 256, (n, k // weights, nbytes), generator=g, dtype=torch.uint8)
@@ -118,7 +118,7 @@ def _random_blocks(qtype: str, n: int, k: int, g: torch.Generator) -> torch.Tens
 def _int4_baseline(raw: torch.Tensor, k: int):
     """torch's int4 kernel on a Q4_K weight: ``(packed, scales_and_zeros)`` (group 32; codes
     exact, scale ``d sc`` and zero ``8 scale - dmin m``, the latter rounded to bf16)."""
-    from engine.models.kquants import units
+    from stencil.engine.models.kquants import units
 
     u = units(raw.numpy(), "Q4_K")
     codes = torch.from_numpy(u.codes).to(torch.int32)
@@ -131,8 +131,8 @@ def _int4_baseline(raw: torch.Tensor, k: int):
 def block_rows(types: list[str], shape_sets: list[str], row_counts: list[int], repeats: int,
                threads: int, terms_list: list[int]) -> list[dict]:
     """The GGUF block GEMM against dense fp32 and torch int4, plus bytes/s at 1 row vs memcpy."""
-    from engine.models.kquants import dequantize
-    from kernels import ggml_blocks
+    from stencil.engine.models.kquants import dequantize
+    from stencil.kernels import ggml_blocks
 
     g = torch.Generator().manual_seed(2)
     rows = []
@@ -203,9 +203,9 @@ def _cpu_model() -> str:
 
 
 def attention_rows(repeats: int) -> list[dict]:
-    from kernels.attention_backend import AttentionMetadata
-    from kernels.cpu import CpuAttentionBackend
-    from kernels.torch_ref import TorchAttentionBackend
+    from stencil.kernels.attention_backend import AttentionMetadata
+    from stencil.kernels.cpu import CpuAttentionBackend
+    from stencil.kernels.torch_ref import TorchAttentionBackend
 
     g = torch.Generator().manual_seed(1)
     heads, kv_heads, dim, block = 9, 3, 64, 16
@@ -244,7 +244,7 @@ def attention_rows(repeats: int) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kernels import ggml_blocks, native
+    from stencil.kernels import ggml_blocks, native
 
     torch.set_num_threads(args.threads)
     report = {"threads": args.threads, "cpu": _cpu_model()}

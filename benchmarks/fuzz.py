@@ -1,16 +1,16 @@
-"""API fuzzing at depth: the checks of ``tests/test_fuzz_api.py`` at any size, on fresh random cases.
+"""API fuzzing at depth: the checks of ``tests/e2e/test_fuzz_api.py`` at any size, on fresh random cases.
 
 ``stencil bench fuzz [--examples N] [--seed S] [--modes positive,negative,servable,stateful]
 [--operations PATH,...] [--under-soak] [--model tiny|DIR | --url URL] [--json PATH]``
 
-Every documented operation is fuzzed in each mode of ``benchmarks.api_fuzz`` (its docstring has
+Every documented operation is fuzzed in each mode of ``stencil.benchmarks.api_fuzz`` (its docstring has
 the checks): ``N`` examples per operation and mode (an operation without inputs, such as
 ``GET /health``, has one distinct case), ``stateful`` runs ``N`` scenarios that follow the
 document's links. Cases are random; the seed is reported, and ``--seed S`` with the same
 arguments replays them (each failure kept also has a curl command). A failing case does not stop
 the run: every failure is counted.
 
-``--under-soak`` runs the same fuzzing while ``benchmarks.soak``'s load generator keeps
+``--under-soak`` runs the same fuzzing while ``stencil.benchmarks.soak``'s load generator keeps
 ``--soak-concurrency`` clients busy on the same server (in ``--soak-round-s`` rounds, 10 s, until
 the fuzzing ends):
 mixed requests, streamed or not, clients that hang up or give up.
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks import soak
+from stencil.benchmarks import soak
 
 SERVER_ARGS = ("--num-kv-blocks", "256", "--max-num-seqs", "16", "--grammar-timeout", "2",
                "--max-body-bytes", str(256 << 10), "--request-timeout", "60")
@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class SoakThread:
-    """``benchmarks.soak``'s load generator in rounds on a thread, until ``stop``."""
+    """``stencil.benchmarks.soak``'s load generator in rounds on a thread, until ``stop``."""
 
     def __init__(self, url: str, concurrency: int, round_s: float = SOAK_ROUND_S):
         parser = argparse.ArgumentParser()
@@ -98,8 +98,8 @@ class SoakThread:
 
 
 def fuzz_all(url: str, args, seed: int, log=print) -> list:
-    """Run every selected (operation, mode); return the tallies (``benchmarks.api_fuzz.Tally``)."""
-    from benchmarks import api_fuzz
+    """Run every selected (operation, mode); return the tallies (``stencil.benchmarks.api_fuzz.Tally``)."""
+    from stencil.benchmarks import api_fuzz
 
     api = api_fuzz.load_api(url)
     wanted = set(args.operations.split(",")) if args.operations else None

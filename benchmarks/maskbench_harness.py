@@ -14,7 +14,7 @@ drift of the machine's speed hits both alike: compare the engines by their ratio
 
 As the harness does for every engine, each schema is compiled fresh: Stencil's compiler keeps no
 compiled grammar (``cache_size=0``); what it may reuse is its translation cache of sub-schemas
-(``grammar.json_schema``), as a server would across requests.
+(``stencil.grammar.json_schema``), as a server would across requests.
 
 The harness feeds each instance as ``json.dumps(data)`` (``", "`` and ``": "`` separators, keys in
 the instance's order) and checks each token against the mask; so Stencil runs with flexible
@@ -64,10 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def stencil_engine(engine_base, whitespace: str, timeout_s: float):
     """The harness ``Engine`` subclass over Stencil's public grammar API."""
-    from grammar.base import GrammarSpec
-    from grammar.bitmask import allocate_bitmask
-    from grammar.compiler import GrammarCompiler
-    from grammar.frontend import warm_up
+    from stencil.grammar.base import GrammarSpec
+    from stencil.grammar.bitmask import allocate_bitmask
+    from stencil.grammar.compiler import GrammarCompiler
+    from stencil.grammar.frontend import warm_up
 
     class StencilEngine(engine_base):
         def get_id(self):
@@ -200,7 +200,7 @@ def run(harness: Path, corpus: Path, limit: int | None, timeout_s: float, whites
     from maskbench import runner  # the harness's own code
     from maskbench.engine import Engine
 
-    from engine.models.tokenizer import load_tokenizer
+    from stencil.engine.models.tokenizer import load_tokenizer
 
     unknown = set(engines) - set(ENGINES)
     if unknown:

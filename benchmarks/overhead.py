@@ -4,7 +4,7 @@
 
 For each level ``R`` the engine (in process, the default model unless ``--model``) takes ``R``
 requests, reads their prompts, and then runs ``--steps`` decode steps with all ``R`` running;
-``engine.step_timing`` splits every step into schedule, mask (grammar bitmask), inputs (block
+``stencil.engine.step_timing`` splits every step into schedule, mask (grammar bitmask), inputs (block
 tables, positions, slots), forward (decoder stack), logits (LM head), sample (mask applied,
 tokens chosen), update (tokens appended, matchers advanced, stop checks), outputs (detokenize,
 ``RequestOutput``) and propose (drafts). Forward and logits are the model; the rest is the
@@ -18,7 +18,7 @@ requests; the report says whether this run met it (``target.met``). Timing on a 
 noisy: ``--threads 1`` steadies it.
 
 ``--decoder both`` runs each level twice in the same engine, through the C decoder
-(``engine.models.native_decoder``) and then through the torch-driven layers, and reports the step
+(``stencil.engine.models.native_decoder``) and then through the torch-driven layers, and reports the step
 ratio (``step_ratio_c_over_torch``, the torch run under ``torch_layers``); ``c_decoder`` says
 whether the C decoder took the model.
 """
@@ -32,7 +32,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from engine.step_timing import MODEL_PHASES, PHASES
+from stencil.engine.step_timing import MODEL_PHASES, PHASES
 
 _FIELDS = ["name", "city", "country", "job", "hobby", "color", "food", "animal", "book", "song", "street",
            "school", "company", "team", "car", "drink", "plant", "movie", "game", "language"]
@@ -64,12 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(args, max_running: int):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from stencil.engine.config import EngineConfig
+    from stencil.engine.llm_engine import LLMEngine
 
     model = args.model
     if model is None:
-        from engine.models.default_model import ensure_default_model
+        from stencil.engine.models.default_model import ensure_default_model
 
         model = ensure_default_model()
     cfg = EngineConfig(model=Path(model), max_num_seqs=max_running, max_waiting=max_running,
@@ -80,7 +80,7 @@ def _engine(args, max_running: int):
 
 def _requests(engine, n: int, args, grammar, max_tokens: int):
     """``n`` (prompt ids, params, grammar) in a fixed mix: every ``k``-th one constrained/sampled."""
-    from engine.request import SamplingParams
+    from stencil.engine.request import SamplingParams
 
     out = []
     for i in range(n):
@@ -171,7 +171,7 @@ def summarize(running: int, steps: list[dict[str, float]], batch: list[int]) -> 
 
 
 def main(args: argparse.Namespace) -> int:
-    from grammar.base import GrammarSpec
+    from stencil.grammar.base import GrammarSpec
 
     levels = [int(x) for x in args.running.split(",") if x.strip()]
     if not levels or min(levels) < 1:

@@ -1,6 +1,6 @@
 """Latency of ``GET /health`` and ``GET /metrics`` while a load runs, from a process of its own.
 
-``python -m benchmarks.probe URL INTERVAL_S OUT.json``: until SIGTERM, alternately fetch
+``python -m stencil.benchmarks.probe URL INTERVAL_S OUT.json``: until SIGTERM, alternately fetch
 ``/health`` and ``/metrics`` (a fresh connection each time, as a monitor would), every
 ``INTERVAL_S`` seconds, then write ``{"health_ms": [...], "metrics_ms": [...], "failures": N}``
 to ``OUT.json``, with the most running and waiting requests ``/health`` reported

@@ -7,7 +7,7 @@ from the llama-cpp-python sdist by ``benchmarks/peers/build_llama_server.sh --te
 on its own matrix shape for this measurement, ``MUL_MAT(type_a=T, type_b=f32, m=4096, n=1,
 k=14336)`` (a 4096 x 14336 weight: 33 MB in Q4_K, past this machine's L3 so it streams from
 DRAM); its time per run includes quantizing the row to its int8 blocks, as Stencil's does.
-Stencil's side is ``kernels.ggml_blocks`` on random valid blocks of the same type and shape, the
+Stencil's side is ``stencil.kernels.ggml_blocks`` on random valid blocks of the same type and shape, the
 row quantized with ``--activation-precision``'s terms. ``test-backend-ops`` gives its CPU
 backend ``hardware_concurrency / 2`` threads (1 on a 2-core machine) and takes no option for it,
 so Stencil is timed with that many threads too (``--threads``, default the same rule), plus,
@@ -86,8 +86,8 @@ def stencil_us(qtype: str, threads: int, repeats: int, terms: int) -> float:
     ``M x K`` matrix of ``qtype`` blocks."""
     import torch
 
-    from benchmarks.cpu_kernels import _median_ms, _random_blocks
-    from kernels import ggml_blocks
+    from stencil.benchmarks.cpu_kernels import _median_ms, _random_blocks
+    from stencil.kernels import ggml_blocks
 
     g = torch.Generator().manual_seed(0)
     raw = _random_blocks(qtype, M, K, g)
@@ -103,15 +103,15 @@ def stencil_us(qtype: str, threads: int, repeats: int, terms: int) -> float:
 
 
 def weight_bytes(qtype: str) -> int:
-    from kernels import ggml_blocks
+    from stencil.kernels import ggml_blocks
 
     return M * ggml_blocks.row_bytes(qtype, K)
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.peers.run import cpu_model
-    from engine.config import ACTIVATION_PRECISIONS
-    from kernels import ggml_blocks
+    from stencil.benchmarks.peers.run import cpu_model
+    from stencil.engine.config import ACTIVATION_PRECISIONS
+    from stencil.kernels import ggml_blocks
 
     if not ggml_blocks.available():
         print(f"stencil bench rows: the block kernel is unavailable here ({ggml_blocks.unavailable_reason()})",

@@ -2,7 +2,7 @@
 
 ``stencil bench serve --base-url URL [--base-url URL2] [--model M] [--concurrency 1,8,32] --json PATH``
 
-The extraction workload of ``bench throughput`` (``benchmarks.workload``: documents of 150-400
+The extraction workload of ``bench throughput`` (``stencil.benchmarks.workload``: documents of 150-400
 tokens, a JSON Schema each) is sent as OpenAI chat requests, ``response_format: json_schema``
 (``strict: true``), greedy, streamed, to a running server — Stencil (``stencil serve``),
 llama.cpp's ``llama-server``, vLLM — closed loop at each concurrency (``C`` requests in
@@ -12,7 +12,7 @@ valid fraction (jsonschema on each answer), plus errors. Given two ``--base-url`
 the same workload in this one run (alternating per concurrency level) and the report gives the
 ratios of the first's output tokens/s and requests/s to the second's. A PNG goes next to the
 JSON. ``--workload person`` sends one-sentence name/age/city chats of about 40 prompt tokens
-instead (``benchmarks.workload.person_items``), the interactive case of
+instead (``stencil.benchmarks.workload.person_items``), the interactive case of
 ``stencil bench peers``. ``--api completions`` sends the same items as ``/v1/completions`` text
 prompts (``completion_prompt``: an instruction, the sentence or document, ``JSON:``), for base
 models without a chat template; the constraint goes as ``response_format`` to OpenAI-style
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import Trace, is_valid, make_validator, pct, summarize
+from stencil.benchmarks.common import Trace, is_valid, make_validator, pct, summarize
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -256,7 +256,7 @@ async def run_level(root: str, model: str, jobs: list[Job], concurrency: int, ma
 def field_accuracy(jobs: list[Job], traces: list) -> float | None:
     """The fraction of known answer fields that the answers got right (``accuracy.field_matches``;
     an answer that is not one JSON object gets none of its fields), or None without answers."""
-    from benchmarks.accuracy import field_matches
+    from stencil.benchmarks.accuracy import field_matches
 
     right = total = 0
     for job, trace in zip(jobs, traces):
@@ -329,10 +329,10 @@ def plot(report: dict, path: Path) -> None:
 def workload_jobs(name: str, n: int) -> tuple[list[Job], str]:
     """``n`` jobs of the named workload (each with its chat and its text prompt), and how the
     report names it."""
-    from benchmarks.workload import extraction_items, person_items
+    from stencil.benchmarks.workload import extraction_items, person_items
 
-    items, made_by = ((person_items(n, seed=1), "benchmarks.workload.person_items(seed=1)") if name == "person"
-                      else (extraction_items(n, seed=1), "benchmarks.workload.extraction_items(seed=1)"))
+    items, made_by = ((person_items(n, seed=1), "stencil.benchmarks.workload.person_items(seed=1)") if name == "person"
+                      else (extraction_items(n, seed=1), "stencil.benchmarks.workload.extraction_items(seed=1)"))
     return [Job(it.messages(), it.schema, it.answer or None,
                 completion_prompt(it.instruction, it.document, list(it.schema["properties"])))
             for it in items], made_by

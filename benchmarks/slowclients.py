@@ -48,8 +48,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks import soak
-from benchmarks.common import pct
+from stencil.benchmarks import soak
+from stencil.benchmarks.common import pct
 
 PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
            "Describe a walk through a forest in autumn.", "List some facts about the moon and explain them."]
@@ -294,7 +294,7 @@ def main(args: argparse.Namespace) -> int:
             tmp = tempfile.TemporaryDirectory(prefix="stencil-slow-")
             model = soak._tiny_model(Path(tmp.name))
         elif args.model is None:
-            from engine.models.default_model import ensure_default_model
+            from stencil.engine.models.default_model import ensure_default_model
 
             model = ensure_default_model()
         else:

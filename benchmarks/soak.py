@@ -27,7 +27,7 @@ status is 1 if any invariant fails. The report also has the
 server's RSS every 5 s until the last client is done (``rss_timeline_mb``, the drain of queued
 requests after the deadline included), at 10 % of the run, at half-time, at the deadline and
 at rest: after the settle (the engine idle) and one heap-trim interval more
-(``engine.malloc.DEFAULT_INTERVAL_S`` + 2 s), so the end RSS is measured after the idle engine
+(``stencil.engine.malloc.DEFAULT_INTERVAL_S`` + 2 s), so the end RSS is measured after the idle engine
 handed freed memory back, not at whichever moment of the trim cycle the settle ended.
 
 Only loopback addresses are contacted; every loop is bounded by the deadline (clients finish
@@ -52,8 +52,8 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import pct
-from engine.malloc import DEFAULT_INTERVAL_S
+from stencil.benchmarks.common import pct
+from stencil.engine.malloc import DEFAULT_INTERVAL_S
 
 # After the settle, the end RSS waits this long: one heap-trim interval of the idle engine and 2 s.
 REST_S = DEFAULT_INTERVAL_S + 2.0
@@ -118,7 +118,7 @@ def _tiny_model(out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from engine.models.default_model import ensure_default_model
+    from stencil.engine.models.default_model import ensure_default_model
 
     config = AutoConfig.for_model(
         "llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -153,7 +153,7 @@ class OwnServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "stencil.service.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
                "--port", str(self.port), "--max-tokens-cap", str(max(args.max_tokens, 16)),
                "--log-level", "warning", "--shutdown-grace", "20"]
         # Unless told otherwise the server runs on its own defaults: they must make 200-or-429
@@ -378,12 +378,12 @@ def _settle(url: str, timeout_s: float = 30.0) -> tuple[dict, dict]:
 
 
 class Probe:
-    """``benchmarks.probe`` in a process of its own: /health and /metrics latencies under load."""
+    """``stencil.benchmarks.probe`` in a process of its own: /health and /metrics latencies under load."""
 
     def __init__(self, url: str, interval_s: float = 0.2):
         self._out = tempfile.NamedTemporaryFile(suffix=".json", delete=False)
         self._out.close()
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.probe", url, str(interval_s), self._out.name],
+        self.proc = subprocess.Popen([sys.executable, "-m", "stencil.benchmarks.probe", url, str(interval_s), self._out.name],
                                      cwd=Path(__file__).resolve().parents[1])
 
     def stop(self) -> dict:
@@ -502,7 +502,7 @@ def main(args: argparse.Namespace) -> int:
             tmp = tempfile.TemporaryDirectory(prefix="stencil-soak-")
             model = _tiny_model(Path(tmp.name))
         elif args.model is None:
-            from engine.models.default_model import ensure_default_model
+            from stencil.engine.models.default_model import ensure_default_model
 
             model = ensure_default_model()
         else:

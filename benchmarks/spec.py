@@ -3,7 +3,7 @@
 ``speedup`` compares decode tokens/s per request (tokens after the first over the time from the
 first to the last token), since speculation changes decoding only; ``speedup_end_to_end``
 divides output tokens by wall time, prefill included. Two workloads from
-``benchmarks.workload``: "copy" (extraction: the answer's fields are spans of the document) and
+``stencil.benchmarks.workload``: "copy" (extraction: the answer's fields are spans of the document) and
 "no_copy" (invent a person: nothing to copy). Each runs at concurrency 1 and 8 with speculation
 and grammar-forced tokens on ("on") and with both off ("off"), on the same engine in the same
 process, the same requests; the outputs are compared token by token (greedy decoding must not
@@ -19,10 +19,10 @@ quarter by quarter across all pairs of a workload and concurrency, and where the
 ``NOISE_LIMIT`` (20%) the row is flagged *noisy* and printed as such, not as a result. Beside
 the speedups stand the goodput switch's decisions in each "on" side: the share of steps that
 drafted, its stops, trials and re-measurements, and the price of a draft row at the end
-(``engine.speculative.goodput``).
+(``stencil.engine.speculative.goodput``).
 
 Before the pairs, each workload runs once per side with at most 16 new tokens (``--no-warmup``
-skips it): lazily built grammar states and the draft row's floor (``engine.speculative.row_cost``)
+skips it): lazily built grammar states and the draft row's floor (``stencil.engine.speculative.row_cost``)
 are then paid outside the measured runs. ``--repeat N`` runs N pairs; ``--background-load``
 keeps one core busy with another process throughout (the engine's off-switch must hold up when
 the machine is not its own).
@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.common import run_closed_loop, summarize
+from stencil.benchmarks.common import run_closed_loop, summarize
 
 # A separate interpreter spinning on one core (no I/O, nothing to clean up but the process).
 _BUSY_LOOP = "while True: pass"
@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_mode(engine, prompts, grammars, concurrency: int, max_tokens: int, on: bool, spec: dict) -> dict:
-    from engine.request import SamplingParams
+    from stencil.engine.request import SamplingParams
 
     engine.scheduler.enable_forced_tokens = on
     engine.kv.set_prefix_caching(True)  # same (empty) cache state for both modes
@@ -274,11 +274,11 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from benchmarks.workload import extraction_items, invention_items
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.models.default_model import ensure_default_model
-    from grammar.base import GrammarSpec
+    from stencil.benchmarks.workload import extraction_items, invention_items
+    from stencil.engine.config import EngineConfig
+    from stencil.engine.llm_engine import LLMEngine
+    from stencil.engine.models.default_model import ensure_default_model
+    from stencil.grammar.base import GrammarSpec
 
     model = args.model or ensure_default_model()
     kw = {"weights": args.weights} if args.weights else {}

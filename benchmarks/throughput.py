@@ -2,7 +2,7 @@
 
 Scenarios (one run, one machine, so the ratios are meaningful on a noisy box):
 
-1. throughput: the same extraction workload (``benchmarks.workload``: documents of 150-400
+1. throughput: the same extraction workload (``stencil.benchmarks.workload``: documents of 150-400
    tokens, a JSON Schema each, greedy) at each concurrency, through Stencil's engine in process
    (closed loop: ``C`` requests in flight) and through the baseline a user would pick here, the
    ``outlines`` library driving transformers' ``generate`` on the same fp32 weights, batched ``C``
@@ -25,7 +25,7 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.common import Trace, is_valid, make_validator, pct, run_closed_loop, summarize
+from stencil.benchmarks.common import Trace, is_valid, make_validator, pct, run_closed_loop, summarize
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,8 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(model: Path, **kw):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from stencil.engine.config import EngineConfig
+    from stencil.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=model, **kw))
 
@@ -60,8 +60,8 @@ def _prompts(tokenizer, items) -> tuple[list[str], list[list[int]]]:
 
 
 def run_stencil(engine, items, prompt_ids, concurrency: int, max_tokens: int) -> dict:
-    from engine.request import SamplingParams
-    from grammar.base import GrammarSpec
+    from stencil.engine.request import SamplingParams
+    from stencil.grammar.base import GrammarSpec
 
     grammars = [engine.grammar.compile(GrammarSpec.json_schema(it.schema)) for it in items]
     engine.kv.set_prefix_caching(engine.config.enable_prefix_caching)  # no hits from earlier runs
@@ -146,7 +146,7 @@ class OutlinesBaseline:
 
 
 def scenario_throughput(args, model: Path, engine, report: dict) -> None:
-    from benchmarks.workload import extraction_items
+    from stencil.benchmarks.workload import extraction_items
 
     items = extraction_items(args.requests, seed=1)
     texts, ids = _prompts(engine.tokenizer, items)
@@ -169,8 +169,8 @@ def scenario_throughput(args, model: Path, engine, report: dict) -> None:
 
 
 def scenario_prefix_cache(args, engine, report: dict) -> None:
-    from benchmarks.workload import shared_system_prompt
-    from engine.request import SamplingParams
+    from stencil.benchmarks.workload import shared_system_prompt
+    from stencil.engine.request import SamplingParams
 
     system = shared_system_prompt(1000)
     questions = [f"Question {i}: which policy number mentions the {w}?" for i, w in
@@ -194,8 +194,8 @@ def scenario_prefix_cache(args, engine, report: dict) -> None:
 
 
 def scenario_chunked_prefill(args, model: Path, report: dict, weights: dict) -> None:
-    from benchmarks.workload import FILLER
-    from engine.request import SamplingParams
+    from stencil.benchmarks.workload import FILLER
+    from stencil.engine.request import SamplingParams
 
     out: dict = {}
     for chunked in (True, False):
@@ -290,7 +290,7 @@ def main(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from engine.models.default_model import ensure_default_model
+    from stencil.engine.models.default_model import ensure_default_model
 
     model = args.model or ensure_default_model()
     weights = {"weights": args.weights} if args.weights else {}

@@ -4,7 +4,7 @@ One run, one machine, both weight kinds loaded side by side (the ratios are what
 noisy box):
 
 * decode tokens/s at each concurrency ``C`` for fp32 and int4: ``C`` requests (extraction
-  prompts from ``benchmarks.workload``, greedy, ``ignore_eos``) start together and each decodes
+  prompts from ``stencil.benchmarks.workload``, greedy, ``ignore_eos``) start together and each decodes
   ``--max-tokens`` tokens; the rate counts the tokens after every request's first, over the
   time from the last first token to the end, so prefill is left out;
 * constrained decode at concurrency 1 (JSON Schema of each item, compiled by the engine's
@@ -25,7 +25,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.common import is_valid, make_validator, run_closed_loop
+from stencil.benchmarks.common import is_valid, make_validator, run_closed_loop
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(model: Path, weights: str, gguf: Path | None, threads: int | None):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from stencil.engine.config import EngineConfig
+    from stencil.engine.llm_engine import LLMEngine
 
     extra = {"gguf_file": str(gguf)} if gguf else {}
     return LLMEngine(EngineConfig(model=model, weights=weights, kv_cache_gib=0.5, max_num_seqs=64,
@@ -58,7 +58,7 @@ def _prompt_ids(tokenizer, items) -> list[list[int]]:
 
 def decode_rate(engine, prompts: list[list[int]], max_tokens: int) -> float:
     """Decode tokens/s of ``len(prompts)`` requests started together (prefill left out)."""
-    from engine.request import SamplingParams
+    from stencil.engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     traces, _ = run_closed_loop(engine, prompts, params, None, len(prompts))
@@ -70,8 +70,8 @@ def decode_rate(engine, prompts: list[list[int]], max_tokens: int) -> float:
 
 def constrained_c1(engine, items, prompts: list[list[int]], max_tokens: int) -> dict:
     """Constrained requests one at a time: decode tokens/s and how many outputs are valid."""
-    from engine.request import SamplingParams
-    from grammar.base import GrammarSpec
+    from stencil.engine.request import SamplingParams
+    from stencil.grammar.base import GrammarSpec
 
     grammars = [engine.grammar.compile(GrammarSpec.json_schema(it.schema)) for it in items]
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
@@ -85,7 +85,7 @@ def constrained_c1(engine, items, prompts: list[list[int]], max_tokens: int) -> 
 
 
 def greedy_outputs(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from engine.request import SamplingParams
+    from stencil.engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     traces, _ = run_closed_loop(engine, prompts, params, None, 8)
@@ -103,8 +103,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.workload import extraction_items
-    from engine.models.default_model import ensure_default_model
+    from stencil.benchmarks.workload import extraction_items
+    from stencil.engine.models.default_model import ensure_default_model
 
     model = args.model or ensure_default_model()
     levels = [int(c) for c in args.concurrency.split(",")]

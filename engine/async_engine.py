@@ -26,11 +26,11 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.malloc import HeapTrimmer
-from engine.outputs import RequestOutput
-from engine.request import SamplingParams
+from stencil.engine.config import EngineConfig
+from stencil.engine.llm_engine import LLMEngine
+from stencil.engine.malloc import HeapTrimmer
+from stencil.engine.outputs import RequestOutput
+from stencil.engine.request import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -177,14 +177,14 @@ class AsyncEngine:
         return (self._go.is_set() and self._thread is not None and self._thread.is_alive()
                 and self.error is None)
 
-    # -- the model and admission (what ``service.engine_client.EngineClient`` names) --------------
+    # -- the model and admission (what ``stencil.service.engine_client.EngineClient`` names) --------------
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
     @property
     def vocab(self):
-        """Token id → bytes (``grammar.vocab.TokenVocabulary``) of the engine's grammar compiler."""
+        """Token id → bytes (``stencil.grammar.vocab.TokenVocabulary``) of the engine's grammar compiler."""
         return self.engine.grammar.vocab
 
     @property
@@ -215,7 +215,7 @@ class AsyncEngine:
 
     @property
     def grammar_stats(self):
-        """The grammar compiler's counters (``grammar.base.CompileStats``)."""
+        """The grammar compiler's counters (``stencil.grammar.base.CompileStats``)."""
         return self.engine.grammar.stats
 
     # -- requests --------------------------------------------------------------------------------
@@ -228,14 +228,14 @@ class AsyncEngine:
             client: who asks, for the compiler's per-client share of its workers.
 
         Raises:
-            grammar.base.GrammarError: the constraint is invalid or cannot be enforced exactly.
+            stencil.grammar.base.GrammarError: the constraint is invalid or cannot be enforced exactly.
         """
         return await asyncio.wrap_future(self.engine.grammar.submit(spec, backend, client=client))
 
     def grammar_future(self, spec, backend: str | None = None, client: str | None = None) -> Future:
         """Start compiling ``spec`` on the compiler's pool; the ``concurrent.futures.Future``
         may be given to ``submit`` as the request's grammar at once: the request then prefills
-        all but its last prompt token while it compiles (``engine.scheduler``). Arguments as
+        all but its last prompt token while it compiles (``stencil.engine.scheduler``). Arguments as
         ``compile_grammar``.
 
         Raises:
@@ -282,12 +282,6 @@ class AsyncEngine:
                 yield item
         finally:
             await stream.aclose()
-
-    def is_waiting(self, request_id: str) -> bool:
-        """Whether the request is still queued, not yet scheduled (read without a lock: a
-        snapshot that the engine thread may change the next moment)."""
-        req = self.engine.scheduler.requests.get(request_id)
-        return req is not None and req.metrics.first_scheduled_time is None
 
     def _unregister(self, request_id: str) -> None:
         with self._lock:

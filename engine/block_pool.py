@@ -6,15 +6,15 @@ until allocation evicts it. Eviction takes the least recently freed block first.
 
 Hashing (vLLM's prefix caching, Kwon et al. 2023, "PagedAttention", and the v1 design): block
 ``i`` of a sequence is keyed by a digest of (the key of block i-1, its 16 token ids, extra), so
-equal keys mean equal prefixes (``engine.kv_cache_manager.hash_block``: BLAKE2b, the same in
+equal keys mean equal prefixes (``stencil.engine.kv_cache_manager.hash_block``: BLAKE2b, the same in
 every process). A 64-bit key can still collide, so a hit is confirmed against the token ids
 stored with the block (as nano-vllm does).
 
 A pool with a null block (``null_block=True``: a sliding-window group's pool,
-``engine.kv_cache_manager``) keeps block 0 out of circulation: it is never allocated, never
+``stencil.engine.kv_cache_manager``) keeps block 0 out of circulation: it is never allocated, never
 written and never freed, and a block-table entry whose tokens fell out of every window points at
 it. Its K/V stay the zeros the cache was made with, so a backend that reads such an entry under
-its window mask (``kernels.flash.gather_kv``) reads finite values it then masks.
+its window mask (``stencil.kernels.flash.gather_kv``) reads finite values it then masks.
 """
 
 from __future__ import annotations

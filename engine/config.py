@@ -8,7 +8,7 @@ from pathlib import Path
 
 ACTIVATION_PRECISIONS = {"exact": 2, "int8": 1}
 """``EngineConfig.activation_precision`` -> int8 terms per activation of the GGUF block kernels
-(``engine.models.kernel_policy``)."""
+(``stencil.engine.models.kernel_policy``)."""
 
 
 class ConfigError(ValueError):
@@ -52,18 +52,18 @@ class EngineConfig:
             AVX512-BF16/AMX but no VNNI; oneDNN's bf16 GEMM can round a row differently with the
             number of rows beside it, so prefill chunking and prefix caching may change a greedy
             output), "int4", or "auto" (int4: bit-identical rows at any row count).
-        attention_backend: name in ``kernels.registry`` ("cpu", "torch", "flash", "triton") or
+        attention_backend: name in ``stencil.kernels.registry`` ("cpu", "torch", "flash", "triton") or
             "auto" (the fastest one available on ``device``).
         block_size: tokens per KV-cache block.
         num_kv_blocks: KV-cache blocks per layer, the token capacity (``block_size`` tokens
             each); with a hybrid cache, the full-attention layers' count (the windowed layers
-            hold fewer: ``engine.kv_cache_manager.kv_cache_groups``); ``None`` = derive from
+            hold fewer: ``stencil.engine.kv_cache_manager.kv_cache_groups``); ``None`` = derive from
             ``kv_cache_gib``.
         kv_cache_gib: KV-cache size in GiB (K and V, every layer and group's tensors): the token
             capacity is what fits, so a hybrid cache, whose windowed layers hold only their
-            windows, holds more tokens in the same bytes (``engine.kv_cache_manager.blocks_for_bytes``);
+            windows, holds more tokens in the same bytes (``stencil.engine.kv_cache_manager.blocks_for_bytes``);
             ``None`` = a default from the machine's free memory (see
-            ``engine.model_runner.default_kv_cache_bytes``), counted the same way.
+            ``stencil.engine.model_runner.default_kv_cache_bytes``), counted the same way.
         max_num_seqs: most requests running in one step. 256: the per-step CPU work around the
             model stays under 10 % of a step there (``stencil bench overhead``), and a server
             under thousands of clients keeps that many moving.
@@ -73,12 +73,12 @@ class EngineConfig:
         enable_prefix_caching: reuse cached full blocks across requests.
         hybrid_kv_cache: a model mixing full-attention and sliding-window layers (Gemma 3) keeps
             its windowed layers in a KV cache group of their own that holds only each request's
-            window (``engine.kv_cache_manager``); False keeps every position of every layer in
+            window (``stencil.engine.kv_cache_manager``); False keeps every position of every layer in
             one group (the layout before, for tests and comparisons).
         max_waiting: requests allowed to wait before new ones are refused (HTTP 429). 4096: a
             queued request costs a few kB, so thousands of clients can wait their turn (first
             come, first served) instead of being refused; one that waits past its deadline is
-            answered 429 all the same (``service.generation.GenerationStream.wait_started``).
+            answered 429 all the same (``stencil.service.generation.GenerationStream.wait_started``).
         num_threads: torch intra-op threads on CPU; ``None`` = leave torch's default.
         grammar_workers: threads compiling grammars.
         grammar_timeout_s: longest one grammar compile may take (seconds).
@@ -158,7 +158,7 @@ class EngineConfig:
 
     def _gguf_on_cpu(self) -> bool:
         """Whether ``model`` names a GGUF file (or a directory of one) served on CPU."""
-        from engine.models.source import ModelPathError, resolve_model_path
+        from stencil.engine.models.source import ModelPathError, resolve_model_path
 
         if self.device.startswith("cuda"):
             return False

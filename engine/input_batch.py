@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.scheduler import SchedulerOutput
-from kernels.attention_backend import AttentionMetadata
+from stencil.engine.scheduler import SchedulerOutput
+from stencil.kernels.attention_backend import AttentionMetadata
 
 
 @dataclass(slots=True)
@@ -41,7 +41,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, device: torch.devic
     256-request decode step costs tens of microseconds per request less than a loop per token
     and block would.
 
-    ``window_group``: the KV cache has a sliding-window group (``engine.kv_cache_manager``):
+    ``window_group``: the KV cache has a sliding-window group (``stencil.engine.kv_cache_manager``):
     ``meta.window_block_tables`` and ``meta.window_slot_mapping`` then come from each request's
     ``window_block_ids``, as wide as ``block_tables``.
     """

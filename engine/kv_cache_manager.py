@@ -6,13 +6,13 @@ request (``Request.block_ids``), every position of every layer. A model that mix
 layers with sliding-window ones (Gemma 3: five local layers of window 512 to one global) keeps
 two: group 0 the full-attention layers, group 1 the windowed ones, each with its own pool, its
 own per-request table (``Request.window_block_ids``) and its own per-layer cache tensors
-(``engine.model_runner``). A request's window-group block ``i`` is released as soon as no later
+(``stencil.engine.model_runner``). A request's window-group block ``i`` is released as soon as no later
 query of the request can see any of its tokens: queries only move forward, and a key at
-position ``k`` is visible from a query at ``p`` when ``k > p - W`` (``kernels.attention_backend``),
+position ``k`` is visible from a query at ``p`` when ``k > p - W`` (``stencil.kernels.attention_backend``),
 so once the request has computed ``c`` tokens, blocks wholly before position ``c - W + 1`` are
-dead. Their table entries then point at the pool's null block (``engine.block_pool.NULL_BLOCK``),
+dead. Their table entries then point at the pool's null block (``stencil.engine.block_pool.NULL_BLOCK``),
 which every attention backend skips (the C kernels and the torch reference read from each row's
-first visible key) or reads as zeros under its window mask (``kernels.flash.gather_kv``). A model
+first visible key) or reads as zeros under its window mask (``stencil.kernels.flash.gather_kv``). A model
 whose layers all have a window keeps one group with a window.
 
 Prefix caching stays exact across groups: both tables are keyed by the same chained block
@@ -30,8 +30,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.block_pool import NULL_BLOCK, BlockPool
-from engine.request import Request
+from stencil.engine.block_pool import NULL_BLOCK, BlockPool
+from stencil.engine.request import Request
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: tuple | None = None) -> int:
@@ -44,7 +44,7 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: tuple |
     The digest is BLAKE2b (8 bytes, as an unsigned int) over canonical bytes — the parent hash
     as 8 little-endian bytes (or a marker for the first block), each token id as 4 little-endian
     bytes, then ``repr(extra)`` — so every process computes the same chain: replicas and the
-    router that sends a request to the replica caching its prefix (``service.cluster``). Python's
+    router that sends a request to the replica caching its prefix (``stencil.service.cluster``). Python's
     ``hash`` is salted per process (``PYTHONHASHSEED``) and could not be shared. A hit is still
     confirmed against the stored token ids (``BlockPool.lookup``), so a collision is never a hit.
 

@@ -9,18 +9,18 @@ import uuid
 from concurrent.futures import Future
 from typing import Callable
 
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache_manager import KVCacheManager
-from engine.logits_process import LogitsParamError, check_logits_params
-from engine.model_runner import ModelRunner, ModelRunnerOutput
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.speculative import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape
-from engine.speculative.drafter import pending_rows
-from engine.step_timing import StepTimer
-from engine.structured_output import BudgetError, StructuredOutputManager
+from stencil.engine.config import EngineConfig
+from stencil.engine.detokenizer import IncrementalDetokenizer
+from stencil.engine.kv_cache_manager import KVCacheManager
+from stencil.engine.logits_process import LogitsParamError, check_logits_params
+from stencil.engine.model_runner import ModelRunner, ModelRunnerOutput
+from stencil.engine.outputs import RequestOutput
+from stencil.engine.request import Request, RequestStatus, SamplingParams
+from stencil.engine.scheduler import Scheduler, SchedulerOutput
+from stencil.engine.speculative import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape
+from stencil.engine.speculative.drafter import pending_rows
+from stencil.engine.step_timing import StepTimer
+from stencil.engine.structured_output import BudgetError, StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class EngineError(ValueError):
     Attributes:
         field: the request field at fault, when one is (``"max_tokens"``), else None.
         lead: the message begins with ``field``'s name ("max_tokens must be >= 1"), so a caller
-            whose request calls the field otherwise can say so (``service.errors.named_as``)
+            whose request calls the field otherwise can say so (``stencil.service.errors.named_as``)
             without reading the message.
     """
 
@@ -51,22 +51,22 @@ class EngineOverloaded(RuntimeError):
 class LLMEngine:
     """One model, one paged KV cache, one scheduler; ``step()`` advances every running request.
 
-    Not thread-safe: ``engine.async_engine.AsyncEngine`` runs it on a thread of its own.
+    Not thread-safe: ``stencil.engine.async_engine.AsyncEngine`` runs it on a thread of its own.
 
     Args:
         config: the engine's settings.
         cost_model: what a decode step costs, in ms, given its ``StepShape``; None (the
             default) measures it on the wall clock. Speculation decides from these costs
-            (``engine.speculative.goodput``); tests inject one so their decisions never depend on the
+            (``stencil.engine.speculative.goodput``); tests inject one so their decisions never depend on the
             machine's speed or load.
         row_floor_ms: least price of a draft row (ms). None: measured on the model's own
-            projections before the first drafting step (``engine.speculative.row_cost``), or 0 with a
+            projections before the first drafting step (``stencil.engine.speculative.row_cost``), or 0 with a
             ``cost_model`` (no clock is read then).
     """
 
     def __init__(self, config: EngineConfig, *, cost_model: Callable[[StepShape], float] | None = None,
                  row_floor_ms: float | None = None):
-        from engine.models.tokenizer import load_tokenizer
+        from stencil.engine.models.tokenizer import load_tokenizer
 
         self.config = config.validate()
         t0 = time.perf_counter()
@@ -102,9 +102,9 @@ class LLMEngine:
                                                   timeout_s=config.grammar_timeout_s, backend=config.grammar_backend)
         self.grammar = self.structured.compiler  # (the public name: the service compiles through it)
         self.default_spec = SpecConfig.from_dict(config.speculative)
-        from engine.models.gguf_layers import QuantLinear
-        from engine.models.quant import Int4Linear
-        from kernels import ggml_blocks
+        from stencil.engine.models.gguf_layers import QuantLinear
+        from stencil.engine.models.quant import Int4Linear
+        from stencil.kernels import ggml_blocks
 
         int4 = [m for m in self.runner.model.modules() if isinstance(m, Int4Linear)]
         self._int4_gemm = "none" if not int4 else "native" if all(m.native is not None for m in int4) else "torch"
@@ -291,7 +291,7 @@ class LLMEngine:
     def hold(self, request_id: str, held: bool) -> bool:
         """Hold a running request (``held=True``: the scheduler gives it no tokens; it keeps its
         blocks) or let it go on; False if it is unknown or already done. For a caller that is
-        behind on the request's outputs (``engine.async_engine.EngineStream``)."""
+        behind on the request's outputs (``stencil.engine.async_engine.EngineStream``)."""
         req = self.scheduler.requests.get(request_id)
         if req is None or req.is_finished:
             return False
@@ -388,7 +388,7 @@ class LLMEngine:
         self._propose_ms = (time.perf_counter() - t0) * 1e3
 
     def _measure_row_floor(self) -> None:
-        from engine.speculative.row_cost import decoder_row_ms
+        from stencil.engine.speculative.row_cost import decoder_row_ms
 
         self.goodput.row_floor_ms = decoder_row_ms(self.runner.model)
         log.info("a draft row costs at least %.3f ms (the decoder's projections, measured)", self.goodput.row_floor_ms)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request, SamplingParams
+from stencil.engine.request import Request, SamplingParams
 
 BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value
 BAN = 1.0e4  # what ±100 becomes: exp(-1e4) underflows to 0 next to any ordinary logit

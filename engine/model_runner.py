@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ACTIVATION_PRECISIONS, EngineConfig
-from engine.input_batch import build_step_inputs
-from engine.kv_cache_manager import blocks_for_bytes, kv_cache_groups
-from engine.sampler import Sampler
-from engine.scheduler import SchedulerOutput
-from engine.step_timing import StepTimer
+from stencil.engine.config import ACTIVATION_PRECISIONS, EngineConfig
+from stencil.engine.input_batch import build_step_inputs
+from stencil.engine.kv_cache_manager import blocks_for_bytes, kv_cache_groups
+from stencil.engine.sampler import Sampler
+from stencil.engine.scheduler import SchedulerOutput
+from stencil.engine.step_timing import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def default_kv_cache_bytes(device: torch.device) -> int:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """Per sampled request (in schedule order): accepted drafts + one new token; logprobs if asked
-    (and the top alternatives per token, see ``engine.sampler.SamplerOutput``)."""
+    (and the top alternatives per token, see ``stencil.engine.sampler.SamplerOutput``)."""
 
     sampled: list[list[int]]
     logprobs: list[list[float]] | None
@@ -47,8 +47,8 @@ class ModelRunner:
     """Owns the model weights, the paged KV cache and the attention backend."""
 
     def __init__(self, config: EngineConfig):
-        from engine.models.loader import load_model
-        from kernels.registry import get_backend
+        from stencil.engine.models.loader import load_model
+        from stencil.kernels.registry import get_backend
 
         self.config = config
         self.device = torch.device(config.device)
@@ -123,7 +123,7 @@ class ModelRunner:
         Args:
             out: the schedule (requests in batch order).
             bitmask: int32 ``[num_logits_rows, ceil(V / 32)]`` or None when no request is constrained.
-            timer: marks the phases inputs, forward, logits and sample (``engine.step_timing``).
+            timer: marks the phases inputs, forward, logits and sample (``stencil.engine.step_timing``).
         """
         timer = timer or StepTimer()
         inp = build_step_inputs(out, self.block_size, self.device, window_group=len(self.kv_groups) > 1)
@@ -142,7 +142,7 @@ class ModelRunner:
         _sync(logits)
         timer.mark("logits")
         if bitmask is not None:
-            from engine.structured_output import apply_bitmask_
+            from stencil.engine.structured_output import apply_bitmask_
 
             apply_bitmask_(logits, bitmask.to(logits.device, non_blocking=True))
         sampled_reqs = [sr.request for sr in out.scheduled if sr.sample]
@@ -179,7 +179,7 @@ def masked_logits(head, rows: torch.Tensor, bitmask: torch.Tensor, vocab_size: i
         bitmask: int32 ``[R, ceil(vocab_size / 32)]``, bit ``t`` of a row set when token ``t``
             is allowed.
     """
-    from engine.models.quant import COLUMN_BLOCK, block_columns
+    from stencil.engine.models.quant import COLUMN_BLOCK, block_columns
 
     n_rows = rows.shape[0]
     words_per_block = COLUMN_BLOCK // 32

@@ -20,14 +20,14 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         error: message when ``finish_reason == "error"``.
         constraint_error: with ``finish_reason == "error"``: the request's constraint asked for
-            text this model's vocabulary cannot spell (``grammar.base.DeadEndError``), the
+            text this model's vocabulary cannot spell (``stencil.grammar.base.DeadEndError``), the
             client's fault; ``error`` says so. False for every other error (internal).
         ttft_ms: time from arrival to first output token (ms), once known.
         total_ms: time from arrival to finish (ms), once finished.
         num_draft_tokens / num_accepted_tokens / num_forced_tokens: speculation counters.
         new_logprobs: log-probabilities of ``new_token_ids`` when requested.
         closed_by_budget: on the last output: the budget narrowed the grammar's masks so that the
-            output ended complete within ``max_tokens`` (``grammar.budget``).
+            output ended complete within ``max_tokens`` (``stencil.grammar.budget``).
         budget_cuts: on the last output: output byte offsets where it did.
         guard_hits: on the last output: ``(what, byte offset)`` for each run-on bound that bound.
         budget_unenforced: on the last output of a constrained request that asked for its budget

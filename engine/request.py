@@ -8,11 +8,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.speculative.spec_config import SpecConfig, SpecConfigError
+from stencil.engine.speculative.spec_config import SpecConfig, SpecConfigError
 
 if TYPE_CHECKING:
-    from grammar.base import GrammarMatcher
-    from grammar.budget import SoftLimits
+    from stencil.grammar.base import GrammarMatcher
+    from stencil.grammar.budget import SoftLimits
 
 
 class RequestStatus(enum.Enum):
@@ -60,13 +60,13 @@ class SamplingParams:
         presence_penalty / frequency_penalty: subtracted per output token already present /
             per occurrence (OpenAI's definitions; 0 = off).
         repetition_penalty: CTRL's penalty over prompt and output tokens (1 = off).
-        speculative: this request's speculation: an ``engine.speculative.SpecConfig``, ``False``
+        speculative: this request's speculation: an ``stencil.engine.speculative.SpecConfig``, ``False``
             (off) or ``None`` (the engine's default). Given as a dict of ``SpecConfig`` fields
             (``{"method": "off"}`` is off) or ``True`` (n-gram, default settings), it is parsed
             when the params are made.
         close_on_budget: under a grammar, keep the output closable within ``max_tokens`` (budget-
-            aware masks, ``grammar.budget``) so it ends complete; False: cut at ``max_tokens``.
-        soft_limits: the run-on guard for JSON: a ``grammar.budget.SoftLimits``, ``False`` (off)
+            aware masks, ``stencil.grammar.budget``) so it ends complete; False: cut at ``max_tokens``.
+        soft_limits: the run-on guard for JSON: a ``stencil.grammar.budget.SoftLimits``, ``False`` (off)
             or ``None`` (the defaults). Given as a dict of its fields or ``True`` (the defaults),
             it is parsed when the params are made.
         context_room: set by the engine's admission check (``LLMEngine.check_request``) when the
@@ -75,7 +75,7 @@ class SamplingParams:
             context ends (as it does before ``max_tokens``); ``None`` otherwise.
 
     Raises (on construction):
-        engine.speculative.SpecConfigError / grammar.budget.SoftLimitsError: ``speculative`` /
+        stencil.engine.speculative.SpecConfigError / stencil.grammar.budget.SoftLimitsError: ``speculative`` /
             ``soft_limits`` that cannot be parsed (``ValueError`` s whose ``field`` names the key).
     """
 
@@ -98,7 +98,7 @@ class SamplingParams:
     context_room: int | None = None
 
     def __post_init__(self) -> None:
-        from engine.structured_output import soft_limits_types
+        from stencil.engine.structured_output import soft_limits_types
 
         SoftLimits, SoftLimitsError = soft_limits_types()  # (torch and the closing automaton: not at import)
 
@@ -159,7 +159,7 @@ class Request:
         matcher: the request's grammar matcher once it runs, else None.
         held: its caller has not taken its outputs (a client that stopped reading its stream):
             the scheduler gives it no new tokens until the caller catches up
-            (``engine.async_engine.EngineStream``); it keeps its KV blocks meanwhile.
+            (``stencil.engine.async_engine.EngineStream``); it keeps its KV blocks meanwhile.
     """
 
     __slots__ = ("held", "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids",
@@ -179,7 +179,7 @@ class Request:
         self.num_computed_tokens = 0
         self.draft_token_ids: list[int] = []
         self.block_ids: list[int] = []
-        # The block table of a hybrid KV cache's sliding-window group (engine.kv_cache_manager):
+        # The block table of a hybrid KV cache's sliding-window group (stencil.engine.kv_cache_manager):
         # as long as block_ids, its entries out of every window NULL_BLOCK; empty with one group.
         self.window_block_ids: list[int] = []
         self.num_cached_blocks = 0  # leading blocks of block_ids already hashed/registered
@@ -198,7 +198,7 @@ class Request:
         self.output_logprobs: list[float] = []
         # Per output token, when ``params.top_logprobs``: [(token id, logprob), ...], best first.
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
-        self.spec_state = None  # its speculation settings and record (engine.speculative.spec_state.SpecState)
+        self.spec_state = None  # its speculation settings and record (stencil.engine.speculative.spec_state.SpecState)
         self.held = False
 
     @property
@@ -213,10 +213,6 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt + output tokens (drafts excluded)."""
         return len(self.all_token_ids)
-
-    @property
-    def num_tokens_with_drafts(self) -> int:
-        return len(self.all_token_ids) + len(self.draft_token_ids)
 
     def append_output(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -19,15 +19,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine.logits_process import process_logits_, top_logprobs
-from engine.request import Request
+from stencil.engine.logits_process import process_logits_, top_logprobs
+from stencil.engine.request import Request
 
 
 def default_seed(base_seed: int, request_id: str) -> int:
     """Seed of a request that gives none: the engine's base seed and a BLAKE2b digest of its id.
 
     A stable digest, not Python's per-process salted ``hash``: every replica derives the same
-    seed for the same request id, so a request retried on another replica (``service.cluster``)
+    seed for the same request id, so a request retried on another replica (``stencil.service.cluster``)
     samples the same tokens. Returns an int in ``[0, 2**63)``.
     """
     digest = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
@@ -135,7 +135,7 @@ class Sampler:
         Args:
             logits: fp32 ``[rows, vocab_size]``, masked; request ``i`` owns ``len(drafts[i]) + 1``
                 consecutive rows (one per draft position, then the bonus position). Modified in
-                place by the requests' penalties and biases (``engine.logits_process``).
+                place by the requests' penalties and biases (``stencil.engine.logits_process``).
             requests: the sampled requests, in row order.
             drafts: each request's draft tokens (``[]`` when not speculating).
             want_logprobs: also return the log-probability of every returned token (and the

@@ -4,7 +4,7 @@ Each step: running requests first (in admission order), then waiting ones, under
 (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). A prompt longer than the
 chunk limit is read over several steps (chunked prefill). When the KV cache has no room (in any
 of its groups: a hybrid cache's sliding-window pool counts like the full one,
-``engine.kv_cache_manager``), the most recently admitted running request is preempted: its
+``stencil.engine.kv_cache_manager``), the most recently admitted running request is preempted: its
 blocks are freed and it goes back to the head of the waiting queue to be recomputed (its freed
 blocks keep their hashes, so the recompute often hits the prefix cache).
 
@@ -22,10 +22,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.structured_output import is_dead_end, make_matcher, prefetch
+from stencil.engine.config import EngineConfig
+from stencil.engine.kv_cache_manager import KVCacheManager
+from stencil.engine.request import Request, RequestStatus
+from stencil.engine.structured_output import is_dead_end, make_matcher, prefetch
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ class Scheduler:
     def fail(self, req: Request, stage: str, exc: BaseException) -> None:
         """Finish one request with an error (its blocks freed); the batch goes on without it.
 
-        A ``grammar.base.DeadEndError`` (the constraint asks for text this vocabulary cannot
+        A ``stencil.grammar.base.DeadEndError`` (the constraint asks for text this vocabulary cannot
         spell) is the request's own fault: its message goes to the client and the output says
         ``constraint_error`` (the service's 400). Any other exception is internal: the client
         sees the stage and the exception's type, the log the traceback.

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from engine.request import Request, SamplingParams
-    from engine.scheduler import SchedulerOutput
+    from stencil.engine.request import Request, SamplingParams
+    from stencil.engine.scheduler import SchedulerOutput
 
 
 class BudgetError(ValueError):
@@ -42,11 +42,11 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, eos_token_ids: tuple[int, ...] | None = None,
                  workers: int = 2, timeout_s: float = 10.0, backend: str = "auto"):
-        from grammar.compiler import GrammarCompiler
+        from stencil.grammar.compiler import GrammarCompiler
 
         vocab = tokenizer
         if eos_token_ids is not None:
-            from grammar.vocab import build_vocabulary
+            from stencil.grammar.vocab import build_vocabulary
 
             vocab = build_vocabulary(tokenizer, model_vocab_size=vocab_size, eos_token_ids=eos_token_ids)
         self.vocab_size = vocab_size
@@ -75,7 +75,7 @@ class StructuredOutputManager:
         and its rows are left all-allowed (the caller fails it after the forward pass)."""
         if not any(sr.sample and sr.request.matcher is not None for sr in sched.scheduled):
             return None
-        from grammar.bitmask import allocate_bitmask
+        from stencil.grammar.bitmask import allocate_bitmask
 
         rows = sum(sr.num_logits for sr in sched.scheduled)
         # Every pending mask in one parallel call; the loop below then copies rows.
@@ -115,7 +115,7 @@ class StructuredOutputManager:
 def make_matcher(grammar, params: "SamplingParams"):
     """The request's matcher: budget-aware unless ``params.close_on_budget`` is off."""
     if params.close_on_budget and hasattr(grammar, "budget_matcher"):
-        from grammar.budget import SoftLimits
+        from stencil.grammar.budget import SoftLimits
 
         limits = params.soft_limits
         soft = None if limits is False else limits if isinstance(limits, SoftLimits) else SoftLimits()
@@ -124,30 +124,30 @@ def make_matcher(grammar, params: "SamplingParams"):
 
 
 def prefetch(matchers: list) -> None:
-    """Compute the pending masks of ``matchers`` in one parallel call (``grammar.prefetch``)."""
-    from grammar.prefetch import prefetch_masks
+    """Compute the pending masks of ``matchers`` in one parallel call (``stencil.grammar.prefetch``)."""
+    from stencil.grammar.prefetch import prefetch_masks
 
     prefetch_masks(matchers)
 
 
 def is_dead_end(exc: BaseException) -> bool:
     """Whether ``exc`` says the constraint asks for text no token of the vocabulary spells
-    (``grammar.base.DeadEndError``: the request's own fault, a 400)."""
-    from grammar.base import DeadEndError
+    (``stencil.grammar.base.DeadEndError``: the request's own fault, a 400)."""
+    from stencil.grammar.base import DeadEndError
 
     return isinstance(exc, DeadEndError)
 
 
 def apply_bitmask_(logits: "torch.Tensor", bitmask: "torch.Tensor") -> None:
-    """Set the logits of disallowed tokens to -inf in place (``grammar.bitmask.apply_bitmask_``)."""
-    from grammar.bitmask import apply_bitmask_ as apply
+    """Set the logits of disallowed tokens to -inf in place (``stencil.grammar.bitmask.apply_bitmask_``)."""
+    from stencil.grammar.bitmask import apply_bitmask_ as apply
 
     apply(logits, bitmask)
 
 
 def soft_limits_types():
-    """``(SoftLimits, SoftLimitsError)`` of ``grammar.budget``, for ``SamplingParams`` to parse a
+    """``(SoftLimits, SoftLimitsError)`` of ``stencil.grammar.budget``, for ``SamplingParams`` to parse a
     request's ``soft_limits`` (imported when first needed: torch and the closing automaton)."""
-    from grammar.budget import SoftLimits, SoftLimitsError
+    from stencil.grammar.budget import SoftLimits, SoftLimitsError
 
     return SoftLimits, SoftLimitsError

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from service.client import AsyncClient, Client, StencilError
+from stencil.service.client import AsyncClient, Client, StencilError
 
 TEXT = "Ada Lovelace, 36, lives in London and writes programs for the Analytical Engine."
 OTHERS = ["Grace Hopper, aged 85, lived in Arlington.", "Alan Turing (41) worked in Manchester."]

@@ -2,7 +2,7 @@
 "Grammar backends").
 
 Exports resolve lazily (PEP 562): the index-building child process imports
-``grammar.backends.index_worker`` and must not pay for torch.
+``stencil.grammar.backends.index_worker`` and must not pay for torch.
 """
 
 from __future__ import annotations
@@ -10,21 +10,21 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "GrammarError": "grammar.base",
-    "GrammarTimeout": "grammar.base",
-    "GrammarSpec": "grammar.base",
-    "CompileStats": "grammar.base",
-    "GrammarMatcher": "grammar.base",
-    "TokenVocabulary": "grammar.vocab",
-    "build_vocabulary": "grammar.vocab",
-    "GrammarCompiler": "grammar.compiler",
-    "CompiledGrammar": "grammar.compiled",
-    "EagerMatcher": "grammar.backends.eager",
-    "LazyMatcher": "grammar.backends.lazy",
-    "Program": "grammar.base",
-    "allocate_bitmask": "grammar.bitmask",
-    "apply_bitmask_": "grammar.bitmask",
-    "bitmask_to_bool": "grammar.bitmask",
+    "GrammarError": "stencil.grammar.base",
+    "GrammarTimeout": "stencil.grammar.base",
+    "GrammarSpec": "stencil.grammar.base",
+    "CompileStats": "stencil.grammar.base",
+    "GrammarMatcher": "stencil.grammar.base",
+    "TokenVocabulary": "stencil.grammar.vocab",
+    "build_vocabulary": "stencil.grammar.vocab",
+    "GrammarCompiler": "stencil.grammar.compiler",
+    "CompiledGrammar": "stencil.grammar.compiled",
+    "EagerMatcher": "stencil.grammar.backends.eager",
+    "LazyMatcher": "stencil.grammar.backends.lazy",
+    "Program": "stencil.grammar.base",
+    "allocate_bitmask": "stencil.grammar.bitmask",
+    "apply_bitmask_": "stencil.grammar.bitmask",
+    "bitmask_to_bool": "stencil.grammar.bitmask",
 }
 
 __all__ = sorted(_EXPORTS)

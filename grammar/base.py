@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 import msgspec
 import torch
 
-from grammar.program import Program  # noqa: F401 - the grammar API's name for it
+from stencil.grammar.program import Program  # noqa: F401 - the grammar API's name for it
 
 GrammarKind = Literal["json_schema", "regex", "choice", "lark"]
 BackendName = Literal["auto", "eager", "lazy"]

@@ -2,7 +2,7 @@
 
 :class:`BudgetMatcher` wraps any backend's matcher. With ``r`` tokens left, a token is allowed only
 if the state it leads to can still reach an accepting state within ``r - 1`` tokens, by the
-closing automaton's token distance (:mod:`grammar.closing`: the least tokenization of a shortest
+closing automaton's token distance (:mod:`stencil.grammar.closing`: the least tokenization of a shortest
 completion, a real token sequence). The *plan* — that token sequence from the current state — is
 kept so that one allowed token always exists: its first token is allowed even where the
 distance of the state it leads to was measured through another completion. So from an admitted
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from grammar.closing import ClosingAutomaton
+from stencil.grammar.closing import ClosingAutomaton
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ Python's ``re``, Rust's ``regex`` (the eager index and llguidance) and ECMA-262 
 ``pattern``) disagree on what the shorthand classes hold; each function here returns sets that
 stay inside (under) or cover (over) every reading, so that a constraint built from them admits
 nothing a backend refuses, or refuses nothing it admits, as its caller needs. Used by the JSON
-Schema pattern parser (``grammar.json_schema.pattern``), the closing automaton
-(``grammar.closing``) and the program's length bounds (``grammar.program.min_bytes``).
+Schema pattern parser (``stencil.grammar.json_schema.pattern``), the closing automaton
+(``stencil.grammar.closing``) and the program's length bounds (``stencil.grammar.program.min_bytes``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import re._constants as sre_c
 
-from grammar.json_schema import charset as cs
+from stencil.grammar.json_schema import charset as cs
 
 
 class UnmodelledClass(ValueError):

@@ -37,9 +37,9 @@ import threading
 
 import numpy as np
 
-from grammar.base import Program
-from grammar.charclass import UnmodelledClass, class_ranges, complement_ranges
-from grammar.vocab import TokenVocabulary
+from stencil.grammar.base import Program
+from stencil.grammar.charclass import UnmodelledClass, class_ranges, complement_ranges
+from stencil.grammar.vocab import TokenVocabulary
 
 MAX_NFA_STATES = 400_000
 EXACT_END_BYTES = 1 << 16  # ends longer than this are counted by their bytes at admission (compiled.py)
@@ -340,7 +340,7 @@ class ClosingAutomaton:
     """Shortest completions of a program, over bytes and tokens (thread-safe).
 
     Args:
-        program: a regex or Lark program from :func:`grammar.frontend.to_program` (Lark programs
+        program: a regex or Lark program from :func:`stencil.grammar.frontend.to_program` (Lark programs
             must come from the JSON Schema compiler: ``rules`` and ``terminals`` given).
         vocab: the grammar alphabet (for token distances and the token walk).
         rules: rule number → regex text (recursive schemas).

@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from grammar.base import GrammarError, GrammarSpec, Program
-from grammar.vocab import TokenVocabulary
+from stencil.grammar.base import GrammarError, GrammarSpec, Program
+from stencil.grammar.vocab import TokenVocabulary
 
 
 class CompiledGrammar:
@@ -37,7 +37,7 @@ class CompiledGrammar:
         self._errors: dict[str, GrammarError] = {}  # backend name → why it could not build
         self._pending: dict[str, Future] = {}  # backend name → build in flight
         self.sightings = 1  # compiles that asked for this spec (auto builds eager on the second)
-        self._closing: Future | None = None  # the closing automaton (grammar.closing), once asked for
+        self._closing: Future | None = None  # the closing automaton (stencil.grammar.closing), once asked for
         self._closing_pool = None  # an executor for building it off the caller's thread
         self._min_bytes: int | None = None
         self._own: Program | None = None  # Stencil's own translation of a "json" program's spec
@@ -80,9 +80,9 @@ class CompiledGrammar:
 
     def budget_matcher(self, max_tokens: int, backend: str | None = None, soft_limits=None):
         """A cursor (as :meth:`matcher`) that also keeps the output closable within
-        ``max_tokens`` tokens (:class:`grammar.budget.BudgetMatcher`); ``soft_limits``: the
-        run-on guard (``grammar.budget.SoftLimits``), JSON Schema grammars only."""
-        from grammar.budget import BudgetMatcher
+        ``max_tokens`` tokens (:class:`stencil.grammar.budget.BudgetMatcher`); ``soft_limits``: the
+        run-on guard (``stencil.grammar.budget.SoftLimits``), JSON Schema grammars only."""
+        from stencil.grammar.budget import BudgetMatcher
 
         limits = soft_limits if self.spec.kind == "json_schema" else None
         if limits is not None:
@@ -125,7 +125,7 @@ class CompiledGrammar:
             if self._translate is not None:
                 own = self._translate(self.spec)
             else:
-                from grammar.frontend import to_program
+                from stencil.grammar.frontend import to_program
 
                 own = to_program(self.spec, handover=False)
             with self._lock:
@@ -133,11 +133,11 @@ class CompiledGrammar:
         return own
 
     def _build_closing(self):
-        from grammar.closing import ClosingAutomaton, ClosingUnsupported
+        from stencil.grammar.closing import ClosingAutomaton, ClosingUnsupported
 
         program = self.own_program()
         if program.kind == "lark" and program.root is None:  # written by hand: read through lark
-            from grammar.lark_closing import lark_program
+            from stencil.grammar.lark_closing import lark_program
 
             program = lark_program(program.text)
         try:
@@ -150,13 +150,13 @@ class CompiledGrammar:
         ``max_tokens`` is enough, or the grammar is not modelled). Cheap when ``max_tokens`` is
         at least the shortest output's bytes (each token spells at least one byte)."""
         if self._min_bytes is None:
-            from grammar.program import min_bytes
+            from stencil.grammar.program import min_bytes
 
             try:
                 p = self.own_program()
                 if p.kind == "lark" and p.root is None:  # written by hand: read through lark
-                    from grammar.closing import ClosingUnsupported
-                    from grammar.lark_closing import lark_program
+                    from stencil.grammar.closing import ClosingUnsupported
+                    from stencil.grammar.lark_closing import lark_program
 
                     try:
                         p = lark_program(p.text)
@@ -185,7 +185,7 @@ class CompiledGrammar:
             automaton = self.closing().result()
         except Exception:  # noqa: BLE001 - not modelled: no admission check
             return None
-        from grammar.closing import EXACT_END_BYTES
+        from stencil.grammar.closing import EXACT_END_BYTES
 
         start = automaton.start
         if automaton.byte_distance(start) > EXACT_END_BYTES and automaton.token_lower_bound(start) > max_tokens:

@@ -3,7 +3,7 @@
 * ``compile(spec)`` blocks; ``submit(spec)`` returns a ``Future`` at once (a thread pool runs the
   front end and the lazy build; the engine keeps the request in WAITING_FOR_GRAMMAR meanwhile).
   Concurrent requests for the same spec share one compile.
-* Backends come from :mod:`grammar.backends.backend_registry`. Policy ``auto`` (the default): a request
+* Backends come from :mod:`stencil.grammar.backends.backend_registry`. Policy ``auto`` (the default): a request
   never waits for an eager index — it is served by the lazy matcher (llguidance) within
   milliseconds; a spec seen a second time (or compiled with ``hot=True``) gets its eager index
   (outlines-core, µs masks) built in the background, in a child process with the eager limits,
@@ -30,12 +30,12 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from grammar.background import DaemonPool
-from grammar.backends import backend_registry
-from grammar.base import CompileStats, GrammarError, GrammarSpec, GrammarTimeout, Program
-from grammar.compiled import CompiledGrammar
-from grammar.frontend import to_program, warm_up
-from grammar.vocab import TokenVocabulary, build_vocabulary
+from stencil.grammar.background import DaemonPool
+from stencil.grammar.backends import backend_registry
+from stencil.grammar.base import CompileStats, GrammarError, GrammarSpec, GrammarTimeout, Program
+from stencil.grammar.compiled import CompiledGrammar
+from stencil.grammar.frontend import to_program, warm_up
+from stencil.grammar.vocab import TokenVocabulary, build_vocabulary
 
 _FORMAT = "stencil-grammar-3"  # bump when the front end's output changes meaning
 _VERSIONS = [version("outlines-core"), backend_registry.lazy_version()]
@@ -238,11 +238,11 @@ class GrammarCompiler:
         waits for no background build.
 
         Builds not started are cancelled. An eager build runs in a child process
-        (``grammar.backends.index_worker``), which is killed: the pool thread that waits on it
+        (``stencil.grammar.backends.index_worker``), which is killed: the pool thread that waits on it
         wakes at once and fails the build (``GrammarError``), so the interpreter's exit, which
         joins ``ThreadPoolExecutor`` threads, has nothing to wait for. A closing automaton being
         built is pure Python, which cannot be stopped: it runs on a daemon thread
-        (:class:`grammar.background.DaemonPool`), abandoned at exit. Compiles on the request pool
+        (:class:`stencil.grammar.background.DaemonPool`), abandoned at exit. Compiles on the request pool
         are not abandoned (a request waits on each, under the ``timeout_s`` deadline).
         """
         with self._lock:
@@ -293,9 +293,6 @@ class GrammarCompiler:
         if grammar.has("eager") or grammar.has("lazy"):
             return done(grammar)
         return self._ensure(grammar, "lazy", wait=True, pin=False)
-
-    def backend_kinds(self, name: str) -> frozenset:
-        return backend_registry.kinds(name)
 
     def _ensure(self, grammar: CompiledGrammar, name: str, *, wait: bool, pin: bool = False,
                 exact_only: bool = False) -> Future:

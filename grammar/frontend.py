@@ -1,6 +1,6 @@
 """Spec → program: what every backend compiles, written by Stencil alone.
 
-A :class:`~grammar.base.GrammarSpec` becomes a :class:`~grammar.base.Program`: a regex for
+A :class:`~stencil.grammar.base.GrammarSpec` becomes a :class:`~stencil.grammar.base.Program`: a regex for
 regexes, choices and schemas a regex can express, a Lark grammar for user grammars and for
 schemas that refer to themselves (recursion is kept, not unrolled). The backends only ever see
 programs, so the language of a spec does not depend on which backend serves it.
@@ -9,13 +9,12 @@ programs, so the language of a spec does not depend on which backend serves it.
 from __future__ import annotations
 
 import json
-import time
 
 import msgspec
 
-from grammar.base import GrammarError, GrammarSpec, GrammarTimeout, Program
-from grammar.json_schema.keywords import ASCII_ESCAPE
-from grammar.regex_tools import (check_lark_counts, check_lark_size, check_supported, choice_regex,
+from stencil.grammar.base import GrammarError, GrammarSpec, Program
+from stencil.grammar.json_schema.keywords import ASCII_ESCAPE
+from stencil.grammar.regex_tools import (check_lark_counts, check_lark_size, check_supported, choice_regex,
                                  locate_syntax_error)
 
 MAX_GRAMMAR_CHARS = 1_000_000  # a user Lark grammar longer than this is refused
@@ -61,7 +60,7 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
             _refuse_reserved_keys(schema)
         # (from the module itself: the package's lazy names cost a trip through importlib's
         # Python code on every call)
-        from grammar.json_schema.schema_compiler import SharedProofs, schema_to_program
+        from stencil.grammar.json_schema.schema_compiler import SharedProofs, schema_to_program
 
         shared = SharedProofs()  # (what a refused handover proved, for the translation after it)
         if grammar and handover:
@@ -90,8 +89,8 @@ def _handed_over(schema: object, spec: GrammarSpec, shared=None) -> Program | No
     caps a bound as Stencil's compiler does, its warnings are that compiler's
     (``Program.own_warnings``). ``shared``: ``SharedProofs`` for the translation that follows a
     refusal."""
-    from grammar.backends.llg_c import library
-    from grammar.json_schema.handover import dumps, llguidance_schema
+    from stencil.grammar.backends.llg_c import library
+    from stencil.grammar.json_schema.handover import dumps, llguidance_schema
 
     if library() is None:
         return None
@@ -143,12 +142,6 @@ def _refuse_reserved_keys(schema: object) -> None:
             stack.extend((v, f"{path}/{i}") for i, v in enumerate(node) if isinstance(v, (dict, list)))
 
 
-def check_deadline(deadline: float | None) -> None:
-    """Raise :class:`GrammarTimeout` when ``deadline`` (monotonic seconds) has passed."""
-    if deadline is not None and time.monotonic() > deadline:
-        raise GrammarTimeout("grammar compilation exceeded its time limit")
-
-
 _WARM_SCHEMA = {
     "type": "object",
     "properties": {
@@ -168,7 +161,7 @@ def warm_up() -> None:
     """Pay the translation's one-time costs before the first request: imports on first use,
     Python's Unicode ``\\d``/``\\s`` sets (~0.3 s), the validators (~0.3 s cold). A server calls
     it when it starts (``GrammarCompiler`` does, in its pool), a benchmark before its clock."""
-    from grammar.charclass import unicode_sets
+    from stencil.grammar.charclass import unicode_sets
 
     unicode_sets()
     for ws in ("compact", "flexible"):

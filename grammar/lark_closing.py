@@ -1,8 +1,8 @@
-"""A hand-written Lark grammar as the closing automaton's input (``grammar.closing``).
+"""A hand-written Lark grammar as the closing automaton's input (``stencil.grammar.closing``).
 
 The ``lark`` library (lark-parser, MIT) compiles the grammar text into BNF rules and terminal
 regexes; each rule becomes regex text whose symbols are rule and terminal references
-(``grammar.json_schema.rules``), and an ``%ignore`` terminal may appear between any two symbols,
+(``stencil.grammar.json_schema.rules``), and an ``%ignore`` terminal may appear between any two symbols,
 as between lexemes. Grammars that use llguidance's extensions to Lark (``%llguidance``,
 ``%json``, special tokens, ``{m,n}`` on rules) do not load here: they are served without the
 budget rule.
@@ -10,9 +10,9 @@ budget rule.
 
 from __future__ import annotations
 
-from grammar.base import Program
-from grammar.closing import ClosingUnsupported
-from grammar.program import ref, term_ref
+from stencil.grammar.base import Program
+from stencil.grammar.closing import ClosingUnsupported
+from stencil.grammar.program import ref, term_ref
 
 
 def lark_program(text: str) -> Program:

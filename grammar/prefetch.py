@@ -10,7 +10,7 @@ follow then only copy rows. Nothing changes in what any call returns.
 
 from __future__ import annotations
 
-from grammar.backends.lazy import LazyMatcher, prefetch_masks as _prefetch_lazy
+from stencil.grammar.backends.lazy import LazyMatcher, prefetch_masks as _prefetch_lazy
 
 MIN_BATCH = 2  # one pending mask is as fast computed by its own call
 
@@ -24,7 +24,7 @@ def prefetch_masks(matchers) -> None:
     """
     groups: dict[int, tuple[object, list[LazyMatcher]]] = {}
     for m in matchers:
-        inner = getattr(m, "inner", m)  # grammar.budget.BudgetMatcher wraps the backend's matcher
+        inner = getattr(m, "inner", m)  # stencil.grammar.budget.BudgetMatcher wraps the backend's matcher
         if isinstance(inner, LazyMatcher) and inner.needs_mask:
             backend = inner.grammar.backend
             groups.setdefault(id(backend), (backend, []))[1].append(inner)

@@ -1,11 +1,11 @@
 """The program a grammar backend runs (``Program``), and its format: regex text with references,
 written out as Lark (llguidance's dialect) or as a plain regex.
 
-This is the ground floor of ``grammar/``: of the package it imports only ``grammar.charclass``.
+This is the ground floor of ``grammar/``: of the package it imports only ``stencil.grammar.charclass``.
 
-The schema compiler writes regex text (:mod:`grammar.json_schema.rx`) with two kinds of
+The schema compiler writes regex text (:mod:`stencil.grammar.json_schema.rx`) with two kinds of
 references, each two private-use characters around a number (the compiler never emits those
-characters otherwise: :func:`grammar.json_schema.charset.literal` escapes them):
+characters otherwise: :func:`stencil.grammar.json_schema.charset.literal` escapes them):
 
 * a *terminal reference* ``\\ue002<n>\\ue003`` (:func:`term_ref`) stands for a piece of regex the
   compiler wrote once and uses many times (the JSON string pattern, a ``$ref`` definition);
@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from grammar.charclass import class_ranges
+from stencil.grammar.charclass import class_ranges
 
 REF_OPEN, REF_CLOSE = "\ue000", "\ue001"
 TERM_OPEN, TERM_CLOSE = "\ue002", "\ue003"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import warnings
 
-from grammar.base import MAX_REPEAT_COUNT, MAX_TOTAL_COPIES, GrammarError
+from stencil.grammar.base import MAX_REPEAT_COUNT, MAX_TOTAL_COPIES, GrammarError
 
 # Rust regex-syntax's own escape set (``regex_syntax::escape``); others may not be escaped
 # (``\<`` is a word boundary in Rust).
@@ -171,7 +171,7 @@ def check_lark_counts(text: str) -> None:
     regex terminals and ``//`` comments are skipped when looking for ``~``.
 
     Why: llguidance builds such a grammar lazily, but the budget's closing automaton
-    (``grammar.closing``, through the ``lark`` library) unrolls every copy, in Python, holding
+    (``stencil.grammar.closing``, through the ``lark`` library) unrolls every copy, in Python, holding
     the interpreter lock: ``"a"~1000000`` stalled every other request for 46 s. Counts are not
     multiplied across rules (``start: x~10000`` with ``x: "a"~10000`` passes): the automaton
     keeps one machine per rule, and the budget never writes an end longer than the tokens it

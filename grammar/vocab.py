@@ -27,7 +27,7 @@ from typing import Any
 
 #: The byte appended to every compiled regex, ``(?:REGEX)\x01``, standing for "the output may end
 #: here". It works around outlines-core 0.2.14 dropping a token that passes through an accepting
-#: state and ends inside a longer match (``tests/test_grammar_matcher.py`` pins it; see
+#: state and ends inside a longer match (``tests/grammar/test_grammar_matcher.py`` pins it; see
 #: docs/architecture.md, "Grammar backends"): with the sentinel the regex's accepting states are
 #: no longer final, so no token is cut at them.
 END_SENTINEL = b"\x01"

@@ -14,12 +14,12 @@ included (transformers' ``sliding_window_overlay``: key ``k`` visible when ``k >
 llama.cpp's standard SWA masks ``p - k >= W``, the same set). A backend that cannot mask a
 window raises instead of attending to the whole prefix.
 
-A cache may keep its windowed layers apart, in blocks of their own (``engine.kv_cache_manager``:
+A cache may keep its windowed layers apart, in blocks of their own (``stencil.engine.kv_cache_manager``:
 a hybrid cache's sliding-window group); they then read ``window_block_tables`` and
 ``window_slot_mapping`` (``AttentionMetadata.for_window``). There the entries of blocks that fell
 out of the window point at a null block 0 whose K/V stay zero: a backend must never let them
 reach an output, which it does by reading each row from its first visible key on (the C kernels,
-the torch reference) or by masking them (flash-attn over ``kernels.flash.gather_kv``).
+the torch reference) or by masking them (flash-attn over ``stencil.kernels.flash.gather_kv``).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """A paged attention implementation (registered by name in ``kernels.registry``)."""
+    """A paged attention implementation (registered by name in ``stencil.kernels.registry``)."""
 
     name: str
 

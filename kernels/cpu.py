@@ -1,6 +1,6 @@
 """Native paged attention for x86 CPUs, the CPU default: ``kernels/csrc/attention.c`` (AVX512)
 where it builds, else ``kernels/csrc/vec_attention.c`` (the same algorithm on 8-lane vectors:
-AVX2 + FMA on this project's AMD EPYC machines; ``kernels.vec_attention``).
+AVX2 + FMA on this project's AMD EPYC machines; ``stencil.kernels.vec_attention``).
 
 One C call per layer computes every query row of the step (decode, forced, draft and prompt
 rows alike) against exactly the keys it sees, reading K/V through the block table: no gather,
@@ -9,7 +9,7 @@ no per-row Python. Each row's result is the same bits in any batch and any prefi
 
 Measured here (SmolLM2 shapes: 9 query heads, 3 kv heads, head_dim 64; one thread): one
 decode row over 500 keys 24 us of kernel time; a 400-token prefill 3.2 ms against 4.3 ms for
-torch's fused CPU SDPA. The AVX512 kernel needs what ``kernels.native`` needs (a C compiler,
+torch's fused CPU SDPA. The AVX512 kernel needs what ``stencil.kernels.native`` needs (a C compiler,
 AVX512-BF16); the portable one a C compiler for x86-64. Both take fp32, bf16 or fp16 caches
 (bf16/fp16 K/V are widened exactly to fp32 as they are read: half the memory traffic); any other
 input (another cache dtype, a head_dim the kernel does not take: not a multiple of 16 for AVX512,
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native, vec_attention
-from kernels.attention_backend import AttentionMetadata
-from kernels.torch_ref import TorchAttentionBackend
+from stencil.kernels import native, vec_attention
+from stencil.kernels.attention_backend import AttentionMetadata
+from stencil.kernels.torch_ref import TorchAttentionBackend
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

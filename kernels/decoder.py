@@ -2,9 +2,9 @@
 a step, over CPU fp32 activations, quantized projections and the paged KV cache.
 
 This module holds the ctypes mirror of the C structures and the entry points; which models and
-weights it takes is decided by ``engine.models.native_decoder``, which builds the structures
+weights it takes is decided by ``stencil.engine.models.native_decoder``, which builds the structures
 from a loaded model. The C file lives in the ``stencil_layer_ops`` library
-(``kernels.layer_ops.library``) beside the RMSNorm, RoPE and gated-activation kernels it calls
+(``stencil.kernels.layer_ops.library``) beside the RMSNorm, RoPE and gated-activation kernels it calls
 directly; the GEMM and attention kernels live in other libraries (other compiler flags) and are
 called through the function pointers ``kernel_pointers`` returns.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-from kernels import ggml_blocks, layer_ops, native, vec_attention
+from stencil.kernels import ggml_blocks, layer_ops, native, vec_attention
 
 MAX_PARTS = 4
 KIND_VNNI, KIND_GGUF = 1, 2

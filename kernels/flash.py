@@ -1,12 +1,12 @@
 """The ``flash`` attention backend: flash-attn 2 kernels over our paged KV cache (CUDA only).
 
 ``flash_attn`` is imported when the backend is constructed, never when this module is, so
-CPU machines (and CI) can import ``kernels.flash`` without it.
+CPU machines (and CI) can import ``stencil.kernels.flash`` without it.
 
 The block size constraint. Upstream flash-attn 2 reads a paged cache (``block_table=`` in
 ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache``) only when the page size is a
 multiple of 256 tokens (its C++ entry points check ``page_block_size % 256 == 0``), while
-our cache uses ``kernels.attention_backend.BLOCK_SIZE = 16`` tokens per block so prefix caching and
+our cache uses ``stencil.kernels.attention_backend.BLOCK_SIZE = 16`` tokens per block so prefix caching and
 allocation stay fine-grained. The backend therefore looks at the cache it is given:
 
 * block size a multiple of 256: attention reads the cache in place through the block table,
@@ -20,7 +20,7 @@ allocation stay fine-grained. The backend therefore looks at the cache it is giv
 
 Both flash-attn entry points align the causal mask to the bottom-right corner (query row
 ``j`` of a ``q_len``-row sequence of ``seq_len`` keys sees keys ``0..seq_len - q_len + j``),
-which is exactly the contract of ``kernels.attention_backend``. Source: flash-attn 2 docstrings of
+which is exactly the contract of ``stencil.kernels.attention_backend``. Source: flash-attn 2 docstrings of
 ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` (Dao 2023, arXiv 2307.08691).
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_backend import AttentionMetadata
+from stencil.kernels.attention_backend import AttentionMetadata
 
 PAGED_BLOCK_MULTIPLE = 256
 """flash-attn 2 reads a paged cache only when its block size is a multiple of this."""
@@ -42,7 +42,7 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copy every sequence's K/V (positions ``0..seq_lens[i]-1``) out of the paged cache.
 
-    In a hybrid cache's window group (``kernels.attention_backend``), positions that fell out of
+    In a hybrid cache's window group (``stencil.kernels.attention_backend``), positions that fell out of
     every window come from the null block 0: zeros, which the caller's window mask then hides.
 
     Returns:
@@ -123,7 +123,7 @@ class FlashAttentionBackend:
 
         ``window`` goes to flash-attn as ``window_size=(window - 1, 0)``: a row sees itself and
         the ``window - 1`` keys before it (flash-attn 2's local attention, bottom-right aligned
-        like its causal mask), the rows ``kernels.attention_backend`` asks for.
+        like its causal mask), the rows ``stencil.kernels.attention_backend`` asks for.
 
         Raises:
             ValueError: a dtype flash-attn does not support (only fp16 and bf16), or ``window`` < 1.

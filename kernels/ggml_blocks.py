@@ -10,9 +10,9 @@ source compiles for (AVX512-VNNI, AVX-VNNI, AVX2, plain C: the file is built wit
 ``-ffp-contract=off``). ``dequantize_rows`` gives rows as gguf-py's ``dequantize`` does, bit
 for bit.
 
-Unlike ``kernels.native`` (AVX512-BF16 only), this library builds wherever a C compiler does
+Unlike ``stencil.kernels.native`` (AVX512-BF16 only), this library builds wherever a C compiler does
 (``-march=native``); ``available()`` says whether it did, ``STENCIL_NATIVE=0`` turns it off.
-Callers without it use ``engine.models.kquants`` (numpy) and torch instead. Threads: the
+Callers without it use ``stencil.engine.models.kquants`` (numpy) and torch instead. Threads: the
 ``threads`` argument (callers pass ``torch.get_num_threads()``), OpenMP when the compiler has it.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import native
+from stencil.kernels import native
 
 log = logging.getLogger(__name__)
 

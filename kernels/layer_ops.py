@@ -1,6 +1,6 @@
 """The small per-layer operations of a decode step in one native call each, where they build:
 RoPE with the paged-cache write, RMSNorm and the MLP's gated activation (``glu``). The same
-library holds the C decoder (``kernels.decoder``), which calls these three directly.
+library holds the C decoder (``stencil.kernels.decoder``), which calls these three directly.
 
 ``apply_rope`` is the rotary embedding of Llama / Qwen / Gemma ("rotate half": dims ``i`` and
 ``i + D/2`` form a pair) in torch: the reference. ``rope_and_cache`` rotates q and k, writes k
@@ -18,7 +18,7 @@ batch), so it may differ from torch's by an ulp or so.
 The library is built with the system C compiler on first use (``-O3 -march=native
 -ffp-contract=off``: vectorized for this CPU, but no multiply-add fused and no sum reordered, so
 the bits are those of the C source on every ISA) into ``$STENCIL_CACHE_DIR/kernels``
-(``kernels.native._build``); ``STENCIL_NATIVE=0`` keeps the torch path.
+(``stencil.kernels.native._build``); ``STENCIL_NATIVE=0`` keeps the torch path.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from stencil.kernels import native
 
 log = logging.getLogger(__name__)
 

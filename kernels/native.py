@@ -3,7 +3,7 @@
 Kernels, each giving every row the same bits whatever the batch (a greedy output cannot
 change with batching, chunking or speculation):
 
-* ``PackedInt4.matmul``: GGUF int4 / int8 weights, used by ``engine.models.quant.Int4Linear``.
+* ``PackedInt4.matmul``: GGUF int4 / int8 weights, used by ``stencil.engine.models.quant.Int4Linear``.
   Where the CPU has AVX512-VNNI (``csrc/vnni_gemm.c``) the activations are quantized per row
   and group of 32 to two int8 terms (error at most the group's max / 32512) and multiplied with
   VPDPBUSD, for every row of a step, prompt rows included; else (``csrc/int4_gemm.c``) they are
@@ -12,7 +12,7 @@ change with batching, chunking or speculation):
   SmolLM2's shapes, 1-256 rows) and closer to fp32 (about 40x) than the bf16 one.
   ``STENCIL_VNNI=0`` keeps the bf16 kernel;
 * ``paged_attention`` (``csrc/attention.c``): causal attention over the paged fp32, bf16 or fp16
-  K/V cache, the ``"cpu"`` attention backend (``kernels.cpu``).
+  K/V cache, the ``"cpu"`` attention backend (``stencil.kernels.cpu``).
 
 They need an x86 CPU with AVX512-BF16 and a C compiler (``$CC``, flags allowed, else ``cc``); without either,
 ``available()`` is False and callers keep torch's int4 kernel and the torch attention
@@ -200,7 +200,7 @@ class PackedInt4:
         zeros: fp32 ``[P, N, K / 32]``; ``W = sum_p (codes[p] - 8) * scales[p] + zeros[p]``.
 
     Columns are padded to a multiple of 16 with exact zeros (code 8, scale 0, zero 0). Two
-    planes that are GGUF Q8_0's split (``engine.models.quant``: scales ``16 d, d``, zeros
+    planes that are GGUF Q8_0's split (``stencil.engine.models.quant``: scales ``16 d, d``, zeros
     ``8 d, 0``) are packed as one plane of int8 codes (``planes == 0``): half the
     multiplications, faster from about 8 rows up, about 20% slower at 1-6 rows (its int8 to
     bf16 conversion costs more than two nibble lookups).
@@ -231,7 +231,7 @@ class PackedInt4:
             self._pack_vnni(codes, scales, zeros, q8)
             return
         if q8:
-            # GGUF Q8_0 held as two nibble planes (engine.models.quant): one int8 plane
+            # GGUF Q8_0 held as two nibble planes (stencil.engine.models.quant): one int8 plane
             # q = 16 hi + lo - 128 with scale d, half the multiplications of two planes.
             q = codes[0].to(torch.int16) * 16 + codes[1].to(torch.int16) - 128  # [N, K] in -128..127
             # [block, column j, k-pair, t] -> byte e = 2 j + t of (block, k-pair)

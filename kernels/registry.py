@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention_backend import AttentionBackend
+from stencil.kernels.attention_backend import AttentionBackend
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,10 @@ class BackendSpec:
 
 
 BACKENDS: dict[str, BackendSpec] = {
-    "torch": BackendSpec("kernels.torch_ref", "TorchAttentionBackend", cuda_only=False),
-    "cpu": BackendSpec("kernels.cpu", "CpuAttentionBackend", cuda_only=False),
-    "flash": BackendSpec("kernels.flash", "FlashAttentionBackend", cuda_only=True),
-    "triton": BackendSpec("kernels.triton", "TritonAttentionBackend", cuda_only=True),
+    "torch": BackendSpec("stencil.kernels.torch_ref", "TorchAttentionBackend", cuda_only=False),
+    "cpu": BackendSpec("stencil.kernels.cpu", "CpuAttentionBackend", cuda_only=False),
+    "flash": BackendSpec("stencil.kernels.flash", "FlashAttentionBackend", cuda_only=True),
+    "triton": BackendSpec("stencil.kernels.triton", "TritonAttentionBackend", cuda_only=True),
 }
 
 AUTO_ORDER_CUDA = ("flash", "triton")

@@ -1,6 +1,6 @@
 """Reference paged attention in plain torch (CPU and any other device torch runs on).
 
-Semantics are those of ``kernels.attention_backend`` (flat batch, paged K/V, causal over the cached prefix
+Semantics are those of ``stencil.kernels.attention_backend`` (flat batch, paged K/V, causal over the cached prefix
 plus the new tokens). Two paths:
 
 * a sequence with up to ``SHORT_QUERY`` query tokens behind its cached prefix (a decode token,
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_backend import AttentionMetadata
+from stencil.kernels.attention_backend import AttentionMetadata
 
 
 SHORT_QUERY = 16  # up to this many query tokens behind a cached prefix: row by row (``_rows``)
@@ -77,7 +77,7 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Causal attention of every query row over its sequence's K/V (GQA: head ``h`` reads
         kv head ``h // (num_heads // num_kv_heads)``, as transformers' ``repeat_kv``); with
-        ``window``, each row sees its last ``window`` positions only (``kernels.attention_backend``).
+        ``window``, each row sees its last ``window`` positions only (``stencil.kernels.attention_backend``).
 
         Returns:
             ``[T, num_heads, head_dim]`` in ``query.dtype``.

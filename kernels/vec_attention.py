@@ -1,11 +1,11 @@
 """Paged attention in portable C (``csrc/vec_attention.c``: 8-lane GCC vectors, AVX2 + FMA on
-this project's AMD EPYC machines), for CPUs where the AVX512 kernel (``kernels.native``) does not
+this project's AMD EPYC machines), for CPUs where the AVX512 kernel (``stencil.kernels.native``) does not
 build. Same contract and the same guarantee: each row's result is the same bits in any batch,
 chunking and thread count, so greedy outputs cannot change with batching, prefix caching,
 preemption or speculation (the torch reference keeps that only for short queries, and quantized
 layers magnify its low-bit differences into other tokens).
 
-Built with ``-O3 -march=native`` at first use into the kernel cache (``kernels.native._build``);
+Built with ``-O3 -march=native`` at first use into the kernel cache (``stencil.kernels.native._build``);
 ``available()`` says whether it did, ``STENCIL_NATIVE=0`` turns it off.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import native
+from stencil.kernels import native
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Unknown fields are refused (``forbid_unknown_fields``): a typo such as ``max_token`` must not be
 silently ignored. Ranges that do not depend on the server's configuration are declared here
 (they appear in the OpenAPI schema); the rest (``max_tokens`` cap, schema size) are checked by
-``service.generation`` against ``ServiceConfig``.
+``stencil.service.generation`` against ``ServiceConfig``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from schemas.common import Problem, Timings, Usage
+from stencil.schemas.common import Problem, Timings, Usage
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]

@@ -161,7 +161,7 @@ class ChatCompletionRequest(Struct, forbid_unknown_fields=True):
     top_k: int | None = None
     repetition_penalty: float | None = None
     # Stencil extension: close a constrained answer within max tokens (False: cut it there, as
-    # OpenAI does), and the run-on guard's bounds (grammar.budget.SoftLimits; False: off).
+    # OpenAI does), and the run-on guard's bounds (stencil.grammar.budget.SoftLimits; False: off).
     close_on_budget: bool | None = None
     soft_limits: dict[str, int] | bool | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -211,7 +211,7 @@ class CompletionRequest(Struct, forbid_unknown_fields=True):
     top_k: int | None = None
     repetition_penalty: float | None = None
     # Stencil extension: close a constrained answer within max tokens (False: cut it there, as
-    # OpenAI does), and the run-on guard's bounds (grammar.budget.SoftLimits; False: off).
+    # OpenAI does), and the run-on guard's bounds (stencil.grammar.budget.SoftLimits; False: off).
     close_on_budget: bool | None = None
     soft_limits: dict[str, int] | bool | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -4,7 +4,7 @@ Shapes follow OpenAI's API reference ("Responses": create, the response object, 
 events). Stencil is stateless: nothing is stored, so ``store`` is false whatever the client
 leaves out, and ``previous_response_id`` / ``conversation`` are refused. Request fields of the
 reference that Stencil cannot serve are modelled and refused with a 400 naming them when set
-(``service.responses_api``); unknown fields are refused. Input items may carry the output
+(``stencil.service.responses_api``); unknown fields are refused. Input items may carry the output
 metadata the SDK echoes back when a response's ``output`` is sent as the next ``input``
 (``id``, ``status``, ``annotations``, ``logprobs``...): those are not instructions and are not
 refused.
@@ -17,7 +17,7 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from schemas.openai import Seed
+from stencil.schemas.openai import Seed
 
 # -- requests ------------------------------------------------------------------------------------
 
@@ -94,7 +94,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True):
     ["message.output_text.logprobs"]``, ``metadata`` (echoed), ``user`` / ``safety_identifier``
     / ``prompt_cache_key`` (echoed; the prefix cache needs no key). Stencil extensions: ``seed``,
     ``top_k``. The fields after ``top_k`` are in the reference but refused unless absent or
-    neutral (``service.responses_api``).
+    neutral (``stencil.service.responses_api``).
     """
 
     input: str | list[InputItem]
@@ -121,7 +121,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True):
     truncation: str | None = None
     seed: Seed | None = None
     top_k: int | None = None
-    close_on_budget: bool | None = None  # Stencil extension (see schemas.openai)
+    close_on_budget: bool | None = None  # Stencil extension (see stencil.schemas.openai)
     soft_limits: dict[str, int] | bool | None = None
     # In the reference, not served.
     previous_response_id: str | None = None

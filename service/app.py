@@ -30,24 +30,24 @@ from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.background_tasks import BackgroundTask
 from litestar.response import ServerSentEvent
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.config import EngineConfig
-from engine.llm_engine import EngineError, EngineOverloaded
-from grammar.base import GrammarError
-from schemas.common import Problem
-from schemas.generate import (GenerateRequest, GenerateResponse, HealthResponse, StreamDelta, StreamError,
+from stencil.engine.async_engine import AsyncEngine, EngineDeadError
+from stencil.engine.config import EngineConfig
+from stencil.engine.llm_engine import EngineError, EngineOverloaded
+from stencil.grammar.base import GrammarError
+from stencil.schemas.common import Problem
+from stencil.schemas.generate import (GenerateRequest, GenerateResponse, HealthResponse, StreamDelta, StreamError,
                               StreamFinal)
-from service import generation, inputs
-from service.errors import (InputError, ServiceError, Unauthorized, Unavailable, client_left_during_body,
+from stencil.service import generation, inputs
+from stencil.service.errors import (InputError, ServiceError, Unauthorized, Unavailable, client_left_during_body,
                             log_refused, named_as, to_problem)
-from service.metrics import Metrics
-from service.openai_api import openai_route_handlers
-from service.openai_common import event_json, openai_exception_handler
-from service.openapi_docs import StreamableOperation, StrictStructSchemaPlugin, error_responses
-from service.responses_api import responses_route_handlers
-from service.state import STATE_KEY, ServiceConfig, ServiceState, StateHolder, service_state
-from service.validation import OutputChecker
-from service.wire import invalid_field, strict_body
+from stencil.service.metrics import Metrics
+from stencil.service.openai_api import openai_route_handlers
+from stencil.service.openai_common import event_json, openai_exception_handler
+from stencil.service.openapi_docs import StreamableOperation, StrictStructSchemaPlugin, error_responses
+from stencil.service.responses_api import responses_route_handlers
+from stencil.service.state import STATE_KEY, ServiceConfig, ServiceState, StateHolder, service_state
+from stencil.service.validation import OutputChecker
+from stencil.service.wire import invalid_field, strict_body
 
 log = logging.getLogger("stencil.app")
 
@@ -73,7 +73,7 @@ def _problem_response(request: Request, exc: Exception) -> Response:
         problem, headers = _validation_problem(exc), {}
         problem.request_id = rid
     elif client_left_during_body(exc):
-        # Litestar says 500, but the client left (or ``service.http_limits`` timed its body out):
+        # Litestar says 500, but the client left (or ``stencil.service.http_limits`` timed its body out):
         # nobody will read this answer, and it is no server fault.
         problem = Problem(title="Request Timeout", status=408, detail="the client left before sending the whole body",
                           request_id=rid)
@@ -259,7 +259,7 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
 async def health_handler(service: ServiceState) -> Response[HealthResponse]:
     eng = service.engine
     stats = eng.stats()
-    # A cluster ingress (service.cluster) reports each replica; it is dead when none is up.
+    # A cluster ingress (stencil.service.cluster) reports each replica; it is dead when none is up.
     replica_health = getattr(eng, "replica_health", None)
     replicas = replica_health() if replica_health is not None else None
     if not eng.is_alive or (replicas is not None and not any(r.get("status") == "ok" for r in replicas)):
@@ -325,13 +325,13 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
 
     Args:
         engine: an ``EngineConfig`` (the model is loaded at startup, off the event loop), an
-            ``AsyncEngine`` (started at startup), or a ``service.cluster.cluster_engine.ClusterEngine``
+            ``AsyncEngine`` (started at startup), or a ``stencil.service.cluster.cluster_engine.ClusterEngine``
             (the Ray Serve ingress: replicas do the generating). Either way the app owns it and
             shuts it down.
         config: service limits; ``None`` = defaults (API key from ``STENCIL_API_KEY``).
         route_handlers: more routes; they can ask for ``service: ServiceState`` and raise the
-            errors ``service.errors.to_problem`` knows.
-        include_openai: also serve the OpenAI-compatible ``/v1`` routes (``service.openai_api``).
+            errors ``stencil.service.errors.to_problem`` knows.
+        include_openai: also serve the OpenAI-compatible ``/v1`` routes (``stencil.service.openai_api``).
         on_engine_dead: called (on the engine thread) with the exception if the engine loop
             dies; the CLI uses it to make the server exit non-zero.
         freeze_heap: once the engine is up, move every object alive into the collector's
@@ -357,7 +357,7 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
 
         aeng.on_dead = dead
         aeng.start()
-        from engine.models.source import ModelPathError, resolve_model_path
+        from stencil.engine.models.source import ModelPathError, resolve_model_path
 
         try:  # a GGUF file's stem, or the directory's name
             default_name = resolve_model_path(aeng.model_path).name

@@ -1,6 +1,6 @@
 """The ``stencil`` command: ``serve``, ``generate`` (one-shot, in process) and ``bench``.
 
-``stencil bench NAME ...`` dispatches to the module ``benchmarks.NAME``, which exposes
+``stencil bench NAME ...`` dispatches to the module ``stencil.benchmarks.NAME``, which exposes
 ``add_arguments(parser)`` and ``main(args) -> int | None``; modules are imported only when
 used, so a missing one fails only its own command.
 """
@@ -111,7 +111,7 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_connection_args(p: argparse.ArgumentParser) -> None:
-    from service.http_limits import ConnectionLimits
+    from stencil.service.http_limits import ConnectionLimits
 
     d = ConnectionLimits()
     g = p.add_argument_group("connections", "bounds on each HTTP connection, against slow or stalled clients "
@@ -140,7 +140,7 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
 
 def connection_limits_from_args(args: argparse.Namespace):
     """``ConnectionLimits`` from parsed ``stencil serve`` arguments."""
-    from service.http_limits import ConnectionLimits
+    from stencil.service.http_limits import ConnectionLimits
 
     return ConnectionLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                             send_timeout_s=args.send_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
@@ -150,7 +150,7 @@ def connection_limits_from_args(args: argparse.Namespace):
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
-    from service.cluster import ROUTERS
+    from stencil.service.cluster import ROUTERS
 
     g = p.add_argument_group("cluster", "N engine replicas on Ray Serve behind this endpoint "
                              "(needs pip install 'stencil-serve[cluster]'; see README, Replicas)")
@@ -177,14 +177,14 @@ def engine_config_from_args(args: argparse.Namespace):
         ModelArgError: ``--model`` names no model or an unsupported one (checked from its
             metadata before anything loads).
     """
-    from engine.config import EngineConfig
-    from engine.models.gguf_config import UnsupportedModelError
-    from engine.models.loader import check_model
-    from engine.models.source import ModelPathError
+    from stencil.engine.config import EngineConfig
+    from stencil.engine.models.gguf_config import UnsupportedModelError
+    from stencil.engine.models.loader import check_model
+    from stencil.engine.models.source import ModelPathError
 
     model = args.model
     if model is None:
-        from engine.models.default_model import ensure_default_model
+        from stencil.engine.models.default_model import ensure_default_model
 
         model = ensure_default_model()
     try:
@@ -207,7 +207,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
 def service_config_from_args(args: argparse.Namespace):
     """``ServiceConfig`` from parsed ``stencil serve`` arguments."""
-    from service.state import ServiceConfig
+    from stencil.service.state import ServiceConfig
 
     return ServiceConfig(api_key=args.api_key, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
                          default_max_tokens=min(256, args.max_tokens_cap), max_body_bytes=args.max_body_bytes,
@@ -219,9 +219,9 @@ def service_config_from_args(args: argparse.Namespace):
 # -- commands --------------------------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from service.app import create_app
-    from service.logs import configure_logging
-    from service.server import ServerRunner
+    from stencil.service.app import create_app
+    from stencil.service.logs import configure_logging
+    from stencil.service.server import ServerRunner
 
     configure_logging(args.log_level, args.log_format)
     scfg = service_config_from_args(args)
@@ -236,8 +236,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_cluster(args: argparse.Namespace, scfg) -> int:
     """``stencil serve --replicas N``: the same API, served by N replicas on Ray Serve."""
-    from engine.config import ConfigError
-    from service.cluster.deploy import ClusterOptions, require_ray, serve_cluster
+    from stencil.engine.config import ConfigError
+    from stencil.service.cluster.deploy import ClusterOptions, require_ray, serve_cluster
 
     try:
         require_ray()
@@ -259,12 +259,12 @@ def _progress(msg: str) -> None:
 
 
 async def _generate_once(args: argparse.Namespace) -> int:
-    from engine.async_engine import AsyncEngine
-    from service import generation, inputs
-    from service.errors import to_problem
-    from service.metrics import Metrics
-    from service.state import ServiceConfig, ServiceState
-    from service.validation import OutputChecker
+    from stencil.engine.async_engine import AsyncEngine
+    from stencil.service import generation, inputs
+    from stencil.service.errors import to_problem
+    from stencil.service.metrics import Metrics
+    from stencil.service.state import ServiceConfig, ServiceState
+    from stencil.service.validation import OutputChecker
 
     schema = None
     if args.schema is not None:
@@ -318,15 +318,15 @@ async def _generate_once(args: argparse.Namespace) -> int:
         _progress(f"error ({problem.status}): {detail}")
         return 2
     finally:
-        from service.app import stop_engine
+        from stencil.service.app import stop_engine
 
         await asyncio.to_thread(stop_engine, aeng)
 
 
 def model_id(path) -> str:
     """The id clients see for a model path: a GGUF file's stem, else the directory's name (as
-    ``service.app``)."""
-    from engine.models.source import ModelPathError, resolve_model_path
+    ``stencil.service.app``)."""
+    from stencil.engine.models.source import ModelPathError, resolve_model_path
 
     try:
         return resolve_model_path(path).name
@@ -335,7 +335,7 @@ def model_id(path) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from service.logs import configure_logging
+    from stencil.service.logs import configure_logging
 
     configure_logging("warning", "text")
     return asyncio.run(_generate_once(args))
@@ -346,8 +346,8 @@ BENCHMARK_MODULES = {"maskbench": "maskbench_harness", "peers": "peers.run"}
 
 
 def benchmark_module(name: str) -> str:
-    """The module (``benchmarks.X``) that ``stencil bench NAME`` runs."""
-    return f"benchmarks.{BENCHMARK_MODULES.get(name, name)}"
+    """The module (``stencil.benchmarks.X``) that ``stencil bench NAME`` runs."""
+    return f"stencil.benchmarks.{BENCHMARK_MODULES.get(name, name)}"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 Depends only on httpx and msgspec (pydantic is used when, and only when, a pydantic model is
 passed in), and imports nothing of the server: ``pip install httpx msgspec`` and ``pip install
---no-deps`` of this package are enough (README, "Ask for JSON"; ``tests/test_client_light.py``). ``stream_extract`` yields typed partial answers as they stream (``Partial``: the
+--no-deps`` of this package are enough (README, "Ask for JSON"; ``tests/service/test_client_light.py``). ``stream_extract`` yields typed partial answers as they stream (``Partial``: the
 fields complete so far and the one being written), then the validated instance. ``Client`` is
 synchronous, ``AsyncClient`` the asyncio twin; both share the request building, schema
 derivation, retry timing and answer decoding defined here.
@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 import msgspec
 
-from service.partial_json import progress
+from stencil.service.partial_json import progress
 
 T = TypeVar("T")
 

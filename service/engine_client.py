@@ -1,10 +1,10 @@
 """The service's one door to an engine: ``EngineClient``.
 
-The HTTP layer (``service.app``, ``service.generation``, the OpenAI routes, ``service.metrics``)
+The HTTP layer (``stencil.service.app``, ``stencil.service.generation``, the OpenAI routes, ``stencil.service.metrics``)
 uses an engine only through these members. Two classes implement them:
 
-* ``engine.async_engine.AsyncEngine``: the engine in this process, its loop on a thread of its own;
-* ``service.cluster.cluster_engine.ClusterEngine``: the Ray Serve ingress's client of the engine
+* ``stencil.engine.async_engine.AsyncEngine``: the engine in this process, its loop on a thread of its own;
+* ``stencil.service.cluster.cluster_engine.ClusterEngine``: the Ray Serve ingress's client of the engine
   replicas, which admit, compile and check each request themselves (its ``check_request`` and
   ``check_budget`` accept everything: the replica's refusal arrives at admission, before any byte).
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from engine.outputs import RequestOutput
-from engine.request import SamplingParams
-from grammar.base import GrammarSpec
+from stencil.engine.outputs import RequestOutput
+from stencil.engine.request import SamplingParams
+from stencil.grammar.base import GrammarSpec
 
 
 @runtime_checkable
@@ -50,7 +50,7 @@ class EngineClient(Protocol):
     # -- the model ---------------------------------------------------------------------------------
     @property
     def vocab(self) -> Any:
-        """``grammar.vocab.TokenVocabulary`` (token id → bytes, for exact logprob bytes), or None
+        """``stencil.grammar.vocab.TokenVocabulary`` (token id → bytes, for exact logprob bytes), or None
         when the tokenizer has no usable vocabulary."""
 
     @property
@@ -63,14 +63,14 @@ class EngineClient(Protocol):
 
     # -- admission and requests --------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, admission: bool = True) -> None:
-        """Refuse a request that cannot run (``engine.llm_engine.EngineError``, naming the field;
+        """Refuse a request that cannot run (``stencil.engine.llm_engine.EngineError``, naming the field;
         ``EngineOverloaded`` with ``admission`` when the waiting queue is full)."""
 
     def check_budget(self, grammar: Any, params: SamplingParams) -> None:
         """Refuse a ``max_tokens`` below the grammar's shortest answer (``EngineError``)."""
 
     async def compile_grammar(self, spec: GrammarSpec, backend: str | None = None, client: str | None = None) -> Any:
-        """The compiled grammar of ``spec`` (``grammar.base.GrammarError`` when it cannot be)."""
+        """The compiled grammar of ``spec`` (``stencil.grammar.base.GrammarError`` when it cannot be)."""
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, grammar: Any = None,
                  request_id: str | None = None, *, admitted: bool = False) -> AsyncIterator[RequestOutput]:
@@ -86,5 +86,5 @@ class EngineClient(Protocol):
 
     @property
     def grammar_stats(self) -> Any:
-        """The grammar compiler's counters (``grammar.base.CompileStats``), or None where grammars
+        """The grammar compiler's counters (``stencil.grammar.base.CompileStats``), or None where grammars
         are compiled elsewhere (a cluster's replicas)."""

@@ -14,10 +14,10 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from engine.async_engine import EngineDeadError
-from engine.llm_engine import EngineError, EngineOverloaded
-from grammar.base import GrammarError, GrammarTimeout
-from schemas.common import Problem
+from stencil.engine.async_engine import EngineDeadError
+from stencil.engine.llm_engine import EngineError, EngineOverloaded
+from stencil.grammar.base import GrammarError, GrammarTimeout
+from stencil.schemas.common import Problem
 
 log = logging.getLogger("stencil.errors")
 _LOGGED_MESSAGE_CHARS = 200
@@ -195,7 +195,7 @@ def named_as(names: dict[str, str]) -> Iterator[None]:
 
 def client_left_during_body(exc: BaseException) -> bool:
     """Whether ``exc`` is Litestar's 500 for a body that never ended because the client left (or
-    ``service.http_limits`` timed the body out): no server fault, and nobody reads the answer."""
+    ``stencil.service.http_limits`` timed the body out): no server fault, and nobody reads the answer."""
     return (getattr(exc, "status_code", None) == 500 and not isinstance(exc, ServiceError)
             and str(getattr(exc, "detail", "")) == "client disconnected prematurely")
 

@@ -3,17 +3,17 @@
 ``POST /generate`` and the OpenAI-compatible routes differ only in their wire types; both go
 through these functions so that limits, errors, validation, metrics and logs are the same:
 
-1-3. ``service.inputs``: ``tokenize`` → prompt token ids, ``sampling_params`` →
+1-3. ``stencil.service.inputs``: ``tokenize`` → prompt token ids, ``sampling_params`` →
    ``SamplingParams``, ``grammar_spec`` / ``checked_grammar_spec`` → ``GrammarSpec`` or ``None``.
-4. ``await run(state, prompt_ids, params, spec, request_id)`` → ``GenerationResult``; or
-   ``gen = await start(...)`` then ``async for item in gen`` for streaming: ``GenerationDelta``
+4. ``gen = await start(...)``, then ``await collect(gen)`` → ``GenerationResult``, or
+   ``async for item in gen`` for streaming: ``GenerationDelta``
    items, then one ``GenerationResult``.
 
-Errors (all mapped to HTTP by ``service.errors.to_problem``): ``InputError`` (400),
-``grammar.base.GrammarError`` (400, naming keyword/path/position), ``engine.llm_engine.EngineError``
+Errors (all mapped to HTTP by ``stencil.service.errors.to_problem``): ``InputError`` (400),
+``stencil.grammar.base.GrammarError`` (400, naming keyword/path/position), ``stencil.engine.llm_engine.EngineError``
 (400, e.g. prompt too long), ``EngineOverloaded`` (429), ``Unavailable`` / ``EngineDeadError``
 (503), ``GenerationTimeout`` (504), ``GenerationFailed`` (500); a constraint found mid-generation
-to need text the vocabulary cannot spell (``grammar.base.DeadEndError``) is an ``InputError``
+to need text the vocabulary cannot spell (``stencil.grammar.base.DeadEndError``) is an ``InputError``
 naming the constraint's field (in-band for a stream). ``start`` raises all of those
 that can be known before the first token, so a streaming handler can still answer with a
 status code instead of a broken stream.
@@ -30,12 +30,12 @@ from typing import Any
 
 import msgspec
 
-from engine.request import SamplingParams
-from grammar.base import GrammarError, GrammarSpec
-from schemas.common import Timings, Usage
-from service.errors import (ClientDisconnected, GenerationFailed, GenerationTimeout, InputError, QueueTimeout,
+from stencil.engine.request import SamplingParams
+from stencil.grammar.base import GrammarError, GrammarSpec
+from stencil.schemas.common import Timings, Usage
+from stencil.service.errors import (ClientDisconnected, GenerationFailed, GenerationTimeout, InputError, QueueTimeout,
                             Unavailable)
-from service.state import ServiceState
+from stencil.service.state import ServiceState
 
 log = logging.getLogger("stencil.generation")
 
@@ -141,7 +141,7 @@ class GenerationStream:
     async def open(self) -> None:
         """Submit the request to the engine (``start`` does it).
 
-        An engine whose requests are admitted elsewhere (``service.cluster``: a replica checks
+        An engine whose requests are admitted elsewhere (``stencil.service.cluster``: a replica checks
         the request and compiles its grammar) returns a stream with an ``admit()`` coroutine;
         it is awaited here, so the replica's refusal is still raised before the first byte.
         """
@@ -200,7 +200,7 @@ class GenerationStream:
 
     @property
     def replica(self) -> str | None:
-        """On a cluster (``service.cluster``), the replica now serving the request; else None."""
+        """On a cluster (``stencil.service.cluster``), the replica now serving the request; else None."""
         return getattr(self._agen, "replica", None)
 
     async def aclose(self) -> None:
@@ -301,7 +301,7 @@ class GenerationStream:
                       accepted_tokens=out.num_accepted_tokens, forced_tokens=out.num_forced_tokens)
         shortened: list[str] = []
         if out.closed_by_budget and self.spec is not None and self.spec.kind == "json_schema":
-            from service.json_paths import shortened_paths
+            from stencil.service.json_paths import shortened_paths
 
             shortened = shortened_paths(text, out.budget_cuts)
         if out.closed_by_budget:
@@ -312,7 +312,7 @@ class GenerationStream:
             warnings.append(f"max_tokens could not be kept by closing the answer in time "
                             f"({out.budget_unenforced}): it was cut; a larger max_tokens lets it end")
         if out.guard_hits:
-            from service.json_paths import shortened_paths
+            from stencil.service.json_paths import shortened_paths
 
             for what, offset in out.guard_hits:
                 where = shortened_paths(text, [offset]) if self.spec is not None else []
@@ -492,9 +492,3 @@ async def collect(gen: GenerationStream, receive=None) -> GenerationResult:
         raise ClientDisconnected(f"client closed the connection; request {gen.request_id} aborted")
     return work.result()
 
-
-async def run(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
-              spec: GrammarSpec | None, request_id: str, arrival: float | None = None) -> GenerationResult:
-    """Generate to the end and return the result (errors as in ``start``, plus timeout/failure)."""
-    gen = await start(state, prompt_ids, params, spec, request_id, arrival)
-    return await collect(gen)

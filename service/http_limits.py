@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from engine.config import ConfigError
+from stencil.engine.config import ConfigError
 
 log = logging.getLogger("stencil.http")
 
@@ -69,7 +69,7 @@ class ConnectionLimits:
         """Check ranges; return self.
 
         Raises:
-            engine.config.ConfigError: naming the offending field.
+            stencil.engine.config.ConfigError: naming the offending field.
         """
         for name in ("header_timeout_s", "body_timeout_s", "send_timeout_s", "keep_alive_timeout_s",
                      "max_header_bytes", "write_buffer_bytes"):

@@ -3,15 +3,15 @@ engine's terms: the prompt's token ids, its ``SamplingParams`` and its ``Grammar
 
 Every endpoint (``POST /generate``, the OpenAI-compatible routes, ``stencil generate``) turns its
 wire fields into these three with the functions below, then runs them through
-``service.generation``; so a limit, and the field an error names, are the same everywhere.
+``stencil.service.generation``; so a limit, and the field an error names, are the same everywhere.
 
 1. ``tokenize(state, prompt=..., messages=...)`` → prompt token ids (chat template applied to
-   ``messages`` with ``add_generation_prompt=True``; content kept as data: ``service.prompts``).
+   ``messages`` with ``add_generation_prompt=True``; content kept as data: ``stencil.service.prompts``).
 2. ``sampling_params(state.config, ...)`` → ``SamplingParams``.
 3. ``grammar_spec(state.config, response_schema=..., regex=..., choice=...)`` → ``GrammarSpec``
    or ``None`` (``checked_grammar_spec`` on the event loop).
 
-Errors: ``service.errors.InputError`` (HTTP 400) naming the offending field.
+Errors: ``stencil.service.errors.InputError`` (HTTP 400) naming the offending field.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import json
 import math
 from typing import Any
 
-from engine.logits_process import LogitsParamError, check_logits_params
-from engine.request import SamplingParams
-from engine.speculative.spec_config import SpecConfigError
-from grammar.base import GrammarSpec
-from grammar.budget import SoftLimitsError
-from service.errors import InputError
-from service.prompts import encode_prompt, message_text
-from service.state import ServiceConfig, ServiceState
-from service.validation import SchemaChecks, check_schema
+from stencil.engine.logits_process import LogitsParamError, check_logits_params
+from stencil.engine.request import SamplingParams
+from stencil.engine.speculative.spec_config import SpecConfigError
+from stencil.grammar.base import GrammarSpec
+from stencil.grammar.budget import SoftLimitsError
+from stencil.service.errors import InputError
+from stencil.service.prompts import encode_prompt, message_text
+from stencil.service.state import ServiceConfig, ServiceState
+from stencil.service.validation import SchemaChecks, check_schema
 
 # Tokenizing a few kB takes well under a millisecond; beyond this many characters it moves to a
 # worker thread so one huge prompt cannot stall every other request's stream.
@@ -43,7 +43,7 @@ async def tokenize(state: ServiceState, prompt: str | None = None, messages: lis
     """``encode_prompt`` with the service's size limits, off the event loop for long inputs.
 
     Content is data: no text of a message, tool or prompt becomes a control token
-    (``service.prompts``), unless ``parse_special_tokens`` asks for it in a plain prompt.
+    (``stencil.service.prompts``), unless ``parse_special_tokens`` asks for it in a plain prompt.
 
     Raises:
         InputError: over ``max_prompt_chars`` or ``max_messages``; see ``encode_prompt``.
@@ -88,15 +88,15 @@ def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temper
         stop: a stop string or a list of them (not included in the output).
         logprobs: return each chosen token's log-probability.
         speculative: ``True``/``False`` switches n-gram speculation on/off; a dict gives its
-            settings (``engine.speculative.SpecConfig`` fields); ``None`` = the server default.
+            settings (``stencil.engine.speculative.SpecConfig`` fields); ``None`` = the server default.
         top_logprobs: alternatives per position to report (0..20; implies ``logprobs``).
         logit_bias / presence_penalty / frequency_penalty / repetition_penalty: see
-            ``engine.logits_process``.
+            ``stencil.engine.logits_process``.
         vocab_size: the model's vocabulary size, to check ``logit_bias`` token ids here (else
             the engine checks them at admission).
         close_on_budget: under a grammar, close the output within ``max_tokens`` (default) or
             cut it there (``finish_reason: "length"``).
-        soft_limits: the run-on guard's bounds (``grammar.budget.SoftLimits`` fields), or
+        soft_limits: the run-on guard's bounds (``stencil.grammar.budget.SoftLimits`` fields), or
             ``False`` to turn it off; ``None``/``True``: the defaults.
 
     Raises:
@@ -162,7 +162,7 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
 
     Raises:
         InputError: more than one constraint; a schema that is invalid, too large, too deep or
-            has a non-local ``$ref`` (see ``service.validation.check_schema``); a regex or
+            has a non-local ``$ref`` (see ``stencil.service.validation.check_schema``); a regex or
             choice over the limits.
     """
     given = [n for n, v in (("response_schema", response_schema), ("regex", regex), ("choice", choice),

@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 import json
 
-from service.json_scan import JsonScanner
+from stencil.service.json_scan import JsonScanner
 
 
 def value_spans(text: str) -> list[tuple[int, int, str]]:
     """``(start, end, pointer)`` in bytes for every value of the JSON document ``text``, outer
     values before the values inside them. RFC 6901 pointers (``/tags/3``, ``""`` = the root);
-    the offsets are read by ``service.json_scan``.
+    the offsets are read by ``stencil.service.json_scan``.
 
     Raises:
         ValueError: ``text`` is not one JSON document.

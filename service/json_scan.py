@@ -2,16 +2,16 @@
 
 Three readers of the service follow a JSON text character by character and need the same facts
 (which containers are open, which member or element is being read, where a value began and where
-it ended): a streamed answer's progress (``service.partial_json``: the complete members, the path
-being written), the JSON pointers of the values a budget cut short (``service.json_paths``), and
-the end of a tool call's arguments in a stream (``service.tool_parser``). ``JsonScanner`` is that
+it ended): a streamed answer's progress (``stencil.service.partial_json``: the complete members, the path
+being written), the JSON pointers of the values a budget cut short (``stencil.service.json_paths``), and
+the end of a tool call's arguments in a stream (``stencil.service.tool_parser``). ``JsonScanner`` is that
 reading, once: lexical (containers, strings and their escapes, bare scalars), fed any number of
 fragments, reporting each value's start and end to the reader's callbacks. It does not validate:
 a reader that needs a valid document checks it whole (``json.loads``) or relies on the grammar.
 
 Why not a library: jiter's partial mode and ijson parse a prefix into values or events but give
 no offsets of the values in the text, which ``shortened`` pointers and the arguments' end need;
-the scanner is ~100 lines of the standard library, so the typed client (``service.client``,
+the scanner is ~100 lines of the standard library, so the typed client (``stencil.service.client``,
 which imports ``partial_json``) stays free of dependencies.
 """
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of one app: its own registry, event series, and engine gauges read at scrape.
 
-Counters and histograms are updated as requests finish (``service.generation``) or are
+Counters and histograms are updated as requests finish (``stencil.service.generation``) or are
 answered (the app's ``after_response`` hook). Engine state — running/waiting requests, KV
 blocks, prefix-cache hit rate, grammar compiler counters — is not copied on every step: a
 custom collector reads ``LLMEngine.stats()`` and the compiler's ``CompileStats`` when
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from schemas.common import Usage
+from stencil.schemas.common import Usage
 
 #: Latency buckets (seconds): a CPU decode step is ~10-300 ms, a queued TTFT can reach seconds.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

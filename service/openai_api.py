@@ -1,5 +1,5 @@
 """OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
-(the Responses API is ``service.responses_api``; both are mounted on one ``/v1`` router here).
+(the Responses API is ``stencil.service.responses_api``; both are mounted on one ``/v1`` router here).
 
 They translate OpenAI's wire types (``schemas/openai.py``) to the shared generation core
 (``service/generation.py``) and back, so limits, grammar, validation and metrics are those of
@@ -19,11 +19,11 @@ OpenAI's 0..2 (``POST /generate`` defaults to greedy and takes up to 1e6). Error
 fields as the request sent them (``max_completion_tokens``, ``messages``; ``errors.named_as``).
 ``logit_bias``, ``presence_penalty``, ``frequency_penalty`` and the ``repetition_penalty``
 extension are applied with the grammar mask
-(``engine.logits_process``); logprobs are those of the distribution tokens are drawn from
+(``stencil.engine.logits_process``); logprobs are those of the distribution tokens are drawn from
 (masked, penalized, biased, temperature 1). Legacy ``logprobs`` with ``echo`` cover the
 generated tokens only.
 
-``service.app`` mounts ``openai_route_handlers`` (with ``service.responses_api``'s) under ``/v1``
+``stencil.service.app`` mounts ``openai_route_handlers`` (with ``stencil.service.responses_api``'s) under ``/v1``
 and injects their dependency ``svc: ServiceState``.
 """
 
@@ -42,25 +42,25 @@ from litestar import Request, get, post
 from litestar.openapi import ResponseSpec
 from litestar.openapi.spec import Link, Operation
 
-from schemas.openai import (
+from stencil.schemas.openai import (
     AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, ChoiceDelta,
     ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
     ErrorResponse, FunctionCall, FunctionCallDelta, Model, ModelList, ResponseFormat, StructuredOutputs, ToolCall,
     ToolCallDelta, ToolChoiceFunction, Usage,
 )
-from service import generation as gen
-from service import inputs
-from service.errors import InputError, named_as
-from service.openai_common import (
+from stencil.service import generation as gen
+from stencil.service import inputs
+from stencil.service.errors import InputError, named_as
+from stencil.service.openai_common import (
     GENERATION_ERRORS, Constraint, check_model, constraint, error_fields, grammar_field, logit_bias_ids, merged,
     refuse_unserved, sse, token_bytes, token_logprobs, token_text, verdict, vocab_size,
 )
-from service.openai_serving import OpenAIJob, chat_prompt, sampling_params, serve
-from service.openapi_docs import StreamableOperation, error_responses, with_links
-from service.state import ServiceState
-from service.tool_parser import ToolCallParser, ToolEvent
-from service.tools import ToolPlan, new_call_id
-from service.wire import strict_body
+from stencil.service.openai_serving import OpenAIJob, chat_prompt, sampling_params, serve
+from stencil.service.openapi_docs import StreamableOperation, error_responses, with_links
+from stencil.service.state import ServiceState
+from stencil.service.tool_parser import ToolCallParser, ToolEvent
+from stencil.service.tools import ToolPlan, new_call_id
+from stencil.service.wire import strict_body
 
 log = logging.getLogger("stencil.openai")
 
@@ -335,7 +335,7 @@ async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, reque
     """Create a chat completion (OpenAI ``POST /v1/chat/completions``), whole or streamed.
 
     Raises (answered in OpenAI's error shape, ``param`` naming the field as sent): the errors of
-    ``service.generation`` and ``service.tools``; ``InputError`` for a message without content.
+    ``stencil.service.generation`` and ``stencil.service.tools``; ``InputError`` for a message without content.
     """
     return await serve(CHAT_COMPLETIONS, data, svc, request)
 
@@ -579,5 +579,5 @@ async def get_model(model_id: str, svc: ServiceState) -> Model:
     return _model(svc)
 
 
-# The /v1 router is assembled by ``service.app``.
+# The /v1 router is assembled by ``stencil.service.app``.
 openai_route_handlers: list = [chat_completions, completions, list_models, get_model]

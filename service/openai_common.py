@@ -1,9 +1,9 @@
 """What the OpenAI-compatible routes share: errors in OpenAI's shape, the model check, refused
 fields, the constraint of an answer (response format and tools), its check, logprobs, SSE.
 
-Chat completions and completions live in ``service.openai_api``, the Responses API in
-``service.responses_api``; both turn their wire types into the generation core's calls
-(``service.generation``) through these helpers, so limits, grammar, validation and errors are
+Chat completions and completions live in ``stencil.service.openai_api``, the Responses API in
+``stencil.service.responses_api``; both turn their wire types into the generation core's calls
+(``stencil.service.generation``) through these helpers, so limits, grammar, validation and errors are
 the same everywhere.
 """
 
@@ -22,17 +22,17 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
-from grammar.base import GrammarError, GrammarSpec
-from schemas.openai import ErrorBody, ErrorResponse, FunctionDefinition, TokenLogprob, TopLogprob
-from service import generation as gen
-from service import inputs
-from service.openapi_docs import error_responses
-from service.errors import ClientDisconnected, GenerationFailed, InputError, ServiceError, client_left_during_body, \
+from stencil.grammar.base import GrammarError, GrammarSpec
+from stencil.schemas.openai import ErrorBody, ErrorResponse, FunctionDefinition, TokenLogprob, TopLogprob
+from stencil.service import generation as gen
+from stencil.service import inputs
+from stencil.service.openapi_docs import error_responses
+from stencil.service.errors import ClientDisconnected, GenerationFailed, InputError, ServiceError, client_left_during_body, \
     log_refused, named_as, to_problem
-from service.state import ServiceState, service_state
-from service.tool_parser import ParsedCall, parse_answer
-from service.tools import ToolError, ToolPlan, arguments_schema, is_strict, tool_regex
-from service.wire import invalid_field
+from stencil.service.state import ServiceState, service_state
+from stencil.service.tool_parser import ParsedCall, parse_answer
+from stencil.service.tools import ToolError, ToolPlan, arguments_schema, is_strict, tool_regex
+from stencil.service.wire import invalid_field
 
 log = logging.getLogger("stencil.openai")
 
@@ -69,9 +69,9 @@ def openai_error(status: int, message: str, param: str | None = None, code: str 
 
 def openai_exception_handler(request: Request, exc: Exception) -> Response:
     """Map any exception raised under ``/v1`` (unknown routes included) to OpenAI's error shape,
-    with the status ``service.errors.to_problem`` gives every route; body validation errors are
+    with the status ``stencil.service.errors.to_problem`` gives every route; body validation errors are
     400 naming the field as ``param``, as in OpenAI's API. A 4xx is logged in one INFO line
-    (``service.errors.log_refused``), a 5xx as an error."""
+    (``stencil.service.errors.log_refused``), a 5xx as an error."""
     rid = request.scope.get("state", {}).get("request_id")
     status, message, param, code, headers = _openai_error_fields(request, exc, rid)
     if status >= 500:
@@ -216,7 +216,7 @@ async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPla
     Raises:
         InputError: a schema or parameters over the limits or invalid (``field`` and message
             name ``format_field`` or the tool's ``parameters_field``).
-        grammar.base.GrammarError: a keyword of a strict schema that cannot be enforced.
+        stencil.grammar.base.GrammarError: a keyword of a strict schema that cannot be enforced.
     """
     if not plan.active:
         with named_as({"response_schema": format_field}):
@@ -229,7 +229,7 @@ async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPla
     if schema is not None:
         with named_as({"response_schema": format_field}):
             await inputs.check_schema_off_loop(svc, schema)
-    from grammar.json_schema import schema_to_regex
+    from stencil.grammar.json_schema import schema_to_regex
 
     warnings: list[str] = []
 

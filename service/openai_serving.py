@@ -29,15 +29,15 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from engine.request import SamplingParams
-from schemas.openai import ChatMessage, FunctionDefinition
-from service import generation as gen
-from service import inputs
-from service.errors import named_as
-from service.openai_common import (SSE_HEADERS, Constraint, openai_temperature, relaxed, run_all, start_all,
+from stencil.engine.request import SamplingParams
+from stencil.schemas.openai import ChatMessage, FunctionDefinition
+from stencil.service import generation as gen
+from stencil.service import inputs
+from stencil.service.errors import named_as
+from stencil.service.openai_common import (SSE_HEADERS, Constraint, openai_temperature, relaxed, run_all, start_all,
                                    vocab_size, warnings_header)
-from service.state import ServiceState
-from service.tools import ToolPlan, plan_tools, template_messages, template_supports_tools
+from stencil.service.state import ServiceState
+from stencil.service.tools import ToolPlan, plan_tools, template_messages, template_supports_tools
 
 log = logging.getLogger("stencil.openai")
 
@@ -74,7 +74,7 @@ class Endpoint(Protocol):
         """The request's names of the generation core's fields (``named_as``)."""
 
     async def prepare(self, svc: ServiceState, data: Any) -> OpenAIJob:
-        """Check ``data`` and build its job. Raises the errors of ``service.generation``."""
+        """Check ``data`` and build its job. Raises the errors of ``stencil.service.generation``."""
 
     def events(self, svc: ServiceState, job: OpenAIJob, streams: list[gen.GenerationStream],
                warnings: list[str]) -> AsyncIterator[bytes]:
@@ -121,7 +121,7 @@ def sampling_params(svc: ServiceState, data: Any, *, max_tokens: int | None, see
     the request type lacks takes its neutral value) and the ones each endpoint names its own way.
 
     Raises:
-        service.errors.InputError: a value out of range (``service.inputs.sampling_params``).
+        stencil.service.errors.InputError: a value out of range (``stencil.service.inputs.sampling_params``).
     """
     def field(name: str, default: Any) -> Any:
         value = getattr(data, name, None)
@@ -144,11 +144,11 @@ async def chat_prompt(svc: ServiceState, messages: list[ChatMessage], functions:
     """The tool plan and the prompt token ids of a chat-shaped request (messages and tools).
 
     The tools go to the chat template natively when it takes them, else into a system message
-    (``service.tools.template_messages``); content stays data (``service.inputs.tokenize``).
+    (``stencil.service.tools.template_messages``); content stays data (``stencil.service.inputs.tokenize``).
 
     Raises:
-        service.tools.ToolError: tools and ``tool_choice`` that do not fit (``plan_tools``).
-        service.errors.InputError: the prompt over the limits.
+        stencil.service.tools.ToolError: tools and ``tool_choice`` that do not fit (``plan_tools``).
+        stencil.service.errors.InputError: the prompt over the limits.
     """
     plan = plan_tools(functions, choice, named, parallel, max_calls)
     native = template_supports_tools(getattr(svc.engine.tokenizer, "chat_template", None))

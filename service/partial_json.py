@@ -3,7 +3,7 @@ object are complete, and the path of the value being written now.
 
 Stencil's grammar makes a streamed answer a prefix of a document that validates, so the members
 this reads as complete are final: they will not change when more text arrives. Pure Python, no
-dependency (the client, ``service.client``, uses it for ``stream_extract``).
+dependency (the client, ``stencil.service.client``, uses it for ``stream_extract``).
 
     >>> progress('{"name":"Ann","home":{"city":"Os')
     Progress(done={'name': 'Ann'}, writing='home.city', complete=False)
@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.json_scan import Frame, JsonScanner
+from stencil.service.json_scan import Frame, JsonScanner
 
 
 @dataclass(slots=True)
@@ -33,7 +33,7 @@ class Progress:
 
 
 def progress(text: str) -> Progress:
-    """Read a prefix of a JSON document (compact or not; ``service.json_scan`` reads it).
+    """Read a prefix of a JSON document (compact or not; ``stencil.service.json_scan`` reads it).
 
     Only a top-level object has members; for any other document ``done`` stays empty and
     ``complete`` says whether it has ended. Text that is not a JSON prefix gives what was read

@@ -45,7 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from service.errors import InputError
+from stencil.service.errors import InputError
 
 # Values the template compares (checked enums): defanging them would change its branches.
 _STRUCTURAL_KEYS = frozenset({"role", "type"})

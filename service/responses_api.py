@@ -3,7 +3,7 @@
 The request becomes a chat (``instructions`` as the first system message, ``input`` items as
 messages, past ``function_call`` / ``function_call_output`` items as the assistant's calls and
 the tool's results), then runs through the same constraint, engine and checks as chat
-completions (``service.openai_common``): ``text.format`` is ``response_format`` (``strict``
+completions (``stencil.service.openai_common``): ``text.format`` is ``response_format`` (``strict``
 omitted or false relaxes only what the grammar cannot enforce, reported in ``warnings``, the
 ``X-Stencil-Warnings`` header and ``valid``); function ``tools`` are the chat endpoint's tools,
 ``max_tool_calls`` bounds the calls in the grammar itself.
@@ -31,27 +31,27 @@ from litestar import Request, get, post
 from litestar.openapi import ResponseSpec
 from litestar.openapi.spec import Link
 
-from schemas.openai import ChatMessage, ErrorResponse, FunctionCall, FunctionDefinition, ToolCall
-from schemas.responses import (
+from stencil.schemas.openai import ChatMessage, ErrorResponse, FunctionCall, FunctionDefinition, ToolCall
+from stencil.schemas.responses import (
     FunctionCallItem, FunctionTool, IncompleteDetails, InputContent, InputTokensDetails, NamedFunction, OutputItem,
     OutputLogprob, OutputMessage, OutputText, Response as ResponseObject, ResponseError, ResponsesRequest,
     ResponseUsage, TextConfig, TextFormat, TopLogprob,
 )
-from service import generation as gen
-from service.errors import InputError
-from service.openai_common import (
+from stencil.service import generation as gen
+from stencil.service.errors import InputError
+from stencil.service.openai_common import (
     GENERATION_ERRORS, NotFound, check_model, constraint, error_fields, refuse_unserved, sse, token_bytes, token_text,
     verdict,
 )
-from service.openai_serving import OpenAIJob, chat_prompt, sampling_params, serve
-from service.openapi_docs import RefusedOperation, StreamableOperation, error_responses, with_links
-from service.state import ServiceState
-from service.tool_parser import ToolCallParser, ToolEvent
-from service.wire import strict_body
+from stencil.service.openai_serving import OpenAIJob, chat_prompt, sampling_params, serve
+from stencil.service.openapi_docs import RefusedOperation, StreamableOperation, error_responses, with_links
+from stencil.service.state import ServiceState
+from stencil.service.tool_parser import ToolCallParser, ToolEvent
+from stencil.service.wire import strict_body
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text")
-# The generation core's fields as this API names them, for errors (``service.errors.named_as``).
+# The generation core's fields as this API names them, for errors (``stencil.service.errors.named_as``).
 NAMES = {"prompt": "input", "messages": "input", "max_tokens": "max_output_tokens", "response_schema": "text.format"}
 
 UNSERVED: dict[str, tuple[tuple, str]] = {
@@ -413,8 +413,8 @@ async def create_response(data: ResponsesRequest, svc: ServiceState, request: Re
     """Create a model response (OpenAI ``POST /v1/responses``), whole or streamed.
 
     Raises (answered in OpenAI's error shape, ``param`` naming this API's field: ``input``,
-    ``max_output_tokens``, ``text.format``): the errors of ``service.generation``,
-    ``service.tools`` and ``input_messages``.
+    ``max_output_tokens``, ``text.format``): the errors of ``stencil.service.generation``,
+    ``stencil.service.tools`` and ``input_messages``.
     """
     return await serve(RESPONSES, data, svc, request)
 

@@ -14,7 +14,7 @@ of a burst of 2,000 new connections once the loop falls behind accepting them; t
 it at ``net.core.somaxconn``), and the soft limit on open files is raised to the hard one at
 start, since every connection is a file descriptor (the usual soft limit is 1024).
 
-Slow clients: the connections are served by ``service.http_limits``'s protocol (uvicorn's
+Slow clients: the connections are served by ``stencil.service.http_limits``'s protocol (uvicorn's
 httptools one with header, body and send time-outs, a bound on the request head, and bounded
 write buffers), configured by a ``ConnectionLimits``.
 """
@@ -28,8 +28,8 @@ import threading
 
 import uvicorn
 
-from service.state import service_state
-from service.http_limits import ConnectionLimits, protocol_class
+from stencil.service.state import service_state
+from stencil.service.http_limits import ConnectionLimits, protocol_class
 
 log = logging.getLogger("stencil.server")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from engine.config import ConfigError
-from service.engine_client import EngineClient
-from service.metrics import Metrics
-from service.validation import OutputChecker, SchemaChecks
+from stencil.engine.config import ConfigError
+from stencil.service.engine_client import EngineClient
+from stencil.service.metrics import Metrics
+from stencil.service.validation import OutputChecker, SchemaChecks
 
 
 @dataclass(slots=True)
@@ -68,7 +68,7 @@ class ServiceConfig:
         """Resolve the API key from the environment and check ranges; return self.
 
         Raises:
-            engine.config.ConfigError: naming the offending field.
+            stencil.engine.config.ConfigError: naming the offending field.
         """
         if self.api_key is None:
             self.api_key = os.environ.get("STENCIL_API_KEY") or None
@@ -102,8 +102,8 @@ class ServiceState:
 
     Attributes:
         engine: the running engine (owned by the app's lifespan), used only through
-            ``service.engine_client.EngineClient``: an ``AsyncEngine``, or on the Ray Serve
-            ingress a ``service.cluster.cluster_engine.ClusterEngine`` (its requests go to replicas).
+            ``stencil.service.engine_client.EngineClient``: an ``AsyncEngine``, or on the Ray Serve
+            ingress a ``stencil.service.cluster.cluster_engine.ClusterEngine`` (its requests go to replicas).
         config: the service's limits.
         metrics: this app's Prometheus registry and series.
         checker: cached output validators.
@@ -138,5 +138,5 @@ STATE_KEY = "stencil"
 
 def service_state(app) -> ServiceState | None:
     """The running Litestar app's ``ServiceState`` (``None`` before startup); for the routes
-    outside ``service.app``, the CLI, the server runner and tests."""
+    outside ``stencil.service.app``, the CLI, the server runner and tests."""
     return app.state[STATE_KEY].state

@@ -1,6 +1,6 @@
 """Reads tool calls out of a model's output as it streams, one text fragment at a time.
 
-The grammar (``service.tools.tool_regex``) makes the model write exactly
+The grammar (``stencil.service.tools.tool_regex``) makes the model write exactly
 
     <tool_call>{"name":"NAME","arguments":ARGUMENTS}</tool_call>   (one or more blocks)
 
@@ -11,7 +11,7 @@ a call that ends. Both the streamed answers (OpenAI's tool-call deltas, the Resp
 ``function_call_arguments.delta`` events) and the whole answers use it, so a call's arguments are
 the same characters either way: the model's own JSON text.
 
-The end of ARGUMENTS is found by the service's JSON scanner (``service.json_scan``): a container
+The end of ARGUMENTS is found by the service's JSON scanner (``stencil.service.json_scan``): a container
 ends at its closing bracket, a string at its closing quote, a bare scalar at the ``}`` that
 closes the call object.
 """
@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from service.json_scan import JsonScanner
+from stencil.service.json_scan import JsonScanner
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -91,11 +91,6 @@ class ToolCallParser:
 
     def __post_init__(self) -> None:
         self._state = _State.DECIDE if self.may_be_text else _State.HEADER
-
-    @property
-    def is_text(self) -> bool:
-        """The answer is known to be text (no call can follow)."""
-        return self._state is _State.TEXT
 
     @property
     def complete(self) -> bool:

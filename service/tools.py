@@ -26,7 +26,7 @@ the warnings, and the arguments are checked with jsonschema afterwards.
   text not starting with ``<tool_call>`` (or, with a JSON ``response_format``, that JSON). The
   grammar is the regex alternation of both, so the model picks with its first tokens.
 
-Reading calls back (whole or streamed) is ``service.tool_parser``. Tools reach the prompt
+Reading calls back (whole or streamed) is ``stencil.service.tool_parser``. Tools reach the prompt
 through the chat template's ``tools=`` argument when the template uses it, else through a
 system message written here.
 """
@@ -40,8 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from schemas.openai import ChatMessage, FunctionCall, FunctionDefinition, ToolCall
-from service.tool_parser import CALL_CLOSE, CALL_OPEN, parse_answer
+from stencil.schemas.openai import ChatMessage, FunctionCall, FunctionDefinition, ToolCall
+from stencil.service.tool_parser import CALL_CLOSE, CALL_OPEN, parse_answer
 
 CALL_SEP = ""
 ANY_TEXT = r"[\s\S]*"
@@ -187,7 +187,7 @@ def tool_regex(plan: ToolPlan, arguments_regex: ArgumentsRegex, text_regex: str 
             starting with ``<tool_call>``).
 
     Raises:
-        grammar.base.GrammarError: from ``arguments_regex`` on a schema it cannot enforce.
+        stencil.grammar.base.GrammarError: from ``arguments_regex`` on a schema it cannot enforce.
     """
     branches = [call_regex(fn, arguments_regex(fn)) for fn in plan.functions]
     one = literal(CALL_OPEN) + "(?:" + "|".join(branches) + ")" + literal(CALL_CLOSE)

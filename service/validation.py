@@ -21,8 +21,8 @@ import regex
 from jsonschema.validators import validator_for
 from referencing import Registry
 
-from grammar.base import GrammarSpec
-from service.errors import InputError
+from stencil.grammar.base import GrammarSpec
+from stencil.service.errors import InputError
 
 
 def _pointer(parts) -> str:

@@ -30,7 +30,7 @@ from litestar.exceptions import ValidationException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.handlers import BaseRouteHandler
 
-from service.errors import InputError, PayloadTooLarge, ServiceError
+from stencil.service.errors import InputError, PayloadTooLarge, ServiceError
 
 
 class UnsupportedMediaType(ServiceError):

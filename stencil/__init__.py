@@ -1,5 +1,5 @@
 """Stencil's Python entry points for users of other runtimes (``stencil.cluster``: Ray Serve).
 
 The service itself lives in the ``service``, ``engine``, ``grammar``, ``kernels`` and
-``schemas`` packages; the ``stencil`` command is ``service.cli``.
+``schemas`` packages; the ``stencil`` command is ``stencil.service.cli``.
 """

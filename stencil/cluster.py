@@ -23,10 +23,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
-from service.cluster.cluster_engine import ClusterSettings
-from service.cluster.deploy import ClusterOptions, build_app, serve_cluster
-from service.state import ServiceConfig
+from stencil.engine.config import EngineConfig
+from stencil.service.cluster.cluster_engine import ClusterSettings
+from stencil.service.cluster.deploy import ClusterOptions, build_app, serve_cluster
+from stencil.service.state import ServiceConfig
 
 __all__ = ["ClusterOptions", "ClusterSettings", "EngineConfig", "ServiceConfig", "app", "build_app",
            "serve_cluster"]
@@ -59,7 +59,7 @@ def app(args: dict[str, Any]):
 
     model = args.get("model")
     if model is None:
-        from engine.models.default_model import ensure_default_model
+        from stencil.engine.models.default_model import ensure_default_model
 
         model = ensure_default_model()
     scfg = ServiceConfig(**pick(_SERVICE))

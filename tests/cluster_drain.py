@@ -27,7 +27,7 @@ def main(model: str) -> dict:
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     ray_tmp = tempfile.mkdtemp(prefix="std-", dir="/tmp")  # Ray's session files, removed below
-    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--replicas", "1", "--model", model,
+    server = subprocess.Popen([sys.executable, "-m", "stencil.service.cli", "serve", "--replicas", "1", "--model", model,
                                "--port", str(port), "--num-kv-blocks", "256", "--threads", "1",
                                "--replica-cpus", "0.5", "--shutdown-grace", "60", "--log-level", "warning"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -1,7 +1,7 @@
 """Shared fixtures: the real tokenizer, tiny random models of each architecture, the real model.
 
 Tests never reach a hub (HF_HUB_OFFLINE=1); the default model directory is made by
-``make setup`` (``python -m engine.models.default_model``) and reused here.
+``make setup`` (``python -m stencil.engine.models.default_model``) and reused here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if not os.path.exists("/dev/nvidia0"):
 import pytest
 import torch
 
-from engine.models.default_model import ensure_default_model
+from stencil.engine.models.default_model import ensure_default_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 

@@ -94,7 +94,7 @@ def _gguf_name(hf: str, gemma: bool) -> str | None:
 
 def smol_vocab(smol_gguf: Path) -> dict:
     """SmolLM2's tokenizer metadata (tokens, token types, merges) from its GGUF."""
-    from engine.models.gguf_file import GgufFile
+    from stencil.engine.models.gguf_file import GgufFile
 
     f = GgufFile(smol_gguf)
     return {k: f.metadata[f"tokenizer.ggml.{k}"] for k in ("tokens", "token_type", "merges")}

@@ -2,7 +2,7 @@
 GGUF files: gguf-py's ``gguf.quants.quantize`` implements the 32-weight types only, and
 llama.cpp's ``llama-quantize`` is not available in tests.
 
-Layouts as ``engine.models.kquants`` reads them (llama.cpp's ``ggml-common.h``). Scales are
+Layouts as ``stencil.engine.models.kquants`` reads them (llama.cpp's ``ggml-common.h``). Scales are
 chosen plainly (per sub-block the range over the code range, then the sub-block scales
 rounded to 6 bits, or to int8 for Q6_K), not with llama.cpp's error search: the tests need
 valid blocks with every field exercised, and compare against ``gguf.quants.dequantize`` of

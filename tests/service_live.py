@@ -8,8 +8,8 @@ import time
 
 import httpx
 
-from service.app import create_app
-from service.server import ServerRunner
+from stencil.service.app import create_app
+from stencil.service.server import ServerRunner
 
 
 class LiveServer:
@@ -21,7 +21,7 @@ class LiveServer:
     """
 
     def __init__(self, engine_config, service_config=None, grace_s: float = 5.0, limits=None):
-        self.limits = limits  # service.http_limits.ConnectionLimits; None: the defaults
+        self.limits = limits  # stencil.service.http_limits.ConnectionLimits; None: the defaults
         self.runner = ServerRunner()
         self.app = create_app(engine_config, service_config, on_engine_dead=self.runner.engine_dead)
         self.sock = socket.socket()

@@ -1,7 +1,7 @@
 """The architecture page names only what a fresh clone has.
 
 docs/architecture.md cites files (``engine/scheduler.py``) and dotted names
-(``service.generation.start``); each must resolve in the repository itself, so the page cannot
+(``stencil.service.generation.start``); each must resolve in the repository itself, so the page cannot
 silently go stale when a module moves. Pure text: nothing is imported.
 """
 
@@ -54,8 +54,8 @@ def unresolved(text: str) -> list[str]:
 
 
 def test_the_checker_catches_a_stale_reference():
-    text = "`engine/scheduler.py`, `engine.scheduler.Scheduler`, `engine/no_such.py`, `engine.scheduler.nothing`"
-    assert unresolved(text) == ["engine.scheduler.nothing", "engine/no_such.py"]
+    text = "`engine/scheduler.py`, `stencil.engine.scheduler.Scheduler`, `engine/no_such.py`, `stencil.engine.scheduler.nothing`"
+    assert unresolved(text) == ["stencil.engine.scheduler.nothing", "engine/no_such.py"]
 
 
 def test_architecture_names_only_what_exists():

@@ -20,7 +20,7 @@ def _modules() -> dict[str, Path]:
     mods = {}
     for pkg in PACKAGES:
         for path in (ROOT / pkg).rglob("*.py"):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            name = "stencil." + ".".join(path.relative_to(ROOT).with_suffix("").parts)
             mods[name.removesuffix(".__init__")] = path
     return mods
 
@@ -49,7 +49,7 @@ def _graph(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str, 
             elif node.level == 0 and node.module:
                 subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in mods]
                 targets = subs + ([node.module] if len(subs) < len(node.names) else [])
-                target_pkg = node.module if (ROOT / node.module.replace(".", "/")).is_dir() \
+                target_pkg = node.module if (ROOT / node.module.removeprefix("stencil.").replace(".", "/")).is_dir() \
                     else node.module.rpartition(".")[0]
                 private += [(mod, node.module, a.name) for a in node.names
                             if a.name.startswith("_") and not a.name.startswith("__") and target_pkg != own_pkg]
@@ -122,19 +122,19 @@ def test_no_private_names_imported_across_packages():
 def test_the_engine_reaches_grammar_through_its_structured_output_manager_only():
     """``engine/structured_output.py`` is the engine's one door to ``grammar/`` (docs/architecture.md)."""
     edges, _ = _graph(_modules())
-    doors = {m for m, targets in edges.items() if m.startswith("engine.")
-             and any(t == "grammar" or t.startswith("grammar.") for t in targets)}
-    assert doors == {"engine.structured_output"}
+    doors = {m for m, targets in edges.items() if m.startswith("stencil.engine.")
+             and any(t == "stencil.grammar" or t.startswith("stencil.grammar.") for t in targets)}
+    assert doors == {"stencil.engine.structured_output"}
 
 
 def test_both_engines_offer_every_member_of_the_engine_client():
-    """The service's one door to an engine (``service.engine_client.EngineClient``): the local
+    """The service's one door to an engine (``stencil.service.engine_client.EngineClient``): the local
     engine and the cluster's ingress both have every member (instance attributes aside)."""
     import inspect
 
-    from engine.async_engine import AsyncEngine
-    from service.cluster.cluster_engine import ClusterEngine
-    from service.engine_client import EngineClient
+    from stencil.engine.async_engine import AsyncEngine
+    from stencil.service.cluster.cluster_engine import ClusterEngine
+    from stencil.service.engine_client import EngineClient
 
     members = [n for n, v in vars(EngineClient).items()
                if not n.startswith("_") and (inspect.isfunction(v) or isinstance(v, property))]

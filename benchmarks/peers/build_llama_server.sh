@@ -7,7 +7,7 @@
 #                                                     # (`stencil bench rows`); prints its path
 #
 # It builds llama-quantize beside it (same bin/ folder): the reference quantizer that turns an
-# F16/F32 GGUF into k-quants for the GGUF benchmarks (`python -m benchmarks.gguf_models`).
+# F16/F32 GGUF into k-quants for the GGUF benchmarks (`python -m stencil.benchmarks.gguf_models`).
 #
 # Nothing of llama.cpp enters the repository: the sdist is fetched with pip (PyPI, the only
 # registry this machine reaches), unpacked and built under $PEERS_DIR (default

@@ -1,7 +1,7 @@
 """Stencil against llama.cpp's ``llama-server`` on the same GGUF, in one run, over HTTP.
 
 ``stencil bench peers [--model FILE.gguf] [--repeat 2] [--requests 64] [--concurrency 1,8,32] --json out/peers.json``
-(also ``.venv/bin/python -m benchmarks.peers.run ...``)
+(also ``.venv/bin/python -m stencil.benchmarks.peers.run ...``)
 
 1. Builds ``llama-server`` from the llama.cpp sources vendored in the ``llama-cpp-python``
    sdist (``benchmarks/peers/build_llama_server.sh``: pip download, cmake with the x86 options
@@ -394,7 +394,7 @@ def process_group_memory(pgid: int) -> dict:
 
 def default_gguf() -> Path:
     """The GGUF the default model is converted from (fetched on first use)."""
-    from engine.models.default_model import ensure_default_model
+    from stencil.engine.models.default_model import ensure_default_model
 
     ensure_default_model()
     cache = Path(os.environ.get("STENCIL_CACHE_DIR", Path.home() / ".cache" / "stencil"))
@@ -406,13 +406,13 @@ def choose_api(gguf: Path, api: str) -> str:
     a chat template (``tokenizer.chat_template``)."""
     if api != "auto":
         return api
-    from engine.models.gguf_config import read_gguf_info
+    from stencil.engine.models.gguf_config import read_gguf_info
 
     return "chat" if read_gguf_info(gguf).chat_template else "completions"
 
 
 def main(args: argparse.Namespace) -> int:
-    from benchmarks.serve import workload_jobs
+    from stencil.benchmarks.serve import workload_jobs
 
     gguf = (args.model or default_gguf()).resolve()
     if gguf.is_dir():
@@ -429,7 +429,7 @@ def main(args: argparse.Namespace) -> int:
     llama_cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(lport),
                  "--parallel", str(args.slots), "--threads", str(threads),
                  "--ctx-size", str(kv_tokens), "--no-webui", "--alias", gguf.stem]
-    stencil_cmd = [sys.executable, "-m", "service.cli", "serve", "--model", str(gguf),
+    stencil_cmd = [sys.executable, "-m", "stencil.service.cli", "serve", "--model", str(gguf),
                    "--host", "127.0.0.1", "--port", str(sport), "--log-level", "warning",
                    "--num-kv-blocks", str(-(-kv_tokens // 16)), "--max-num-seqs", str(args.slots),
                    *shlex.split(args.stencil_args)]
@@ -448,7 +448,7 @@ def main(args: argparse.Namespace) -> int:
             _wait_healthy(stencil_url + "/health", stencil, "stencil serve")
             for k in range(args.repeat):
                 out = args.json.parent / f"{args.json.stem}-serve-{k + 1}.json"
-                cmd = [sys.executable, "-m", "service.cli", "bench", "serve", "--workload", "person", "--api", api,
+                cmd = [sys.executable, "-m", "stencil.service.cli", "bench", "serve", "--workload", "person", "--api", api,
                        "--base-url", stencil_url, "--base-url", llama_url, "--requests", str(args.requests),
                        "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens), "--json", str(out)]
                 print(f"[peers] run {k + 1}/{args.repeat}: {shlex.join(cmd)}", flush=True)

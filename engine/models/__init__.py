@@ -4,9 +4,9 @@ the loaders (``loader``: HF safetensors directories and GGUF files; ``gguf_file`
 ``gguf_config``, ``gguf_weights``), tokenizers (``tokenizer``), and the model fetchers
 (``default_model``, ``pypi_gguf``)."""
 
-from engine.models.llama import DenseLinear, LlamaForCausalLM
-from engine.models.loader import load_model, load_weights
-from engine.models.architecture import SUPPORTED_MODEL_TYPES, LlamaSpec
+from stencil.engine.models.llama import DenseLinear, LlamaForCausalLM
+from stencil.engine.models.loader import load_model, load_weights
+from stencil.engine.models.architecture import SUPPORTED_MODEL_TYPES, LlamaSpec
 
 __all__ = ["DenseLinear", "LlamaForCausalLM", "LlamaSpec", "SUPPORTED_MODEL_TYPES", "load_model",
            "load_weights"]

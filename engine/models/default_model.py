@@ -13,7 +13,7 @@ Cache layout (``STENCIL_CACHE_DIR``, default ``~/.cache/stencil``)::
     <cache>/models/SmolLM2-135M-Instruct/   (config.json, model.safetensors, tokenizer files,
                                              stencil.json naming the GGUF for int4 serving)
 
-Run ``python -m engine.models.default_model`` (idempotent) to make sure it exists.
+Run ``python -m stencil.engine.models.default_model`` (idempotent) to make sure it exists.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def convert(gguf_file: Path, out_dir: Path) -> None:
 
 def record_gguf(model_dir: Path, gguf_file: Path) -> None:
     """Write ``stencil.json`` naming the GGUF a directory was converted from, so the loader can
-    serve its 4-bit blocks as they are (``engine.models.loader.find_gguf``)."""
+    serve its 4-bit blocks as they are (``stencil.engine.models.loader.find_gguf``)."""
     (model_dir / "stencil.json").write_text(json.dumps({"gguf_file": str(gguf_file.resolve())}) + "\n")
 
 

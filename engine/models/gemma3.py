@@ -1,6 +1,6 @@
 """Our forward for Gemma 3's text decoder (``gemma3`` GGUFs, transformers' ``gemma3_text``).
 
-What differs from the Llama family (``engine.models.llama``), as in transformers'
+What differs from the Llama family (``stencil.engine.models.llama``), as in transformers'
 ``modeling_gemma3`` and llama.cpp's ``gemma3`` graph:
 
 * RMSNorm multiplies by ``1 + w``. We hold ``1 + w`` itself as the norm's weight: that is what a
@@ -20,9 +20,9 @@ What differs from the Llama family (``engine.models.llama``), as in transformers
 * optional final logit soft-capping ``cap * tanh(logits / cap)`` (``final_logit_softcapping``;
   Gemma 3 ships without it). Attention-logit soft-capping (Gemma 2) is refused.
 
-A local layer's attention masks its window exactly in the backend (``kernels.attention_backend``).
+A local layer's attention masks its window exactly in the backend (``stencil.kernels.attention_backend``).
 Its KV cache holds only the window: the engine keeps the local layers in a KV cache group of their
-own (vLLM's hybrid KV cache allocator, llama.cpp's SWA cache: ``engine.kv_cache_manager``), whose
+own (vLLM's hybrid KV cache allocator, llama.cpp's SWA cache: ``stencil.engine.kv_cache_manager``), whose
 blocks are given back once they fall out of every later query's window, while the global layers
 keep every position. The local layers read that group's block tables through
 ``AttentionMetadata.for_window``. ``EngineConfig.hybrid_kv_cache=False`` keeps every position of
@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.llama import DenseEmbedding, DenseLinear, LlamaForCausalLM, _empty_param, rope_and_cache
-from engine.models.rope import RopeSpec, RopeTable
-from kernels import layer_ops
-from kernels.attention_backend import AttentionBackend, AttentionMetadata
+from stencil.engine.models.llama import DenseEmbedding, DenseLinear, LlamaForCausalLM, _empty_param, rope_and_cache
+from stencil.engine.models.rope import RopeSpec, RopeTable
+from stencil.kernels import layer_ops
+from stencil.kernels.attention_backend import AttentionBackend, AttentionMetadata
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_SLIDING_WINDOW_PATTERN = 6  # every 6th layer global: transformers' and llama.cpp's default
@@ -186,7 +186,7 @@ class GegluMLP(nn.Module):
         self.down_proj = DenseLinear(spec.intermediate_size, spec.hidden_size, False, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # gelu_tanh(gate) * up in one call (kernels.layer_ops.glu): the C decoder's bits
+        # gelu_tanh(gate) * up in one call (stencil.kernels.layer_ops.glu): the C decoder's bits
         return self.down_proj(layer_ops.glu(self.gate_up_proj(x), "gelu_tanh"))
 
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.models.gemma3 import (DEFAULT_LOCAL_ROPE_THETA, DEFAULT_SLIDING_WINDOW_PATTERN, FULL, SLIDING,
+from stencil.engine.models.gemma3 import (DEFAULT_LOCAL_ROPE_THETA, DEFAULT_SLIDING_WINDOW_PATTERN, FULL, SLIDING,
                                   Gemma3Spec, default_layer_types)
-from engine.models.gguf_file import GgufFile
-from engine.models.gguf_weights import DENSE_TYPES
-from engine.models.rope import RopeSpec
-from engine.models.architecture import LlamaSpec
+from stencil.engine.models.gguf_file import GgufFile
+from stencil.engine.models.gguf_weights import DENSE_TYPES
+from stencil.engine.models.rope import RopeSpec
+from stencil.engine.models.architecture import LlamaSpec
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 """``general.architecture`` values served (Mistral and SmolLM files are ``llama``)."""

@@ -16,7 +16,7 @@ Format (little-endian; version 2 and 3)::
 
 A string is ``u64 length`` + UTF-8 bytes. ``dims[0]`` is the innermost (contiguous) dimension.
 
-``GgufFile`` answers the calls ``engine.models.quant.int4_projections`` makes of a
+``GgufFile`` answers the calls ``stencil.engine.models.quant.int4_projections`` makes of a
 ``quant.GgufWeights`` (``architecture``, ``tensors``, ``qtype``, ``planes``, ``dequantized``,
 ``count``), so the int4 layers are built from it without a second, slow parse.
 """
@@ -175,27 +175,20 @@ class GgufFile:
 
     def planes(self, name: str):
         """Exact int4 planes of a Q4_0/Q4_1/Q8_0 matrix (``quant.planes_from_blocks``)."""
-        from engine.models.quant import planes_from_blocks
+        from stencil.engine.models.quant import planes_from_blocks
 
         t = self.tensors[name]
         return planes_from_blocks(np.asarray(t.data), t.tensor_type.name)
 
     def dequantized(self, name: str) -> torch.Tensor:
         """fp32 tensor in torch's shape order, decoded by ``gguf.quants.dequantize``."""
-        from engine.models.gguf_weights import dequantize_tensor
+        from stencil.engine.models.gguf_weights import dequantize_tensor
 
         return dequantize_tensor(self.tensors[name])
 
     def count(self, types: frozenset[str]) -> int:
         """How many tensors are of one of ``types`` (names like ``"Q4_1"``)."""
         return sum(t.tensor_type.name in types for t in self.tensors.values())
-
-    def type_counts(self) -> dict[str, int]:
-        """Tensor type name -> number of tensors of it."""
-        out: dict[str, int] = {}
-        for t in self.tensors.values():
-            out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
-        return out
 
 
 def _string(buf: memoryview, pos: int) -> tuple[str, int]:

@@ -1,7 +1,7 @@
 """Layers that keep a GGUF file's quantized tensors as they are: linear (projections, LM head)
 and embedding, built from a tensor's raw rows of blocks.
 
-The factory API (re-exported by ``engine.models.quant``):
+The factory API (re-exported by ``stencil.engine.models.quant``):
 
 * ``linear_from_gguf(qtype, raw, in_features, bias=None) -> QuantLinear``: ``raw`` is the
   tensor's data as ``gguf.GGUFReader`` gives it (uint8 ``[N, row_bytes]`` for a quantized type,
@@ -15,7 +15,7 @@ The factory API (re-exported by ``engine.models.quant``):
 * ``SUPPORTED_TYPES``; ``check_type(qtype)`` raises the ValueError that names an unsupported
   type and lists the supported ones.
 
-Kernel: ``kernels.ggml_blocks`` (``csrc/gguf_gemm.c``) reads the blocks in place, so a
+Kernel: ``stencil.kernels.ggml_blocks`` (``csrc/gguf_gemm.c``) reads the blocks in place, so a
 quantized matrix costs exactly its bytes in the file (the bytes are copied once at load, off
 the file's memory map; no repacking, no dense copy). Activations are quantized to two int8
 terms per group (32 inputs for the 32-weight types, 256 for the k-quants), multiplied exactly
@@ -26,7 +26,7 @@ batch and with any column subset (``forward_columns``). Error against the exact 
 + 2^-24 sum_k |x_k w_k|`` with ``e_k <= max|x| / 32512`` over ``k``'s activation group
 (``max|x| / 254`` with ``terms=1``, llama.cpp's activation arithmetic and half the integer work),
 ``x^`` the quantized activations, ``c, s, z`` the kernel's codes, scales and offsets
-(``kquants.units``) and ``X_j`` the sums of each 16 inputs; ``tests/test_kquants.py`` pins it.
+(``kquants.units``) and ``X_j`` the sums of each 16 inputs; ``tests/kernels/test_kquants.py`` pins it.
 
 Without the kernel (no C compiler, not x86-64, ``STENCIL_NATIVE=0``) the same modules run on
 torch: each forward dequantizes the weight in chunks of rows (``kquants.dequantize``, exact)
@@ -44,12 +44,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.models import kquants
-from kernels import ggml_blocks
+from stencil.engine.models import kquants
+from stencil.kernels import ggml_blocks
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 SUPPORTED_TYPES = frozenset(kquants.QUANT_TYPES | FLOAT_TYPES)
-_COLUMN_BLOCK = 64  # = engine.models.quant.COLUMN_BLOCK (the LM head's column blocks)
+_COLUMN_BLOCK = 64  # = stencil.engine.models.quant.COLUMN_BLOCK (the LM head's column blocks)
 _FALLBACK_ROWS = 1024  # weight rows dequantized at once on the torch path
 
 
@@ -93,7 +93,7 @@ class QuantLinear(nn.Module):
         parts: ``(qtype, data)`` per stacked weight, ``data`` as ``_as_data`` returns it.
         in_features: ``K``.
         bias: fp32 ``[out_features]`` or None.
-        native: use ``kernels.ggml_blocks`` (True), torch (False), or the kernel where it runs
+        native: use ``stencil.kernels.ggml_blocks`` (True), torch (False), or the kernel where it runs
             (None).
         terms: int8 terms per activation, 2 (default: error at most a group's max / 32512) or 1
             (max / 254, llama.cpp's activation arithmetic, for half the integer work: on a CPU

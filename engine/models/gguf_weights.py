@@ -54,7 +54,7 @@ def dequantize_tensor(tensor) -> torch.Tensor:
 
     The one place a quantized GGUF tensor becomes dense: ``gguf.quants.dequantize`` (gguf-py's
     numpy decoders of ggml's block formats). Until native k-quant layers land
-    (``engine.models.quant``'s ``linear_from_gguf`` / ``embedding_from_gguf`` factory), Q4_K, Q5_K,
+    (``stencil.engine.models.quant``'s ``linear_from_gguf`` / ``embedding_from_gguf`` factory), Q4_K, Q5_K,
     Q6_K and the other types outside ``quant.INT4_TYPES`` are served dense through here: swap the
     callers of this function for that factory to keep them quantized.
 
@@ -106,7 +106,7 @@ def quantized_modules(gguf, spec, *, embedding: bool = True, route=None, terms: 
     Raises:
         KeyError: a tensor the architecture needs is missing (named).
     """
-    from engine.models.kernel_policy import BLOCK_TERMS, layer_kind
+    from stencil.engine.models.kernel_policy import BLOCK_TERMS, layer_kind
 
     terms = BLOCK_TERMS if terms is None else terms
     out: dict[str, nn.Module] = {}
@@ -123,8 +123,8 @@ def quantized_modules(gguf, spec, *, embedding: bool = True, route=None, terms: 
             orders = [qk_order(t, gguf.tensors[n], spec) if permute else None for t, n in zip(theirs, names)]
             biases = [_bias(gguf, f"blk.{i}.{t}.bias", o) for t, o in zip(theirs, orders)]
             out[f"layers.{i}.{ours}"] = _layer(kind, [gguf.tensors[n] for n in names], orders, biases, route, terms)
-    from engine.models.gguf_layers import embedding_from_gguf, tied_lm_head
-    from engine.models.kernel_policy import BLOCK_TYPES
+    from stencil.engine.models.gguf_layers import embedding_from_gguf, tied_lm_head
+    from stencil.engine.models.kernel_policy import BLOCK_TYPES
 
     emb = gguf.tensors.get("token_embd.weight")
     if emb is None:
@@ -135,7 +135,7 @@ def quantized_modules(gguf, spec, *, embedding: bool = True, route=None, terms: 
         # a tied Q8_0 head on the VNNI kernel: the embedding reads its rows from the packed head
         out["lm_head"] = _layer(kind, [head], [None], [None], None, terms)
         if embedding and getattr(out["lm_head"].native, "holds_q8_rows", False):
-            from engine.models.quant import HeadEmbedding
+            from stencil.engine.models.quant import HeadEmbedding
 
             out["embed_tokens"] = HeadEmbedding(out["lm_head"])
             return out
@@ -151,7 +151,7 @@ def quantized_modules(gguf, spec, *, embedding: bool = True, route=None, terms: 
 def qk_order(kind: str, tensor, spec) -> torch.Tensor | None:
     """For the ``llama`` architecture's ``attn_q`` / ``attn_k``: the row order that undoes
     llama.cpp's Q/K permutation (``quant.qk_row_order``); None for other tensors."""
-    from engine.models.quant import qk_row_order
+    from stencil.engine.models.quant import qk_row_order
 
     heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads}.get(kind)
     return None if heads is None else qk_row_order(_rows(tensor), heads)
@@ -172,7 +172,7 @@ def _layer(kind: str, tensors: list, orders: list, biases: list, route, terms: i
     """One (fused) layer over GGUF tensors, rows reordered by ``orders`` (None: as stored),
     with per-part fp32 biases (None: zeros)."""
     if kind == "int4":
-        from engine.models.quant import Int4Linear, concat_planes, permute_rows, planes_from_blocks
+        from stencil.engine.models.quant import Int4Linear, concat_planes, permute_rows, planes_from_blocks
 
         planes = [planes_from_blocks(np.asarray(t.data), t.tensor_type.name) for t in tensors]
         planes = [p if o is None else permute_rows(p, o) for p, o in zip(planes, orders)]
@@ -180,7 +180,7 @@ def _layer(kind: str, tensors: list, orders: list, biases: list, route, terms: i
         if any(b is not None for b in biases):
             bias = torch.cat([b if b is not None else torch.zeros(p.shape[0]) for b, p in zip(biases, planes)])
         return Int4Linear(planes[0] if len(planes) == 1 else concat_planes(planes), bias, route=route)
-    from engine.models.gguf_layers import fuse, linear_from_gguf
+    from stencil.engine.models.gguf_layers import fuse, linear_from_gguf
 
     layers = []
     for t, o, b in zip(tensors, orders, biases):
@@ -235,7 +235,7 @@ def load_gguf_weights(model: nn.Module, gguf, *, device: torch.device | str | No
         KeyError: a tensor the architecture needs is missing from the file (named).
         ValueError: a tensor's shape does not match the architecture, or its type is unsupported.
     """
-    from engine.models.quant import qk_row_order
+    from stencil.engine.models.quant import qk_row_order
 
     spec = model.spec
     target = torch.device(device) if device is not None else None

@@ -3,7 +3,7 @@
 A projection (one GGUF tensor, or the stacked q/k/v or gate/up tensors of a fused one), or an
 LM head, is served by ``layer_kind(types)``:
 
-1. ``"int4"``: every part is Q4_0, Q4_1 or Q8_0, ``kernels.native`` builds here (x86 with
+1. ``"int4"``: every part is Q4_0, Q4_1 or Q8_0, ``stencil.kernels.native`` builds here (x86 with
    AVX512-BF16) and the block kernel is not asked for one activation term (``terms=1``, llama.cpp's
    arithmetic, which only ``csrc/gguf_gemm.c`` does): ``quant.Int4Linear`` on ``csrc/vnni_gemm.c`` (AVX512-VNNI) or
    ``csrc/int4_gemm.c``. These kernels were measured on this project's AVX512 Xeons against
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.models.gguf_layers import FLOAT_TYPES
-from kernels import ggml_blocks, native
+from stencil.engine.models.gguf_layers import FLOAT_TYPES
+from stencil.kernels import ggml_blocks, native
 
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})  # = quant.INT4_TYPES
 BLOCK_TYPES = frozenset(ggml_blocks.BLOCKS)

@@ -20,7 +20,7 @@ one weight row:
   ``w = (d sc) (q - 32)``.
 
 ``dequantize`` performs gguf-py's ``gguf.quants.dequantize`` fp32 operations in the same
-order, so it gives the same bits (pinned by ``tests/test_kquants.py``). ``units`` gives the
+order, so it gives the same bits (pinned by ``tests/kernels/test_kquants.py``). ``units`` gives the
 form the native kernel (``kernels/csrc/gguf_gemm.c``) multiplies by: codes and, per 16 weights,
 a scale and an offset, ``w = code * scale + offset`` exactly.
 """

@@ -1,7 +1,7 @@
 """Our forward for the Llama family: Llama / SmolLM / Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
 
 One flat batch of tokens with no padding goes through the decoder; attention reads and writes
-a paged KV cache through an ``AttentionBackend`` (``kernels.attention_backend``). Q, K and V come from one
+a paged KV cache through an ``AttentionBackend`` (``stencil.kernels.attention_backend``). Q, K and V come from one
 fused projection and the MLP's gate and up from another, so a decode step runs two matmuls
 where transformers runs five.
 
@@ -24,12 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.rope import RopeSpec, RopeTable
-from engine.models.architecture import LlamaSpec
-from engine.models.native_decoder import DecoderPlan, plan_key
-from kernels import layer_ops
-from kernels.attention_backend import AttentionBackend, AttentionMetadata
-from kernels.layer_ops import apply_rope
+from stencil.engine.models.rope import RopeSpec, RopeTable
+from stencil.engine.models.architecture import LlamaSpec
+from stencil.engine.models.native_decoder import DecoderPlan, plan_key
+from stencil.kernels import layer_ops
+from stencil.kernels.attention_backend import AttentionBackend, AttentionMetadata
+from stencil.kernels.layer_ops import apply_rope
 
 
 class DenseLinear(nn.Module):
@@ -78,7 +78,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One call (native on CPU: kernels.layer_ops.rms_norm); the same products as below.
+            # One call (native on CPU: stencil.kernels.layer_ops.rms_norm); the same products as below.
             return layer_ops.rms_norm(x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -86,11 +86,11 @@ class RMSNorm(nn.Module):
 
 FLAT_CACHE_BACKENDS = ("cpu", "torch")
 """Attention backends whose KV cache is the flat ``[slot, kv_heads, head_dim]`` layout that
-``kernels.layer_ops.rope_and_cache`` writes itself (one native call for RoPE and the write)."""
+``stencil.kernels.layer_ops.rope_and_cache`` writes itself (one native call for RoPE and the write)."""
 
 
 def rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
-    """RoPE on q and k, k and v into the cache (``kernels.layer_ops.rope_and_cache``, natively
+    """RoPE on q and k, k and v into the cache (``stencil.kernels.layer_ops.rope_and_cache``, natively
     for the flat-cache backends); the rotated q ``[T, heads, head_dim]``."""
     return layer_ops.rope_and_cache(q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, backend.reshape_and_cache,
                                     flat_cache=backend.name in FLAT_CACHE_BACKENDS)
@@ -101,7 +101,7 @@ class Attention(nn.Module):
     backend attention, output projection. ``[T, hidden] -> [T, hidden]``.
 
     ``window``: the layer's sliding window (tokens; None: full causal attention), masked by the
-    backend exactly (``kernels.attention_backend``)."""
+    backend exactly (``stencil.kernels.attention_backend``)."""
 
     def __init__(self, spec: LlamaSpec, *, dtype: torch.dtype, device: torch.device,
                  window: int | None = None) -> None:
@@ -148,7 +148,7 @@ class MLP(nn.Module):
         self.down_proj = DenseLinear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        # silu(gate) * up in one call (kernels.layer_ops.glu): the C decoder's bits
+        # silu(gate) * up in one call (stencil.kernels.layer_ops.glu): the C decoder's bits
         return self.down_proj(layer_ops.glu(self.gate_up_proj(x), "silu"))
 
 
@@ -173,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
     """The decoder stack plus the LM head, over a flat token batch and a paged KV cache.
 
     Parameters are created uninitialised (on ``device="meta"``: without memory); fill them
-    with ``engine.models.loader``, which builds on meta and places weights as it reads them.
+    with ``stencil.engine.models.loader``, which builds on meta and places weights as it reads them.
     Parameter
     names: ``embed_tokens.weight``, ``layers.{i}.input_norm.weight``,
     ``layers.{i}.attn.qkv_proj.{weight,bias}`` (rows: q, then k, then v),
@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
                 yield f"layers.{i}.{name}", layer.get_submodule(name)
 
     def decoder_plan(self, kv_caches, backend):
-        """The C decoder's plan for these caches and backend (``engine.models.native_decoder``),
+        """The C decoder's plan for these caches and backend (``stencil.engine.models.native_decoder``),
         built on first use; None where the model, its weights or the backend are not what the
         C decoder runs (the torch-driven layers then run, with the same bits). Call
         ``drop_decoder_plan`` after replacing a layer or a weight tensor."""

@@ -5,12 +5,12 @@ From a GGUF (``load_gguf_model``), everything comes from the file: the architect
 metadata (``gguf_config``), the weights from its tensors (``gguf_weights``): on CPU every
 quantized matrix stays quantized, the kernel chosen by ``kernel_policy.layer_kind``:
 
-* Q4_0/Q4_1/Q8_0 projections (and LM head) on a CPU where ``kernels.native`` builds (x86 with
+* Q4_0/Q4_1/Q8_0 projections (and LM head) on a CPU where ``stencil.kernels.native`` builds (x86 with
   AVX512-BF16): int4 planes on its VNNI / bf16 kernels, measured faster than torch's there
   (the default model's greedy outputs on such machines are those of before);
 * every other quantized matrix, and those types on any other CPU (AVX2 only, as this project's
   AMD EPYC machines): the file's own blocks, read in place by ``csrc/gguf_gemm.c``
-  (``kernels.ggml_blocks``) with two int8 terms per activation (``kernel_policy.BLOCK_TERMS``);
+  (``stencil.kernels.ggml_blocks``) with two int8 terms per activation (``kernel_policy.BLOCK_TERMS``);
 * the embedding as a ``QuantEmbedding`` and a tied LM head over the same bytes.
 
 Everything else (norms, float matrices) is decoded to ``dtype``.
@@ -25,7 +25,7 @@ With ``weights="int4"`` the projections and LM head are instead built from the m
 file by the same rule (int4 planes where the AVX512 kernels build, else the blocks as they are),
 and only the rest (embedding, norms, float tensors) is read from the safetensors. The GGUF is
 named by ``gguf_file=``, else by ``stencil.json``'s ``"gguf_file"`` in the model directory
-(written by ``engine.models.default_model``), else it is the one ``*.gguf`` in the directory.
+(written by ``stencil.engine.models.default_model``), else it is the one ``*.gguf`` in the directory.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.models.llama import LlamaForCausalLM
-from engine.models.source import resolve_model_path
-from engine.models.architecture import LlamaSpec
+from stencil.engine.models.llama import LlamaForCausalLM
+from stencil.engine.models.source import resolve_model_path
+from stencil.engine.models.architecture import LlamaSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 META_FILE = "stencil.json"  # our notes next to a converted model: {"gguf_file": path}
@@ -95,7 +95,7 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
     model = build_model(spec, dtype=dtype, device="meta")
     if kind == "int4":
         # Before load_weights: int4 layers hold no parameters.
-        from engine.models.gguf_file import GgufFile
+        from stencil.engine.models.gguf_file import GgufFile
 
         _install_int4(model, GgufFile(gguf_path), _prompt_route(prompt_weights), block_terms)
     with ExitStack() as stack:
@@ -114,8 +114,8 @@ def check_model(path: Path | str) -> str:
         UnsupportedModelError: an architecture, tensor type or setting Stencil lacks, or a
             file that is no readable GGUF; the message is one line naming it and what is supported.
     """
-    from engine.models.gguf_config import UnsupportedModelError, read_gguf_info
-    from engine.models.gguf_file import GgufFormatError
+    from stencil.engine.models.gguf_config import UnsupportedModelError, read_gguf_info
+    from stencil.engine.models.gguf_file import GgufFormatError
 
     source = resolve_model_path(path)
     if source.kind == "gguf":
@@ -142,7 +142,7 @@ def spec_from_hf_config(hf_config):
         ValueError: an unsupported ``model_type`` (names it and the supported ones).
     """
     if getattr(hf_config, "model_type", None) == "gemma3_text":
-        from engine.models.gemma3 import Gemma3Spec
+        from stencil.engine.models.gemma3 import Gemma3Spec
 
         return Gemma3Spec.from_hf_config(hf_config)
     return LlamaSpec.from_hf_config(hf_config)
@@ -152,7 +152,7 @@ def build_model(spec, *, dtype: torch.dtype, device: torch.device | str):
     """The model class of ``spec`` (``Gemma3ForCausalLM`` for a ``Gemma3Spec``, else
     ``LlamaForCausalLM``), built with uninitialised parameters."""
     if spec.model_type == "gemma3":
-        from engine.models.gemma3 import Gemma3ForCausalLM
+        from stencil.engine.models.gemma3 import Gemma3ForCausalLM
 
         return Gemma3ForCausalLM(spec, dtype=dtype, device=device)
     return LlamaForCausalLM(spec, dtype=dtype, device=device)
@@ -185,10 +185,10 @@ def load_gguf_model(path: Path | str, *, dtype: torch.dtype = torch.float32, dev
         KeyError: a tensor or metadata key the architecture needs is missing.
         ValueError: bad ``weights``, or quantized weights on a device other than CPU.
     """
-    from engine.models.gguf_config import read_gguf_info
-    from engine.models.gguf_file import GgufFile
-    from engine.models.gguf_weights import install, load_gguf_weights, quantized_modules
-    from engine.models.kernel_policy import BLOCK_TYPES
+    from stencil.engine.models.gguf_config import read_gguf_info
+    from stencil.engine.models.gguf_file import GgufFile
+    from stencil.engine.models.gguf_weights import install, load_gguf_weights, quantized_modules
+    from stencil.engine.models.kernel_policy import BLOCK_TYPES
 
     if weights not in ("auto", "fp32", "int4"):
         raise ValueError(f"weights must be auto, fp32 or int4, got {weights!r}")
@@ -249,13 +249,13 @@ def resolve_weights(weights: str, model_dir: Path | str, device: torch.device | 
         return "int4", path
     if not on_cpu or path is None or not path.is_file():
         return "fp32", None
-    from engine.models.gguf_file import GgufFile
+    from stencil.engine.models.gguf_file import GgufFile
 
     return ("int4", path) if GgufFile(path).count(_Q4) else ("fp32", None)
 
 
 def _prompt_route(prompt_weights: str):
-    from engine.models.quant import RowRoute
+    from stencil.engine.models.quant import RowRoute
 
     if prompt_weights not in ("auto", "bf16", "int4"):
         raise ValueError(f"prompt_weights must be auto, bf16 or int4, got {prompt_weights!r}")
@@ -278,7 +278,7 @@ def _install_int4(model: LlamaForCausalLM, gguf, route=None, terms: int | None =
     One LM-head kernel for every row count: a dense bf16 copy is faster past ~4 rows, but
     switching kernels by row count changes a request's logits with the batch around it (up to
     0.08 here), and greedy outputs must not depend on batching or speculation."""
-    from engine.models.gguf_weights import install, quantized_modules
+    from stencil.engine.models.gguf_weights import install, quantized_modules
 
     install(model, quantized_modules(gguf, model.spec, embedding=False, route=route, terms=terms))
     model.row_route = route
@@ -316,7 +316,7 @@ def load_weights(model: LlamaForCausalLM, get: Callable[[str], torch.Tensor], *,
 def _hf_tensor(name: str, get: Callable[[str], torch.Tensor], model_type: str = "llama") -> torch.Tensor:
     """The HF tensor(s) behind our parameter ``name``, fused where we fuse."""
     if model_type == "gemma3":
-        from engine.models.gemma3 import hf_tensor
+        from stencil.engine.models.gemma3 import hf_tensor
 
         return hf_tensor(name, get)
     if name == "lm_head.weight":

@@ -15,7 +15,7 @@ model is not one the C decoder runs:
 
 Both paths call the same kernels in the same order with the same arithmetic between them (fp32
 additions, ``layer_ops.glu`` for the gated activation): each row gets the same bits either way,
-so a greedy output never depends on which one ran (``tests/test_native_decoder.py`` compares
+so a greedy output never depends on which one ran (``tests/engine/test_native_decoder.py`` compares
 them bit for bit on every supported architecture and weight kind). The decode steps with and
 without it: README, "The model the user brings".
 
@@ -34,9 +34,9 @@ import os
 
 import torch
 
-from kernels import decoder as C
-from kernels import ggml_blocks, native
-from kernels.attention_backend import AttentionMetadata
+from stencil.kernels import decoder as C
+from stencil.kernels import ggml_blocks, native
+from stencil.kernels.attention_backend import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,8 @@ def _norm(module, keep: list) -> int:
 
 def _linear(out: C.Linear, module, pointers: dict, keep: list, name: str) -> None:
     """Fill ``out`` from an ``Int4Linear`` (VNNI-packed) or a native ``QuantLinear``."""
-    from engine.models.gguf_layers import FLOAT_TYPES, QuantLinear
-    from engine.models.quant import Int4Linear
+    from stencil.engine.models.gguf_layers import FLOAT_TYPES, QuantLinear
+    from stencil.engine.models.quant import Int4Linear
 
     bias = getattr(module, "bias", None)
     if bias is not None:

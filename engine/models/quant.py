@@ -2,7 +2,7 @@
 
 (This module's int4 planes serve the HF-directory models' ``--weights int4``. For GGUF-native
 loading, every supported block type kept as the file's bytes, it re-exports the factory API of
-``engine.models.gguf_layers``: ``linear_from_gguf``, ``fuse``, ``embedding_from_gguf``,
+``stencil.engine.models.gguf_layers``: ``linear_from_gguf``, ``fuse``, ``embedding_from_gguf``,
 ``tied_lm_head``, ``SUPPORTED_TYPES``, ``check_type``.)
 
 Formats (ggml's ``ggml-common.h``; gguf-py's ``gguf.quants`` decodes them the same way), each
@@ -14,7 +14,7 @@ block holds 32 consecutive weights of one row, ``d`` and ``m`` are fp16:
 
 torch's CPU kernel ``aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)``
 dequantizes each group of 32 input features as ``(c - 8) * scale + zero`` (checked empirically
-with unit and identity inputs, and pinned by ``tests/test_quant.py``), ``c`` in ``0..15``,
+with unit and identity inputs, and pinned by ``tests/engine/test_quant.py``), ``c`` in ``0..15``,
 ``scales_and_zeros[g, n] = (scale, zero)`` ``[K / 32, N, 2]``. So, with ``c = q``:
 
 * ``Q4_0``: ``scale = d``, ``zero = 0``;
@@ -34,16 +34,16 @@ fp32). That bf16 rounding of activations, scales/zeros and outputs is the only d
 fp32 layers built on ``gguf.quants.dequantize``.
 
 Where it builds (x86 with AVX512-BF16 and a C compiler), output rows go through Stencil's own
-kernel instead (``kernels.native.PackedInt4``, ``kernels/csrc/int4_gemm.c``): the codes become
+kernel instead (``stencil.kernels.native.PackedInt4``, ``kernels/csrc/int4_gemm.c``): the codes become
 exact bf16 integers ``c - 8``, VDPBF16PS multiplies them into every row of the step, and each
 group's fp32 scale and zero are applied once per 32 inputs. Only the activations are rounded
 (to bf16); everything else is fp32 arithmetic in a fixed order, so the error is that of an
-fp32 dot product, ``|y - x_bf16 @ W.T| <= (K + 4) 2^-24 A`` (pinned by ``tests/test_quant.py``),
+fp32 dot product, ``|y - x_bf16 @ W.T| <= (K + 4) 2^-24 A`` (pinned by ``tests/engine/test_quant.py``),
 and a row's result never depends on the batch. It is about twice as fast as torch's kernel at
 any row count on SmolLM2's shapes (576 -> 1536: 1 row 14 vs 25 us, 20 rows 102 vs 206 us),
 because torch's multiplies 4 rows at a time with fp32 FMAs.
 
-Where the CPU also has AVX512-VNNI, ``kernels.native`` multiplies with int8 activations instead
+Where the CPU also has AVX512-VNNI, ``stencil.kernels.native`` multiplies with int8 activations instead
 (``kernels/csrc/vnni_gemm.c``): each row's fp32 activations become two int8 terms per group of
 32 (error at most the group's max / 32512), multiplied by the codes exactly in int32, then
 scaled in fp32 in a fixed order. It is again batch-invariant, 1.5-2.7x faster than the bf16
@@ -179,7 +179,7 @@ class RowRoute:
     token's computation independent of the batch around it: a prompt token always goes through
     the dense copy, an output token (decoded, forced, draft, or re-read after preemption)
     always through int4. The int4 kernels give each row the same bits at any row count (pinned
-    by ``tests/test_quant.py``); oneDNN's dense bf16 GEMM does only within one of its kernels
+    by ``tests/engine/test_quant.py``); oneDNN's dense bf16 GEMM does only within one of its kernels
     (on an AMX Xeon, 576 -> 3072 with 33 rows or more takes another kernel than with fewer), so
     a prompt read in chunks can differ in low bits from one read whole: the route is taken only
     on request (``prompt_weights="bf16"``), never by default.
@@ -223,7 +223,7 @@ class Int4Linear(nn.Module):
         bias: fp32 ``[out_features]`` or None.
         route: also keep ``W`` dense in bf16 (decoded in fp32 from the planes, then rounded)
             and run the rows ``route`` marks as prompt rows through it (see ``RowRoute``).
-        native: use ``kernels.native`` (True), torch's kernel (False), or the native one when
+        native: use ``stencil.kernels.native`` (True), torch's kernel (False), or the native one when
             it is available (None). One model uses one kernel for all its output rows.
 
     Raises:
@@ -233,7 +233,7 @@ class Int4Linear(nn.Module):
     def __init__(self, planes: Int4Planes, bias: torch.Tensor | None = None, *,
                  route: RowRoute | None = None, native: bool | None = None) -> None:
         super().__init__()
-        from kernels import native as native_kernels
+        from stencil.kernels import native as native_kernels
 
         self.route = route
         self.dense = None if route is None else planes.dequantize().to(torch.bfloat16)
@@ -494,7 +494,7 @@ __all__ = ["HeadEmbedding", "GROUP", "INT4_TYPES", "GgufWeights", "Int4Linear", 
 
 # The GGUF-native factory API (any supported block type, blocks kept as they are): see
 # engine/models/gguf_layers.py. Imported last: that module needs nothing from this one.
-from engine.models.gguf_layers import (  # noqa: E402
+from stencil.engine.models.gguf_layers import (  # noqa: E402
     SUPPORTED_TYPES, QuantEmbedding, QuantLinear, check_type, embedding_from_gguf, fuse, linear_from_gguf,
     tied_lm_head)
 

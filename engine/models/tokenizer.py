@@ -8,7 +8,7 @@ SentencePiece-style BPE with byte fallback, merges rebuilt from the vocabulary; 
 special, user-defined ones added), wrapped in transformers' ``TokenizersBackend``. We take
 transformers' converter rather than writing one because it is the conversion transformers
 applies when it loads the file, so prompts tokenize as in the reference we test against
-(``tests/test_gguf_models.py`` compares the two), and the result is the fast tokenizer the
+(``tests/engine/test_gguf_models.py`` compares the two), and the result is the fast tokenizer the
 grammar, detokenizer and drafter already read. We call the builders directly rather than
 ``AutoTokenizer.from_pretrained(dir, gguf_file=...)``, which also reads the model config
 through ``gguf.GGUFReader`` (45 s of its 70 s at Gemma 3's 262,144 tokens here) only to pick
@@ -33,9 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.models.default_model import cache_dir
-from engine.models.gguf_file import GgufFile
-from engine.models.source import resolve_model_path
+from stencil.engine.models.default_model import cache_dir
+from stencil.engine.models.gguf_file import GgufFile
+from stencil.engine.models.source import resolve_model_path
 
 log = logging.getLogger(__name__)
 

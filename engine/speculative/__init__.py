@@ -12,14 +12,14 @@
 - ``row_cost``: ``decoder_row_ms``, what one more row costs the model's projections (the
   floor of a draft row's price).
 
-Verification (greedy argmax or rejection sampling) lives in ``engine.sampler``.
+Verification (greedy argmax or rejection sampling) lives in ``stencil.engine.sampler``.
 """
 
-from engine.speculative.spec_config import SpecConfig
-from engine.speculative.drafter import DraftBudget, Drafter, Drafts
-from engine.speculative.goodput import DraftPlan, Goodput, StepShape
-from engine.speculative.splits import TokenSplits
-from engine.speculative.spec_state import Acceptance, SpecState
+from stencil.engine.speculative.spec_config import SpecConfig
+from stencil.engine.speculative.drafter import DraftBudget, Drafter, Drafts
+from stencil.engine.speculative.goodput import DraftPlan, Goodput, StepShape
+from stencil.engine.speculative.splits import TokenSplits
+from stencil.engine.speculative.spec_state import Acceptance, SpecState
 
 __all__ = ["Acceptance", "DraftBudget", "DraftPlan", "Drafter", "Drafts", "Goodput", "SpecConfig", "SpecState",
            "StepShape", "TokenSplits"]

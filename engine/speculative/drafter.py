@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from engine.speculative.layout import JsonLayout, position
-from engine.speculative.lookup import propose_ngram, propose_text, propose_value, span_end
-from engine.speculative.splits import TokenSplits
-from engine.speculative.spec_state import SpecState
+from stencil.engine.speculative.layout import JsonLayout, position
+from stencil.engine.speculative.lookup import propose_ngram, propose_text, propose_value, span_end
+from stencil.engine.speculative.splits import TokenSplits
+from stencil.engine.speculative.spec_state import SpecState
 
 if TYPE_CHECKING:
-    from engine.request import Request
-    from engine.scheduler import SchedulerOutput
+    from stencil.engine.request import Request
+    from stencil.engine.scheduler import SchedulerOutput
 
 _JSON_PUNCT = frozenset('"{}[]:, ')
 _CLOSERS = ('"', ",", "}")  # what may end a value copied into JSON: a string, a number
@@ -36,7 +36,7 @@ class DraftBudget:
 
     Attributes:
         threshold: least chance of acceptance at which a draft is worth its row
-            (``engine.speculative.goodput.Goodput.threshold``; 0: every draft is). Applies to
+            (``stencil.engine.speculative.goodput.Goodput.threshold``; 0: every draft is). Applies to
             requests whose settings are ``cost_aware``.
         tile: rows the model's matmul kernel multiplies together (1: no tiles); a request's
             ``row_tile`` setting overrides it.
@@ -230,7 +230,7 @@ class Drafter:
         """``draft`` and the text the grammar forces after it, carried on across free whitespace.
 
         Where the grammar leaves whitespace free (``whitespace="flexible"`` JSON), it forces
-        nothing at a separator; there the answer's own layout (``engine.speculative.layout``: a line
+        nothing at a separator; there the answer's own layout (``stencil.engine.speculative.layout``: a line
         break and the indent, a space after the colon, as ``written`` shows them) is guessed,
         and past it the forcing goes on (``",\n  \"age\": "`` instead of ``","``); after a
         value, the one structural character the grammar allows next (a comma, or a closer

@@ -8,7 +8,7 @@ rests on outcomes, measured online:
 
 - **Baseline.** Decode steps without drafting (a one-step probe every 4 to 48 drafting steps,
   often where the gain is small and a probe costs little, rarely where it is large; every step
-  while drafting is off) are the plain steps (``engine.speculative.plain_steps``).
+  while drafting is off) are the plain steps (``stencil.engine.speculative.plain_steps``).
 - **Outcome, judged near in time.** A drafting step made ``tokens`` tokens in ``ms``; plain
   decoding would have made ``tokens - accepted`` in the time of a plain step, so the same
   tokens would have taken ``plain * tokens / (tokens - accepted)`` ms. ``plain`` is the mean
@@ -30,7 +30,7 @@ rests on outcomes, measured online:
   re-measures before it decides; while drafting is off, the change starts a trial at once.
 - **Price.** The time of a drafting step above its nearest plain steps, fitted against its
   draft rows, is what one draft row costs. It never goes below ``row_floor_ms``, what one more
-  row costs the model's own projections on this machine (``engine.speculative.row_cost``), so it can
+  row costs the model's own projections on this machine (``stencil.engine.speculative.row_cost``), so it can
   never read drafts as free. Over the time a plain step spends per token it is the least
   chance of acceptance at which a draft pays (``threshold``). The proposer applies it per
   request and per draft position (the j-th draft of a request whose drafts are accepted with
@@ -52,8 +52,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.speculative.fit import LinearFit
-from engine.speculative.plain_steps import PlainStep, PlainSteps
+from stencil.engine.speculative.fit import LinearFit
+from stencil.engine.speculative.plain_steps import PlainStep, PlainSteps
 
 __all__ = ["DraftPlan", "Goodput", "LinearFit", "StepShape"]
 
@@ -125,7 +125,7 @@ class Goodput:
             row, before the price applies.
         gain_decay / baseline_decay / price_decay: weight the past keeps at each step.
         window: priced drafting steps the gain is measured over.
-        row_floor_ms: least price of a draft row (ms; ``engine.speculative.row_cost``); None until
+        row_floor_ms: least price of a draft row (ms; ``stencil.engine.speculative.row_cost``); None until
             measured (the engine measures it before the first drafting step), 0 for none.
         change / confirm: a plain step this many times slower or faster than the recent median
             is suspect; this many in a row are a change of speed (``PlainSteps``).

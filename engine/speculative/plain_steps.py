@@ -21,7 +21,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from engine.speculative.fit import LinearFit
+from stencil.engine.speculative.fit import LinearFit
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class PlainSteps:
         change: ratio to that median at which a step is suspect (slower or faster).
         confirm: suspect steps in a row, all one way, that make a change of speed. Four: under
             step times off by a lognormal factor of sigma 0.35 (the noisy test of
-            ``tests/test_spec_decode.py``) one step in eight is 1.5x off the median, and three
+            ``tests/engine/test_spec_decode.py``) one step in eight is 1.5x off the median, and three
             in a row made 6-10 false changes in 1000 steps; four make 0-4.
         horizon: most decode steps between a drafting step and a plain step it is judged by.
         nearest: plain steps a drafting step is judged by (fewer where fewer are near).

@@ -1,6 +1,6 @@
 """What one more row costs the model's own kernels on this machine: the floor of a draft row's price.
 
-The goodput switch (``engine.speculative.goodput``) prices a draft row from step times: a drafting
+The goodput switch (``stencil.engine.speculative.goodput``) prices a draft row from step times: a drafting
 step's time above the plain steps near it, fitted against its draft rows. On a shared machine
 that fit can read zero (noise makes more rows look no dearer), and a price of zero lets every
 draft through however unlikely (issue 35: ``draft_row_ms`` 0.0 while drafting steps took twice
@@ -31,7 +31,7 @@ def decoder_row_ms(model, *, small: int = 4, large: int = 16, pairs: int = 5) ->
 
     Args:
         model: a model with ``linear_layers()`` yielding ``(name, module)`` per projection
-            (``engine.models.llama.LlamaForCausalLM``), each module taking ``[N, in_features]``
+            (``stencil.engine.models.llama.LlamaForCausalLM``), each module taking ``[N, in_features]``
             activations in ``model.dtype``.
         small / large: rows of the two batches timed (``large > small >= 1``).
         pairs: interleaved (small, large) timings; the median difference counts.

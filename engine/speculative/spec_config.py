@@ -27,13 +27,13 @@ class SpecConfig:
         max_draft_tokens_per_step: rows one step may spend on drafts, less the step's other
             rows beyond the first (a decode row per running request, plus its grammar-forced
             tokens). Drafts get them by expected value, most likely first
-            (``engine.speculative.drafter.Drafter.propose``). On a CPU every verified row costs
+            (``stencil.engine.speculative.drafter.Drafter.propose``). On a CPU every verified row costs
             compute, so this bounds the step's time as well as its rows.
         row_tile: rows the model's matmul kernel processes together (0: the engine's choice, 4
             with torch's int4 kernel, 1 otherwise); drafts that would spill a row or two into a
-            new tile are dropped (``engine.speculative.drafter.trim_to_tile``).
+            new tile are dropped (``stencil.engine.speculative.drafter.trim_to_tile``).
         cost_aware: keep a draft only while its estimated chance of acceptance pays for the
-            row it costs, at the price the engine measures (``engine.speculative.goodput.Goodput``);
+            row it costs, at the price the engine measures (``stencil.engine.speculative.goodput.Goodput``);
             False keeps every draft the budget allows. Either way the engine stops drafting
             for the whole batch while drafting measurably loses throughput.
         min_acceptance: a request whose recent acceptance rate falls below this stops proposing

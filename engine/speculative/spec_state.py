@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.speculative.spec_config import SpecConfig
+from stencil.engine.speculative.spec_config import SpecConfig
 
 if TYPE_CHECKING:
-    from engine.speculative.splits import TokenSplits
+    from stencil.engine.speculative.splits import TokenSplits
 
 
 @dataclass(slots=True)

@@ -11,8 +11,8 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 
 _BACKENDS = {
-    "eager": ("grammar.backends.eager", "EagerBackend", frozenset({"regex"})),
-    "lazy": ("grammar.backends.lazy", "LazyBackend", frozenset({"regex", "lark"})),
+    "eager": ("stencil.grammar.backends.eager", "EagerBackend", frozenset({"regex"})),
+    "lazy": ("stencil.grammar.backends.lazy", "LazyBackend", frozenset({"regex", "lark"})),
 }
 
 

@@ -1,7 +1,7 @@
 """The eager backend: an outlines-core token index per regex, built in a killable child process.
 
 An :class:`EagerGrammar` wraps an outlines-core ``Index`` built from ``(?:REGEX)\\x01`` over the
-vocabulary plus the sentinel token (see :data:`grammar.vocab.END_SENTINEL`). "The sentinel is
+vocabulary plus the sentinel token (see :data:`stencil.grammar.vocab.END_SENTINEL`). "The sentinel is
 allowed" is read as "EOS is allowed"; accepting EOS advances the index over the sentinel, into
 its only final state. So EOS is allowed exactly in the regex's accepting states, and after EOS
 nothing else is.
@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from outlines_core import Guide
 
-from grammar.backends.index_worker import (BuildFailed, IndexWorker, WorkerDied, WorkerTimeout,
+from stencil.grammar.backends.index_worker import (BuildFailed, IndexWorker, WorkerDied, WorkerTimeout,
                                            index_from_binary)
-from grammar.base import GrammarError, GrammarSpec, GrammarTimeout, Program
-from grammar.vocab import END_SENTINEL, TokenVocabulary
+from stencil.grammar.base import GrammarError, GrammarSpec, GrammarTimeout, Program
+from stencil.grammar.vocab import END_SENTINEL, TokenVocabulary
 
 OUTLINES_VERSION = version("outlines-core")
 _DISK_MAGIC = b"STNCIDX2"
@@ -311,7 +311,7 @@ class EagerMatcher:
 class EagerBackend:
     """Builds outlines-core indexes for regex programs, each in a child process with limits.
 
-    Thread-safe: each build takes an idle :class:`~grammar.backends.index_worker.IndexWorker`
+    Thread-safe: each build takes an idle :class:`~stencil.grammar.backends.index_worker.IndexWorker`
     (or starts one), so concurrent builds run in parallel processes.
 
     Args:
@@ -490,7 +490,7 @@ def _closed_error() -> GrammarError:
 
 
 def _explain(failure: BuildFailed, spec: GrammarSpec | None) -> GrammarError:
-    from grammar.regex_tools import locate_syntax_error
+    from stencil.grammar.regex_tools import locate_syntax_error
 
     if failure.kind == "syntax" and spec is not None and spec.kind == "regex":
         pos, msg = locate_syntax_error(spec.value)

@@ -2,7 +2,7 @@
 
 A Python thread cannot be stopped, and ``outlines_core.Index(...)`` holds no checkpoints, so a
 time limit that really frees the CPU needs a process. Each :class:`IndexWorker` owns one child
-(``python -m grammar.backends.index_worker``) that loads the vocabulary once and then answers build
+(``python -m stencil.grammar.backends.index_worker``) that loads the vocabulary once and then answers build
 requests; on a timeout the parent kills it and the next request starts a fresh one.
 
 Frames on the pipes: 8-byte little-endian length, then a pickle of a tuple. Only the parent's own
@@ -91,7 +91,7 @@ class IndexWorker:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        args = [sys.executable, "-m", "grammar.backends.index_worker", str(memory_limit_bytes or 0)]
+        args = [sys.executable, "-m", "stencil.grammar.backends.index_worker", str(memory_limit_bytes or 0)]
         self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._call(("vocab", vocabulary), start_timeout_s)
 

@@ -5,12 +5,12 @@ llguidance (guidance-ai/llguidance, MIT) keeps a lexer of lazily built derivativ
 re-examined") under an Earley parser, so nothing is computed for a state until a sequence reaches
 it: a grammar is ready in about a millisecond, whatever its size, and a mask costs microseconds to
 a few hundred (``docs/optimizations.md`` of the project). The input is the regex (or Lark grammar)
-that :mod:`grammar.json_schema` wrote, so exactness, key order and whitespace are the same as on
+that :mod:`stencil.grammar.json_schema` wrote, so exactness, key order and whitespace are the same as on
 the eager backend; or, for a "json" program, a schema for llguidance's own JSON front end whose
 language is provably that same one (``json_schema.handover``), built through its C API
 (``llg_c``), which needs no Lark text and forces no tokens.
 
-The alphabet is the :class:`~grammar.vocab.TokenVocabulary` itself (its token bytes, not the
+The alphabet is the :class:`~stencil.grammar.vocab.TokenVocabulary` itself (its token bytes, not the
 tokenizer's own decoder), so both backends see the same bytes for every id; ids outside the
 alphabet are handed to llguidance as special tokens, which no grammar here can produce. EOS is the
 vocabulary's EOS ids, allowed exactly in accepting states.
@@ -30,9 +30,9 @@ import threading
 import numpy as np
 import torch
 
-from grammar.backends.llg_c import CMatcher
-from grammar.base import DeadEndError, GrammarError, GrammarLimitError, Program
-from grammar.vocab import TokenVocabulary
+from stencil.grammar.backends.llg_c import CMatcher
+from stencil.grammar.base import DeadEndError, GrammarError, GrammarLimitError, Program
+from stencil.grammar.vocab import TokenVocabulary
 
 MATCHER_POOL_SIZE = 4  # reset llguidance matchers kept per grammar for later cursors (``_give_back``)
 MASK_THREADS = 8  # most threads computing one step's masks (``prefetch_masks``)
@@ -95,7 +95,7 @@ class LazyBackend:
     def __init__(self, vocab: TokenVocabulary, limits=None):
         import llguidance
 
-        from grammar.backends.llg_c import library
+        from stencil.grammar.backends.llg_c import library
 
         self._llg = llguidance
         self.vocab = vocab
@@ -177,7 +177,7 @@ class LazyBackend:
         there without token forcing; JSON ones without the Lark front end); made once."""
         with self._lock:
             if self._c_tokenizer is None:
-                from grammar.backends.llg_c import CTokenizer
+                from stencil.grammar.backends.llg_c import CTokenizer
 
                 self._c_tokenizer = CTokenizer(self.vocab)
             return self._c_tokenizer

@@ -13,7 +13,7 @@ without a tokenize function (``use_approximate_greedy_tokenize_fn``); such a tok
 canonical (``tokenize_is_canonical`` is false), and llguidance never forces tokens with it
 (``can_force_bytes`` in ``parser/src/tokenparser.rs``): masks are computed with the forced bytes
 as a prefix, exactly as with ``no_forcing`` (checked on 37,739 masks of 150 MaskBench schemas,
-and in ``tests/test_grammar_handover.py``). So a JSON Schema grammar built here has the masks
+and in ``tests/grammar/test_grammar_handover.py``). So a JSON Schema grammar built here has the masks
 of ``start: %json {...}`` with ``no_forcing``, without the Lark front end.
 
 Only what ``LazyMatcher`` needs is bound; each :class:`CMatcher` method has the name and meaning
@@ -29,7 +29,7 @@ import sys
 import threading
 import weakref
 
-from grammar.vocab import TokenVocabulary
+from stencil.grammar.vocab import TokenVocabulary
 
 VERIFIED_VERSION = "llguidance@1.9.1"  # the C structures below are this release's
 _SPECIAL = b"\xff"  # TokTrie::SPECIAL_TOKEN_MARKER: a token no grammar byte can match
@@ -53,7 +53,7 @@ _INIT_MAX_ITEMS_IN_ROW = 24  # offset of ``limits.max_items_in_row`` (size_t; ll
 # Lark grammars well inside every other limit: a rule of 5,000 literal alternatives, a chain of
 # 1,000 rules (two items a link). 10,000 serves those; the per-step limits (``step_max_items``,
 # the lexer's fuel) still bound every mask, and a request that reaches one fails alone with a 400
-# (``grammar.base.GrammarLimitError``).
+# (``stencil.grammar.base.GrammarLimitError``).
 MAX_ITEMS_IN_ROW = 10_000
 
 
@@ -222,7 +222,7 @@ class CTokenizer:
         try:
             raw = data.encode()
         except UnicodeEncodeError as e:
-            from grammar.base import GrammarError
+            from stencil.grammar.base import GrammarError
 
             raise GrammarError(f"the constraint holds a lone surrogate (U+{ord(e.object[e.start]):04X}), "
                                "which no UTF-8 text can spell") from None

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from grammar.base import MAX_REPEAT_COUNT, GrammarError
-from grammar.json_schema.rx import Rx, alt, opt, repeat, seq
+from stencil.grammar.base import MAX_REPEAT_COUNT, GrammarError
+from stencil.grammar.json_schema.rx import Rx, alt, opt, repeat, seq
 
 if TYPE_CHECKING:
-    from grammar.json_schema.schema_compiler import SchemaCompiler
+    from stencil.grammar.json_schema.schema_compiler import SchemaCompiler
 
 
 def _layout(s: dict, path: str) -> tuple[list[tuple[object, str]], object, str]:
@@ -167,7 +167,7 @@ def _unique(c: "SchemaCompiler", items: object, items_path: str, lo: int, hi: in
 
 def _finite_item_values(c: "SchemaCompiler", items: object, path: str) -> list | None:
     """The distinct JSON values (by JSON equality) ``items`` admits, when finitely many."""
-    from grammar.json_schema.merge import json_key
+    from stencil.grammar.json_schema.merge import json_key
 
     schema = c._deref(items, path)
     if schema is False:

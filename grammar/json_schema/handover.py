@@ -1,7 +1,7 @@
 """Schemas handed to llguidance's own JSON Schema front end, when it provably means what Stencil means.
 
 ``llguidance_schema(schema, whitespace)`` returns a schema for llguidance 1.9.1's JSON front end
-(``parser/src/json``, built without Lark through its C API: ``grammar.backends.llg_c``) whose
+(``parser/src/json``, built without Lark through its C API: ``stencil.grammar.backends.llg_c``) whose
 language, as a set of byte strings, is exactly the one Stencil's own compiler writes for
 ``schema`` (grammar mode), or None when the argument below does not cover the schema. Nothing is
 approximated: a schema is handed over whole or not at all, and then every backend that needs
@@ -86,7 +86,7 @@ both is dropped. For each whitelisted construct, Stencil's text (``compiler``, `
 Refused as well: an unsatisfiable part (an empty range or enum, ``false``: the two report it
 differently), a ``$ref`` cycle without a finite instance, a draft-03 schema, and any schema with
 an ``x-guidance`` or internal ``x-stencil-*`` key. The equality is checked by
-``tests/test_grammar_handover.py`` (both grammars walked against each other, and the jsonschema
+``tests/grammar/test_grammar_handover.py`` (both grammars walked against each other, and the jsonschema
 oracle over both) and holds for llguidance 1.9.1 only: ``llg_c.VERIFIED_VERSION``.
 """
 
@@ -102,20 +102,20 @@ import jsonschema
 import msgspec
 from jsonschema import validators
 
-from grammar.base import MAX_REPEAT_COUNT, GrammarError
-from grammar.json_schema import charset as cs
-from grammar.json_schema import pattern as sp
-from grammar.json_schema.schema_compiler import (FLEXIBLE_WS, GRAMMAR_ANY_DEPTH, MAX_MIN_LENGTH, SchemaCompiler,
+from stencil.grammar.base import MAX_REPEAT_COUNT, GrammarError
+from stencil.grammar.json_schema import charset as cs
+from stencil.grammar.json_schema import pattern as sp
+from stencil.grammar.json_schema.schema_compiler import (FLEXIBLE_WS, GRAMMAR_ANY_DEPTH, MAX_MIN_LENGTH, SchemaCompiler,
                                                  SchemaOptions, SharedProofs, _normalize)
-from grammar.json_schema.formats import format_pattern
-from grammar.json_schema.interning import ContentIds
-from grammar.json_schema.keywords import ANNOTATIONS, ASCII_ESCAPE, ASSERTIONS, TYPE_KEYWORDS
-from grammar.json_schema.merge import MergeError, json_key, merge
-from grammar.json_schema.numbers import bounds, integer_range
-from grammar.json_schema.objects import _disjoint_patterns
-from grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required, promote_discriminators,
+from stencil.grammar.json_schema.formats import format_pattern
+from stencil.grammar.json_schema.interning import ContentIds
+from stencil.grammar.json_schema.keywords import ANNOTATIONS, ASCII_ESCAPE, ASSERTIONS, TYPE_KEYWORDS
+from stencil.grammar.json_schema.merge import MergeError, json_key, merge
+from stencil.grammar.json_schema.numbers import bounds, integer_range
+from stencil.grammar.json_schema.objects import _disjoint_patterns
+from stencil.grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required, promote_discriminators,
                                        without_empty_object)
-from grammar.json_schema.rx import alt, repeat, seq
+from stencil.grammar.json_schema.rx import alt, repeat, seq
 
 MAX_EXACT_INT = 2 ** 53
 MAX_DEPTH = 48  # schemas nested deeper are not handed over

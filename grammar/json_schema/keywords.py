@@ -1,5 +1,5 @@
 """JSON Schema's keywords as the compiler sorts them, and two facts of instances every
-rewrite needs (``json_type``, ``enum_values``). A leaf of ``grammar.json_schema``: the compiler,
+rewrite needs (``json_type``, ``enum_values``). A leaf of ``stencil.grammar.json_schema``: the compiler,
 ``oneof`` and ``handover`` all read these.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from grammar.json_schema.merge import json_key
+from stencil.grammar.json_schema.merge import json_key
 
 # An escaped ASCII character in a schema's JSON text: where the text holds none, a key is spelled
 # as it reads, so a substring test of the text can stand in for a walk of the document.

@@ -13,7 +13,7 @@ import json
 import math
 from decimal import Decimal
 
-from grammar.json_schema.complement import NOT_PATTERNS
+from stencil.grammar.json_schema.complement import NOT_PATTERNS
 
 
 class MergeError(ValueError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from grammar.program import ref
+from stencil.grammar.program import ref
 
 MAX_STATES = 4096  # a * (n + 1) rules at most: a larger automaton is refused
 

@@ -15,12 +15,12 @@ import math
 from decimal import Decimal
 from typing import TYPE_CHECKING
 
-from grammar.base import GrammarError
-from grammar.json_schema.multiples import multiple_rules
-from grammar.json_schema.rx import Rx, alt, repeat, seq
+from stencil.grammar.base import GrammarError
+from stencil.grammar.json_schema.multiples import multiple_rules
+from stencil.grammar.json_schema.rx import Rx, alt, repeat, seq
 
 if TYPE_CHECKING:
-    from grammar.json_schema.schema_compiler import SchemaCompiler
+    from stencil.grammar.json_schema.schema_compiler import SchemaCompiler
 
 DIGIT = "[0-9]"
 INTEGER = "(?:0|-?[1-9][0-9]*)"

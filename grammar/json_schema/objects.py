@@ -12,14 +12,14 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from grammar.json_schema import charset as cs
-from grammar.json_schema import pattern as sp
-from grammar.program import both
-from grammar.json_schema.rx import Rx, alt, opt, seq
-from grammar.json_schema.strings import excluded_keys_regex
+from stencil.grammar.json_schema import charset as cs
+from stencil.grammar.json_schema import pattern as sp
+from stencil.grammar.program import both
+from stencil.grammar.json_schema.rx import Rx, alt, opt, seq
+from stencil.grammar.json_schema.strings import excluded_keys_regex
 
 if TYPE_CHECKING:
-    from grammar.json_schema.schema_compiler import SchemaCompiler
+    from stencil.grammar.json_schema.schema_compiler import SchemaCompiler
 
 MAX_OBJECT_REGEX = 2_000_000
 _ANY_KEY = '"' + cs.json_char(cs.ANY_CHAR) + '*"'
@@ -189,7 +189,7 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
 def _literal_prefixes(pattern: str) -> list[str] | None:
     """For each top-level alternative of ``pattern``, the characters every string it matches
     (``re.search``) starts with; None unless every alternative is anchored by ``^``, or when
-    the pattern is outside what ``grammar.json_schema.pattern`` reads. Read from that module's
+    the pattern is outside what ``stencil.grammar.json_schema.pattern`` reads. Read from that module's
     parse with over-approximated atoms, so a one-character atom is exactly that character."""
     try:
         alternatives = sp.branches(sp.parse(pattern, over=True))

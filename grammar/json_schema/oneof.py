@@ -20,10 +20,10 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from grammar.json_schema.keywords import ANNOTATIONS, enum_values, json_type
+from stencil.grammar.json_schema.keywords import ANNOTATIONS, enum_values, json_type
 
 if TYPE_CHECKING:
-    from grammar.json_schema.schema_compiler import SchemaCompiler
+    from stencil.grammar.json_schema.schema_compiler import SchemaCompiler
 
 _ALL = {"object", "array", "string", "number", "integer", "boolean", "null"}
 _IMPLIED = {
@@ -113,7 +113,7 @@ def _written_keys(c: "SchemaCompiler", s: dict) -> list[str] | None:
     """The keys the grammar may write in an object of ``s`` when they are all declared, else
     None: ``additionalProperties: false`` (every written instance validates, so has no other
     key), or an object of plain keywords whose ``additionalProperties`` is absent (the grammar
-    then writes no undeclared key, see ``grammar.json_schema``)."""
+    then writes no undeclared key, see ``stencil.grammar.json_schema``)."""
     if s.get("patternProperties"):
         return None
     props = s.get("properties", {})
@@ -176,7 +176,7 @@ def _one_way(c: "SchemaCompiler", a: dict, b: dict, depth: int) -> bool:
 def _never_writes(c: "SchemaCompiler", s: dict, name: str) -> bool:
     """Whether the grammar never writes key ``name`` in an object of ``s``: forbidden, or an
     undeclared key where the grammar writes no additional properties (``additionalProperties``
-    false, or absent on an object that declares properties: see ``grammar.json_schema``)."""
+    false, or absent on an object that declares properties: see ``stencil.grammar.json_schema``)."""
     if _forbids(s, name):
         return True
     if name in s.get("properties", {}) or s.get("patternProperties"):
@@ -193,7 +193,7 @@ def promote_discriminators(c: "SchemaCompiler", branches: list) -> list:
     without it matches both and ``oneOf`` could not be written exactly. Writing the
     discriminator always makes the branches' written instances disjoint; the grammar then admits
     a subset of the schema (instances without the discriminator are not written), like the
-    other documented restrictions of ``grammar.json_schema``.
+    other documented restrictions of ``stencil.grammar.json_schema``.
     """
     out = list(branches)  # a branch is copied only when it changes (callers compare identity)
     for i in range(len(out)):
@@ -218,7 +218,7 @@ def by_discriminator(c: "SchemaCompiler", branches: list) -> bool:
     (it would have two values for the property). One pass over the branches, where the pairwise
     ``disjoint`` takes n^2 proofs (Azure pipeline schemas: 30 activity types under one ``oneOf``);
     when it holds, ``promote_discriminators`` would change nothing either (every pair is disjoint)."""
-    from grammar.json_schema.merge import json_key
+    from stencil.grammar.json_schema.merge import json_key
 
     if len(branches) < 2 or not all(isinstance(b, dict) for b in branches):
         return False
@@ -295,7 +295,7 @@ def _merged(c: "SchemaCompiler", s: dict) -> dict:
     """``s`` with its ``allOf`` members merged in (``s`` itself when they cannot be)."""
     if "allOf" not in s:
         return s
-    from grammar.json_schema.merge import MergeError, merge
+    from stencil.grammar.json_schema.merge import MergeError, merge
 
     members: list = []
     try:

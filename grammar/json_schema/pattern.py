@@ -19,10 +19,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from grammar.base import MAX_REPEAT_COUNT
-from grammar.charclass import shorthand
-from grammar.json_schema import charset as cs
-from grammar.json_schema.rx import Rx, alt, repeat, seq
+from stencil.grammar.base import MAX_REPEAT_COUNT
+from stencil.grammar.charclass import shorthand
+from stencil.grammar.json_schema import charset as cs
+from stencil.grammar.json_schema.rx import Rx, alt, repeat, seq
 
 
 class PatternError(ValueError):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urldefrag, urljoin
 
-from grammar.base import GrammarError
+from stencil.grammar.base import GrammarError
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")
 _SCHEMA_VALUES = ("additionalProperties", "additionalItems", "items", "not", "if", "then", "else",

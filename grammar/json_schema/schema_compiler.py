@@ -36,22 +36,22 @@ from dataclasses import dataclass, field
 import jsonschema
 from jsonschema import validators
 
-from grammar.json_schema import numbers as nr
-from grammar.base import MAX_REPEAT_COUNT, GrammarError, GrammarTimeout, Program
-from grammar.json_schema.arrays import compile_array
-from grammar.json_schema.canonical import canonical_json
-from grammar.json_schema.complement import NOT_PATTERNS, NOT_STRINGS, ComplementError, complement
-from grammar.json_schema.interning import ContentIds
-from grammar.json_schema.keywords import ANNOTATIONS, ASSERTIONS, TYPE_KEYWORDS, enum_values, json_type
-from grammar.json_schema.merge import MergeError, json_key, merge
-from grammar.json_schema.numbers import compile_number
-from grammar.json_schema.objects import compile_object
-from grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required,
+from stencil.grammar.json_schema import numbers as nr
+from stencil.grammar.base import MAX_REPEAT_COUNT, GrammarError, GrammarTimeout, Program
+from stencil.grammar.json_schema.arrays import compile_array
+from stencil.grammar.json_schema.canonical import canonical_json
+from stencil.grammar.json_schema.complement import NOT_PATTERNS, NOT_STRINGS, ComplementError, complement
+from stencil.grammar.json_schema.interning import ContentIds
+from stencil.grammar.json_schema.keywords import ANNOTATIONS, ASSERTIONS, TYPE_KEYWORDS, enum_values, json_type
+from stencil.grammar.json_schema.merge import MergeError, json_key, merge
+from stencil.grammar.json_schema.numbers import compile_number
+from stencil.grammar.json_schema.objects import compile_object
+from stencil.grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required,
                                        promote_discriminators, without_empty_object)
-from grammar.json_schema.refs import RefResolver
-from grammar.program import REF_OPEN, expand, has_refs, is_empty, minus, ref, term_ref, to_lark
-from grammar.json_schema.rx import Rx, alt, opt, repeat, seq
-from grammar.json_schema.strings import (ANY_CHAR, StringError, StringSpec, excluded_keys_regex,
+from stencil.grammar.json_schema.refs import RefResolver
+from stencil.grammar.program import REF_OPEN, expand, has_refs, is_empty, minus, ref, term_ref, to_lark
+from stencil.grammar.json_schema.rx import Rx, alt, opt, repeat, seq
+from stencil.grammar.json_schema.strings import (ANY_CHAR, StringError, StringSpec, excluded_keys_regex,
                                         pattern_superset_regex, string_regex)
 
 MAX_MIN_LENGTH = MAX_REPEAT_COUNT  # most characters minLength may require (each is an automaton state)
@@ -251,7 +251,7 @@ class SchemaCompiler:
 
     @staticmethod
     def _any_char() -> str:
-        from grammar.json_schema.strings import ANY_CHAR
+        from stencil.grammar.json_schema.strings import ANY_CHAR
         return ANY_CHAR
 
     # -- the recursive walk --------------------------------------------------------------------
@@ -675,7 +675,7 @@ class SchemaCompiler:
     def _literal(self, value: object) -> str:
         """An enum/const value as the grammar writes it: canonical JSON, with the whitespace mode's
         free runs between the tokens of objects and arrays (none in compact mode)."""
-        from grammar.json_schema import charset as cs
+        from stencil.grammar.json_schema import charset as cs
         if self.ws == "" or not isinstance(value, (dict, list)):
             return cs.literal(canonical_json(value))
         ws = self.ws
@@ -842,7 +842,7 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
     """Compile a JSON Schema to the program a backend runs (see :func:`schema_to_regex`).
 
     With ``grammar`` (the default) a schema that refers to itself becomes a Lark grammar whose
-    rules are the recursive definitions (``grammar.program``), exact at any depth; otherwise,
+    rules are the recursive definitions (``stencil.grammar.program``), exact at any depth; otherwise,
     and for every schema without recursion, a regex.
 
     ``shared``: proofs a failed handover of the same document made (``SharedProofs``).

@@ -10,11 +10,11 @@ import functools
 
 from dataclasses import dataclass
 
-from grammar.json_schema import charset as cs
-from grammar.json_schema import pattern as sp
-from grammar.json_schema.formats import format_pattern
-from grammar.program import both
-from grammar.json_schema.rx import Rx, alt, repeat, seq
+from stencil.grammar.json_schema import charset as cs
+from stencil.grammar.json_schema import pattern as sp
+from stencil.grammar.json_schema.formats import format_pattern
+from stencil.grammar.program import both
+from stencil.grammar.json_schema.rx import Rx, alt, repeat, seq
 
 ANY_CHAR = cs.json_char(cs.ANY_CHAR)
 NEWLINE = cs.json_char(cs.chars("\n"))

@@ -5,6 +5,6 @@ needs triton. The kernel modules (``paged_attention``, ``reshape_and_cache``) im
 when they are imported.
 """
 
-from kernels.triton.backend import TritonAttentionBackend
+from stencil.kernels.triton.backend import TritonAttentionBackend
 
 __all__ = ["TritonAttentionBackend"]

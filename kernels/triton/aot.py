@@ -14,8 +14,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton.paged_attention import _paged_attention_kernel
-from kernels.triton.reshape_and_cache import _reshape_and_cache_kernel
+from stencil.kernels.triton.paged_attention import _paged_attention_kernel
+from stencil.kernels.triton.reshape_and_cache import _reshape_and_cache_kernel
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 

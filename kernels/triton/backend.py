@@ -1,7 +1,7 @@
 """The ``triton`` attention backend: our paged FlashAttention-style kernels.
 
 Constructing it imports ``triton`` and the kernel modules; importing this module does not, so
-``import kernels.triton`` works on a machine without triton.
+``import stencil.kernels.triton`` works on a machine without triton.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import importlib.util
 
 import torch
 
-from kernels.attention_backend import AttentionMetadata
+from stencil.kernels.attention_backend import AttentionMetadata
 
 
 class TritonAttentionBackend:
-    """Paged attention and cache writes through the kernels of ``kernels.triton``.
+    """Paged attention and cache writes through the kernels of ``stencil.kernels.triton``.
 
     Runs compiled on CUDA; on CPU only under the Triton interpreter (``TRITON_INTERPRET=1``
     set before ``triton`` is first imported), which is how the tests check it without a GPU.
@@ -32,8 +32,8 @@ class TritonAttentionBackend:
     def __init__(self, device: torch.device | str | None = None) -> None:
         if importlib.util.find_spec("triton") is None:
             raise RuntimeError("triton is not installed")
-        from kernels.triton.paged_attention import paged_attention
-        from kernels.triton.reshape_and_cache import reshape_and_cache
+        from stencil.kernels.triton.paged_attention import paged_attention
+        from stencil.kernels.triton.reshape_and_cache import reshape_and_cache
 
         self.device = torch.device(device) if device is not None else None
         self._attention = paged_attention
@@ -65,7 +65,7 @@ class TritonAttentionBackend:
         window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Causal attention of every query row over its sequence's paged K/V (GQA aware),
-        fp32 accumulation; see ``kernels.triton.paged_attention.paged_attention``.
+        fp32 accumulation; see ``stencil.kernels.triton.paged_attention.paged_attention``.
 
         Raises:
             ValueError: shapes, dtypes or strides the kernel cannot serve, or a ``window``

@@ -2,7 +2,7 @@
 
 One kernel serves every row kind of a step: a fresh prefill, a prefill chunk after a cached
 prefix, a decode token and a run of speculative draft tokens are all "the last ``q_len``
-tokens of a sequence of ``seq_len`` tokens", which is the contract of ``kernels.attention_backend``.
+tokens of a sequence of ``seq_len`` tokens", which is the contract of ``stencil.kernels.attention_backend``.
 
 Work split (grid ``[num_tokens // BLOCK_Q + num_seqs, num_kv_heads]``): a program owns up to
 ``BLOCK_Q`` consecutive query tokens of one sequence and *all* query heads that share one KV
@@ -19,7 +19,7 @@ softmax (Milakov & Gimelshein 2018, arXiv 1805.02867); PagedAttention (Kwon et a
 arXiv 2309.06180) for the block table; grouped-query attention (Ainslie et al. 2023, arXiv
 2305.13245); Triton's documented ``tl.dot`` / ``input_precision`` semantics.
 
-Importing this module imports ``triton``; ``kernels.triton.backend`` imports it lazily.
+Importing this module imports ``triton``; ``stencil.kernels.triton.backend`` imports it lazily.
 Under the Triton interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is first imported)
 the same kernel runs on CPU tensors; the interpreter cannot compute on bfloat16 (it stores
 it as raw ``uint16``), so interpreted bf16 launches upcast Q/K/V to fp32 inside the kernel.
@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_backend import AttentionMetadata
-from kernels.triton.launch import check_launchable, is_interpreted
+from stencil.kernels.attention_backend import AttentionMetadata
+from stencil.kernels.triton.launch import check_launchable, is_interpreted
 
 _LOG2_E = 1.4426950408889634
 
@@ -196,7 +196,7 @@ def paged_attention(
 
     Query row ``j`` of sequence ``i`` sits at position ``seq_lens[i] - q_len_i + j`` and
     attends to positions ``0..`` that position, read through ``meta.block_tables``
-    (``kernels.attention_backend`` has the full contract). Accumulation is fp32 for fp32, fp16 and bf16
+    (``stencil.kernels.attention_backend`` has the full contract). Accumulation is fp32 for fp32, fp16 and bf16
     inputs; fp32 dots use IEEE precision (no TF32).
 
     Args:

@@ -5,7 +5,7 @@ One program per new token copies its ``[num_kv_heads, head_dim]`` key and value 
 2023, arXiv 2309.06180). A negative slot marks a padding token (for example a batch padded
 to a captured CUDA-graph size) and is skipped.
 
-Importing this module imports ``triton``; ``kernels.triton.backend`` imports it lazily.
+Importing this module imports ``triton``; ``stencil.kernels.triton.backend`` imports it lazily.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.launch import check_launchable
+from stencil.kernels.triton.launch import check_launchable
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def reshape_and_cache(
 
     Raises:
         ValueError: shapes, dtypes (K/V must match the cache dtype) or strides that do not fit.
-        RuntimeError: CPU tensors while the interpreter is off (``kernels.triton.launch``).
+        RuntimeError: CPU tensors while the interpreter is off (``stencil.kernels.triton.launch``).
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:

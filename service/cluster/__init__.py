@@ -14,8 +14,8 @@ Only ``routers`` and ``deploy``'s functions need Ray (``pip install 'stencil-ser
 #: "ray_prefix" is Ray's own PrefixCacheAffinityRouter (a prefix tree of prompt characters in a
 #: detached actor), imported from its module because ``ray.serve.llm`` itself needs pyarrow.
 ROUTERS: dict[str, str] = {
-    "affinity": "service.cluster.routers:PrefixAffinityRouter",
-    "round_robin": "service.cluster.routers:RoundRobinRouter",
+    "affinity": "stencil.service.cluster.routers:PrefixAffinityRouter",
+    "round_robin": "stencil.service.cluster.routers:RoundRobinRouter",
     "pow2": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
     "ray_prefix": "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
                   ":PrefixCacheAffinityRouter",

@@ -1,10 +1,10 @@
 """Prefix-affinity routing: send a request to the replica that already caches its prompt's prefix.
 
-The policy alone, with no Ray in it (``service.cluster.routers`` adapts it to Ray Serve's
+The policy alone, with no Ray in it (``stencil.service.cluster.routers`` adapts it to Ray Serve's
 ``RequestRouter``), so it is tested against fake replicas.
 
 A request is known by the chained hashes of its prompt's full KV blocks
-(``engine.kv_cache_manager.prompt_block_hashes``: stable digests, the same in every process).
+(``stencil.engine.kv_cache_manager.prompt_block_hashes``: stable digests, the same in every process).
 Each replica reports the hashes of the blocks its prefix cache holds (``record_routing_stats``,
 about once a second); the router adds an optimistic record of the prefixes it has just sent
 where, since a report cannot show a prefix that is still being read. A replica's *match* is the

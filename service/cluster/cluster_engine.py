@@ -1,7 +1,7 @@
 """The ingress side of the cluster: an engine-shaped client of the engine replicas.
 
-``ClusterEngine`` implements ``service.engine_client.EngineClient``, as
-``engine.async_engine.AsyncEngine`` does (tokenizer, ``compile_grammar``, ``generate``,
+``ClusterEngine`` implements ``stencil.service.engine_client.EngineClient``, as
+``stencil.engine.async_engine.AsyncEngine`` does (tokenizer, ``compile_grammar``, ``generate``,
 ``check_request``, ``stats``, ``kernels``, ``start`` / ``shutdown``), so the same Litestar app
 (validation, chat templates, tokenizing, output checking, errors, metrics) runs as the Ray Serve
 ingress, and only token ids travel to the replicas.
@@ -10,8 +10,8 @@ It knows Ray only through two callables given to it (``call`` starts a streaming
 replica chosen by the deployment's router; ``broadcast`` asks every replica) and the exception
 types it is told to retry, so it is tested with fake replicas.
 
-Admission before the first byte: ``generate`` returns a ``service.cluster.stream.ReplicaStream``
-whose ``admit()`` (awaited by ``service.generation.start``) waits for the replica's ``Admitted``
+Admission before the first byte: ``generate`` returns a ``stencil.service.cluster.stream.ReplicaStream``
+whose ``admit()`` (awaited by ``stencil.service.generation.start``) waits for the replica's ``Admitted``
 or ``Refusal``, so a replica's 400/429 still comes as a status code, not inside a stream.
 
 Faults: when the replica dies (or its engine stops) mid-request, the stream re-sends the request,
@@ -33,13 +33,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.config import EngineConfig
-from engine.kv_cache_manager import prompt_block_hashes
-from engine.request import SamplingParams
-from engine.sampler import default_seed
-from grammar.base import GrammarSpec
-from service.cluster.messages import ReplicaRequest
-from service.cluster.stream import ReplicaStream
+from stencil.engine.config import EngineConfig
+from stencil.engine.kv_cache_manager import prompt_block_hashes
+from stencil.engine.request import SamplingParams
+from stencil.engine.sampler import default_seed
+from stencil.grammar.base import GrammarSpec
+from stencil.service.cluster.messages import ReplicaRequest
+from stencil.service.cluster.stream import ReplicaStream
 
 
 #: Most leading blocks hashed for routing (4096 tokens at 16 per block): bounds the router's work.
@@ -92,7 +92,7 @@ class _Vocab:
     bytes)."""
 
     def __init__(self, tokenizer, vocab_size: int | None):
-        from grammar.vocab import build_vocabulary
+        from stencil.grammar.vocab import build_vocabulary
 
         self.vocab = build_vocabulary(tokenizer, model_vocab_size=vocab_size)
 
@@ -177,7 +177,7 @@ class ClusterEngine:
         """Always True: a dead replica is Serve's to restart; requests wait for admission."""
         return True
 
-    # -- the model and admission (``service.engine_client.EngineClient``) ------------------------
+    # -- the model and admission (``stencil.service.engine_client.EngineClient``) ------------------------
     @property
     def vocab(self):
         """Token id → bytes, built here from the tokenizer (None if it has no usable vocabulary)."""

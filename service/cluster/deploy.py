@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import ConfigError, EngineConfig
-from service.cluster import ROUTERS
-from service.cluster.cluster_engine import ClusterEngine, ClusterSettings
-from service.cluster.replica import EngineReplica
-from service.state import ServiceConfig
+from stencil.engine.config import ConfigError, EngineConfig
+from stencil.service.cluster import ROUTERS
+from stencil.service.cluster.cluster_engine import ClusterEngine, ClusterSettings
+from stencil.service.cluster.replica import EngineReplica
+from stencil.service.state import ServiceConfig
 
 log = logging.getLogger("stencil.cluster")
 
@@ -63,7 +63,7 @@ class ClusterOptions:
             (beyond its batch, requests wait in the router, where they can still go anywhere).
         max_queued_requests: requests the ingress may queue for the replicas; beyond → 429
             (``-1``: no limit; ``None``: the engine's ``max_waiting``).
-        router: a name in ``service.cluster.routers.ROUTERS``: "affinity" (default),
+        router: a name in ``stencil.service.cluster.routers.ROUTERS``: "affinity" (default),
             "round_robin", "pow2" (Serve's default) or "ray_prefix" (Ray's
             PrefixCacheAffinityRouter).
         router_kwargs: the router's settings (for "affinity": ``AffinityConfig`` fields).
@@ -101,7 +101,7 @@ class ClusterOptions:
         """Check ranges; return self.
 
         Raises:
-            engine.config.ConfigError: naming the field.
+            stencil.engine.config.ConfigError: naming the field.
         """
         if self.replicas < 1:
             raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
@@ -118,7 +118,7 @@ class ClusterOptions:
 
 
 class StencilIngress:
-    """The Litestar app of ``service.app``, built on the ingress replica over a ``ClusterEngine``.
+    """The Litestar app of ``stencil.service.app``, built on the ingress replica over a ``ClusterEngine``.
 
     Serve calls ``__serve_build_asgi_app__`` on the replica after ``__init__`` (``build_app``
     wraps this class with ``serve.ingress()``), so the tokenizer loads there, not in the driver.
@@ -141,7 +141,7 @@ class StencilIngress:
         from ray.exceptions import RayActorError
         from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 
-        from service.app import create_app
+        from stencil.service.app import create_app
 
         stream = self._replicas.options(stream=True, method_name="generate")
         timeout = self._settings.stats_timeout_s
@@ -161,7 +161,7 @@ class StencilIngress:
     def drain(self) -> int:
         """Refuse new generation requests from now on (503 ``draining``); return how many are
         still in flight here (``serve_cluster`` calls it on SIGTERM until it reads 0)."""
-        from service.state import service_state
+        from stencil.service.state import service_state
 
         state = service_state(self._app)
         if state is None:
@@ -182,7 +182,7 @@ def build_app(engine_config: EngineConfig, service_config: ServiceConfig | None 
 
     Raises:
         RuntimeError: Ray Serve is not installed (the message says how to install it).
-        engine.config.ConfigError: a bad option, naming it.
+        stencil.engine.config.ConfigError: a bad option, naming it.
     """
     require_ray()
     from ray import serve

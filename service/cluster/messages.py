@@ -1,7 +1,7 @@
 """What the ingress and the engine replicas send each other (pickled by Ray; no Ray imports here).
 
 The ingress sends one ``ReplicaRequest`` per generation. The replica's stream answers with one
-``Admitted`` (or one ``Refusal``, then nothing), then ``engine.outputs.RequestOutput`` items
+``Admitted`` (or one ``Refusal``, then nothing), then ``stencil.engine.outputs.RequestOutput`` items
 until one is ``finished``; a replica whose engine stops mid-request sends a ``Refusal`` of kind
 "unavailable" instead of the rest.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.async_engine import EngineDeadError
-from engine.llm_engine import EngineError, EngineOverloaded
-from engine.request import SamplingParams
-from grammar.base import GrammarError, GrammarSpec, GrammarTimeout
+from stencil.engine.async_engine import EngineDeadError
+from stencil.engine.llm_engine import EngineError, EngineOverloaded
+from stencil.engine.request import SamplingParams
+from stencil.grammar.base import GrammarError, GrammarSpec, GrammarTimeout
 
 
 @dataclass(slots=True)
@@ -25,10 +25,10 @@ class ReplicaRequest:
             the attempt as ``{request_id}~{attempt}``).
         prompt_token_ids: the tokenized prompt (chat template applied by the ingress).
         params: sampling parameters, validated by the ingress, with the seed always set (the
-            ingress derives a missing one as an engine would, ``engine.sampler.default_seed``),
+            ingress derives a missing one as an engine would, ``stencil.engine.sampler.default_seed``),
             so every attempt of a sampled request draws the same tokens.
         grammar: the constraint to compile on the replica, or ``None``.
-        block_hashes: the prompt's full-block hashes (``engine.kv_cache_manager
+        block_hashes: the prompt's full-block hashes (``stencil.engine.kv_cache_manager
             .prompt_block_hashes``), the prefix-affinity router's input.
         attempt: 0 for the first try, then 1, 2, ... for retries after a replica failed.
     """

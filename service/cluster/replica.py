@@ -1,10 +1,10 @@
 """One engine as a Ray Serve deployment: the replica side of ``stencil serve --replicas N``.
 
-A plain class (``service.cluster.deploy`` makes it a deployment with ``serve.deployment``): it
+A plain class (``stencil.service.cluster.deploy`` makes it a deployment with ``serve.deployment``): it
 owns an ``AsyncEngine`` and answers
 
 * ``generate(ReplicaRequest)`` — a stream: one ``Admitted`` or ``Refusal``, then the request's
-  ``RequestOutput`` s (``service.cluster.messages``). Admission here means the engine's own
+  ``RequestOutput`` s (``stencil.service.cluster.messages``). Admission here means the engine's own
   ``check_request`` (prompt length, parameters, waiting-queue room) and the grammar compile (on
   the replica's compiler, with its cache), so the ingress never duplicates the engine's rules.
 * ``record_routing_stats()`` — what the prefix-affinity router reads (Serve polls it every
@@ -24,12 +24,12 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.config import EngineConfig
-from engine.llm_engine import EngineError, EngineOverloaded
-from engine.request import SamplingParams
-from grammar.base import GrammarError
-from service.cluster.messages import Admitted, Refusal, ReplicaRequest
+from stencil.engine.async_engine import AsyncEngine, EngineDeadError
+from stencil.engine.config import EngineConfig
+from stencil.engine.llm_engine import EngineError, EngineOverloaded
+from stencil.engine.request import SamplingParams
+from stencil.grammar.base import GrammarError
+from stencil.service.cluster.messages import Admitted, Refusal, ReplicaRequest
 
 log = logging.getLogger("stencil.replica")
 
@@ -76,7 +76,7 @@ class EngineReplica:
         log.info("replica %s ready (pid %d, %.1f s)", self.replica_id, os.getpid(), time.time() - self._started)
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[object]:
-        """Admit, then stream one request (see ``service.cluster.messages`` for the items)."""
+        """Admit, then stream one request (see ``stencil.service.cluster.messages`` for the items)."""
         aeng = self._aeng
         t = time.perf_counter()
         try:
@@ -108,7 +108,7 @@ class EngineReplica:
             yield Refusal.of(e, self.replica_id)
 
     def record_routing_stats(self) -> dict:
-        """Routing state for ``service.cluster.routers`` (keys: ``tracking.ROUTING_STATS_KEYS``)."""
+        """Routing state for ``stencil.service.cluster.routers`` (keys: ``tracking.ROUTING_STATS_KEYS``)."""
         eng = self._aeng.engine
         s = eng.stats()
         self._seq += 1
@@ -137,7 +137,7 @@ class EngineReplica:
         """Stop the engine thread and the grammar workers (never raises: shutdown must finish)."""
         aeng = getattr(self, "_aeng", None)
         if aeng is not None:
-            from service.app import stop_engine
+            from stencil.service.app import stop_engine
 
             self._aeng = None
             stop_engine(aeng)

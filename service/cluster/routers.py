@@ -1,14 +1,14 @@
 """Ray Serve request routers for the engine replicas, and the registry that names them.
 
-``PrefixAffinityRouter`` is Stencil's: the policy of ``service.cluster.affinity`` over the
+``PrefixAffinityRouter`` is Stencil's: the policy of ``stencil.service.cluster.affinity`` over the
 replicas' reported cached block hashes (``record_routing_stats``), with the router's own
-in-flight counts and optimistic record (``service.cluster.tracking``). ``RoundRobinRouter`` is
+in-flight counts and optimistic record (``stencil.service.cluster.tracking``). ``RoundRobinRouter`` is
 the baseline the benchmark compares it with. Both implement Ray Serve 2.60's public
 ``ray.serve.request_router.RequestRouter``: ``choose_replicas`` returns ranked lists of
 replicas and Serve takes the first one in rank order that accepts the request.
 
 Imported only where Ray is installed (``pip install 'stencil-serve[cluster]'``); Serve loads
-these classes in the ingress process by their import path (``service.cluster.ROUTERS``).
+these classes in the ingress process by their import path (``stencil.service.cluster.ROUTERS``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from service.cluster.affinity import AffinityConfig, PrefixAffinityPolicy
-from service.cluster.messages import ReplicaRequest
-from service.cluster.tracking import ReplicaTracker
+from stencil.service.cluster.affinity import AffinityConfig, PrefixAffinityPolicy
+from stencil.service.cluster.messages import ReplicaRequest
+from stencil.service.cluster.tracking import ReplicaTracker
 
 def _payload(pending_request: PendingRequest | None) -> ReplicaRequest | None:
     if pending_request is None:
@@ -35,7 +35,7 @@ class PrefixAffinityRouter(RequestRouter):
     """Routes each generation to the replica caching the longest prefix of its prompt.
 
     Router kwargs (``RequestRouterConfig.request_router_kwargs``): the fields of
-    ``service.cluster.affinity.AffinityConfig``.
+    ``stencil.service.cluster.affinity.AffinityConfig``.
     """
 
     def initialize_state(self, **kwargs: Any) -> None:

@@ -1,14 +1,14 @@
 """One request on the replicas: admission, outputs, and failover with replay.
 
 ``ReplicaStream`` is what ``ClusterEngine.generate`` returns: an async iterator of
-``engine.outputs.RequestOutput`` (the items ``AsyncEngine.generate`` yields) with an
-``admit()`` that ``service.generation.start`` awaits before the first byte.
+``stencil.engine.outputs.RequestOutput`` (the items ``AsyncEngine.generate`` yields) with an
+``admit()`` that ``stencil.service.generation.start`` awaits before the first byte.
 
 Failover: when the replica dies (Ray's ``ActorDiedError``, a ``Refusal`` of kind
 "unavailable", an "abort" it did not ask for, a stream that ends early), the request is sent
 again, same id, to another replica, and replayed: the tokens already delivered are recomputed
 there, compared and withheld, and delivery resumes after them. A replay that differs, or a
-last attempt that fails, is a 503 (``service.errors.Unavailable``) naming the replica.
+last attempt that fails, is a 503 (``stencil.service.errors.Unavailable``) naming the replica.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from engine.llm_engine import EngineOverloaded
-from engine.outputs import RequestOutput
-from service.cluster.messages import Admitted, Refusal, ReplicaRequest
-from service.errors import Unavailable
+from stencil.engine.llm_engine import EngineOverloaded
+from stencil.engine.outputs import RequestOutput
+from stencil.service.cluster.messages import Admitted, Refusal, ReplicaRequest
+from stencil.service.errors import Unavailable
 
 if TYPE_CHECKING:
-    from service.cluster.cluster_engine import ClusterEngine, RemoteGrammar
+    from stencil.service.cluster.cluster_engine import ClusterEngine, RemoteGrammar
 
 log = logging.getLogger("stencil.cluster")
 
@@ -57,7 +57,7 @@ class ReplicaStream:
 
         Raises:
             GrammarError, EngineError (400), EngineOverloaded (429): the replica refused it.
-            service.errors.Unavailable (503): no replica admitted it within the admission
+            stencil.service.errors.Unavailable (503): no replica admitted it within the admission
                 timeout, or every attempt found its replica gone.
         """
         settings = self._cluster.settings

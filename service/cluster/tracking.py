@@ -1,7 +1,7 @@
 """The router's book of replicas: their reported stats, its own in-flight counts, its routing.
 
 Works on anything shaped like Ray Serve's ``RunningReplica`` (``replica_id.unique_id``,
-``routing_stats``), so it is tested with fakes; ``service.cluster.routers`` feeds it from the
+``routing_stats``), so it is tested with fakes; ``stencil.service.cluster.routers`` feeds it from the
 ``RequestRouter`` hooks.
 
 What a replica reports (``EngineReplica.record_routing_stats``, see ``ROUTING_STATS_KEYS``):
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from service.cluster.affinity import PrefixAffinityPolicy, ReplicaView, RoutingDecision
+from stencil.service.cluster.affinity import PrefixAffinityPolicy, ReplicaView, RoutingDecision
 
 ROUTING_STATS_KEYS = ("block_hashes", "running", "waiting", "kv_usage", "seq")
 

@@ -1,0 +1,15 @@
+"""The package map, the one thing pyproject.toml cannot say: the folders at the repository root
+(``engine/``, ``service/``, ...) install under the single import name ``stencil`` (``stencil.engine``,
+``stencil.service``, ...), so the wheel claims ``stencil`` and nothing else in site-packages
+(docs/architecture.md, "One import name"). Everything else is in pyproject.toml."""
+
+from setuptools import find_packages, setup
+
+# The folders that become stencil.<name>; the layout test (tests/test_layout.py) checks the wheel.
+FOLDERS = ("engine", "service", "grammar", "kernels", "schemas", "benchmarks")
+
+package_dir = {"stencil": "stencil", **{f"stencil.{f}": f for f in FOLDERS}}
+packages = ["stencil"] + [f"stencil.{f}{'.' + sub if sub else ''}"
+                          for f in FOLDERS for sub in ["", *find_packages(f)]]
+
+setup(package_dir=package_dir, packages=packages)

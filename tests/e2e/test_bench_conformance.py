@@ -1,0 +1,51 @@
+"""``stencil bench conformance`` on a corpus of three schemas written here (no ../shared needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+SCHEMAS = {
+    "object": ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+               [({"a": 1}, True), ({"a": -20}, True), ({"a": "x"}, False), ({}, False)]),
+    "pattern": ({"type": "string", "pattern": "^[a-z]{2,4}$"},
+                [("abc", True), ("abcdef", False), ("A1", False)]),
+    # uniqueItems over free strings: not regular, refused up front with the keyword
+    "unique": ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, [(["x", "y"], True)]),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("maskbench")
+    for name, (schema, tests) in SCHEMAS.items():
+        (d / f"{name}.json").write_text(json.dumps(
+            {"schema": schema, "tests": [{"data": x, "valid": v, "description": ""} for x, v in tests]}))
+    return d
+
+
+@pytest.mark.parametrize("backends", [("eager", "lazy", "auto"), ("lazy", "auto")])
+def test_conformance_reports_verdicts_reasons_and_the_steady_state_of_auto(corpus, default_model_dir,
+                                                                              backends, tmp_path):
+    from stencil.benchmarks.conformance import run_conformance
+
+    failures = tmp_path / "failures.jsonl"
+    report = run_conformance(corpus, model_dir=default_model_dir, backends=backends, failures_path=failures,
+                             timeout_s=30.0)
+    # the object and the pattern schema are handed to llguidance's JSON front end (json_schema.handover)
+    assert report["schemas"] == 3 and report["programs"] == {"json": 2}
+    for b in backends:
+        r = report["backends"][b]
+        assert (r["passed"], r["compiled"], r["invalid_accepted"]) == (2, 2, 0), b
+        assert r["valid_accepted"] == 3  # two objects and one string
+        assert r["errors_by_reason"] == {"error:uniqueItems": 1}
+        assert 0 < r["mask_us_p50"] <= r["mask_us_p99"]
+        assert 0 < r["first_mask_ms_p50"] <= r["first_mask_ms_p99"]
+    auto = report["backends"]["auto"]
+    # auto's steady state: the eager index where it was built, else the warm lazy matcher
+    expected = (2, 0) if "eager" in backends else (0, 2)
+    assert (auto["steady_state_eager"], auto["steady_state_lazy"]) == expected
+    assert auto["first_mask_ms_p50"] == report["backends"]["lazy"]["first_mask_ms_p50"]
+    lines = [json.loads(x) for x in failures.read_text().splitlines() if x.strip()]
+    assert [(x["name"], x["reason"]) for x in lines] == [("unique", "error:uniqueItems")]
