@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stencil.engine.structured_output import grammar_backends
+
 
 ACTIVATION_PRECISIONS = {"exact": 2, "int8": 1}
 """``EngineConfig.activation_precision`` -> int8 terms per activation of the GGUF block kernels
@@ -150,8 +152,9 @@ class EngineConfig:
             raise ConfigError(f"weights must be auto, fp32 or int4, got {self.weights!r}")
         if self.prompt_weights not in ("auto", "bf16", "int4"):
             raise ConfigError(f"prompt_weights must be auto, bf16 or int4, got {self.prompt_weights!r}")
-        if self.grammar_backend not in ("auto", "eager", "lazy"):
-            raise ConfigError(f"grammar_backend must be auto, eager or lazy, got {self.grammar_backend!r}")
+        if self.grammar_backend not in (backends := grammar_backends()):
+            raise ConfigError(f"grammar_backend must be {', '.join(backends[:-1])} or {backends[-1]}, "
+                              f"got {self.grammar_backend!r}")
         if self.grammar_timeout_s <= 0:
             raise ConfigError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         return self

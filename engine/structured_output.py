@@ -130,6 +130,14 @@ def prefetch(matchers: list) -> None:
     prefetch_masks(matchers)
 
 
+def grammar_backends() -> tuple[str, ...]:
+    """Every ``EngineConfig.grammar_backend`` value: "auto" and the backends' names
+    (``stencil.grammar.backends.backend_registry.POLICIES``; importing it imports no backend)."""
+    from stencil.grammar.backends.backend_registry import POLICIES
+
+    return POLICIES
+
+
 def is_dead_end(exc: BaseException) -> bool:
     """Whether ``exc`` says the constraint asks for text no token of the vocabulary spells
     (``stencil.grammar.base.DeadEndError``: the request's own fault, a 400)."""

@@ -18,7 +18,6 @@ import torch
 from stencil.grammar.program import Program  # noqa: F401 - the grammar API's name for it
 
 GrammarKind = Literal["json_schema", "regex", "choice", "lark"]
-BackendName = Literal["auto", "eager", "lazy"]
 
 # Most repetitions one counted quantifier (``a{n}``, ``{m,n}``), ``minLength`` or ``minItems`` may
 # ask for. Each counted repetition is automaton states on the eager backend and derivative

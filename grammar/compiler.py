@@ -39,7 +39,7 @@ from stencil.grammar.vocab import TokenVocabulary, build_vocabulary
 
 _FORMAT = "stencil-grammar-3"  # bump when the front end's output changes meaning
 _VERSIONS = [version("outlines-core"), backend_registry.lazy_version()]
-POLICIES = ("auto", "eager", "lazy")
+POLICIES = backend_registry.POLICIES
 
 
 class GrammarCompiler:

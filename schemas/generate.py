@@ -88,6 +88,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: "GrammarBody | None" = None
+    # stencil.grammar.backends.backend_registry.POLICIES, spelled out for the OpenAPI schema
+    # (tests/grammar/test_grammar_backends.py holds the two equal)
     grammar_backend: Literal["auto", "eager", "lazy"] | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0

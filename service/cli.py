@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from stencil.grammar.backends import backend_registry
+
 BENCHMARKS = {
     "conformance": "JSON Schema conformance of constrained outputs over a corpus",
     "maskbench": "MaskBench's own harness (jsonschemabench) on Stencil's grammar API",
@@ -82,7 +84,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "off by the engine wherever they do not raise measured goodput")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--grammar-timeout", type=float, default=10.0, help="longest grammar compile (s)")
-    g.add_argument("--grammar-backend", choices=("auto", "eager", "lazy"), default="auto",
+    g.add_argument("--grammar-backend", choices=backend_registry.POLICIES, default="auto",
                    help="auto: a lazy llguidance matcher at once, an eager outlines-core index built "
                         "in the background for grammars used again; eager: wait for the index; "
                         "lazy: never build one")

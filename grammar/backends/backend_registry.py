@@ -1,5 +1,11 @@
 """Backend name → implementation, imported on first use (as ``kernels/registry.py`` does).
 
+The one home of the grammar backends' names: ``names()`` are the backends, ``POLICIES`` what a
+server or a request may choose (the backends and ``"auto"``, the compiler's policy of using both).
+The compiler, the engine's config check and the CLI read them from here; the wire type
+(``stencil.schemas.generate.GenerateRequest.grammar_backend``) spells them out as a ``Literal`` for
+the OpenAPI schema, and a test holds it equal to ``POLICIES``.
+
 Each backend module defines a class with ``name``, ``kinds`` (the program kinds it takes:
 "regex", "lark"), ``build(program, ...)`` returning a grammar with ``matcher()`` and ``nbytes``,
 and ``close()``.
@@ -14,9 +20,14 @@ _BACKENDS = {
     "eager": ("stencil.grammar.backends.eager", "EagerBackend", frozenset({"regex"})),
     "lazy": ("stencil.grammar.backends.lazy", "LazyBackend", frozenset({"regex", "lark"})),
 }
+AUTO = "auto"
+POLICIES = (AUTO, *_BACKENDS)
+"""Every ``grammar_backend`` value: "auto" (lazy at once, eager built behind it for reused
+grammars; ``stencil.grammar.compiler``) or one backend's name."""
 
 
 def names() -> tuple[str, ...]:
+    """The backends' names ("eager", "lazy"), without the "auto" policy."""
     return tuple(_BACKENDS)
 
 

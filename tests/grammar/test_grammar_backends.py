@@ -633,3 +633,34 @@ def test_a_lone_surrogate_in_a_program_is_a_grammar_error():
     vocab = TokenVocabulary.from_token_bytes(JSON_TOKENS, 40, 48)
     with pytest.raises(GrammarError, match="surrogate"):
         LazyBackend(vocab).build(Program("json", json.dumps({"enum": ["a\ud800"]}, ensure_ascii=False)))
+
+
+def test_backend_names_are_the_registrys_everywhere_they_are_chosen(vocab):
+    """``stencil.grammar.backends.backend_registry`` is the names' one home: the wire ``Literal``
+    (written out for the OpenAPI schema), the compiler's policies, the CLI's choices and the engine
+    config's check all take its names, and each name builds the backend of that name."""
+    import typing
+
+    from stencil.engine.config import ConfigError, EngineConfig
+    from stencil.grammar import compiler
+    from stencil.grammar.backends import backend_registry
+    from stencil.schemas.generate import GenerateRequest
+    from stencil.service.cli import build_parser
+
+    assert backend_registry.POLICIES == ("auto", "eager", "lazy")
+    assert backend_registry.POLICIES == ("auto", *backend_registry.names())
+    wire = typing.get_type_hints(GenerateRequest)["grammar_backend"]
+    literal = next(a for a in typing.get_args(wire) if typing.get_origin(a) is typing.Literal)
+    assert typing.get_args(literal) == backend_registry.POLICIES
+    assert compiler.POLICIES == backend_registry.POLICIES
+    assert build_parser().parse_args(["serve", "--grammar-backend", "lazy"]).grammar_backend == "lazy"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--grammar-backend", "fast"])
+    with pytest.raises(ConfigError, match="grammar_backend must be auto, eager or lazy, got 'fast'"):
+        EngineConfig(model="m", grammar_backend="fast").validate()
+    for name in backend_registry.names():
+        backend = backend_registry.create(name, vocab)
+        try:
+            assert backend.name == name
+        finally:
+            backend.close()
