@@ -7,6 +7,7 @@ stay inside (under) or cover (over) every reading, so that a constraint built fr
 nothing a backend refuses, or refuses nothing it admits, as its caller needs. Used by the JSON
 Schema pattern parser (``stencil.grammar.json_schema.pattern``), the closing automaton
 (``stencil.grammar.closing``) and the program's length bounds (``stencil.grammar.program.min_bytes``).
+Part of ``grammar/``'s ground floor: of the package it imports only ``stencil.grammar.charset``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 import re._constants as sre_c
 
-from stencil.grammar.json_schema import charset as cs
+from stencil.grammar import charset as cs
 
 
 class UnmodelledClass(ValueError):

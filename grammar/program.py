@@ -1,11 +1,13 @@
 """The program a grammar backend runs (``Program``), and its format: regex text with references,
 written out as Lark (llguidance's dialect) or as a plain regex.
 
-This is the ground floor of ``grammar/``: of the package it imports only ``stencil.grammar.charclass``.
+With ``stencil.grammar.charclass`` and ``stencil.grammar.charset`` this is the ground floor of
+``grammar/``: of the package it imports only ``charclass``, which imports only ``charset``, which
+imports nothing (``tests/test_layout.py`` keeps it so).
 
 The schema compiler writes regex text (:mod:`stencil.grammar.json_schema.rx`) with two kinds of
 references, each two private-use characters around a number (the compiler never emits those
-characters otherwise: :func:`stencil.grammar.json_schema.charset.literal` escapes them):
+characters otherwise: :func:`stencil.grammar.charset.literal` escapes them):
 
 * a *terminal reference* ``\\ue002<n>\\ue003`` (:func:`term_ref`) stands for a piece of regex the
   compiler wrote once and uses many times (the JSON string pattern, a ``$ref`` definition);

@@ -141,3 +141,19 @@ def test_both_engines_offer_every_member_of_the_engine_client():
     assert {"generate", "check_request", "check_budget", "stats", "vocab_size", "kernels"} <= set(members)
     for cls in (AsyncEngine, ClusterEngine):
         assert [n for n in members if not hasattr(cls, n)] == [], cls
+
+
+# -- grammar's ground floor (issue 48) ------------------------------------------------------------------
+
+GRAMMAR_FLOOR = ("stencil.grammar.program", "stencil.grammar.charclass", "stencil.grammar.charset")
+"""``grammar/``'s ground floor (docs/architecture.md), top to bottom: the program format, the
+character classes as backends read them, the code-point sets and their regex text."""
+
+
+def test_grammars_ground_floor_imports_nothing_above_it():
+    """Each floor module imports, of Stencil, only the floor modules below it: no other grammar
+    module (``charclass`` once imported ``json_schema.charset``), nothing of another package."""
+    edges, _ = _graph(_modules())
+    assert {mod: sorted(edges[mod] - set(GRAMMAR_FLOOR[i + 1:])) for i, mod in enumerate(GRAMMAR_FLOOR)} == {
+        mod: [] for mod in GRAMMAR_FLOOR}
+    assert edges["stencil.grammar.charset"] == set()

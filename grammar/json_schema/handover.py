@@ -103,7 +103,7 @@ import msgspec
 from jsonschema import validators
 
 from stencil.grammar.base import MAX_REPEAT_COUNT, GrammarError
-from stencil.grammar.json_schema import charset as cs
+from stencil.grammar import charset as cs
 from stencil.grammar.json_schema import pattern as sp
 from stencil.grammar.json_schema.schema_compiler import (FLEXIBLE_WS, GRAMMAR_ANY_DEPTH, MAX_MIN_LENGTH, SchemaCompiler,
                                                  SchemaOptions, SharedProofs, _normalize)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from stencil.grammar.json_schema import charset as cs
+from stencil.grammar import charset as cs
 from stencil.grammar.json_schema import pattern as sp
 from stencil.grammar.program import both
 from stencil.grammar.json_schema.rx import Rx, alt, opt, seq

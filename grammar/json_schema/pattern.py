@@ -4,7 +4,7 @@
 (JSON Schema 2020-12 validation §6.3.3: unanchored). We parse the common subset of the
 syntax (literals, classes, ``. \\d \\w \\s`` and negations, groups, alternation, greedy or lazy
 quantifiers, ``^``/``$``/``\\A``/``\\Z`` at the ends of top-level alternatives) into a small AST
-whose atoms are character sets, then emit each atom through ``schema_charset.json_char``.
+whose atoms are character sets, then emit each atom through ``stencil.grammar.charset.json_char``.
 
 Exactness: each atom carries a subset of Python's meaning (``\\d`` → ASCII digits, ``\\w`` →
 ASCII word characters; negations remove a superset), so the emitted language is a subset of
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from stencil.grammar.base import MAX_REPEAT_COUNT
 from stencil.grammar.charclass import shorthand
-from stencil.grammar.json_schema import charset as cs
+from stencil.grammar import charset as cs
 from stencil.grammar.json_schema.rx import Rx, alt, repeat, seq
 
 

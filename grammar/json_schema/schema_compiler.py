@@ -675,7 +675,7 @@ class SchemaCompiler:
     def _literal(self, value: object) -> str:
         """An enum/const value as the grammar writes it: canonical JSON, with the whitespace mode's
         free runs between the tokens of objects and arrays (none in compact mode)."""
-        from stencil.grammar.json_schema import charset as cs
+        from stencil.grammar import charset as cs
         if self.ws == "" or not isinstance(value, (dict, list)):
             return cs.literal(canonical_json(value))
         ws = self.ws

@@ -10,7 +10,7 @@ import functools
 
 from dataclasses import dataclass
 
-from stencil.grammar.json_schema import charset as cs
+from stencil.grammar import charset as cs
 from stencil.grammar.json_schema import pattern as sp
 from stencil.grammar.json_schema.formats import format_pattern
 from stencil.grammar.program import both

@@ -1,11 +1,11 @@
-"""Character-set algebra (``stencil.grammar.json_schema.charset``) against sets of code points."""
+"""Character-set algebra (``stencil.grammar.charset``) against sets of code points."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stencil.grammar.json_schema import charset as cs
+from stencil.grammar import charset as cs
 
 # Small code points, and the top of the range, where complements end.
 _POINTS = st.one_of(st.integers(0, 40), st.integers(cs.MAX_CP - 5, cs.MAX_CP))

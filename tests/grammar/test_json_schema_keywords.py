@@ -211,7 +211,7 @@ def test_regex_format_is_a_subset_of_compilable_patterns():
     def compiles(pattern):
         re.compile(pattern)
         # strings are written without controls that lack a named escape, and without U+007F
-        # (stencil.grammar.json_schema.charset): those patterns are left out of the language
+        # (stencil.grammar.charset): those patterns are left out of the language
         assume(not re.search("[\x00-\x07\x0b\x0e-\x1f\x7f]", pattern))
         assert re.fullmatch(regex, json.dumps(pattern, ensure_ascii=False))
 

@@ -1,4 +1,7 @@
-"""Character sets and the regex text shared by the JSON Schema compiler.
+"""Character sets and their regex text, shared by the JSON Schema compiler and the character classes.
+
+Part of ``grammar/``'s ground floor (with ``stencil.grammar.charclass`` and ``stencil.grammar.program``):
+it imports no other module of Stencil.
 
 A ``CharSet`` is a sorted tuple of disjoint, non-adjacent inclusive code-point ranges (what
 ``charset`` makes; every operation here takes and returns that form). It is turned into
