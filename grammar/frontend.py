@@ -1,6 +1,6 @@
 """Spec → program: what every backend compiles, written by Stencil alone.
 
-A :class:`~stencil.grammar.base.GrammarSpec` becomes a :class:`~stencil.grammar.base.Program`: a regex for
+A :class:`~stencil.grammar.base.GrammarSpec` becomes a :class:`~stencil.grammar.program.Program`: a regex for
 regexes, choices and schemas a regex can express, a Lark grammar for user grammars and for
 schemas that refer to themselves (recursion is kept, not unrolled). The backends only ever see
 programs, so the language of a spec does not depend on which backend serves it.

@@ -2,7 +2,7 @@
 
 The ``lark`` library (lark-parser, MIT) compiles the grammar text into BNF rules and terminal
 regexes; each rule becomes regex text whose symbols are rule and terminal references
-(``stencil.grammar.json_schema.rules``), and an ``%ignore`` terminal may appear between any two symbols,
+(``stencil.grammar.program``: ``ref``, ``term_ref``), and an ``%ignore`` terminal may appear between any two symbols,
 as between lexemes. Grammars that use llguidance's extensions to Lark (``%llguidance``,
 ``%json``, special tokens, ``{m,n}`` on rules) do not load here: they are served without the
 budget rule.

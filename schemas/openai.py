@@ -3,10 +3,11 @@
 Field names and shapes follow OpenAI's API reference (platform.openai.com/docs/api-reference,
 "Chat", "Completions (legacy)", "Models"). Every request field of the reference is modelled, and
 nothing is accepted and ignored: a field Stencil serves is honoured; a field it cannot serve is
-refused with a 400 naming it when it is set to anything but its neutral value (the handlers'
-``service.openai_fields`` table says which and why); a field the reference does not have is
-refused as unknown (``forbid_unknown_fields``), so a typo or another server's extension is
-never silently dropped. Stencil's own extensions: ``top_k``, ``repetition_penalty``,
+refused with a 400 naming it when it is set to anything but its neutral value (the handlers' tables,
+``stencil.service.openai_api.UNSERVED_CHAT`` and ``stencil.service.responses_api.UNSERVED``, say
+which and why); a field the reference does not have is refused as unknown
+(``forbid_unknown_fields``), so a typo or another server's extension is never silently dropped.
+Stencil's own extensions: ``top_k``, ``repetition_penalty``,
 ``close_on_budget``, ``soft_limits``; answers carry ``valid`` and ``closed_by_budget`` (per choice)
 and ``warnings``.
 """
@@ -128,7 +129,7 @@ class ChatCompletionRequest(Struct, forbid_unknown_fields=True):
     ``max_completion_tokens`` (current name) wins over ``max_tokens`` (deprecated name) when both
     are given. ``temperature`` defaults to 1.0 and takes 0..2, as in OpenAI's API. ``logit_bias``
     maps token ids (as strings) to -100..100. The fields after ``user`` are in the reference but not served
-    (see ``service.openai_fields``).
+    (see ``stencil.service.openai_api.UNSERVED_CHAT``).
     """
 
     messages: list[ChatMessage]

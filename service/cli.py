@@ -1,6 +1,7 @@
 """The ``stencil`` command: ``serve``, ``generate`` (one-shot, in process) and ``bench``.
 
-``stencil bench NAME ...`` dispatches to the module ``stencil.benchmarks.NAME``, which exposes
+``stencil bench NAME ...`` dispatches to the module of that name in ``benchmarks/`` (``stencil bench spec`` runs
+``stencil.benchmarks.spec``), which exposes
 ``add_arguments(parser)`` and ``main(args) -> int | None``; modules are imported only when
 used, so a missing one fails only its own command.
 """

@@ -2,10 +2,10 @@
 
 ``gguf.GGUFReader`` builds a numpy view for every element of every metadata array, so a
 262,144-token vocabulary (three arrays of that length) takes it 45 s on this 2-core machine
-before a single weight is read. This reader walks the same format (ggml's ``docs/gguf.md``;
-gguf-py's ``gguf_reader.py`` reads it the same way) with ``struct`` over one memory map:
-strings decoded once, numeric arrays as one ``np.frombuffer`` each. Gemma 3 270M's header is
-read in well under a second.
+before a single weight is read. This reader walks the same format (ggml's specification,
+github.com/ggml-org/ggml/blob/master/docs/gguf.md; gguf-py's ``gguf_reader.py`` reads it the same
+way) with ``struct`` over one memory map: strings decoded once, numeric arrays as one
+``np.frombuffer`` each. Gemma 3 270M's header is read in well under a second.
 
 Format (little-endian; version 2 and 3)::
 

@@ -4,7 +4,8 @@ llguidance (guidance-ai/llguidance, MIT) keeps a lexer of lazily built derivativ
 (Brzozowski derivatives; Owens, Reppy and Turon 2009, "Regular-expression derivatives
 re-examined") under an Earley parser, so nothing is computed for a state until a sequence reaches
 it: a grammar is ready in about a millisecond, whatever its size, and a mask costs microseconds to
-a few hundred (``docs/optimizations.md`` of the project). The input is the regex (or Lark grammar)
+a few hundred (llguidance's optimizations note,
+github.com/guidance-ai/llguidance/blob/main/docs/optimizations.md). The input is the regex (or Lark grammar)
 that :mod:`stencil.grammar.json_schema` wrote, so exactness, key order and whitespace are the same as on
 the eager backend; or, for a "json" program, a schema for llguidance's own JSON front end whose
 language is provably that same one (``json_schema.handover``), built through its C API
