@@ -87,8 +87,8 @@ def test_every_shell_line_is_of_a_checked_kind():
             kinds[line] = "make"
         elif _stencil_argv(line) is not None:
             kinds[line] = "stencil"
-        elif line.startswith(".venv/bin/python -m pytest "):
-            paths = [w for w in shlex.split(line)[3:] if w.startswith("tests/")]
+        elif line.startswith(".venv/bin/pytest "):
+            paths = [w for w in shlex.split(line)[1:] if w.startswith("tests/")]
             assert paths and all((ROOT / p).exists() for p in paths), line
             kinds[line] = "pytest"
         elif line.startswith(".venv/bin/python examples/"):
