@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from stencil.engine.config import EngineConfig
+import test_examples
 from stencil.service import cli
-from stencil.service.state import ServiceConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 README_ADDRESS = "http://127.0.0.1:8000"
+server = test_examples.server  # the fixture: the examples' live server on the tiny model, shared
 
 
 def shell_lines() -> list[str]:
@@ -63,16 +63,6 @@ def _stencil_argv(line: str) -> list[str] | None:
     if words[0] in ("stencil", ".venv/bin/stencil"):
         return words[1:]
     return None
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    from service_live import LiveServer
-
-    live = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, max_num_seqs=4),
-                      ServiceConfig(model_name="tiny", max_tokens_cap=1024)).start()
-    yield live
-    live.stop()
 
 
 def test_every_shell_line_is_of_a_checked_kind():
