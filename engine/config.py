@@ -43,7 +43,7 @@ class EngineConfig:
             model's (top-1 agreement with transformers 1.0000 on SmolLM2 and Gemma 3); "int8" is
             llama.cpp's one int8 term (max / 254) and half the integer work per weight: faster where
             a step is all GEMM (many rows: batched decode, prompts), at a measured cost in agreement
-            (README, "Activation precision"). Both are bit-identical across batch sizes, so greedy
+            (docs/models.md, "Activation precision"). Both are bit-identical across batch sizes, so greedy
             output stays independent of batching either way.
         gpu_memory_utilization: share of the device memory free after loading the weights that
             the KV cache takes on CUDA (when neither ``num_kv_blocks`` nor ``kv_cache_gib`` is set).

@@ -66,11 +66,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "float16 or bfloat16 halve the cache and its memory traffic")
     g.add_argument("--no-hybrid-kv-cache", action="store_true",
                    help="keep every position of a sliding-window layer (Gemma 3's local layers) in the KV cache, "
-                        "as the full-attention layers do, instead of only its window (README, Your own model)")
+                        "as the full-attention layers do, instead of only its window (docs/models.md, 'Gemma 3')")
     g.add_argument("--activation-precision", default="exact", choices=["exact", "int8"],
                    help="GGUF block kernels' activations: exact (two int8 terms a value, logits within fp32 "
                         "rounding of the dequantized model; default) or int8 (llama.cpp's one term: less integer "
-                        "work, faster batches and prompts, lower agreement; README, Activation precision)")
+                        "work, faster batches and prompts, lower agreement; docs/models.md, 'Activation precision')")
     g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size in GiB (default: from free memory)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (overrides --kv-cache-gib)")
     g.add_argument("--max-num-seqs", type=int, default=256,
@@ -118,8 +118,8 @@ def _add_connection_args(p: argparse.ArgumentParser) -> None:
 
     d = ConnectionLimits()
     g = p.add_argument_group("connections", "bounds on each HTTP connection, against slow or stalled clients "
-                             "(README, Slow clients; not applied with --replicas, where Ray Serve's proxy "
-                             "takes the connections)")
+                             "(docs/serving.md, 'Limits and failures'; not applied with --replicas, where Ray "
+                             "Serve's proxy takes the connections)")
     g.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
                    help="seconds from a connection's open (or a request's first byte) to the end of the request "
                         "head; past it 408 and close (default: %(default)s)")
@@ -156,7 +156,7 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     from stencil.service.cluster import ROUTERS
 
     g = p.add_argument_group("cluster", "N engine replicas on Ray Serve behind this endpoint "
-                             "(needs pip install 'stencil-serve[cluster]'; see README, Replicas)")
+                             "(needs pip install 'stencil-serve[cluster]'; docs/serving.md, 'Replicas on Ray Serve')")
     g.add_argument("--replicas", type=int, default=None,
                    help="serve N engine replicas on Ray Serve (the minimum with --max-replicas)")
     g.add_argument("--max-replicas", type=int, default=None,

@@ -2,7 +2,7 @@
 
 Depends only on httpx and msgspec (pydantic is used when, and only when, a pydantic model is
 passed in), and imports nothing of the server: ``pip install httpx msgspec`` and ``pip install
---no-deps`` of this package are enough (README, "Ask for JSON"; ``tests/service/test_client_light.py``). ``stream_extract`` yields typed partial answers as they stream (``Partial``: the
+--no-deps`` of this package are enough (docs/api.md, "The typed client"; ``tests/service/test_client_light.py``). ``stream_extract`` yields typed partial answers as they stream (``Partial``: the
 fields complete so far and the one being written), then the validated instance. ``Client`` is
 synchronous, ``AsyncClient`` the asyncio twin; both share the request building, schema
 derivation, retry timing and answer decoding defined here.

@@ -40,7 +40,7 @@ class ServiceConfig:
         retry_after_s: ``Retry-After`` sent with 429 (seconds).
         json_whitespace: the layout JSON Schema answers may take when a request does not say:
             "flexible" (a line break and an indent, or a space, around structural characters:
-            the pretty-printed JSON models write; README, "JSON layout") or "compact".
+            the pretty-printed JSON models write; docs/api.md, "Behaviour") or "compact".
     """
 
     api_key: str | None = None

@@ -157,3 +157,17 @@ def test_readme_links_lead_to_pages_that_exist():
     for doc in sorted((ROOT / "docs").glob("*.md")):
         for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", doc.read_text()):
             assert "://" in link or (doc.parent / link).exists(), (doc.name, link)
+
+
+def test_section_pointers_in_the_code_name_a_section_that_exists():
+    """A pointer from code to a page's section, written as docs/api.md, "The typed client" (or with single
+    quotes inside a help string), names a heading of that page, so moving a section cannot strand it."""
+    pointer = re.compile(r"""(README|docs/\w+\.md), ["']([^"'\n]+)["']""")
+    stale = []
+    for pkg in CODE + ("tests",):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for page, heading in pointer.findall(path.read_text()):
+                doc = ROOT / ("README.md" if page == "README" else page)
+                if not doc.is_file() or heading not in re.findall(r"^#+ (.+)$", doc.read_text(), re.M):
+                    stale.append(f"{path.relative_to(ROOT)}: {page}, {heading!r}")
+    assert stale == []

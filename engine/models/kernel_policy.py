@@ -7,9 +7,9 @@ LM head, is served by ``layer_kind(types)``:
    AVX512-BF16) and the block kernel is not asked for one activation term (``terms=1``, llama.cpp's
    arithmetic, which only ``csrc/gguf_gemm.c`` does): ``quant.Int4Linear`` on ``csrc/vnni_gemm.c`` (AVX512-VNNI) or
    ``csrc/int4_gemm.c``. These kernels were measured on this project's AVX512 Xeons against
-   torch's and oneDNN's (README, "Inside the engine"); keeping them there keeps the default
-   model's greedy outputs on those machines as they were. (Not measured against
-   ``gguf_gemm.c``'s AVX512-VNNI path: no AVX512 machine in that session; ``stencil bench
+   torch's and oneDNN's (docs/benchmarks.md, "Many rows through one matrix (the block kernel)");
+   keeping them there keeps the default model's greedy outputs on those machines as they were.
+   (Not measured against ``gguf_gemm.c``'s AVX512-VNNI path: no AVX512 machine in that session; ``stencil bench
    cpu_kernels`` times both where both build.)
 2. ``"blocks"``: otherwise, every quantized part is of a type ``csrc/gguf_gemm.c`` reads
    (``ggml_blocks.BLOCKS``) and at least one part is quantized: ``gguf_layers.QuantLinear``,

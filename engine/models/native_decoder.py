@@ -17,7 +17,7 @@ Both paths call the same kernels in the same order with the same arithmetic betw
 additions, ``layer_ops.glu`` for the gated activation): each row gets the same bits either way,
 so a greedy output never depends on which one ran (``tests/engine/test_native_decoder.py`` compares
 them bit for bit on every supported architecture and weight kind). The decode steps with and
-without it: README, "The model the user brings".
+without it: docs/benchmarks.md, "The decode step in process".
 
 ``plan.run(h, tables, meta)`` updates the residual stream ``h`` fp32 ``[T, hidden]`` in place
 through every layer; ``tables`` is ``[(cos, sin), (local_cos, local_sin)]`` gathered for the

@@ -60,7 +60,8 @@ GRAMMAR_ANY_DEPTH = 3  # container nesting of free-form values in served program
 # (`{ "a": 1 }`), or one line break and an indent, which is how models pretty-print JSON
 # (`{\n  "name": ...`; SmolLM2 writes "\n " and ' "' as two tokens). The old bound, two
 # characters in all, refused the 2-space indent the model was trained on; with the indent
-# allowed, SmolLM2-135M gets more fields right than in compact JSON (README, "JSON layout").
+# allowed, SmolLM2-135M gets more fields right than in compact JSON
+# (docs/benchmarks.md, "Field accuracy: compact against flexible JSON").
 # Bounded (at most 22 characters) so that a run of whitespace cannot go on until max_tokens;
 # 20 columns reach the tenth level of a 2-space indent, as llama.cpp's JSON grammars allow.
 FLEXIBLE_WS = "(?:[ \\t\\n\\r]{0,2}|\\r?\\n[ \\t]{0,20})"

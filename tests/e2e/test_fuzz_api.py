@@ -10,7 +10,7 @@ and every KV block is free.
 Bounded for CI: ``STENCIL_FUZZ_EXAMPLES`` (default 25) examples per operation and mode,
 derandomized (the same cases every run; ``STENCIL_FUZZ_RANDOM=1`` explores new ones), a cap of
 16 output tokens and a 2 s grammar-compile timeout on the server. The deep, random runs are
-``stencil bench fuzz`` (README, Benchmarks).
+``stencil bench fuzz`` (docs/benchmarks.md, "Fuzz").
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the logits of every position:
   is fed on, so the comparison continues);
 * one term (llama.cpp's activation arithmetic, ``block_terms=1``; every matrix on the block kernel): <= 0.2, top-1 agreement >= 0.6:
   random weights are the worst case for one term (measured 0.13 and 0.70 here); the measured
-  agreement on real models is in the README (``stencil bench agreement``).
+  agreement on real models is in docs/benchmarks.md, "Next-token agreement" (``stencil bench agreement``).
 
 And the engine invariant with these layers: greedy outputs do not change when batching,
 prefix caching, chunked prefill and preemption are on.

@@ -526,7 +526,7 @@ def test_maskbench_instances_get_the_same_verdicts_and_masks_on_both_backends(to
 
 
 def test_the_public_grammar_api_as_the_readme_shows_it(tokenizer):
-    """The names external harnesses drive (README, "The grammar API"), used exactly that way."""
+    """The names external harnesses drive (docs/api.md, "The grammar API (Python)"), used exactly that way."""
     from stencil.grammar import GrammarCompiler as PublicCompiler
     from stencil.grammar import GrammarSpec as PublicSpec
 
