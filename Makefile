@@ -13,6 +13,9 @@ PORT ?= 8000
 export STENCIL_CACHE_DIR
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# `python -m` from the repository root would put the root on sys.path, where the kernels/ folder
+# (stencil.kernels) shadows Hugging Face's `kernels`, which transformers imports.
+export PYTHONSAFEPATH := 1
 
 .PHONY: setup serve test test-fast bench clean-venv
 

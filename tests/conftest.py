@@ -1,7 +1,8 @@
 """Shared fixtures: the real tokenizer, tiny random models of each architecture, the real model.
 
-Tests never reach a hub (HF_HUB_OFFLINE=1); the default model directory is made by
-``make setup`` (``python -m stencil.engine.models.default_model``) and reused here.
+Tests never reach a hub (HF_HUB_OFFLINE=1); the default model's GGUF is fetched by ``make setup``
+(``python -m stencil.engine.models.default_model``), and converted here once into the transformers
+directory the tests compare against (``reference_model``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Subprocesses started with cwd at the repository root must not import its folders as top-level
+# packages (kernels/ would shadow Hugging Face's `kernels`, which transformers imports).
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 if not os.path.exists("/dev/nvidia0"):
     # Triton kernels run through its interpreter on CPU; the flag must be set before triton loads.
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -18,15 +22,15 @@ if not os.path.exists("/dev/nvidia0"):
 import pytest
 import torch
 
-from stencil.engine.models.default_model import ensure_default_model
+from reference_model import converted_default_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    """The converted SmolLM2-135M-Instruct directory (fetched once if missing)."""
-    return ensure_default_model()
+    """The converted SmolLM2-135M-Instruct directory (fetched and converted once if missing)."""
+    return converted_default_model()
 
 
 @pytest.fixture(scope="session")
