@@ -26,10 +26,10 @@ def test_help_everywhere(capsys, argv, needle):
 
 def test_bench_dispatches_lazily(monkeypatch, capsys):
     seen = {}
-    fake = types.ModuleType("benchmarks.fake_bench")
+    fake = types.ModuleType("stencil.benchmarks.fake_bench")
     fake.add_arguments = lambda p: p.add_argument("--n", type=int, default=1)
     fake.main = lambda args: seen.setdefault("n", args.n) and 3
-    monkeypatch.setitem(sys.modules, "benchmarks.fake_bench", fake)
+    monkeypatch.setitem(sys.modules, "stencil.benchmarks.fake_bench", fake)
     assert cli.main(["bench", "fake_bench", "--n", "5"]) == 3
     assert seen == {"n": 5}
     assert cli.main(["bench", "no_such_bench"]) == 2
