@@ -23,7 +23,8 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
 from stencil.grammar.base import GrammarError, GrammarSpec
-from stencil.schemas.openai import ErrorBody, ErrorResponse, FunctionDefinition, TokenLogprob, TopLogprob
+from stencil.grammar.tool_calls import tool_call_spec
+from stencil.schemas.openai import ErrorBody, ErrorResponse, TokenLogprob, TopLogprob
 from stencil.service import generation as gen
 from stencil.service import inputs
 from stencil.service.openapi_docs import error_responses
@@ -31,7 +32,7 @@ from stencil.service.errors import ClientDisconnected, GenerationFailed, InputEr
     log_refused, named_as, to_problem
 from stencil.service.state import ServiceState, service_state
 from stencil.service.tool_parser import ParsedCall, parse_answer
-from stencil.service.tools import ToolError, ToolPlan, arguments_schema, is_strict, tool_regex
+from stencil.service.tools import ToolError, ToolPlan, arguments_schema, is_strict
 from stencil.service.wire import invalid_field
 
 log = logging.getLogger("stencil.openai")
@@ -208,8 +209,8 @@ async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPla
     Args:
         schema: the response format's JSON Schema, or ``None``.
         strict: the response format's ``strict`` (True: fail closed; False: relax and warn).
-        plan: the tool plan; when active the grammar is ``tools.tool_regex`` (text answers in
-            auto mode follow ``schema`` when given).
+        plan: the tool plan; when active the grammar is ``stencil.grammar.tool_calls.tool_call_spec``
+            (text answers in auto mode follow ``schema`` when given).
         parameters_field: where the request holds function ``i``'s parameters, for errors.
         format_field: where it holds the response format, for errors.
 
@@ -229,37 +230,23 @@ async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPla
     if schema is not None:
         with named_as({"response_schema": format_field}):
             await inputs.check_schema_off_loop(svc, schema)
-    from stencil.grammar.json_schema import schema_to_regex
-
-    warnings: list[str] = []
-
-    def arguments_regex(fn: FunctionDefinition) -> str:
-        i = plan.functions.index(fn)
-        with grammar_field(parameters_field.format(i=i)):
-            regex, notes = schema_to_regex(arguments_schema(fn), strict=is_strict(fn))
-        warnings.extend(f"tool {fn.name}: {n}" for n in notes)
-        return regex
-
-    def build() -> str:
-        text = None
-        if schema is not None:
-            with grammar_field(format_field):
-                text, notes = schema_to_regex(schema, strict=strict)
-            warnings.extend(f"response format: {n}" for n in notes)
-        return tool_regex(plan, arguments_regex, text)
-
     # A large schema can take a while to translate; keep the event loop serving others.
-    return Constraint(GrammarSpec("regex", await asyncio.to_thread(build)), schema, plan, warnings)
+    with grammar_field():
+        spec, warnings = await asyncio.to_thread(tool_call_spec, plan.calls(parameters_field), schema,
+                                                 text_strict=strict, text_field=format_field)
+    return Constraint(spec, schema, plan, warnings)
 
 
 @contextmanager
-def grammar_field(name: str) -> Iterator[None]:
+def grammar_field(name: str | None = None) -> Iterator[None]:
     """Turn a ``GrammarError`` raised inside into an ``InputError`` naming the request field
-    (keyword and JSON pointer kept), so OpenAI clients see it as the error's ``param``."""
+    ``name`` (``None``: the error's own ``field``; keyword and JSON pointer kept), so OpenAI
+    clients see it as the error's ``param``."""
     try:
         yield
     except GrammarError as e:
-        raise InputError(str(e), field=name, keyword=e.keyword, path=e.path, position=e.position) from None
+        raise InputError(str(e), field=name or e.field, keyword=e.keyword, path=e.path,
+                         position=e.position) from None
 
 
 async def start_all(svc: ServiceState, jobs: list[tuple[list[int], Any]], spec: GrammarSpec | None, rid: str,

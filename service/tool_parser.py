@@ -1,6 +1,6 @@
 """Reads tool calls out of a model's output as it streams, one text fragment at a time.
 
-The grammar (``stencil.service.tools.tool_regex``) makes the model write exactly
+The grammar (``stencil.grammar.tool_calls``, the markers' home) makes the model write exactly
 
     <tool_call>{"name":"NAME","arguments":ARGUMENTS}</tool_call>   (one or more blocks)
 
@@ -24,10 +24,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from stencil.grammar.tool_calls import CALL_CLOSE, CALL_OPEN
 from stencil.service.json_scan import JsonScanner
 
-CALL_OPEN = "<tool_call>"
-CALL_CLOSE = "</tool_call>"
 _HEADER_START = CALL_OPEN + '{"name":"'
 _HEADER = re.compile(re.escape(CALL_OPEN) + r'\{"name":("(?:[^"\\]|\\.)*"),"arguments":')
 _TRAILER = "}" + CALL_CLOSE

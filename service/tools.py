@@ -1,34 +1,21 @@
-"""Tool calls for the OpenAI-compatible endpoints: the plan, the grammar, the parse, the prompt.
+"""Tool calls for the OpenAI-compatible endpoints: the plan, the parse, the prompt.
 
-Wire format the model writes (the Hermes / Qwen convention, compact JSON inside):
-
-    <tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>
-
-With ``parallel_tool_calls`` (OpenAI's default) one or more such blocks follow each other
-directly (at most ``max_calls`` when given); with ``parallel_tool_calls: false`` exactly one.
-(With a newline allowed between blocks, SmolLM2-135M chose the newline over EOS and repeated its
-call until ``max_tokens``; right after ``</tool_call>`` it prefers EOS to ``<``.)
-
-Each block is the regex alternation over the allowed functions of
-``{"name":"<f>","arguments":`` + the regex of ``f``'s ``parameters`` + ``}``, disjoint by the name.
-Each function's parameters are compiled as a schema document of their own, so their ``$defs``,
-``$ref``s (``#/$defs/Role``, ``#``) and ``$id``s resolve exactly as in the document the client
-wrote (pydantic writes ``$defs`` for every nested model and Enum). A function without
-``parameters`` takes ``{}`` exactly. ``strict: true`` on a function fails closed on keywords the
-grammar cannot enforce; omitted or false (OpenAI's default) relaxes only those, names them in
-the warnings, and the arguments are checked with jsonschema afterwards.
+``plan_tools`` resolves OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` into a
+:class:`ToolPlan`; the grammar of the answer is built in ``grammar/`` (``stencil.grammar.tool_calls``:
+the wire format, the call regex), which the plan asks for through :meth:`ToolPlan.calls`.
 
 ``tool_choice``:
 - ``"none"``: no call; tools are left out of the prompt and the output is unconstrained by them.
 - ``"required"``: the whole output is one (or, in parallel, several) call blocks.
 - a named function: exactly one block calling it.
-- ``"auto"`` (default when tools are given): either call blocks, or a text answer, which is any
-  text not starting with ``<tool_call>`` (or, with a JSON ``response_format``, that JSON). The
-  grammar is the regex alternation of both, so the model picks with its first tokens.
+- ``"auto"`` (default when tools are given): either call blocks, or a text answer (any text not
+  starting with ``<tool_call>``, or, with a JSON ``response_format``, that JSON).
 
-Reading calls back (whole or streamed) is ``stencil.service.tool_parser``. Tools reach the prompt
-through the chat template's ``tools=`` argument when the template uses it, else through a
-system message written here.
+``strict: true`` on a function fails closed on keywords the grammar cannot enforce; omitted or
+false (OpenAI's default) relaxes only those, names them in the warnings, and the arguments are
+checked with jsonschema afterwards. Reading calls back (whole or streamed) is
+``stencil.service.tool_parser``. Tools reach the prompt through the chat template's ``tools=``
+argument when the template uses it, else through a system message written here.
 """
 
 from __future__ import annotations
@@ -36,20 +23,16 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from stencil.grammar import tool_calls
+from stencil.grammar.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEP, ToolCalls, ToolFunction
 from stencil.schemas.openai import ChatMessage, FunctionCall, FunctionDefinition, ToolCall
-from stencil.service.tool_parser import CALL_CLOSE, CALL_OPEN, parse_answer
+from stencil.service.tool_parser import parse_answer
 
-CALL_SEP = ""
-ANY_TEXT = r"[\s\S]*"
-
-NO_ARGUMENTS: dict = {"type": "object", "properties": {}, "additionalProperties": False}
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
-
-ArgumentsRegex = Callable[[FunctionDefinition], str]
 
 
 class ToolError(ValueError):
@@ -86,6 +69,13 @@ class ToolPlan:
 
     def function(self, name: str) -> FunctionDefinition | None:
         return next((fn for fn in self.functions if fn.name == name), None)
+
+    def calls(self, parameters_field: str = "tools[{i}].function.parameters") -> ToolCalls:
+        """What the grammar admits under this active plan (``stencil.grammar.tool_calls``);
+        ``parameters_field`` names where function ``i`` of the plan holds its parameters."""
+        return ToolCalls(tuple(ToolFunction(fn.name, fn.parameters, is_strict(fn), parameters_field.format(i=i))
+                               for i, fn in enumerate(self.functions)),
+                         required=self.mode == "required", parallel=self.parallel, max_calls=self.max_calls)
 
 
 def is_strict(fn: FunctionDefinition) -> bool:
@@ -139,68 +129,7 @@ def plan_tools(functions: Sequence[FunctionDefinition], tool_choice: str | None,
 
 def arguments_schema(fn: FunctionDefinition) -> dict:
     """The JSON Schema a call's ``arguments`` must satisfy (``{}`` only, without parameters)."""
-    return fn.parameters if fn.parameters else NO_ARGUMENTS
-
-
-def literal(text: str) -> str:
-    """Regex matching ``text`` exactly; escapes only the metacharacters of both Python ``re`` and
-    Rust ``regex`` (escaping ``<`` would mean a word boundary to Rust's regex 1.10+)."""
-    return "".join("\\" + ch if ch in _META else ch for ch in text)
-
-
-_META = frozenset("\\.^$|?*+()[]{}")
-
-
-def not_starting_with(marker: str) -> str:
-    """Regex of every string (empty included) that does not start with ``marker`` (non-empty).
-
-    Such a string is a proper prefix of the marker, or agrees with it on some first ``i``
-    characters, then differs, then goes on freely. Both parts are written as nested groups with
-    one shared free tail: the flat alternation (one ``[\\s\\S]*`` per ``i``) made outlines-core's
-    index build run past a minute on a 49k vocabulary, the nested form takes ~0.25 s. No
-    lookahead, which outlines-core's regex dialect lacks.
-    """
-    diverge, prefixes = "", ""
-    for i in range(len(marker) - 1, -1, -1):
-        ch = literal(marker[i])
-        other = f"[^{ch}]"  # a lone '-' right after '^' is literal in both dialects
-        diverge = other if i == len(marker) - 1 else f"{other}|{ch}(?:{diverge})"
-        if i < len(marker) - 1:
-            prefixes = f"(?:{ch}{prefixes})?"
-    return f"(?:(?:{diverge}){ANY_TEXT}|{prefixes})"
-
-
-def call_regex(fn: FunctionDefinition, arguments_regex: str) -> str:
-    """Regex of one call object of ``fn``: ``{"name":"<fn>","arguments":<arguments>}``."""
-    head = '{"name":' + json.dumps(fn.name) + ',"arguments":'
-    return literal(head) + "(?:" + arguments_regex + ")" + literal("}")
-
-
-def tool_regex(plan: ToolPlan, arguments_regex: ArgumentsRegex, text_regex: str | None) -> str:
-    """The regex the whole assistant output must match under ``plan`` (mode not "none").
-
-    Args:
-        plan: an active plan.
-        arguments_regex: a function → the regex of its arguments' compact JSON (the grammar's
-            compiler run on ``arguments_schema(fn)`` as a document of its own).
-        text_regex: what a text answer must match in "auto" mode (``None``: any text not
-            starting with ``<tool_call>``).
-
-    Raises:
-        stencil.grammar.base.GrammarError: from ``arguments_regex`` on a schema it cannot enforce.
-    """
-    branches = [call_regex(fn, arguments_regex(fn)) for fn in plan.functions]
-    one = literal(CALL_OPEN) + "(?:" + "|".join(branches) + ")" + literal(CALL_CLOSE)
-    if not plan.parallel:
-        calls = one
-    elif plan.max_calls is None:
-        calls = f"{one}(?:{literal(CALL_SEP)}{one})*"
-    else:
-        calls = f"{one}(?:{literal(CALL_SEP)}{one}){{0,{plan.max_calls - 1}}}"
-    if plan.mode == "required":
-        return calls
-    text = text_regex if text_regex is not None else not_starting_with(CALL_OPEN)
-    return f"(?:{calls}|{text})"
+    return tool_calls.arguments_schema(fn.parameters)
 
 
 def new_call_id() -> str:

@@ -271,6 +271,17 @@ def test_errors_use_openai_shape(client, server):
     assert "error" not in raw.json() and raw.json()["status"] == 400
 
 
+def test_a_schema_the_tool_grammar_cannot_enforce_is_a_400_naming_its_field(server):
+    """The tool-call grammar (``stencil.grammar.tool_calls``) names the field of the schema it refuses."""
+    unenforceable = {"type": "object", "minProperties": 2}
+    strict_tool = {"type": "function", "function": {"name": "s", "strict": True, "parameters": unenforceable}}
+    for extra, param in (({"tools": [WEATHER, strict_tool], "tool_choice": "required"}, "tools[1].function.parameters"),
+                         ({"tools": [WEATHER], "response_format": _json_format(unenforceable)}, "response_format")):
+        raw = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": MESSAGES, **extra})
+        assert (raw.status_code, raw.json()["error"]["param"]) == (400, param), raw.text
+        assert "minProperties" in raw.json()["error"]["message"]
+
+
 def _wait(pred, timeout_s: float = 15.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -1,26 +1,21 @@
-"""Tool calls: the plan from OpenAI's fields, the call regex, the (streaming) parse, the prompt.
-
-Oracles: jsonschema for the arguments, Python ``re`` plus ``str.startswith`` for the regexes.
-The end-to-end constrained generation is in ``test_openai_api.py``.
+"""Tool calls: the plan from OpenAI's fields, the (streaming) parse, the prompt. The call regex is
+``stencil.grammar.tool_calls``'s (``tests/grammar/test_tool_calls.py``); the end-to-end constrained
+generation is in ``test_openai_api.py``.
 """
 
 from __future__ import annotations
 
 import json
-import re
 
-import jsonschema
 import msgspec
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from stencil.grammar.json_schema import schema_to_regex
+from stencil.grammar.tool_calls import CALL_OPEN, NO_ARGUMENTS
 from stencil.schemas.openai import ChatMessage, ContentPart, FunctionCall, Tool, ToolCall
 from stencil.service.tool_parser import ToolCallParser, parse_answer
 from stencil.service.tools import (
-    CALL_OPEN, NO_ARGUMENTS, ToolError, ToolPlan, arguments_schema, literal, not_starting_with,
-    parse_tool_output, plan_tools, template_messages, template_supports_tools, tool_regex, tools_system_text,
+    ToolError, ToolPlan, arguments_schema, parse_tool_output, plan_tools, template_messages, template_supports_tools,
+    tools_system_text,
 )
 
 WEATHER = msgspec.convert({"type": "function", "function": {
@@ -28,14 +23,6 @@ WEATHER = msgspec.convert({"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
                    "required": ["city"], "additionalProperties": False}}}, Tool)
 CLOCK = msgspec.convert({"type": "function", "function": {"name": "now"}}, Tool)
-
-
-def _to_regex(schema: dict) -> str:
-    return schema_to_regex(schema)[0]
-
-
-def _args_regex(fn) -> str:
-    return schema_to_regex(arguments_schema(fn))[0]
 
 
 def _fns(*tools: Tool) -> list:
@@ -77,82 +64,21 @@ def test_plan_errors_name_the_field(tools, choice, named, param):
     assert e.value.param == param
 
 
-# -- regex ---------------------------------------------------------------------------------------
+# -- the grammar's input (the regex itself: tests/grammar/test_tool_calls.py) -------------------------
 
 
-PERSON = {  # what pydantic writes for a model with a nested model and an Enum
-    "$defs": {"Role": {"enum": ["admin", "user"], "title": "Role", "type": "string"},
-              "Address": {"properties": {"city": {"title": "City", "type": "string", "maxLength": 8}},
-                          "required": ["city"], "title": "Address", "type": "object"}},
-    "properties": {"name": {"title": "Name", "type": "string", "maxLength": 8},
-                   "role": {"$ref": "#/$defs/Role"}, "home": {"$ref": "#/$defs/Address"}},
-    "required": ["name", "role", "home"], "title": "Person", "type": "object",
-}
-TREE = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
-        "required": ["kids"], "additionalProperties": False}
-
-
-def test_parameters_with_defs_and_refs_compile_as_their_own_document():
-    person = msgspec.convert({"function": {"name": "P", "parameters": PERSON}}, Tool)
-    tree = msgspec.convert({"function": {"name": "T", "parameters": TREE}}, Tool)
-    rx = re.compile(tool_regex(plan_tools(_fns(person, tree, CLOCK), "required"), _args_regex, None))
-    good = [("P", {"name": "Ann", "role": "admin", "home": {"city": "Oslo"}}), ("T", {"kids": [{"kids": []}]}),
-            ("now", {})]
-    bad = [("P", {"name": "Ann", "role": "boss", "home": {"city": "Oslo"}}), ("P", {"name": "Ann", "role": "user"}),
-           ("T", {"kids": [{"kids": 1}]}), ("now", {"x": 1}), ("Q", {})]
-    for name, args in good:
-        assert rx.fullmatch(_block(name, args)), name
-        jsonschema.validate(args, arguments_schema(next(f for f in _fns(person, tree, CLOCK) if f.name == name)))
-    for name, args in bad:
-        assert not rx.fullmatch(_block(name, args)), (name, args)
+def test_the_plan_asks_the_grammar_for_its_functions_and_shape():
+    strict = msgspec.convert({"function": {"name": "s", "parameters": {"type": "object"}, "strict": True}}, Tool)
+    calls = plan_tools(_fns(WEATHER, CLOCK, strict), "auto", parallel_tool_calls=True, max_calls=3).calls(
+        "tools[{i}].parameters")
+    assert [(f.name, f.parameters, f.strict, f.field) for f in calls.functions] == [
+        ("get_weather", WEATHER.function.parameters, False, "tools[0].parameters"),
+        ("now", None, False, "tools[1].parameters"), ("s", {"type": "object"}, True, "tools[2].parameters")]
+    assert (calls.required, calls.parallel, calls.max_calls) == (False, True, 3)
+    named = plan_tools(_fns(WEATHER, CLOCK), "auto", named="now").calls()
+    assert ([f.field for f in named.functions], named.required, named.parallel) == (
+        ["tools[0].function.parameters"], True, False)
     assert arguments_schema(CLOCK.function) == NO_ARGUMENTS
-
-
-@pytest.mark.parametrize("marker", ["<tool_call>", "<ab>", "a", "x-]^"])
-def test_not_starting_with_exact_cases(marker):
-    rx = re.compile(not_starting_with(marker))
-    cases = ["", marker, marker + "z", marker[:-1], "z" + marker, marker[:1] + "z", "\n" + marker, marker + "\n"]
-    for s in cases:
-        assert bool(rx.fullmatch(s)) == (not s.startswith(marker)), (marker, s)
-
-
-@given(st.text(alphabet="<ab>\nz", max_size=8))
-def test_not_starting_with_matches_startswith(s):
-    assert bool(re.fullmatch(not_starting_with("<ab>"), s)) == (not s.startswith("<ab>"))
-
-
-def test_literal_escapes_metacharacters_only():
-    text = "a.b*c(d)[e]{f}|g?h+i^j$k\\l<m>/n_"
-    assert re.fullmatch(literal(text), text)
-    assert "\\<" not in literal("<tool_call>")  # a word boundary in Rust's regex
-
-
-def test_required_regex_single_parallel_and_bounded():
-    one = plan_tools(_fns(WEATHER, CLOCK), "required", parallel_tool_calls=False)
-    many = plan_tools(_fns(WEATHER, CLOCK), "required", parallel_tool_calls=True)
-    two = plan_tools(_fns(WEATHER, CLOCK), "required", max_calls=2)
-    a, b = _block("get_weather", {"city": "Paris"}), _block("now", {})
-    r_one, r_many, r_two = (re.compile(tool_regex(p, _args_regex, None)) for p in (one, many, two))
-    assert r_one.fullmatch(a) and r_one.fullmatch(b)
-    assert not r_one.fullmatch(a + b)
-    assert r_many.fullmatch(a + b) and r_many.fullmatch(b + a + b)
-    assert r_two.fullmatch(a + b) and not r_two.fullmatch(b + a + b)
-    for bad in ["", "hello", _block("get_weather", {"city": "Oslo"}), _block("now", {"x": 1}), a + "\n",
-                a + "\n" + b]:
-        assert not r_many.fullmatch(bad), bad
-
-
-def test_auto_regex_is_text_or_calls():
-    plan = plan_tools(_fns(WEATHER), "auto", parallel_tool_calls=True)
-    rx = re.compile(tool_regex(plan, _args_regex, None))
-    for ok in ["", "It is sunny.", "<b>bold</b>", _block("get_weather", {"city": "Rome"})]:
-        assert rx.fullmatch(ok), ok
-    for bad in [CALL_OPEN, CALL_OPEN + "sunny", _block("now", {})]:
-        assert not rx.fullmatch(bad), bad
-    # With a JSON response format, the text branch is that JSON and nothing else.
-    rx_json = re.compile(tool_regex(plan, _args_regex, _to_regex({"type": "boolean"})))
-    assert rx_json.fullmatch("true") and rx_json.fullmatch(_block("get_weather", {"city": "Paris"}))
-    assert not rx_json.fullmatch("sunny")
 
 
 # -- parse ---------------------------------------------------------------------------------------
