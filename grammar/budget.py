@@ -15,6 +15,15 @@ been seen to cause on this grammar, at least ``MIN_SLACK``); near it, the model 
 among every token that still closes. Drafts and forced tokens go through :meth:`validate_tokens`,
 which applies the same rule, so a draft that would strand the budget is trimmed like one the
 grammar refuses.
+
+The run-on guard (:class:`SoftLimits`) follows the output with a JSON scanner of its own
+(``_JsonScan``) rather than the service's (``stencil.service.json_scan``, a layer above, which
+keeps the text, each value's offsets and its member's key for callbacks) or the drafter's
+(``stencil.engine.speculative.layout``, whitespace between tokens): it reads bytes, one accepted
+token at a time inside the engine's step, counts only what the bounds count (a string's
+characters, a number's digits, the open arrays' items), and is saved before each token and
+restored when a draft is rolled back, as one flat tuple. The three share only the few lines that
+step over a string's escapes.
 """
 
 from __future__ import annotations

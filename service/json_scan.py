@@ -1,4 +1,4 @@
-"""One incremental scanner for JSON text as it is written: where each value starts and ends.
+"""The service's incremental scanner for JSON text as it is written: where each value starts and ends.
 
 Three readers of the service follow a JSON text character by character and need the same facts
 (which containers are open, which member or element is being read, where a value began and where
@@ -8,6 +8,12 @@ the end of a tool call's arguments in a stream (``stencil.service.tool_parser``)
 reading, once: lexical (containers, strings and their escapes, bare scalars), fed any number of
 fragments, reporting each value's start and end to the reader's callbacks. It does not validate:
 a reader that needs a valid document checks it whole (``json.loads``) or relies on the grammar.
+
+The layers below keep scanners of their own, which this one would not serve: the run-on guard
+(``stencil.grammar.budget``) reads bytes per token inside the engine's step and rolls back with
+rejected drafts, counting characters, digits and items; the drafter's layout
+(``stencil.engine.speculative.layout``) reads the whitespace between tokens. Neither needs the
+text, the offsets or the keys kept here, and neither may import service/.
 
 Why not a library: jiter's partial mode and ijson parse a prefix into values or events but give
 no offsets of the values in the text, which ``shortened`` pointers and the arguments' end need;

@@ -10,6 +10,12 @@ colon), and ``guess`` says what that layout puts at the end of ``text``. Before 
 shown its layout, the guess is the common pretty-printed one (a newline, two spaces per level,
 ``": "``). A guess is only a draft: the model verifies it, so a wrong one costs a draft row and
 never changes an output.
+
+``_Scan`` is this module's own walk over the JSON prefix, not the service's scanner
+(``stencil.service.json_scan``, a layer above: values' offsets and keys) nor the run-on guard's
+(``stencil.grammar.budget``: bytes fed per token, with rollback): what a layout is read from is the
+whitespace between the characters outside strings and the last such character, which both of
+those skip. The three share only the few lines that step over a string's escapes.
 """
 
 from __future__ import annotations
