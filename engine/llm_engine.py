@@ -12,36 +12,18 @@ from typing import Callable
 from stencil.engine.config import EngineConfig
 from stencil.engine.detokenizer import IncrementalDetokenizer
 from stencil.engine.kv_cache_manager import KVCacheManager
-from stencil.engine.logits_process import LogitsParamError, check_logits_params
 from stencil.engine.model_runner import ModelRunner, ModelRunnerOutput
 from stencil.engine.outputs import RequestOutput
-from stencil.engine.request import Request, RequestStatus, SamplingParams
+from stencil.engine.request import EngineError, Request, RequestStatus, SamplingParams  # EngineError: here too
 from stencil.engine.scheduler import Scheduler, SchedulerOutput
 from stencil.engine.speculative import DraftBudget, Drafter, Goodput, SpecConfig, SpecState, StepShape
 from stencil.engine.speculative.drafter import pending_rows
 from stencil.engine.step_timing import StepTimer
-from stencil.engine.structured_output import BudgetError, StructuredOutputManager
+from stencil.engine.structured_output import BudgetError, StructuredOutputManager, check_budget
 
 log = logging.getLogger(__name__)
 
 
-MAX_TEMPERATURE = 1e6  # far beyond any useful value (logits / 1e6 is uniform), far inside float32
-
-
-class EngineError(ValueError):
-    """A request the engine cannot take (too long, bad parameters); the message names the field.
-
-    Attributes:
-        field: the request field at fault, when one is (``"max_tokens"``), else None.
-        lead: the message begins with ``field``'s name ("max_tokens must be >= 1"), so a caller
-            whose request calls the field otherwise can say so (``stencil.service.errors.named_as``)
-            without reading the message.
-    """
-
-    def __init__(self, message: str, field: str | None = None, *, lead: bool = False):
-        super().__init__(message)
-        self.field = field
-        self.lead = lead and field is not None and message.startswith(field)
 
 
 class EngineOverloaded(RuntimeError):
@@ -152,9 +134,7 @@ class LLMEngine:
             EngineOverloaded: the waiting queue is full (unless ``admitted``).
         """
         request_id = request_id or uuid.uuid4().hex
-        if params.max_tokens > self.max_model_len - len(prompt_token_ids):
-            params = dataclasses.replace(params)  # lowered to the context's room: the caller's may be shared
-        spec = self.check_request(prompt_token_ids, params, admission=not admitted)
+        params = self.check_request(prompt_token_ids, params, admission=not admitted)
         if request_id in self.scheduler.requests:
             raise EngineError(f"request id {request_id!r} is already in use")
         future = None
@@ -166,24 +146,31 @@ class LLMEngine:
         # the request, _output the detokenizer at its first token (a queued request stays small).
         req = Request(request_id, prompt_token_ids, params, self.eos_token_id, None, future, grammar=grammar,
                       stop_token_ids=self.extra_stop_token_ids)
+        spec = None if params.speculative is False else params.speculative or self.default_spec
         if spec is not None:
             req.spec_state = SpecState(spec)
         self.scheduler.add(req)
         return request_id
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                      admission: bool = True) -> SpecConfig | None:
-        """Validate a request without queueing it (safe from any thread); return its speculation config.
+                      admission: bool = True) -> SamplingParams:
+        """Check a request against this engine without queueing it (safe from any thread, and a
+        query: nothing is written); return the parameters it runs with.
 
-        ``admission=False`` skips the waiting-queue limit: the caller admitted the request
+        The parameters' values were verified when they were made (``SamplingParams.verify``);
+        what is checked here depends on the model and the engine: the prompt's length against
+        ``max_model_len`` (the model's context, or the KV cache's capacity where that is smaller:
+        ``kv_bound``), ``logit_bias`` token ids against the vocabulary, and (``admission``) room in
+        the waiting queue. ``admission=False`` skips the queue: the caller admitted the request
         earlier. A server decides admission once, before it answers; deciding again later (on the
         engine thread, after a stream's headers are out) would turn a 429 into a broken stream.
 
-        A prompt that leaves fewer than ``params.max_tokens`` tokens of ``max_model_len`` (the
-        model's context, or the KV cache's capacity where that is smaller: ``kv_bound``) lowers
-        ``params.max_tokens`` to that room, in place (``params.context_room`` records it): the
-        budget check and the budget-aware masks then close a constrained answer before the
-        context ends, where they would have planned for tokens the context cannot hold.
+        Returns:
+            ``params`` itself; or, where the prompt leaves fewer than ``params.max_tokens`` tokens
+            of ``max_model_len``, a copy whose ``max_tokens`` is that room (``context_room``
+            records it): the budget check and the budget-aware masks then close a constrained
+            answer before the context ends, where they would have planned for tokens the context
+            cannot hold. Give the returned params to ``check_budget`` and ``add_request``.
 
         Raises:
             EngineError: naming the offending field.
@@ -200,29 +187,14 @@ class LLMEngine:
             raise EngineError(f"the prompt has {n} tokens; this model allows at most {self.max_model_len - 1} "
                               f"(max_model_len {self.max_model_len} includes at least one output token)",
                               field="prompt")
-        if params.max_tokens < 1:
-            raise EngineError(f"max_tokens must be >= 1, got {params.max_tokens}", field="max_tokens", lead=True)
-        room = self.max_model_len - n
-        if params.max_tokens > room:
-            params.max_tokens = params.context_room = room
-        if not 0 <= params.temperature <= MAX_TEMPERATURE:
-            # Above float32's range the sampler divides -inf (masked) logits by inf: NaN, and
-            # torch.multinomial would take the whole engine loop down with it.
-            raise EngineError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {params.temperature}",
-                              field="temperature")
-        if not 0 < params.top_p <= 1:
-            raise EngineError(f"top_p must be in (0, 1], got {params.top_p}", field="top_p")
-        if params.top_k < 0:
-            raise EngineError(f"top_k must be >= 0, got {params.top_k}", field="top_k")
-        try:
-            check_logits_params(params, self.runner.vocab_size)
-        except LogitsParamError as e:
-            raise EngineError(str(e), field=e.field) from None
+        params.verify_token_ids(self.runner.vocab_size)
         if admission and len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are waiting "
                                    f"(limit {self.config.max_waiting})")
-        # speculative and soft_limits were parsed when the params were made (SamplingParams).
-        return None if params.speculative is False else params.speculative or self.default_spec
+        room = self.max_model_len - n
+        if params.max_tokens > room:
+            return dataclasses.replace(params, max_tokens=room, context_room=room)
+        return params
 
     def check_budget(self, grammar, params: SamplingParams) -> None:
         """Refuse a constrained request whose ``max_tokens`` cannot hold the shortest output.
@@ -231,7 +203,7 @@ class LLMEngine:
             EngineError: naming ``max_tokens`` and the minimum.
         """
         try:
-            self.structured.check_budget(grammar, params)
+            check_budget(grammar, params)
         except BudgetError as e:
             why = str(e)
             if params.context_room is not None:
@@ -446,6 +418,7 @@ class LLMEngine:
             budget_unenforced=getattr(req.matcher, "disabled", None) if finished else None,
             new_top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - len(new):]
                               if req.params.top_logprobs and new else []),
+            context_room=req.params.context_room if finished else None,
         )
 
     # -- convenience ---------------------------------------------------------------------------

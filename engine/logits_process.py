@@ -20,15 +20,16 @@ apply it):
 - logit_bias: ``logit[t] += bias[t]``; a bias of exactly -100 or +100 is a ban or an exclusive
   choice, written as ``∓BAN`` (finite, far beyond any logit): when the grammar leaves only banned
   tokens, the grammar wins and one of them is still picked (a row never runs out of tokens).
+
+The values' ranges are checked once, where the parameters are made (``SamplingParams.verify``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from stencil.engine.request import Request, SamplingParams
+from stencil.engine.request import BIAS_LIMIT, Request, SamplingParams
 
-BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value
 BAN = 1.0e4  # what ±100 becomes: exp(-1e4) underflows to 0 next to any ordinary logit
 
 
@@ -111,55 +112,3 @@ def top_logprobs(logp: torch.Tensor, k: int) -> list[tuple[int, float]]:
     pairs = [(int(i), float(v)) for v, i in zip(values.tolist(), ids.tolist()) if v != float("-inf")]
     pairs.sort(key=lambda p: (-p[1], p[0]))
     return pairs
-
-
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat completions
-MAX_LOGIT_BIAS = 1024  # entries per request
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
-
-
-def check_logits_params(params: SamplingParams, vocab_size: int) -> None:
-    """Refuse penalties, biases and ``top_logprobs`` out of range.
-
-    Args:
-        params: the request's parameters.
-        vocab_size: the model's vocabulary size (token ids of ``logit_bias`` must be below it).
-
-    Raises:
-        LogitsParamError: the message names the field (``LLMEngine.check_request`` turns it
-            into an ``EngineError``, a 400).
-    """
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(params, name)
-        if not -2.0 <= v <= 2.0:  # NaN fails too
-            raise LogitsParamError(f"{name} must be between -2 and 2, got {v}", name)
-    if not MIN_REPETITION_PENALTY <= params.repetition_penalty <= MAX_REPETITION_PENALTY:
-        # Dividing a logit by a penalty near 0 overflows float32 to inf, and the sampler's softmax
-        # to NaN (the API fuzzer found 8e-258): the range keeps every processed logit finite.
-        raise LogitsParamError(f"repetition_penalty must be between {MIN_REPETITION_PENALTY} and "
-                               f"{MAX_REPETITION_PENALTY}, got {params.repetition_penalty}", "repetition_penalty")
-    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise LogitsParamError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {params.top_logprobs}",
-                               "top_logprobs")
-    bias = params.logit_bias or {}
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise LogitsParamError(f"logit_bias has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS}", "logit_bias")
-    for token, value in bias.items():
-        if not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise LogitsParamError(f"logit_bias: token id {token!r} is not in this model's vocabulary "
-                                   f"(0..{vocab_size - 1})", "logit_bias")
-        if not isinstance(value, (int, float)) or not -BIAS_LIMIT <= value <= BIAS_LIMIT:
-            raise LogitsParamError(f"logit_bias: the bias of token {token} must be between -100 and 100, "
-                                   f"got {value}", "logit_bias")
-
-
-class LogitsParamError(ValueError):
-    """A penalty, bias or ``top_logprobs`` value out of range.
-
-    Attributes:
-        field: the ``SamplingParams`` field at fault (also named in the message).
-    """
-
-    def __init__(self, message: str, field: str):
-        super().__init__(message)
-        self.field = field

@@ -35,6 +35,9 @@ class RequestOutput:
             no closing automaton for an intersection too large to model), else None.
         new_top_logprobs: per token of ``new_token_ids``, its position's most likely tokens as
             ``(token id, logprob)``, best first, when ``top_logprobs`` was requested.
+        context_room: on the last output: the tokens the prompt left of ``max_model_len`` where
+            that was below the request's ``max_tokens`` (its budget then), else None
+            (``SamplingParams.context_room``).
     """
 
     request_id: str
@@ -60,3 +63,4 @@ class RequestOutput:
     guard_hits: list[tuple[str, int]] = field(default_factory=list)
     budget_unenforced: str | None = None
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    context_room: int | None = None

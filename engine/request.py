@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import enum
+import numbers
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 from stencil.engine.speculative.spec_config import SpecConfig, SpecConfigError
-
-if TYPE_CHECKING:
-    from stencil.grammar.base import GrammarMatcher
-    from stencil.grammar.budget import SoftLimits
 
 
 class RequestStatus(enum.Enum):
@@ -41,48 +38,78 @@ FINISH_REASON = {
 }
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    """How to pick each output token.
+class EngineError(ValueError):
+    """A request the engine cannot take (too long, bad parameters); the message names the field.
 
     Attributes:
-        max_tokens: most output tokens (forced and accepted draft tokens count).
-        temperature: 0 = greedy (argmax of the masked logits).
+        field: the request field at fault, when one is (``"max_tokens"``), else None.
+        lead: the message begins with ``field``'s name ("max_tokens must be >= 1"), so a caller
+            whose request calls the field otherwise can say so (``stencil.service.errors.named_as``)
+            without reading the message.
+    """
+
+    def __init__(self, message: str, field: str | None = None, *, lead: bool = False):
+        super().__init__(message)
+        self.field = field
+        self.lead = lead and field is not None and message.startswith(field)
+
+
+MAX_TEMPERATURE = 1e6  # far beyond any useful value (logits / 1e6 is uniform), far inside float32
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat completions
+MAX_LOGIT_BIAS = 1024  # entries per request
+BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each output token; verified when made (``verify``).
+
+    Attributes:
+        max_tokens: most output tokens (forced and accepted draft tokens count), >= 1.
+        temperature: 0 = greedy (argmax of the masked logits); at most ``MAX_TEMPERATURE``.
         top_p: nucleus mass kept, in (0, 1].
         top_k: keep the k most likely tokens; 0 = all.
+        min_p: keep the tokens whose probability is at least ``min_p`` times the most likely
+            token's, in [0, 1]; 0 = off. Taken over the tokens the grammar allows, after the
+            penalties, biases and temperature, before top-k / top-p (``stencil.engine.sampler``).
         seed: per-request generator seed; ``None`` = derived from the engine seed and request id.
         stop: strings that end the output (not included in it).
         ignore_eos: keep going past EOS (unconstrained requests only).
         logprobs: return the log-probability of each chosen token.
         top_logprobs: also return, per position, this many most likely tokens with their
-            log-probabilities (0 = none; implies ``logprobs``).
-        logit_bias: token id -> value added to its logit (-100 / +100: ban / exclusive choice).
+            log-probabilities (0 = none, at most ``MAX_TOP_LOGPROBS``; implies ``logprobs``).
+        logit_bias: token id -> value added to its logit, in [-100, 100] (-100 / +100: ban /
+            exclusive choice); at most ``MAX_LOGIT_BIAS`` entries.
         presence_penalty / frequency_penalty: subtracted per output token already present /
-            per occurrence (OpenAI's definitions; 0 = off).
-        repetition_penalty: CTRL's penalty over prompt and output tokens (1 = off).
+            per occurrence (OpenAI's definitions, in [-2, 2]; 0 = off).
+        repetition_penalty: CTRL's penalty over prompt and output tokens, in
+            [``MIN_REPETITION_PENALTY``, ``MAX_REPETITION_PENALTY``] (1 = off).
         speculative: this request's speculation: an ``stencil.engine.speculative.SpecConfig``, ``False``
             (off) or ``None`` (the engine's default). Given as a dict of ``SpecConfig`` fields
             (``{"method": "off"}`` is off) or ``True`` (n-gram, default settings), it is parsed
             when the params are made.
         close_on_budget: under a grammar, keep the output closable within ``max_tokens`` (budget-
             aware masks, ``stencil.grammar.budget``) so it ends complete; False: cut at ``max_tokens``.
-        soft_limits: the run-on guard for JSON: a ``stencil.grammar.budget.SoftLimits``, ``False`` (off)
-            or ``None`` (the defaults). Given as a dict of its fields or ``True`` (the defaults),
-            it is parsed when the params are made.
-        context_room: set by the engine's admission check (``LLMEngine.check_request``) when the
-            prompt leaves fewer than ``max_tokens`` tokens of the model's context: ``max_tokens``
-            was lowered to that room, so the budget closes a constrained answer before the
+        soft_limits: the run-on guard for JSON: a ``stencil.grammar.budget.SoftLimits`` (the
+            caller parses its wire form: ``stencil.service.inputs``), ``False`` (off) or ``None``
+            (the defaults).
+        context_room: set on the copy the engine runs a request with (``LLMEngine.check_request``)
+            when the prompt leaves fewer than ``max_tokens`` tokens of the model's context: its
+            ``max_tokens`` is that room, so the budget closes a constrained answer before the
             context ends (as it does before ``max_tokens``); ``None`` otherwise.
 
-    Raises (on construction):
-        stencil.engine.speculative.SpecConfigError / stencil.grammar.budget.SoftLimitsError: ``speculative`` /
-            ``soft_limits`` that cannot be parsed (``ValueError`` s whose ``field`` names the key).
+    Raises (on construction, and so on ``dataclasses.replace``):
+        EngineError: a value out of range; ``field`` names it (``verify``).
+        stencil.engine.speculative.SpecConfigError: ``speculative`` that cannot be parsed (a
+            ``ValueError`` whose ``field`` names the key).
     """
 
     max_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -94,14 +121,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     speculative: SpecConfig | bool | None = None
     close_on_budget: bool = True
-    soft_limits: "SoftLimits | bool | None" = None
+    soft_limits: Any = None
     context_room: int | None = None
 
     def __post_init__(self) -> None:
-        from stencil.engine.structured_output import soft_limits_types
-
-        SoftLimits, SoftLimitsError = soft_limits_types()  # (torch and the closing automaton: not at import)
-
         spec = self.speculative
         if isinstance(spec, dict):
             self.speculative = SpecConfig.from_dict(spec) or False  # from_dict: "off" is None
@@ -109,17 +132,84 @@ class SamplingParams:
             self.speculative = SpecConfig()
         elif not (spec is None or spec is False or isinstance(spec, SpecConfig)):
             raise SpecConfigError(f"speculative must be an object or a boolean, got {type(spec).__name__}")
-        limits = self.soft_limits
-        if isinstance(limits, dict):
-            self.soft_limits = SoftLimits.from_dict(limits)
-        elif limits is True:
-            self.soft_limits = None
-        elif not (limits is None or limits is False or isinstance(limits, SoftLimits)):
-            raise SoftLimitsError("soft_limits must be an object or false")
+        self.verify()
+        if self.top_logprobs:
+            self.logprobs = True  # the alternatives come with the chosen token's own
+
+    def verify(self) -> None:
+        """Refuse a value out of its range (the one place where they are checked, in the manner
+        of vLLM's ``SamplingParams._verify_args``). What depends on the model (``logit_bias``
+        token ids, the context) is checked at admission (``LLMEngine.check_request``).
+
+        Raises:
+            EngineError: naming the field; NaN and infinities are out of every range.
+        """
+        _integer("max_tokens", self.max_tokens, 1)
+        if _number("temperature", self.temperature) and not 0 <= self.temperature <= MAX_TEMPERATURE:
+            # Above float32's range the sampler divides -inf (masked) logits by inf: NaN, and
+            # the draw would take the whole engine loop down with it.
+            raise EngineError(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {self.temperature}",
+                              field="temperature")
+        if _number("top_p", self.top_p) and not 0 < self.top_p <= 1:
+            raise EngineError(f"top_p must be in (0, 1], got {self.top_p}", field="top_p")
+        _integer("top_k", self.top_k, 0)
+        if _number("min_p", self.min_p) and not 0 <= self.min_p <= 1:
+            raise EngineError(f"min_p must be in [0, 1], got {self.min_p}", field="min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if _number(name, v) and not -2.0 <= v <= 2.0:
+                raise EngineError(f"{name} must be between -2 and 2, got {v}", field=name)
+        r = self.repetition_penalty
+        if _number("repetition_penalty", r) and not MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY:
+            # Dividing a logit by a penalty near 0 overflows float32 to inf, and the sampler's
+            # softmax to NaN (the API fuzzer found 8e-258): the range keeps every logit finite.
+            raise EngineError(f"repetition_penalty must be between {MIN_REPETITION_PENALTY} and "
+                              f"{MAX_REPETITION_PENALTY}, got {r}", field="repetition_penalty")
+        _integer("top_logprobs", self.top_logprobs, 0)
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise EngineError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
+                              field="top_logprobs")
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise EngineError(f"logit_bias has {len(bias)} entries; the limit is {MAX_LOGIT_BIAS}",
+                              field="logit_bias")
+        for token, value in bias.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not -BIAS_LIMIT <= value <= BIAS_LIMIT:
+                raise EngineError(f"logit_bias: the bias of token {token} must be between -100 and 100, "
+                                  f"got {value}", field="logit_bias")
+        if self.soft_limits is True or isinstance(self.soft_limits, dict):
+            raise EngineError("soft_limits must be a stencil.grammar.budget.SoftLimits, false or null here "
+                              "(SoftLimits.from_dict parses its object form)", field="soft_limits")
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """Refuse ``logit_bias`` token ids outside a vocabulary of ``vocab_size`` tokens.
+
+        Raises:
+            EngineError: naming ``logit_bias`` and the first id out of range.
+        """
+        for token in self.logit_bias or ():
+            if not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise EngineError(f"logit_bias: token id {token!r} is not in this model's vocabulary "
+                                  f"(0..{vocab_size - 1})", field="logit_bias")
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+def _number(name: str, value: Any) -> bool:
+    """True for a real number (bool excluded), else an ``EngineError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise EngineError(f"{name} must be a number, got {value!r}", field=name)
+    return True
+
+
+def _integer(name: str, value: Any, least: int) -> None:
+    """An integer (bool excluded) >= ``least``, else an ``EngineError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise EngineError(f"{name} must be an integer, got {value!r}", field=name, lead=True)
+    if value < least:
+        raise EngineError(f"{name} must be >= {least}, got {value}", field=name, lead=True)
 
 
 @dataclass(slots=True)
@@ -156,7 +246,8 @@ class Request:
         grammar_future: the grammar still compiling (a ``concurrent.futures.Future``), else
             None. Meanwhile the request may prefill all but its last prompt token; the first
             sampled token waits for the grammar.
-        matcher: the request's grammar matcher once it runs, else None.
+        matcher: the request's grammar matcher (a ``stencil.grammar.base.GrammarMatcher``) once it
+            runs, else None.
         held: its caller has not taken its outputs (a client that stopped reading its stream):
             the scheduler gives it no new tokens until the caller catches up
             (``stencil.engine.async_engine.EngineStream``); it keeps its KV blocks meanwhile.
@@ -169,7 +260,7 @@ class Request:
                  "output_logprobs", "output_top_logprobs", "spec_state", "stop_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_id: int | None, matcher: "GrammarMatcher | None" = None,
+                 eos_token_id: int | None, matcher=None,
                  grammar_future: "Future | None" = None, grammar=None, *,
                  stop_token_ids: frozenset[int] = frozenset()):
         self.request_id = request_id

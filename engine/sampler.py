@@ -1,4 +1,9 @@
-"""Token selection: greedy, temperature, top-k, top-p, per-request seeds, and draft verification.
+"""Token selection: greedy, temperature, min-p, top-k, top-p, per-request seeds, and draft verification.
+
+A sampled row's distribution: the grammar-masked, penalized and biased logits
+(``stencil.engine.logits_process``) divided by the temperature, then min-p, top-k and top-p
+(``_filtered``), then softmax. Draft positions go through the same rows, so verification draws
+from the very distribution decoding without drafts draws from.
 
 Draft verification keeps the output distribution of plain decoding, as speculative sampling
 does (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding", arXiv
@@ -59,17 +64,30 @@ def _generator(req: Request, base_seed: int) -> torch.Generator:
     return req.generator
 
 
-def _filtered(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Rows ``x [n, V]`` (temperature applied) with top-k and top-p filtering, per row.
+def _filtered(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``x [n, V]`` (masked, temperature applied) with min-p, top-k and top-p filtering,
+    per row, in that order (vLLM's); a token filtered out becomes ``-inf``.
 
     Args:
         top_k: int64 ``[n]``; 0 (or >= V) keeps every token.
         top_p: fp32 ``[n]``; 1 keeps every token.
+        min_p: fp32 ``[n]``, or None (0 for every row); 0 keeps every token. Keeps a token whose
+            probability is at least ``min_p`` times the row's largest: ``x >= max(x) + log(min_p)``
+            (the softmax's normalizer cancels). The mask was applied first, so the largest is
+            that of an allowed token: a masked-out token never sets the threshold.
 
-    Every operation is row-wise (``topk``, ``sort``, ``softmax``, ``cumsum`` along the last
-    dim), so a row gets the same values whatever rows share the call.
+    Every operation is row-wise (``max``, ``topk``, ``sort``, ``softmax``, ``cumsum`` along the
+    last dim), so a row gets the same values whatever rows share the call: a draft position's
+    row is filtered as decoding that position without drafts would filter it.
     """
     vocab = x.shape[-1]
+    if min_p is not None:
+        m_rows = (min_p > 0).nonzero().flatten()
+        if m_rows.numel():
+            sub = x[m_rows]
+            floor = sub.max(dim=-1, keepdim=True).values + torch.log(min_p[m_rows]).unsqueeze(1)
+            x[m_rows] = sub.masked_fill(sub < floor, float("-inf"))  # the largest always stays
     k_rows = ((top_k > 0) & (top_k < vocab)).nonzero().flatten()
     if k_rows.numel():
         sub = x[k_rows]
@@ -96,7 +114,8 @@ def _probs(logits: torch.Tensor, req: Request) -> torch.Tensor:
     p = req.params
     n = logits.shape[0]
     x = logits / max(p.temperature, 1e-5)
-    x = _filtered(x, torch.full((n,), p.top_k, dtype=torch.long), torch.full((n,), p.top_p, dtype=torch.float32))
+    x = _filtered(x, torch.full((n,), p.top_k, dtype=torch.long), torch.full((n,), p.top_p, dtype=torch.float32),
+                  torch.full((n,), p.min_p, dtype=torch.float32))
     return torch.softmax(x, dim=-1)
 
 
@@ -119,7 +138,7 @@ class Sampler:
     """Turns masked logits into tokens for every sampled request of a step.
 
     The whole batch is handled with a few tensor operations: one argmax over every row (greedy
-    requests), and for the sampled rows one temperature division, top-k/top-p pass and softmax,
+    requests), and for the sampled rows one temperature division, min-p/top-k/top-p pass and softmax,
     then one inverse-CDF draw per request from its own generator (one uniform each, so a
     request draws the same tokens whatever else is in the batch). Only drafts under sampling
     (the rejection test) and logprobs go request by request.
@@ -183,6 +202,7 @@ class Sampler:
         temps: list[float] = []
         ks: list[int] = []
         ps: list[float] = []
+        mins: list[float] = []
         for i in sampled:
             p = requests[i].params
             n = len(drafts[i]) + 1
@@ -190,10 +210,12 @@ class Sampler:
             temps.extend([max(p.temperature, 1e-5)] * n)
             ks.extend([p.top_k] * n)
             ps.extend([p.top_p] * n)
+            mins.extend([p.min_p] * n)
         x = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         x /= torch.tensor(temps, dtype=x.dtype, device=x.device).unsqueeze(1)
         x = _filtered(x, torch.tensor(ks, dtype=torch.long, device=x.device),
-                      torch.tensor(ps, dtype=torch.float32, device=x.device))
+                      torch.tensor(ps, dtype=torch.float32, device=x.device),
+                      torch.tensor(mins, dtype=torch.float32, device=x.device))
         probs = torch.softmax(x, dim=-1)
         out: dict[int, list[int]] = {}
         plain: list[int] = []  # rows (in probs) of requests without drafts: one draw each, batched

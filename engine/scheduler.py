@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from stencil.engine.config import EngineConfig
 from stencil.engine.kv_cache_manager import KVCacheManager
 from stencil.engine.request import Request, RequestStatus
-from stencil.engine.structured_output import is_dead_end, make_matcher, prefetch
+from stencil.engine.structured_output import BudgetError, check_budget, is_dead_end, make_matcher, prefetch
 
 log = logging.getLogger(__name__)
 
@@ -216,10 +216,10 @@ class Scheduler:
             self.finish(req, RequestStatus.FINISHED_ERROR)
             return False
         grammar = fut.result()
-        need = grammar.min_output_tokens(req.params.max_tokens) if req.params.close_on_budget else None
-        if need is not None:
-            req.error = (f"max_tokens {req.params.max_tokens} is below the shortest output this "
-                         f"grammar admits ({need} tokens)")
+        try:
+            check_budget(grammar, req.params)
+        except BudgetError as e:
+            req.error = str(e)
             self.finish(req, RequestStatus.FINISHED_ERROR)
             return False
         req.grammar = grammar

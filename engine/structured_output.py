@@ -5,8 +5,8 @@ Everything the engine does with constraints goes through here, in the manner of 
 vocabulary, each request's matcher (budget-aware unless the request says otherwise), the admission
 check of a grammar's shortest output against ``max_tokens``, the step's bitmask (one row per
 logits position, draft positions included), the masks computed ahead in one parallel call, and
-applying the bitmask to the logits. The scheduler, the model runner and ``engine/request.py`` use
-the module-level functions; ``LLMEngine`` holds one :class:`StructuredOutputManager`. No other
+applying the bitmask to the logits. The scheduler and the model runner use the module-level
+functions; ``LLMEngine`` holds one :class:`StructuredOutputManager`. No other
 module of ``engine/`` imports ``grammar/``, so what the engine asks of a grammar is written here once.
 """
 
@@ -53,20 +53,6 @@ class StructuredOutputManager:
         self.compiler = GrammarCompiler(vocab, vocab_size, max_workers=workers, timeout_s=timeout_s,
                                         backend=backend)
 
-    @staticmethod
-    def check_budget(grammar, params: "SamplingParams") -> None:
-        """Refuse a constrained request whose ``max_tokens`` cannot hold the shortest output.
-
-        Raises:
-            BudgetError: naming ``max_tokens`` and the minimum.
-        """
-        if not params.close_on_budget or not hasattr(grammar, "min_output_tokens"):
-            return
-        need = grammar.min_output_tokens(params.max_tokens)
-        if need is not None:
-            raise BudgetError(f"max_tokens {params.max_tokens} is below the shortest output this grammar "
-                              f"admits: it needs at least {need} tokens (or set close_on_budget false)")
-
     def grammar_bitmask(self, sched: "SchedulerOutput",
                         failed: list[tuple["Request", BaseException]]) -> "torch.Tensor | None":
         """int32 ``[rows, ceil(vocab_size / 32)]``: one row per logits position of the step, row j
@@ -112,6 +98,22 @@ class StructuredOutputManager:
             m.rollback(accepted)
 
 
+def check_budget(grammar, params: "SamplingParams") -> None:
+    """Refuse a constrained request whose ``max_tokens`` cannot hold the shortest output (the
+    one budget check: at admission, ``LLMEngine.check_budget``; for a grammar that compiled
+    behind prefill, ``stencil.engine.scheduler``).
+
+    Raises:
+        BudgetError: naming ``max_tokens`` and the minimum.
+    """
+    if not params.close_on_budget or not hasattr(grammar, "min_output_tokens"):
+        return
+    need = grammar.min_output_tokens(params.max_tokens)
+    if need is not None:
+        raise BudgetError(f"max_tokens {params.max_tokens} is below the shortest output this grammar "
+                          f"admits: it needs at least {need} tokens (or set close_on_budget false)")
+
+
 def make_matcher(grammar, params: "SamplingParams"):
     """The request's matcher: budget-aware unless ``params.close_on_budget`` is off."""
     if params.close_on_budget and hasattr(grammar, "budget_matcher"):
@@ -151,11 +153,3 @@ def apply_bitmask_(logits: "torch.Tensor", bitmask: "torch.Tensor") -> None:
     from stencil.grammar.bitmask import apply_bitmask_ as apply
 
     apply(logits, bitmask)
-
-
-def soft_limits_types():
-    """``(SoftLimits, SoftLimitsError)`` of ``stencil.grammar.budget``, for ``SamplingParams`` to parse a
-    request's ``soft_limits`` (imported when first needed: torch and the closing automaton)."""
-    from stencil.grammar.budget import SoftLimits, SoftLimitsError
-
-    return SoftLimits, SoftLimitsError

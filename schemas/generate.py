@@ -2,8 +2,11 @@
 
 Unknown fields are refused (``forbid_unknown_fields``): a typo such as ``max_token`` must not be
 silently ignored. Ranges that do not depend on the server's configuration are declared here
-(they appear in the OpenAPI schema); the rest (``max_tokens`` cap, schema size) are checked by
-``stencil.service.generation`` against ``ServiceConfig``.
+(they appear in the OpenAPI schema, and a value outside is a 422 like a wrong type); the rest
+(``max_tokens`` cap, schema size) are checked by ``stencil.service.inputs`` against ``ServiceConfig``.
+A sampling field is passed on by its name (``stencil.service.inputs.sampling_fields``) and its
+value's range is checked once, by the engine (``SamplingParams.verify``: a 400 naming it);
+``min_p`` declares no range here for that reason.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         max_tokens: most output tokens (server default when absent; capped by the server).
         temperature: 0 = greedy (the default: extraction wants the most likely answer).
         top_p / top_k: nucleus and top-k filtering (1.0 / 0 = off).
+        min_p: keep only tokens at least this fraction as likely as the most likely one the
+            constraint allows, in [0, 1] (0 = off; vLLM's and llama.cpp's ``min_p``).
         seed: sampling seed; the same request and seed give the same output.
         stop: strings that end the output early (not included).
         stream: answer with server-sent events.
@@ -95,6 +100,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: NonNegInt = 0
+    min_p: float = 0.0
     seed: Seed | None = None
     stop: str | list[str] | None = None
     stream: bool = False

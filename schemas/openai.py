@@ -7,7 +7,7 @@ refused with a 400 naming it when it is set to anything but its neutral value (t
 ``stencil.service.openai_api.UNSERVED_CHAT`` and ``stencil.service.responses_api.UNSERVED``, say
 which and why); a field the reference does not have is refused as unknown
 (``forbid_unknown_fields``), so a typo or another server's extension is never silently dropped.
-Stencil's own extensions: ``top_k``, ``repetition_penalty``,
+Stencil's own extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``close_on_budget``, ``soft_limits``; answers carry ``valid`` and ``closed_by_budget`` (per choice)
 and ``warnings``.
 """
@@ -158,8 +158,10 @@ class ChatCompletionRequest(Struct, forbid_unknown_fields=True):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
-    # Stencil extensions (as in vLLM): the k most likely tokens only (0 = all); CTRL's penalty.
+    # Stencil extensions (as in vLLM): the k most likely tokens only (0 = all); tokens at least
+    # min_p times as likely as the most likely (0 = all); CTRL's penalty.
     top_k: int | None = None
+    min_p: float | None = None
     repetition_penalty: float | None = None
     # Stencil extension: close a constrained answer within max tokens (False: cut it there, as
     # OpenAI does), and the run-on guard's bounds (stencil.grammar.budget.SoftLimits; False: off).
@@ -210,6 +212,7 @@ class CompletionRequest(Struct, forbid_unknown_fields=True):
     user: str | None = None
     response_format: ResponseFormat | None = None
     top_k: int | None = None
+    min_p: float | None = None
     repetition_penalty: float | None = None
     # Stencil extension: close a constrained answer within max tokens (False: cut it there, as
     # OpenAI does), and the run-on guard's bounds (stencil.grammar.budget.SoftLimits; False: off).

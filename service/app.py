@@ -229,11 +229,7 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
                          field="parse_special_tokens")
     prompt_ids = await inputs.tokenize(service, prompt=data.prompt, messages=messages,
                                            parse_special_tokens=data.parse_special_tokens)
-    params = inputs.sampling_params(cfg, max_tokens=data.max_tokens, temperature=data.temperature,
-                                        top_p=data.top_p, top_k=data.top_k, seed=data.seed, stop=data.stop,
-                                        logprobs=data.logprobs, speculative=data.speculative,
-                                        close_on_budget=data.close_on_budget,
-                                        soft_limits=data.soft_limits)
+    params = inputs.sampling_params(cfg, **inputs.sampling_fields(data))
     spec = await inputs.checked_grammar_spec(service, response_schema=data.response_schema, regex=data.regex,
                                                  choice=data.choice, whitespace=data.whitespace, strict=data.strict,
                                                  grammar=data.grammar.lark if data.grammar is not None else None)

@@ -7,7 +7,8 @@ wire fields into these three with the functions below, then runs them through
 
 1. ``tokenize(state, prompt=..., messages=...)`` → prompt token ids (chat template applied to
    ``messages`` with ``add_generation_prompt=True``; content kept as data: ``stencil.service.prompts``).
-2. ``sampling_params(state.config, ...)`` → ``SamplingParams``.
+2. ``sampling_params(state.config, **sampling_fields(body))`` → ``SamplingParams`` (the service's
+   caps here; every value's range in ``SamplingParams.verify``, once).
 3. ``grammar_spec(state.config, response_schema=..., regex=..., choice=...)`` → ``GrammarSpec``
    or ``None`` (``checked_grammar_spec`` on the event loop).
 
@@ -18,14 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from typing import Any
 
-from stencil.engine.logits_process import LogitsParamError, check_logits_params
-from stencil.engine.request import SamplingParams
+from stencil.engine.request import EngineError, SamplingParams
 from stencil.engine.speculative.spec_config import SpecConfigError
 from stencil.grammar.base import GrammarSpec
-from stencil.grammar.budget import SoftLimitsError
+from stencil.grammar.budget import SoftLimits, SoftLimitsError
 from stencil.service.errors import InputError
 from stencil.service.prompts import encode_prompt, message_text
 from stencil.service.state import ServiceConfig, ServiceState
@@ -71,73 +70,59 @@ async def tokenize(state: ServiceState, prompt: str | None = None, messages: lis
 # -- parameters ------------------------------------------------------------------------------------
 
 def sampling_params(cfg: ServiceConfig, *, max_tokens: int | None = None, temperature: float = 0.0,
-                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                    stop: str | list[str] | None = None, logprobs: bool = False,
-                    speculative: bool | dict | None = None, top_logprobs: int = 0,
-                    logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
-                    frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
-                    vocab_size: int | None = None, close_on_budget: bool = True,
-                    soft_limits: dict | bool | None = None) -> SamplingParams:
-    """Build ``SamplingParams`` from request fields, enforcing the service's caps.
+                    stop: str | list[str] | None = None, soft_limits: dict | bool | None = None,
+                    **fields: Any) -> SamplingParams:
+    """Build ``SamplingParams`` from request fields under the service's policy.
+
+    The service decides only what is its own: the default and the cap of ``max_tokens``, the
+    default ``temperature`` (0: extraction wants the most likely answer), how many stop strings
+    and how long, and the wire form of ``soft_limits``. Every other field goes
+    to ``SamplingParams`` as given, whose ``verify`` is the one check of each value's range (a
+    new sampling parameter needs no line here).
 
     Args:
         cfg: the service limits (``max_tokens_cap``, ``default_max_tokens``, stop limits).
         max_tokens: most output tokens; ``None`` = ``cfg.default_max_tokens``.
-        temperature: 0 = greedy; top_p in (0, 1]; top_k 0 = all tokens.
-        seed: per-request sampling seed (reproducible sampling), or ``None``.
+        temperature: 0 = greedy.
         stop: a stop string or a list of them (not included in the output).
-        logprobs: return each chosen token's log-probability.
-        speculative: ``True``/``False`` switches n-gram speculation on/off; a dict gives its
-            settings (``stencil.engine.speculative.SpecConfig`` fields); ``None`` = the server default.
-        top_logprobs: alternatives per position to report (0..20; implies ``logprobs``).
-        logit_bias / presence_penalty / frequency_penalty / repetition_penalty: see
-            ``stencil.engine.logits_process``.
-        vocab_size: the model's vocabulary size, to check ``logit_bias`` token ids here (else
-            the engine checks them at admission).
-        close_on_budget: under a grammar, close the output within ``max_tokens`` (default) or
-            cut it there (``finish_reason: "length"``).
         soft_limits: the run-on guard's bounds (``stencil.grammar.budget.SoftLimits`` fields), or
             ``False`` to turn it off; ``None``/``True``: the defaults.
+        fields: any other ``SamplingParams`` field by name (``top_p``, ``top_k``, ``seed``,
+            ``logprobs``, ``top_logprobs``, ``logit_bias``, the penalties, ``speculative``,
+            ``close_on_budget``, ...); see ``sampling_fields`` for a wire request's.
 
     Raises:
-        InputError: naming the field that is out of range.
+        InputError: naming the field that is out of range (``logit_bias`` token ids are checked
+            against the model's vocabulary at admission: ``LLMEngine.check_request``).
     """
     if max_tokens is None:
         max_tokens = cfg.default_max_tokens
-    if max_tokens < 1:
-        raise InputError(f"max_tokens must be >= 1, got {max_tokens}", field="max_tokens", lead=True)
     if max_tokens > cfg.max_tokens_cap:
         raise InputError(f"max_tokens is {max_tokens}; this server allows at most {cfg.max_tokens_cap}",
                          field="max_tokens", lead=True)
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if not math.isfinite(value):
-            raise InputError(f"{name} must be a finite number, got {value}", field=name)
-    if temperature < 0:
-        raise InputError(f"temperature must be >= 0, got {temperature}", field="temperature")
-    if not 0 < top_p <= 1:
-        raise InputError(f"top_p must be in (0, 1], got {top_p}", field="top_p")
-    if top_k < 0:
-        raise InputError(f"top_k must be >= 0, got {top_k}", field="top_k")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > cfg.max_stop:
         raise InputError(f"{len(stops)} stop strings; the limit is {cfg.max_stop}", field="stop")
     for s in stops:
         if not s or len(s) > cfg.max_stop_chars:
             raise InputError(f"each stop string must have 1..{cfg.max_stop_chars} characters", field="stop")
-    try:  # speculative and soft_limits are parsed here, once: the engine takes them typed
-        params = SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                                top_k=top_k, seed=seed, stop=stops, logprobs=logprobs or top_logprobs > 0,
-                                speculative=speculative, top_logprobs=top_logprobs, logit_bias=logit_bias or None,
-                                presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
-                                repetition_penalty=float(repetition_penalty), close_on_budget=close_on_budget,
-                                soft_limits=soft_limits)
-    except (SpecConfigError, SoftLimitsError) as e:
-        raise InputError(str(e), field=e.field) from None
     try:
-        check_logits_params(params, vocab_size if vocab_size is not None else 2**62)
-    except LogitsParamError as e:
-        raise InputError(str(e), field=e.field) from None
-    return params
+        limits = SoftLimits.from_dict(soft_limits) if isinstance(soft_limits, dict) else \
+            None if soft_limits is True else soft_limits
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stops, soft_limits=limits,
+                              **fields)
+    except (EngineError, SpecConfigError, SoftLimitsError) as e:
+        raise InputError(str(e), field=e.field, lead=getattr(e, "lead", False)) from None
+
+
+def sampling_fields(data: Any) -> dict[str, Any]:
+    """The fields of a wire request (a msgspec Struct) that ``SamplingParams`` has by the same
+    name and that the request gives (not ``None``): what ``sampling_params`` takes as it is."""
+    return {name: value for name in data.__struct_fields__ if name in _SAMPLING_FIELDS
+            and (value := getattr(data, name)) is not None}
+
+
+_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) - {"context_room"}
 
 
 def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str | None = None,
@@ -229,4 +214,5 @@ async def check_schema_off_loop(state: ServiceState, schema: Any) -> None:
     await asyncio.to_thread(state.schemas.check, schema, **kw)
 
 
-__all__ = ["check_schema_off_loop", "checked_grammar_spec", "grammar_spec", "sampling_params", "tokenize"]
+__all__ = ["check_schema_off_loop", "checked_grammar_spec", "grammar_spec", "sampling_fields", "sampling_params",
+           "tokenize"]

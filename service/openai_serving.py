@@ -35,7 +35,7 @@ from stencil.service import generation as gen
 from stencil.service import inputs
 from stencil.service.errors import named_as
 from stencil.service.openai_common import (SSE_HEADERS, Constraint, openai_temperature, relaxed, run_all, start_all,
-                                   vocab_size, warnings_header)
+                                   warnings_header)
 from stencil.service.state import ServiceState
 from stencil.service.tools import ToolPlan, plan_tools, template_messages, template_supports_tools
 
@@ -116,26 +116,18 @@ async def serve(endpoint: Endpoint, data: Any, svc: ServiceState, request: Reque
 
 def sampling_params(svc: ServiceState, data: Any, *, max_tokens: int | None, seed: int | None,
                     logprobs: bool, top_logprobs: int, logit_bias: dict[int, float] | None = None) -> SamplingParams:
-    """``SamplingParams`` of one run from an OpenAI request's common fields (``temperature``,
-    ``top_p``, ``top_k``, ``stop``, the penalties, ``close_on_budget``, ``soft_limits``; a field
-    the request type lacks takes its neutral value) and the ones each endpoint names its own way.
+    """``SamplingParams`` of one run from an OpenAI request's fields named as ``SamplingParams``
+    names them (``top_p``, ``top_k``, ``stop``, the penalties, ``close_on_budget``,
+    ``soft_limits``: ``stencil.service.inputs.sampling_fields``; one the request lacks takes its
+    neutral value), OpenAI's ``temperature`` and the ones each endpoint names its own way.
 
     Raises:
         stencil.service.errors.InputError: a value out of range (``stencil.service.inputs.sampling_params``).
     """
-    def field(name: str, default: Any) -> Any:
-        value = getattr(data, name, None)
-        return default if value is None else value
-
-    return inputs.sampling_params(svc.config, max_tokens=max_tokens, temperature=openai_temperature(data.temperature),
-                               top_p=field("top_p", 1.0), top_k=field("top_k", 0), seed=seed,
-                               stop=getattr(data, "stop", None), logprobs=logprobs,
-                               top_logprobs=top_logprobs, logit_bias=logit_bias,
-                               presence_penalty=field("presence_penalty", 0.0),
-                               frequency_penalty=field("frequency_penalty", 0.0),
-                               repetition_penalty=field("repetition_penalty", 1.0),
-                               vocab_size=vocab_size(svc),
-                               close_on_budget=data.close_on_budget is not False, soft_limits=data.soft_limits)
+    return inputs.sampling_params(svc.config, **{**inputs.sampling_fields(data), "max_tokens": max_tokens,
+                                                 "temperature": openai_temperature(data.temperature), "seed": seed,
+                                                 "logprobs": logprobs, "top_logprobs": top_logprobs,
+                                                 "logit_bias": logit_bias})
 
 
 async def chat_prompt(svc: ServiceState, messages: list[ChatMessage], functions: list[FunctionDefinition],

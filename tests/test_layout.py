@@ -157,3 +157,60 @@ def test_grammars_ground_floor_imports_nothing_above_it():
     assert {mod: sorted(edges[mod] - set(GRAMMAR_FLOOR[i + 1:])) for i, mod in enumerate(GRAMMAR_FLOOR)} == {
         mod: [] for mod in GRAMMAR_FLOOR}
     assert edges["stencil.grammar.charset"] == set()
+
+
+# -- the engine imports nothing above it, not even for types (issue 48) ----------------------------
+
+ENGINE_LEAF_TYPES = ("stencil.engine.request", "stencil.engine.outputs")
+
+
+def _imports(path: Path, *, types: bool) -> set[str]:
+    """Absolute module names ``path`` imports at any depth (``from a import b``: ``a`` and ``a.b``),
+    those under ``if TYPE_CHECKING:`` too when ``types``."""
+    tree = ast.parse(path.read_text())
+    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))] if types \
+        else _runtime_nodes(tree)
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_no_upward_import_in_the_engine_even_for_types():
+    """The rule: no module of ``engine/`` imports ``service/`` or ``benchmarks/`` (the layers above
+    it), at any depth and under ``TYPE_CHECKING`` too. And the engine's leaf types, the data every
+    layer passes around (``engine/request.py``: ``SamplingParams``, ``Request``; ``engine/outputs.py``:
+    ``RequestOutput``), import (types included) no engine module that reaches ``grammar/``, through
+    everything importing it runs (parent packages' ``__init__`` included): a type is never a door to
+    the grammar compiler, and no type circle runs through it."""
+    mods = _modules()
+    upward = sorted((m, t) for m, path in mods.items() if m.startswith("stencil.engine")
+                    for t in _imports(path, types=True) if t.startswith(("stencil.service", "stencil.benchmarks")))
+    assert upward == []
+
+    def loaded(name: str) -> set[str]:
+        """The modules of ours that importing ``name`` runs: it and its parent packages."""
+        parts = name.split(".")
+        return {m for m in (".".join(parts[:i]) for i in range(2, len(parts) + 1)) if m in mods}
+
+    def reaches_grammar(start: str) -> list[str]:
+        """The chain of run-time imports from ``start`` to ``grammar/``, or ``[]``."""
+        seen, stack = {start}, [(start, [start])]
+        while stack:
+            mod, chain = stack.pop()
+            for target in sorted(_imports(mods[mod], types=False)):
+                if target.startswith("stencil.grammar"):
+                    return chain + [target]
+                for m in sorted(loaded(target) - seen):
+                    seen.add(m)
+                    stack.append((m, chain + [m]))
+        return []
+
+    for leaf in ENGINE_LEAF_TYPES:
+        for target in sorted(_imports(mods[leaf], types=True)):
+            for m in sorted(loaded(target)):
+                assert reaches_grammar(m) == [], (leaf, target)

@@ -802,7 +802,8 @@ def test_an_object_of_many_optional_properties_is_served(client):
 def test_the_context_left_after_the_prompt_caps_max_tokens_and_the_budget_keeps_to_it(tiny_model_dir):
     """A prompt that leaves fewer tokens of the context than ``max_tokens``: the answer's budget
     is the room left (the budget-aware masks close the document within it; before, the context
-    cut it mid-value: 200, ``valid`` false), the caller's shared params are left as they were,
+    cut it mid-value: 200, ``valid`` false), the caller's params are left as they were (the
+    engine runs a copy: ``check_request`` returns it),
     and a room below the shortest answer is a 400 naming ``max_tokens`` and the context."""
     eng = LLMEngine(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, max_model_len=64))
     schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 2},
@@ -818,10 +819,11 @@ def test_the_context_left_after_the_prompt_caps_max_tokens_and_the_budget_keeps_
         assert set(value) == {"a", "b"} and len(value["a"]) >= 2, out["text"]
     assert params.max_tokens == 500 and params.context_room is None
     short = SamplingParams(max_tokens=500, temperature=0)
-    eng.check_request([1] * (64 - need + 1), short)
-    assert short.max_tokens == short.context_room == need - 1
+    fitted = eng.check_request([1] * (64 - need + 1), short)
+    assert short.max_tokens == 500 and short.context_room is None  # a query: it writes nothing
+    assert fitted.max_tokens == fitted.context_room == need - 1
     with pytest.raises(EngineError) as e:
-        eng.check_budget(g, short)
+        eng.check_budget(g, fitted)
     assert e.value.field == "max_tokens" and "the model's context of 64" in str(e.value), e.value
 
 
