@@ -299,7 +299,9 @@ _OPENAI_ROUTER: Router | None = None
 
 def _openai_router() -> Router:
     """The ``/v1`` routes (chat completions, completions, models, responses), their state
-    injected as ``svc`` and their errors in OpenAI's shape. Built once; every app shares it.
+    injected as ``service`` like every route's (the router's own provider reads it from the
+    request's app, since one router serves every app) and their errors in OpenAI's shape. Built
+    once; every app shares it.
 
     Litestar merges exception handlers over app, router and handler and picks one by status
     code, then by the exception's MRO: the router's ``Exception`` handler wins while the app maps
@@ -308,7 +310,7 @@ def _openai_router() -> Router:
     global _OPENAI_ROUTER
     if _OPENAI_ROUTER is None:
         _OPENAI_ROUTER = Router(path="/v1", route_handlers=[*openai_route_handlers, *responses_route_handlers],
-                                dependencies={"svc": Provide(_provide_openai_state, sync_to_thread=False)},
+                                dependencies={"service": Provide(_provide_openai_state, sync_to_thread=False)},
                                 exception_handlers={Exception: openai_exception_handler}, tags=["openai"])
     return _OPENAI_ROUTER
 

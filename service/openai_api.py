@@ -24,7 +24,7 @@ extension are applied with the grammar mask
 generated tokens only.
 
 ``stencil.service.app`` mounts ``openai_route_handlers`` (with ``stencil.service.responses_api``'s) under ``/v1``
-and injects their dependency ``svc: ServiceState``.
+and injects their dependency ``service: ServiceState``.
 """
 
 from __future__ import annotations
@@ -140,14 +140,14 @@ def _usage(results: list[gen.GenerationResult], prompt_counts: list[int]) -> Usa
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def chat_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[float] | None,
+def chat_logprobs(service: ServiceState, token_ids: list[int], logprobs: list[float] | None,
                   tops: list[list[tuple[int, float]]] | None = None) -> ChoiceLogprobs | None:
     """OpenAI chat logprobs of the chosen tokens (with ``top_logprobs`` when asked)."""
-    items = token_logprobs(svc, token_ids, logprobs, tops)
+    items = token_logprobs(service, token_ids, logprobs, tops)
     return None if items is None else ChoiceLogprobs(content=items)
 
 
-def completion_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[float] | None, offset: int,
+def completion_logprobs(service: ServiceState, token_ids: list[int], logprobs: list[float] | None, offset: int,
                         tops: list[list[tuple[int, float]]] | None = None) -> CompletionLogprobs | None:
     """Legacy logprobs; ``text_offset`` counts characters from ``offset`` (the echoed prompt);
     ``top_logprobs`` maps each alternative's text to its logprob."""
@@ -155,7 +155,7 @@ def completion_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[
         return None
     tokens, offsets, pos, pending = [], [], offset, b""
     for t in token_ids:
-        raw = token_bytes(svc, t)
+        raw = token_bytes(service, t)
         tokens.append(token_text(raw))
         offsets.append(pos)
         pending += raw
@@ -166,7 +166,7 @@ def completion_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[
             pass
     top = None
     if tops is not None:
-        top = [{token_text(token_bytes(svc, a)): lp for a, lp in row} for row in tops]
+        top = [{token_text(token_bytes(service, a)): lp for a, lp in row} for row in tops]
     return CompletionLogprobs(tokens=tokens, token_logprobs=list(logprobs), text_offset=offsets, top_logprobs=top)
 
 
@@ -195,7 +195,7 @@ def _format_field(so: StructuredOutputs | None) -> str:
     return f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
 
 
-async def _structured_outputs(svc: ServiceState, so, response_format, plan) -> Constraint:
+async def _structured_outputs(service: ServiceState, so, response_format, plan) -> Constraint:
     """The constraint of ``structured_outputs`` (json, regex, choice or Lark grammar).
 
     Raises:
@@ -212,7 +212,7 @@ async def _structured_outputs(svc: ServiceState, so, response_format, plan) -> C
     names = {"response_schema": "structured_outputs.json", "regex": "structured_outputs.regex",
              "choice": "structured_outputs.choice", "grammar": "structured_outputs.grammar"}
     with grammar_field(_format_field(so)), named_as(names):
-        spec = await inputs.checked_grammar_spec(svc, response_schema=so.json, regex=so.regex, choice=so.choice,
+        spec = await inputs.checked_grammar_spec(service, response_schema=so.json, regex=so.regex, choice=so.choice,
                                               grammar=so.grammar)
     return Constraint(spec, so.json, plan if plan is not None else ToolPlan("none", (), False))
 
@@ -221,14 +221,14 @@ def _tool_calls(calls) -> list[ToolCall]:
     return [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
 
-def _chat_choice(svc: ServiceState, job: _ChatJob, index: int, r: gen.GenerationResult,
+def _chat_choice(service: ServiceState, job: _ChatJob, index: int, r: gen.GenerationResult,
                  relaxed_warnings: list[str]) -> tuple[ChatChoice, list[str]]:
-    v = verdict(svc, job.constraint, r, relaxed_warnings)
+    v = verdict(service, job.constraint, r, relaxed_warnings)
     msg = AssistantMessage(content=v.text)
     if v.calls:
         msg.tool_calls = _tool_calls(v.calls)
     choice = ChatChoice(index=index, message=msg, finish_reason=v.finish_reason,
-                        logprobs=chat_logprobs(svc, r.token_ids, r.logprobs, r.top_logprobs),
+                        logprobs=chat_logprobs(service, r.token_ids, r.logprobs, r.top_logprobs),
                         valid=msgspec.UNSET if v.valid is None else v.valid,
                         closed_by_budget=True if r.closed_by_budget else msgspec.UNSET,
                         truncated_value=True if v.valid and r.truncated_value else msgspec.UNSET)
@@ -251,10 +251,10 @@ class _Pending:
             self.logprobs += d.logprobs
         self.tops += d.top_logprobs or []
 
-    def take(self, svc: ServiceState) -> ChoiceLogprobs | None:
+    def take(self, service: ServiceState) -> ChoiceLogprobs | None:
         if not self.asked or not self.ids:
             return None
-        out = chat_logprobs(svc, self.ids, self.logprobs, self.tops)
+        out = chat_logprobs(service, self.ids, self.logprobs, self.tops)
         self.ids, self.logprobs, self.tops = [], [], []
         return out
 
@@ -271,7 +271,7 @@ def _event_delta(ev: ToolEvent, ids: dict[int, str]) -> ChoiceDelta | None:
     return None
 
 
-async def _chat_events(svc: ServiceState, job: _ChatJob, streams: list[gen.GenerationStream], rid: str,
+async def _chat_events(service: ServiceState, job: _ChatJob, streams: list[gen.GenerationStream], rid: str,
                        include_usage: bool, relaxed_warnings: list[str]) -> AsyncIterator[bytes]:
     created = int(time.time())
     usage_field: Any = None if include_usage else msgspec.UNSET
@@ -296,19 +296,19 @@ async def _chat_events(svc: ServiceState, job: _ChatJob, streams: list[gen.Gener
                 pending[i].add(item)
                 if p is None:
                     if item.text or item.token_ids:
-                        yield chunk(i, ChoiceDelta(content=item.text), logprobs=pending[i].take(svc))
+                        yield chunk(i, ChoiceDelta(content=item.text), logprobs=pending[i].take(service))
                     continue
                 for ev in p.feed(item.text):
                     delta = _event_delta(ev, call_ids[i])
                     if delta is not None:
-                        yield chunk(i, delta, logprobs=pending[i].take(svc))
+                        yield chunk(i, delta, logprobs=pending[i].take(service))
                 continue
             results[i] = item
             for ev in (p.finish() if p is not None else []):
                 delta = _event_delta(ev, call_ids[i])
                 if delta is not None:
-                    yield chunk(i, delta, logprobs=pending[i].take(svc))
-            v = verdict(svc, job.constraint, item, relaxed_warnings)
+                    yield chunk(i, delta, logprobs=pending[i].take(service))
+            v = verdict(service, job.constraint, item, relaxed_warnings)
             extra: dict[str, Any] = {}
             if v.valid is not None:
                 extra["valid"] = v.valid
@@ -316,7 +316,7 @@ async def _chat_events(svc: ServiceState, job: _ChatJob, streams: list[gen.Gener
                 extra["warnings"] = v.problems
             if item.closed_by_budget:
                 extra["closed_by_budget"] = True
-            yield chunk(i, ChoiceDelta(), v.finish_reason, logprobs=pending[i].take(svc), **extra)
+            yield chunk(i, ChoiceDelta(), v.finish_reason, logprobs=pending[i].take(service), **extra)
         if include_usage:
             done = [r for r in results if r is not None]
             yield sse(ChatCompletionChunk(id=rid, created=created, model=job.model, choices=[],
@@ -331,13 +331,13 @@ async def _chat_events(svc: ServiceState, job: _ChatJob, streams: list[gen.Gener
                                    "events with `\"stream\": true`"), **GENERATION_ERRORS},
       operation_class=StreamableOperation, guards=[strict_body(ChatCompletionRequest)],
       operation_id="createChatCompletion")
-async def chat_completions(data: ChatCompletionRequest, svc: ServiceState, request: Request) -> Any:
+async def chat_completions(data: ChatCompletionRequest, service: ServiceState, request: Request) -> Any:
     """Create a chat completion (OpenAI ``POST /v1/chat/completions``), whole or streamed.
 
     Raises (answered in OpenAI's error shape, ``param`` naming the field as sent): the errors of
     ``stencil.service.generation`` and ``stencil.service.tools``; ``InputError`` for a message without content.
     """
-    return await serve(CHAT_COMPLETIONS, data, svc, request)
+    return await serve(CHAT_COMPLETIONS, data, service, request)
 
 
 class ChatCompletions:
@@ -347,8 +347,8 @@ class ChatCompletions:
     def names(self, data: ChatCompletionRequest) -> dict[str, str]:
         return chat_names(data)
 
-    async def prepare(self, svc: ServiceState, data: ChatCompletionRequest) -> _ChatJob:
-        model = check_model(svc, data.model)
+    async def prepare(self, service: ServiceState, data: ChatCompletionRequest) -> _ChatJob:
+        model = check_model(service, data.model)
         refuse_unserved(data, UNSERVED_CHAT)
         check_contents(data.messages)
         n = 1 if data.n is None else data.n
@@ -357,13 +357,13 @@ class ChatCompletions:
             raise InputError("top_logprobs needs logprobs: true", field="top_logprobs")
         named = data.tool_choice.function.name if isinstance(data.tool_choice, ToolChoiceFunction) else None
         choice = None if isinstance(data.tool_choice, ToolChoiceFunction) else data.tool_choice
-        plan, prompt_ids = await chat_prompt(svc, data.messages, [t.function for t in data.tools or []], choice,
+        plan, prompt_ids = await chat_prompt(service, data.messages, [t.function for t in data.tools or []], choice,
                                              named, data.parallel_tool_calls)
-        c = await _structured_outputs(svc, data.structured_outputs, data.response_format, plan) \
-            if data.structured_outputs is not None else await constraint(svc, *format_schema(data.response_format), plan)
+        c = await _structured_outputs(service, data.structured_outputs, data.response_format, plan) \
+            if data.structured_outputs is not None else await constraint(service, *format_schema(data.response_format), plan)
         max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
-        bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
-        params = [sampling_params(svc, data, max_tokens=max_tokens, seed=s, logprobs=bool(data.logprobs),
+        bias = logit_bias_ids(data.logit_bias, vocab_size(service))
+        params = [sampling_params(service, data, max_tokens=max_tokens, seed=s, logprobs=bool(data.logprobs),
                                   top_logprobs=data.top_logprobs or 0 if data.logprobs else 0, logit_bias=bias)
                   for s in _seeds(data.seed, n)]
         return _ChatJob(rid=f"chatcmpl-{uuid.uuid4().hex}", model=model, constraint=c,
@@ -372,15 +372,15 @@ class ChatCompletions:
                         include_usage=bool(data.stream_options and data.stream_options.include_usage),
                         service_tier=data.service_tier)
 
-    def events(self, svc: ServiceState, job: _ChatJob, streams: list[gen.GenerationStream],
+    def events(self, service: ServiceState, job: _ChatJob, streams: list[gen.GenerationStream],
                warnings: list[str]) -> AsyncIterator[bytes]:
-        return _chat_events(svc, job, streams, job.rid, job.include_usage, warnings)
+        return _chat_events(service, job, streams, job.rid, job.include_usage, warnings)
 
-    def body(self, svc: ServiceState, job: _ChatJob, results: list[gen.GenerationResult],
+    def body(self, service: ServiceState, job: _ChatJob, results: list[gen.GenerationResult],
              warnings: list[str]) -> ChatCompletion:
         choices, notes = [], list(warnings)
         for i, r in enumerate(results):
-            choice, problems = _chat_choice(svc, job, i, r, warnings)
+            choice, problems = _chat_choice(service, job, i, r, warnings)
             choices.append(choice)
             notes += [f"choice {i}: {w}" for w in problems]
         return ChatCompletion(id=job.rid, created=int(time.time()), model=job.model, choices=choices,
@@ -394,7 +394,7 @@ CHAT_COMPLETIONS = ChatCompletions()
 # -- completions ---------------------------------------------------------------------------------
 
 
-async def _completion_events(svc: ServiceState, model: str, streams: list[gen.GenerationStream],
+async def _completion_events(service: ServiceState, model: str, streams: list[gen.GenerationStream],
                              prompts: list[str], prompt_counts: list[int], n: int, echo: bool, rid: str,
                              include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
     created = int(time.time())
@@ -416,7 +416,7 @@ async def _completion_events(svc: ServiceState, model: str, streams: list[gen.Ge
                 extra = {"valid": item.valid} if streams[i].spec is not None else {}
                 yield chunk(i, "", item.finish_reason, **extra)
                 continue
-            lps = completion_logprobs(svc, item.token_ids, item.logprobs, offsets[i],
+            lps = completion_logprobs(service, item.token_ids, item.logprobs, offsets[i],
                                       item.top_logprobs) if want_logprobs else None
             offsets[i] += len(item.text)
             yield chunk(i, item.text, None, lps)
@@ -428,7 +428,7 @@ async def _completion_events(svc: ServiceState, model: str, streams: list[gen.Ge
     yield b"data: [DONE]\n\n"
 
 
-def _prompts(svc: ServiceState, prompt: Any) -> list[str | list[int]]:
+def _prompts(service: ServiceState, prompt: Any) -> list[str | list[int]]:
     """One string or token-id list per choice group (OpenAI's four shapes of ``prompt``)."""
     if isinstance(prompt, str):
         groups: list = [prompt]
@@ -441,7 +441,7 @@ def _prompts(svc: ServiceState, prompt: Any) -> list[str | list[int]]:
                          field="prompt", lead=True)
     if not groups or any(not g for g in groups if isinstance(g, list)):
         raise InputError("prompt is empty", field="prompt", lead=True)
-    vocab = vocab_size(svc)
+    vocab = vocab_size(service)
     for g in groups:
         if isinstance(g, list) and any(not 0 <= t < vocab for t in g):
             raise InputError(f"prompt: token ids must be in 0..{vocab - 1}", field="prompt", lead=True)
@@ -453,9 +453,9 @@ def _prompts(svc: ServiceState, prompt: Any) -> list[str | list[int]]:
                                    "events with `\"stream\": true`"), **GENERATION_ERRORS},
       operation_class=StreamableOperation, guards=[strict_body(CompletionRequest)],
       operation_id="createCompletion")
-async def completions(data: CompletionRequest, svc: ServiceState, request: Request) -> Any:
+async def completions(data: CompletionRequest, service: ServiceState, request: Request) -> Any:
     """Create a text completion (OpenAI ``POST /v1/completions``), whole or streamed."""
-    return await serve(COMPLETIONS, data, svc, request)
+    return await serve(COMPLETIONS, data, service, request)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -476,8 +476,8 @@ class Completions:
     def names(self, data: CompletionRequest) -> dict[str, str]:
         return {}
 
-    async def prepare(self, svc: ServiceState, data: CompletionRequest) -> _CompletionJob:
-        model = check_model(svc, data.model)
+    async def prepare(self, service: ServiceState, data: CompletionRequest) -> _CompletionJob:
+        model = check_model(service, data.model)
         n = 1 if data.n is None else data.n
         _check_common(n, bool(data.stream), data.stream_options)
         if data.logprobs is not None and not 0 <= data.logprobs <= MAX_LEGACY_LOGPROBS:
@@ -487,36 +487,36 @@ class Completions:
             raise InputError("suffix is not supported: the served model does not fill in the middle", field="suffix")
         if data.best_of not in (None, 1):
             raise InputError("best_of is not supported (only 1); ask n choices instead", field="best_of")
-        groups = _prompts(svc, data.prompt)
+        groups = _prompts(service, data.prompt)
         schema, strict = format_schema(data.response_format)
         with named_as({"response_schema": "response_format"}):
-            spec = await inputs.checked_grammar_spec(svc, response_schema=schema, strict=strict)
+            spec = await inputs.checked_grammar_spec(service, response_schema=schema, strict=strict)
         c = Constraint(spec, schema, ToolPlan("none", (), False))
         if data.structured_outputs is not None:
-            c = await _structured_outputs(svc, data.structured_outputs, data.response_format, None)
+            c = await _structured_outputs(service, data.structured_outputs, data.response_format, None)
         want_logprobs = data.logprobs is not None
-        bias = logit_bias_ids(data.logit_bias, vocab_size(svc))
-        params = [sampling_params(svc, data, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None
+        bias = logit_bias_ids(data.logit_bias, vocab_size(service))
+        params = [sampling_params(service, data, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None
                                   else data.max_tokens, seed=s, logprobs=want_logprobs,
                                   top_logprobs=data.logprobs or 0, logit_bias=bias)
                   for s in _seeds(data.seed, n)]
         parse = bool(data.parse_special_tokens)
-        prompt_ids = [g if isinstance(g, list) else await inputs.tokenize(svc, prompt=g, parse_special_tokens=parse)
+        prompt_ids = [g if isinstance(g, list) else await inputs.tokenize(service, prompt=g, parse_special_tokens=parse)
                       for g in groups]
         return _CompletionJob(rid=f"cmpl-{uuid.uuid4().hex}", model=model, constraint=c,
                               format_field=_format_field(data.structured_outputs),
                               runs=[(ids, p) for ids in prompt_ids for p in params],
-                              prompts=[g if isinstance(g, str) else svc.engine.tokenizer.decode(g) for g in groups],
+                              prompts=[g if isinstance(g, str) else service.engine.tokenizer.decode(g) for g in groups],
                               counts=[len(ids) for ids in prompt_ids], n=n, echo=bool(data.echo),
                               include_usage=bool(data.stream_options and data.stream_options.include_usage),
                               want_logprobs=want_logprobs)
 
-    def events(self, svc: ServiceState, job: _CompletionJob, streams: list[gen.GenerationStream],
+    def events(self, service: ServiceState, job: _CompletionJob, streams: list[gen.GenerationStream],
                warnings: list[str]) -> AsyncIterator[bytes]:
-        return _completion_events(svc, job.model, streams, job.prompts, job.counts, job.n, job.echo, job.rid,
+        return _completion_events(service, job.model, streams, job.prompts, job.counts, job.n, job.echo, job.rid,
                                   job.include_usage, job.want_logprobs)
 
-    def body(self, svc: ServiceState, job: _CompletionJob, results: list[gen.GenerationResult],
+    def body(self, service: ServiceState, job: _CompletionJob, results: list[gen.GenerationResult],
              warnings: list[str]) -> Completion:
         constrained = job.constraint.spec is not None
         choices, notes = [], list(warnings)
@@ -524,7 +524,7 @@ class Completions:
             prefix = job.prompts[k // job.n] if job.echo else ""
             choices.append(CompletionChoice(
                 index=k, text=prefix + r.text, finish_reason=r.finish_reason,
-                logprobs=completion_logprobs(svc, r.token_ids, r.logprobs, len(prefix),
+                logprobs=completion_logprobs(service, r.token_ids, r.logprobs, len(prefix),
                                              r.top_logprobs if job.want_logprobs else None),
                 valid=r.valid if constrained else msgspec.UNSET,
                 closed_by_budget=True if r.closed_by_budget else msgspec.UNSET,
@@ -540,13 +540,13 @@ COMPLETIONS = Completions()
 # -- models --------------------------------------------------------------------------------------
 
 
-def _model(svc: ServiceState) -> Model:
+def _model(service: ServiceState) -> Model:
     # ``created``: when the model directory was written, the nearest thing to a creation date.
     try:
-        created = int(Path(svc.engine.model_path).stat().st_mtime)
+        created = int(Path(service.engine.model_path).stat().st_mtime)
     except (AttributeError, OSError):
         created = 0
-    return Model(id=svc.model_name, created=created)
+    return Model(id=service.model_name, created=created)
 
 
 # The served model's id, as every other /v1 operation takes it (OpenAPI links: clients and
@@ -566,17 +566,17 @@ _MODEL_LINKS = {"200": {
 
 @get("/models", summary="Models served (OpenAI-compatible)", responses=_LIST_ERRORS, operation_id="listModels",
      operation_class=with_links(Operation, _MODEL_LINKS))
-async def list_models(svc: ServiceState) -> ModelList:
+async def list_models(service: ServiceState) -> ModelList:
     """The one model this server serves."""
-    return ModelList(data=[_model(svc)])
+    return ModelList(data=[_model(service)])
 
 
 @get("/models/{model_id:path}", summary="One model (OpenAI-compatible)", responses=_LOOKUP_ERRORS,
      operation_id="retrieveModel")
-async def get_model(model_id: str, svc: ServiceState) -> Model:
+async def get_model(model_id: str, service: ServiceState) -> Model:
     """The served model by id; 404 for any other id."""
-    check_model(svc, model_id.lstrip("/"))
-    return _model(svc)
+    check_model(service, model_id.lstrip("/"))
+    return _model(service)
 
 
 # The /v1 router is assembled by ``stencil.service.app``.

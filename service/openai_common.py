@@ -128,12 +128,12 @@ def openai_temperature(value: float | None) -> float:
     return value
 
 
-def check_model(svc: ServiceState, model: str | None) -> str:
+def check_model(service: ServiceState, model: str | None) -> str:
     """The served model's id; ``NotFound`` (404, param ``model``) for any other."""
-    if model is not None and model != svc.model_name:
-        raise NotFound(f"the model {model!r} does not exist; this server serves {svc.model_name!r}",
+    if model is not None and model != service.model_name:
+        raise NotFound(f"the model {model!r} does not exist; this server serves {service.model_name!r}",
                        field="model")
-    return svc.model_name
+    return service.model_name
 
 
 def refuse_unserved(data: Any, unserved: dict[str, tuple[Any, str]]) -> None:
@@ -172,8 +172,8 @@ def logit_bias_ids(bias: dict[str, float] | None, vocab_size: int,
     return out
 
 
-def vocab_size(svc: ServiceState) -> int:
-    return svc.engine.vocab_size
+def vocab_size(service: ServiceState) -> int:
+    return service.engine.vocab_size
 
 
 # -- the constraint of an answer -----------------------------------------------------------------
@@ -201,7 +201,7 @@ class Constraint:
         return self.spec is not None
 
 
-async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPlan,
+async def constraint(service: ServiceState, schema: Any, strict: bool, plan: ToolPlan,
                      parameters_field: str = "tools[{i}].function.parameters",
                      format_field: str = "response_format") -> Constraint:
     """The grammar of a whole answer: the response format's schema, or the tool-call regex.
@@ -221,15 +221,15 @@ async def constraint(svc: ServiceState, schema: Any, strict: bool, plan: ToolPla
     """
     if not plan.active:
         with named_as({"response_schema": format_field}):
-            spec = await inputs.checked_grammar_spec(svc, response_schema=schema, strict=strict)
+            spec = await inputs.checked_grammar_spec(service, response_schema=schema, strict=strict)
         return Constraint(spec, schema, plan)
     for i, fn in enumerate(plan.functions):
         if fn.parameters is not None:
             with named_as({"response_schema": parameters_field.format(i=i)}):
-                await inputs.check_schema_off_loop(svc, fn.parameters)
+                await inputs.check_schema_off_loop(service, fn.parameters)
     if schema is not None:
         with named_as({"response_schema": format_field}):
-            await inputs.check_schema_off_loop(svc, schema)
+            await inputs.check_schema_off_loop(service, schema)
     # A large schema can take a while to translate; keep the event loop serving others.
     with grammar_field():
         spec, warnings = await asyncio.to_thread(tool_call_spec, plan.calls(parameters_field), schema,
@@ -249,7 +249,7 @@ def grammar_field(name: str | None = None) -> Iterator[None]:
                          position=e.position) from None
 
 
-async def start_all(svc: ServiceState, jobs: list[tuple[list[int], Any]], spec: GrammarSpec | None, rid: str,
+async def start_all(service: ServiceState, jobs: list[tuple[list[int], Any]], spec: GrammarSpec | None, rid: str,
                     format_field: str = "response_format", receive=None) -> list[gen.GenerationStream]:
     """Admit every choice (grammar compiled) before any runs, so a refusal (400/429) comes first,
     then wait for each to be scheduled (``GenerationStream.wait_started``: a request that waits
@@ -260,7 +260,7 @@ async def start_all(svc: ServiceState, jobs: list[tuple[list[int], Any]], spec: 
     with grammar_field(format_field):
         try:
             for k, (ids, p) in enumerate(jobs):
-                streams.append(await gen.start(svc, ids, p, spec, f"{rid}-{k}" if len(jobs) > 1 else rid, wait=False))
+                streams.append(await gen.start(service, ids, p, spec, f"{rid}-{k}" if len(jobs) > 1 else rid, wait=False))
             for s in streams:
                 await s.wait_started(receive)
         except BaseException:
@@ -291,23 +291,23 @@ def warnings_header(warnings: list[str]) -> dict[str, str]:
 _HEADER_CONTROLS = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def schema_errors(svc: ServiceState, schema: Any, text: str) -> list[str]:
+def schema_errors(service: ServiceState, schema: Any, text: str) -> list[str]:
     """Why ``text`` fails ``schema`` (JSON, then jsonschema with formats); empty when it passes."""
     try:
         value = json.loads(text)
     except ValueError as e:
         return [f"not valid JSON: {e}"]
-    validator = svc.checker.validator(json.dumps(schema, sort_keys=False, separators=(",", ":")))
+    validator = service.checker.validator(json.dumps(schema, sort_keys=False, separators=(",", ":")))
     return [f"fails the schema at {_pointer(e.path)}: {e.message}"
             for e in sorted(validator.iter_errors(value), key=lambda e: list(e.path))[:5]]
 
 
-def call_errors(svc: ServiceState, plan: ToolPlan, name: str, arguments: str) -> list[str]:
+def call_errors(service: ServiceState, plan: ToolPlan, name: str, arguments: str) -> list[str]:
     """Why a call's arguments fail its function's parameters (empty when they pass)."""
     fn = plan.function(name)
     if fn is None:
         return [f"calls unknown function {name!r}"]
-    return [f"tool {name}: arguments {e}" for e in schema_errors(svc, arguments_schema(fn), arguments)]
+    return [f"tool {name}: arguments {e}" for e in schema_errors(service, arguments_schema(fn), arguments)]
 
 
 def _pointer(parts) -> str:
@@ -317,12 +317,12 @@ def _pointer(parts) -> str:
 # -- logprobs ------------------------------------------------------------------------------------
 
 
-def token_bytes(svc: ServiceState, token_id: int) -> bytes:
+def token_bytes(service: ServiceState, token_id: int) -> bytes:
     """The bytes a token stands for (the grammar's vocabulary; the tokenizer as a fallback)."""
-    vocab = svc.engine.vocab
+    vocab = service.engine.vocab
     raw = vocab.token_bytes.get(token_id) if vocab is not None else None
     if raw is None:
-        raw = svc.engine.tokenizer.decode([token_id]).encode()
+        raw = service.engine.tokenizer.decode([token_id]).encode()
     return raw
 
 
@@ -334,17 +334,17 @@ def token_text(raw: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def token_logprobs(svc: ServiceState, token_ids: list[int], logprobs: list[float] | None,
+def token_logprobs(service: ServiceState, token_ids: list[int], logprobs: list[float] | None,
                    tops: list[list[tuple[int, float]]] | None) -> list[TokenLogprob] | None:
     """OpenAI's per-token logprob items (with ``top_logprobs`` when asked)."""
     if logprobs is None:
         return None
     items = []
     for k, (t, lp) in enumerate(zip(token_ids, logprobs)):
-        raw = token_bytes(svc, t)
+        raw = token_bytes(service, t)
         alternatives = []
         for alt, alt_lp in (tops[k] if tops and k < len(tops) else []):
-            alt_raw = token_bytes(svc, alt)
+            alt_raw = token_bytes(service, alt)
             alternatives.append(TopLogprob(token=token_text(alt_raw), logprob=alt_lp, bytes=list(alt_raw)))
         items.append(TokenLogprob(token=token_text(raw), logprob=lp, bytes=list(raw), top_logprobs=alternatives))
     return items
@@ -472,7 +472,7 @@ class Verdict:
     problems: list[str]
 
 
-def verdict(svc: ServiceState, c: Constraint, r: gen.GenerationResult, relaxed_warnings: list[str]) -> Verdict:
+def verdict(service: ServiceState, c: Constraint, r: gen.GenerationResult, relaxed_warnings: list[str]) -> Verdict:
     """Read a finished answer under its constraint (whole or streamed answers alike).
 
     Output cut short (``length``, or a stop string inside a call) comes back as plain text; with
@@ -505,7 +505,7 @@ def verdict(svc: ServiceState, c: Constraint, r: gen.GenerationResult, relaxed_w
     if calls:
         problems = []
         for call in calls:
-            errors = call_errors(svc, c.plan, call.name, call.arguments)
+            errors = call_errors(service, c.plan, call.name, call.arguments)
             fn = c.plan.function(call.name)
             if errors and fn is not None and is_strict(fn):
                 raise GenerationFailed(f"tool call arguments for {call.name!r} fail their schema although "
@@ -514,5 +514,5 @@ def verdict(svc: ServiceState, c: Constraint, r: gen.GenerationResult, relaxed_w
         return Verdict(None, calls, "tool_calls", not problems, problems + notes)
     if c.schema is None:
         return Verdict(text, [], r.finish_reason, None, notes)
-    problems = schema_errors(svc, c.schema, text or "")
+    problems = schema_errors(service, c.schema, text or "")
     return Verdict(text, [], r.finish_reason, not problems, problems + notes)

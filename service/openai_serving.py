@@ -73,14 +73,14 @@ class Endpoint(Protocol):
     def names(self, data: Any) -> dict[str, str]:
         """The request's names of the generation core's fields (``named_as``)."""
 
-    async def prepare(self, svc: ServiceState, data: Any) -> OpenAIJob:
+    async def prepare(self, service: ServiceState, data: Any) -> OpenAIJob:
         """Check ``data`` and build its job. Raises the errors of ``stencil.service.generation``."""
 
-    def events(self, svc: ServiceState, job: OpenAIJob, streams: list[gen.GenerationStream],
+    def events(self, service: ServiceState, job: OpenAIJob, streams: list[gen.GenerationStream],
                warnings: list[str]) -> AsyncIterator[bytes]:
         """The server-sent events of a streamed answer (errors after the first byte in-band)."""
 
-    def body(self, svc: ServiceState, job: OpenAIJob, results: list[gen.GenerationResult],
+    def body(self, service: ServiceState, job: OpenAIJob, results: list[gen.GenerationResult],
              warnings: list[str]) -> Any:
         """The whole answer (a msgspec Struct)."""
 
@@ -94,27 +94,27 @@ def log_labels(rid: str, data: Any) -> None:
         log.info("request labels", extra={"request_id": rid, **labels})
 
 
-async def serve(endpoint: Endpoint, data: Any, svc: ServiceState, request: Request) -> Response | Stream:
+async def serve(endpoint: Endpoint, data: Any, service: ServiceState, request: Request) -> Response | Stream:
     """Answer ``data`` (a decoded wire request with a ``stream`` field) through ``endpoint``.
 
     Raises (before any byte is sent; answered in OpenAI's error shape): the errors of
     ``endpoint.prepare`` and of admission (``start_all``: 400 naming the field, 429, 503).
     """
     with named_as(endpoint.names(data)):
-        job = await endpoint.prepare(svc, data)
+        job = await endpoint.prepare(service, data)
         log_labels(job.rid, data)
-        streams = await start_all(svc, job.runs, job.constraint.spec, job.rid, job.format_field,
+        streams = await start_all(service, job.runs, job.constraint.spec, job.rid, job.format_field,
                                   receive=request.receive)
     warnings = relaxed(job.constraint, streams[0])
     headers = warnings_header(warnings)
     if data.stream:
-        return Stream(endpoint.events(svc, job, streams, warnings), media_type="text/event-stream",
+        return Stream(endpoint.events(service, job, streams, warnings), media_type="text/event-stream",
                       headers={**SSE_HEADERS, **headers}, background=BackgroundTask(gen.close_streams, streams))
     results = await run_all(streams, job.rid, request.receive)
-    return Response(endpoint.body(svc, job, results, warnings), headers=headers)
+    return Response(endpoint.body(service, job, results, warnings), headers=headers)
 
 
-def sampling_params(svc: ServiceState, data: Any, *, max_tokens: int | None, seed: int | None,
+def sampling_params(service: ServiceState, data: Any, *, max_tokens: int | None, seed: int | None,
                     logprobs: bool, top_logprobs: int, logit_bias: dict[int, float] | None = None) -> SamplingParams:
     """``SamplingParams`` of one run from an OpenAI request's fields named as ``SamplingParams``
     names them (``top_p``, ``top_k``, ``stop``, the penalties, ``close_on_budget``,
@@ -124,13 +124,13 @@ def sampling_params(svc: ServiceState, data: Any, *, max_tokens: int | None, see
     Raises:
         stencil.service.errors.InputError: a value out of range (``stencil.service.inputs.sampling_params``).
     """
-    return inputs.sampling_params(svc.config, **{**inputs.sampling_fields(data), "max_tokens": max_tokens,
+    return inputs.sampling_params(service.config, **{**inputs.sampling_fields(data), "max_tokens": max_tokens,
                                                  "temperature": openai_temperature(data.temperature), "seed": seed,
                                                  "logprobs": logprobs, "top_logprobs": top_logprobs,
                                                  "logit_bias": logit_bias})
 
 
-async def chat_prompt(svc: ServiceState, messages: list[ChatMessage], functions: list[FunctionDefinition],
+async def chat_prompt(service: ServiceState, messages: list[ChatMessage], functions: list[FunctionDefinition],
                       choice: Any, named: str | None, parallel: bool | None,
                       max_calls: int | None = None) -> tuple[ToolPlan, list[int]]:
     """The tool plan and the prompt token ids of a chat-shaped request (messages and tools).
@@ -143,6 +143,6 @@ async def chat_prompt(svc: ServiceState, messages: list[ChatMessage], functions:
         stencil.service.errors.InputError: the prompt over the limits.
     """
     plan = plan_tools(functions, choice, named, parallel, max_calls)
-    native = template_supports_tools(getattr(svc.engine.tokenizer, "chat_template", None))
+    native = template_supports_tools(getattr(service.engine.tokenizer, "chat_template", None))
     templated, tools_arg = template_messages(messages, plan, native)
-    return plan, await inputs.tokenize(svc, messages=templated, tools=tools_arg)
+    return plan, await inputs.tokenize(service, messages=templated, tools=tools_arg)

@@ -168,8 +168,8 @@ class Responses:
     def names(self, data: ResponsesRequest) -> dict[str, str]:
         return NAMES
 
-    async def prepare(self, svc: ServiceState, data: ResponsesRequest) -> _Job:
-        model = check_model(svc, data.model)
+    async def prepare(self, service: ServiceState, data: ResponsesRequest) -> _Job:
+        model = check_model(service, data.model)
         refuse_unserved(data, UNSERVED)
         if data.stream_options is not None and data.stream_options.include_obfuscation:
             raise InputError("stream_options.include_obfuscation is not supported: Stencil pads no events",
@@ -182,27 +182,27 @@ class Responses:
                                         strict=t.strict) for t in data.tools or []]
         named = data.tool_choice.name if isinstance(data.tool_choice, NamedFunction) else None
         choice = None if named is not None else data.tool_choice
-        plan, prompt_ids = await chat_prompt(svc, input_messages(data), functions, choice, named,
+        plan, prompt_ids = await chat_prompt(service, input_messages(data), functions, choice, named,
                                              data.parallel_tool_calls, data.max_tool_calls)
         schema, strict = _format(data.text)
-        c = await constraint(svc, schema, strict, plan, parameters_field="tools[{i}].parameters",
+        c = await constraint(service, schema, strict, plan, parameters_field="tools[{i}].parameters",
                              format_field="text.format")
         want_logprobs = LOGPROBS_INCLUDE in include or bool(data.top_logprobs)
-        params = sampling_params(svc, data, max_tokens=data.max_output_tokens, seed=data.seed,
+        params = sampling_params(service, data, max_tokens=data.max_output_tokens, seed=data.seed,
                                  logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0)
         return _Job(rid=f"resp_{uuid.uuid4().hex}", model=model, constraint=c, format_field="text.format",
                     runs=[(prompt_ids, params)], want_logprobs=want_logprobs, data=data)
 
-    def events(self, svc: ServiceState, job: _Job, streams: list[gen.GenerationStream],
+    def events(self, service: ServiceState, job: _Job, streams: list[gen.GenerationStream],
                warnings: list[str]) -> AsyncIterator[bytes]:
-        return _events(svc, job, streams[0], warnings, job.created)
+        return _events(service, job, streams[0], warnings, job.created)
 
-    def body(self, svc: ServiceState, job: _Job, results: list[gen.GenerationResult],
+    def body(self, service: ServiceState, job: _Job, results: list[gen.GenerationResult],
              warnings: list[str]) -> ResponseObject:
         r = results[0]
-        out = _Output(svc, ToolCallParser(job.constraint.plan.mode == "auto") if job.constraint.plan.active else None)
+        out = _Output(service, ToolCallParser(job.constraint.plan.mode == "auto") if job.constraint.plan.active else None)
         out.feed(r.text, out.logprob_items(r.token_ids, r.logprobs, r.top_logprobs))
-        body, _ = _final(svc, job, out, r, warnings, job.created)
+        body, _ = _final(service, job, out, r, warnings, job.created)
         return body
 
 
@@ -220,7 +220,7 @@ class _Output:
     a whole answer is fed at once and the events dropped.
     """
 
-    svc: ServiceState
+    service: ServiceState
     parser: ToolCallParser | None
     items: list[OutputItem] = field(default_factory=list)
     message: OutputMessage | None = None  # the text answer, while it is being written
@@ -313,9 +313,9 @@ class _Output:
             return []
         out = []
         for k, (t, lp) in enumerate(zip(ids, lps)):
-            raw = token_bytes(self.svc, t)
-            alts = [TopLogprob(token=token_text(token_bytes(self.svc, a)), logprob=alp,
-                               bytes=list(token_bytes(self.svc, a))) for a, alp in (tops[k] if tops else [])]
+            raw = token_bytes(self.service, t)
+            alts = [TopLogprob(token=token_text(token_bytes(self.service, a)), logprob=alp,
+                               bytes=list(token_bytes(self.service, a))) for a, alp in (tops[k] if tops else [])]
             out.append(OutputLogprob(token=token_text(raw), logprob=lp, bytes=list(raw), top_logprobs=alts))
         return out
 
@@ -349,10 +349,10 @@ def _usage(job: _Job, r: gen.GenerationResult) -> ResponseUsage:
                          input_tokens_details=InputTokensDetails(cached_tokens=r.usage.cached_tokens))
 
 
-def _final(svc: ServiceState, job: _Job, out: _Output, r: gen.GenerationResult, relaxed_warnings: list[str],
+def _final(service: ServiceState, job: _Job, out: _Output, r: gen.GenerationResult, relaxed_warnings: list[str],
            created: float) -> tuple[ResponseObject, list[dict]]:
     """The finished response and the events that close its items."""
-    v = verdict(svc, job.constraint, r, relaxed_warnings)
+    v = verdict(service, job.constraint, r, relaxed_warnings)
     status = "incomplete" if r.finish_reason == "length" else "completed"
     events = out.finish(status)
     warnings = list(relaxed_warnings) + v.problems
@@ -364,7 +364,7 @@ def _final(svc: ServiceState, job: _Job, out: _Output, r: gen.GenerationResult, 
 # -- the routes ----------------------------------------------------------------------------------
 
 
-async def _events(svc: ServiceState, job: _Job, stream: gen.GenerationStream, relaxed_warnings: list[str],
+async def _events(service: ServiceState, job: _Job, stream: gen.GenerationStream, relaxed_warnings: list[str],
                   created: float) -> AsyncIterator[bytes]:
     seq = 0
 
@@ -374,7 +374,7 @@ async def _events(svc: ServiceState, job: _Job, stream: gen.GenerationStream, re
         seq += 1
         return sse(event, event["type"])
 
-    out = _Output(svc, ToolCallParser(job.constraint.plan.mode == "auto") if job.constraint.plan.active else None)
+    out = _Output(service, ToolCallParser(job.constraint.plan.mode == "auto") if job.constraint.plan.active else None)
     started = _response(job, "in_progress", [], created)
     yield emit({"type": "response.created", "response": started})
     yield emit({"type": "response.in_progress", "response": started})
@@ -385,7 +385,7 @@ async def _events(svc: ServiceState, job: _Job, stream: gen.GenerationStream, re
                 for ev in out.feed(item.text, lps):
                     yield emit(ev)
                 continue
-            body, closing = _final(svc, job, out, item, relaxed_warnings, created)
+            body, closing = _final(service, job, out, item, relaxed_warnings, created)
             for ev in closing:
                 yield emit(ev)
             yield emit({"type": f"response.{body.status}", "response": body})
@@ -409,14 +409,14 @@ _CONTINUE = {"200": {"ContinueConversation": Link(
                                    "events with `\"stream\": true`"), **GENERATION_ERRORS},
       operation_class=with_links(StreamableOperation, _CONTINUE), guards=[strict_body(ResponsesRequest)],
       operation_id="createResponse")
-async def create_response(data: ResponsesRequest, svc: ServiceState, request: Request) -> Any:
+async def create_response(data: ResponsesRequest, service: ServiceState, request: Request) -> Any:
     """Create a model response (OpenAI ``POST /v1/responses``), whole or streamed.
 
     Raises (answered in OpenAI's error shape, ``param`` naming this API's field: ``input``,
     ``max_output_tokens``, ``text.format``): the errors of ``stencil.service.generation``,
     ``stencil.service.tools`` and ``input_messages``.
     """
-    return await serve(RESPONSES, data, svc, request)
+    return await serve(RESPONSES, data, service, request)
 
 
 @get("/responses/{response_id:str}", summary="Retrieve a response (not served: Stencil stores none)",
