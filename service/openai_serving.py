@@ -124,10 +124,10 @@ def sampling_params(service: ServiceState, data: Any, *, max_tokens: int | None,
     Raises:
         stencil.service.errors.InputError: a value out of range (``stencil.service.inputs.sampling_params``).
     """
-    return inputs.sampling_params(service.config, **{**inputs.sampling_fields(data), "max_tokens": max_tokens,
-                                                 "temperature": openai_temperature(data.temperature), "seed": seed,
-                                                 "logprobs": logprobs, "top_logprobs": top_logprobs,
-                                                 "logit_bias": logit_bias})
+    fields = {**inputs.sampling_fields(data), "max_tokens": max_tokens, "seed": seed, "logprobs": logprobs,
+              "temperature": openai_temperature(data.temperature), "top_logprobs": top_logprobs,
+              "logit_bias": logit_bias}
+    return inputs.sampling_params(service.config, **fields)
 
 
 async def chat_prompt(service: ServiceState, messages: list[ChatMessage], functions: list[FunctionDefinition],
