@@ -799,6 +799,20 @@ def test_an_object_of_many_optional_properties_is_served(client):
     assert set(body["output"]) <= set(schema["properties"]), body
 
 
+def test_a_prompt_near_the_context_end_lowers_max_tokens_and_the_answer_says_so(client, tokenizer):
+    """The engine runs the request with ``max_tokens`` lowered to the room the prompt leaves
+    (``LLMEngine.check_request`` returns that copy; the caller's params are untouched), and the
+    answer's warnings say so (the last output's ``context_room``)."""
+    prompt = "hello " * 2030
+    room = 2048 - len(tokenizer(prompt)["input_ids"])
+    assert 0 < room < 64
+    r = client.post("/generate", json={"prompt": prompt, "max_tokens": 64})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] <= room, body["usage"]
+    assert any(w.startswith(f"max_tokens was lowered to {room}:") for w in body["warnings"]), body["warnings"]
+
+
 def test_the_context_left_after_the_prompt_caps_max_tokens_and_the_budget_keeps_to_it(tiny_model_dir):
     """A prompt that leaves fewer tokens of the context than ``max_tokens``: the answer's budget
     is the room left (the budget-aware masks close the document within it; before, the context
