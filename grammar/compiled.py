@@ -59,17 +59,14 @@ class CompiledGrammar:
         """A fresh cursor at the start of the grammar.
 
         Args:
-            backend: "eager" or "lazy" to insist on one (it must be built), or ``None``: the
-                eager grammar when it is ready, else the lazy one.
+            backend: a backend's name to insist on one (it must be built), or ``None``: the
+                eager grammar when it is ready, else the lazy one (else the one built).
 
         Raises:
             GrammarError: the requested backend has no grammar for this spec.
         """
         with self._lock:
-            if backend is None:
-                grammar = self._grammars.get("eager") or self._grammars.get("lazy")
-            else:
-                grammar = self._grammars.get(backend)
+            grammar = self._grammars.get(backend or self._preferred() or "")
             if grammar is None:
                 err = self._errors.get(backend or "lazy")
                 if err is not None:
@@ -198,9 +195,15 @@ class CompiledGrammar:
 
     @property
     def backend(self) -> str:
-        """The backend ``matcher()`` uses now: "eager" or "lazy"."""
+        """The backend ``matcher()`` uses now: "eager" or "lazy" (or another backend's name when
+        only it is built)."""
         with self._lock:
-            return "eager" if "eager" in self._grammars else "lazy"
+            return self._preferred() or "lazy"
+
+    def _preferred(self) -> str | None:
+        """The built backend ``matcher()`` takes (the lock held): eager (µs masks) before lazy,
+        before any other; ``None`` when none is built."""
+        return next((n for n in ("eager", "lazy", *self._grammars) if n in self._grammars), None)
 
     @property
     def regex(self) -> str | None:

@@ -281,7 +281,7 @@ class GrammarCompiler:
         matchers come from that backend even when the other one is ready. ``ready``: a grammar
         that needs no build comes back as itself, not in a future."""
         done = (lambda g: g) if ready else _done
-        if policy in ("lazy", "eager"):
+        if policy != backend_registry.AUTO:  # one backend by name
             if grammar.has(policy):
                 return done(grammar.using(policy) if pin else grammar)
             return self._ensure(grammar, policy, wait=True, pin=pin)
@@ -391,7 +391,7 @@ class GrammarCompiler:
             program = to_program(spec, max_recursion_depth=self._depth,
                                  deadline=time.monotonic() + self._timeout_s)
             grammar = self._new_grammar(spec, program, policy)
-            first = "eager" if policy == "eager" else "lazy"
+            first = "lazy" if policy == backend_registry.AUTO else policy
             try:
                 built = self._build(first, self._program_for(grammar, first, False), spec)
             except GrammarError:

@@ -461,3 +461,23 @@ def test_one_clients_slow_compiles_never_hold_every_worker(vocab, monkeypatch):
         assert not any(f.done() for f in slow)  # answered while the other client's work hangs
         release.set()
         assert all(accepts_text(f.result(timeout=60), "ab" + s) for f, s in zip(slow, "abc"))
+
+
+def test_a_third_backend_is_a_registry_entry(vocab, monkeypatch):
+    """A backend added to ``backend_registry`` serves as the compiler's policy and as a
+    per-request choice with no other change to the compiler (here the lazy backend's class,
+    registered under a third name)."""
+    from stencil.grammar import compiler as compiler_module
+    from stencil.grammar.backends import backend_registry
+
+    entries = {**backend_registry._BACKENDS,
+               "third": ("stencil.grammar.backends.lazy", "LazyBackend", frozenset({"regex", "lark"}))}
+    monkeypatch.setattr(backend_registry, "_BACKENDS", entries)
+    monkeypatch.setattr(compiler_module, "POLICIES", (backend_registry.AUTO, *entries))
+    with GrammarCompiler(vocab, 48, max_workers=1, backend="third") as c:
+        g = c.compile(GrammarSpec("regex", "ab+"))
+        assert (g.has("third"), g.has("lazy"), g.has("eager"), g.backend) == (True, False, False, "third")
+        assert accepts_text(g, "abb") and not accepts_text(g, "ba")
+    with GrammarCompiler(vocab, 48, max_workers=1, backend="lazy") as c:
+        pinned = c.compile(GrammarSpec("regex", "cd+"), backend="third")
+        assert pinned.backend == "third" and accepts_text(pinned, "cdd") and not accepts_text(pinned, "c")
