@@ -9,11 +9,12 @@ programs, so the language of a spec does not depend on which backend serves it.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import msgspec
 
 from stencil.grammar.base import GrammarError, GrammarSpec, Program
-from stencil.grammar.json_schema.keywords import ASCII_ESCAPE
+from stencil.grammar.json_schema.keywords import ASCII_ESCAPE, unknown_keywords
 from stencil.grammar.regex_tools import (check_lark_counts, check_lark_size, check_supported, choice_regex,
                                  locate_syntax_error)
 
@@ -63,13 +64,13 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         from stencil.grammar.json_schema.schema_compiler import SharedProofs, schema_to_program
 
         shared = SharedProofs()  # (what a refused handover proved, for the translation after it)
-        if grammar and handover:
-            handed = _handed_over(schema, spec, shared)
-            if handed is not None:
-                return handed
-        return schema_to_program(schema, whitespace=spec.whitespace, strict=spec.strict,
-                                 max_recursion_depth=max_recursion_depth, deadline=deadline,
-                                 grammar=grammar, shared=shared)
+        program = _handed_over(schema, spec, shared) if grammar and handover else None
+        if program is None:
+            program = schema_to_program(schema, whitespace=spec.whitespace, strict=spec.strict,
+                                        max_recursion_depth=max_recursion_depth, deadline=deadline,
+                                        grammar=grammar, shared=shared)
+        unknown = unknown_keywords(schema)  # served as JSON Schema says (ignored), but said
+        return replace(program, warnings=(*unknown, *program.warnings)) if unknown else program
     if spec.kind == "lark":
         if not spec.value.strip():
             raise GrammarError("the grammar is empty: it needs a start rule", keyword="grammar",

@@ -24,7 +24,7 @@ from litestar import Litestar, Request, Response, Router, get, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.di import Provide
-from litestar.exceptions import HTTPException, SerializationException, ValidationException
+from litestar.exceptions import HTTPException, MethodNotAllowedException, SerializationException, ValidationException
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.background_tasks import BackgroundTask
@@ -39,7 +39,7 @@ from stencil.schemas.generate import (GenerateRequest, GenerateResponse, HealthR
                               StreamFinal)
 from stencil.service import generation, inputs
 from stencil.service.errors import (InputError, ServiceError, Unauthorized, Unavailable, client_left_during_body,
-                            log_refused, named_as, to_problem)
+                            log_refused, named_as, to_problem, wrong_method)
 from stencil.service.metrics import Metrics
 from stencil.service.openai_api import openai_route_handlers
 from stencil.service.openai_common import event_json, openai_exception_handler
@@ -94,6 +94,11 @@ def _problem_response(request: Request, exc: Exception) -> Response:
         log_refused(request.method, request.url.path, problem.status, problem.field, problem.detail or "", rid)
     return Response(content=problem, status_code=problem.status, media_type=PROBLEM_JSON,
                     headers={**headers, "X-Request-Id": rid})
+
+
+def _wrong_method_response(request: Request, exc: MethodNotAllowedException) -> Response:
+    allow = str((exc.headers or {}).get("allow") or "")
+    return _problem_response(request, wrong_method(request.method, request.url.path, allow))
 
 
 _TITLES = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
@@ -401,7 +406,7 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
         route_handlers=handlers,
         lifespan=[lifespan],
         dependencies={"service": Provide(provide_state, sync_to_thread=False)},
-        exception_handlers={Exception: _problem_response},
+        exception_handlers={Exception: _problem_response, MethodNotAllowedException: _wrong_method_response},
         guards=[_api_key_guard(holder)],
         middleware=[_observe_middleware(holder, lambda: known_paths)],
         request_max_body_size=cfg.max_body_bytes,

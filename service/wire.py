@@ -30,7 +30,7 @@ from litestar.exceptions import ValidationException
 from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.handlers import BaseRouteHandler
 
-from stencil.service.errors import InputError, PayloadTooLarge, ServiceError
+from stencil.service.errors import InputError, PayloadTooLarge, ServiceError, unknown_field_hint
 
 
 class UnsupportedMediaType(ServiceError):
@@ -117,6 +117,7 @@ def strict_body(body_type: Any) -> Callable:
             except RecursionError:
                 pass  # nested past what an untyped decode reaches: the type's error names the field
             key, message = field_of(e)
+            message += unknown_field_hint(message, key, body_type)  # "; did you mean `response_schema`?"
             raise ValidationException(detail=f"Validation failed for {connection.method} {connection.url.path}",
                                       extra=[{"message": message, "key": key}]) from None
         except msgspec.DecodeError as e:

@@ -1,10 +1,12 @@
 """JSON Schema's keywords as the compiler sorts them, and two facts of instances every
 rewrite needs (``json_type``, ``enum_values``). A leaf of ``stencil.grammar.json_schema``: the compiler,
-``oneof`` and ``handover`` all read these.
+``oneof`` and ``handover`` all read these. ``unknown_keywords`` names the keys no draft defines
+(a typo such as ``"proprties"`` is legal JSON Schema, and silently admits anything).
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 
 from stencil.grammar.json_schema.merge import json_key
@@ -57,3 +59,68 @@ def enum_values(schema: dict) -> list:
         values = [v for v in values if json_key(v) == json_key(schema["const"])] if "enum" in schema \
             else [schema["const"]]
     return values
+
+
+# Keywords of some draft (04 to 2020-12) that the sets above leave out: known, so never "unknown".
+OTHER_KEYWORDS = {"$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor", "dependentSchemas",
+                  "maxContains", "minContains", "unevaluatedItems", "unevaluatedProperties", "contentSchema",
+                  "extends", "disallow", "divisibleBy"}
+KNOWN_KEYWORDS = frozenset(ANNOTATIONS | ASSERTIONS | OTHER_KEYWORDS
+                           | {k for kws in TYPE_KEYWORDS.values() for k in kws})
+# Where a schema holds schemas: one, a list of them, or a map of names to them.
+_ONE = ("additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
+        "unevaluatedItems", "unevaluatedProperties", "contentSchema", "items")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+MAX_UNKNOWN_NOTES = 8  # a schema written for another tool may carry dozens: name a few, count the rest
+
+
+def unknown_keywords(schema: object) -> list[str]:
+    """Notes on the keys of ``schema`` (and of every subschema) that no JSON Schema draft defines.
+
+    JSON Schema ignores such keys, so the schema stays served as written; but a typo
+    (``"proprties"``) then constrains nothing, and only a note tells the client. Extension keys
+    (``x-...``) are skipped; values that are data (``enum``, ``const``, ``default``, ``examples``)
+    and the contents of unknown keys are not read.
+
+    Returns:
+        At most ``MAX_UNKNOWN_NOTES + 1`` lines (a schema's own keys before its subschemas'), each
+        ``"unknown keyword 'proprties' at #: ignored; did you mean 'properties'?"`` (the hint where
+        ``difflib`` finds a close known keyword; the path a JSON pointer as the compiler's
+        warnings write it), and a last line counting those left out.
+    """
+    notes: list[str] = []
+    found = 0
+    stack: list[tuple[object, str]] = [(schema, "#")]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        subschemas: list[tuple[object, str]] = []
+        for key, value in node.items():
+            if key not in KNOWN_KEYWORDS:
+                if isinstance(key, str) and not key.startswith("x-"):
+                    found += 1
+                    if found <= MAX_UNKNOWN_NOTES:
+                        notes.append(_unknown_note(key, path))
+                continue
+            where = f"{path}/{_pointer(key)}"
+            if key in _ONE and isinstance(value, dict):
+                subschemas.append((value, where))
+            elif key in _LIST and isinstance(value, list):
+                subschemas += [(v, f"{where}/{i}") for i, v in enumerate(value)]
+            elif key in _MAP and isinstance(value, dict):
+                subschemas += [(v, f"{where}/{_pointer(str(k))}") for k, v in value.items()]
+        stack += reversed(subschemas)  # (depth first, in the document's order)
+    if found > MAX_UNKNOWN_NOTES:
+        notes.append(f"{found - MAX_UNKNOWN_NOTES} more unknown keywords (ignored)")
+    return notes
+
+
+def _unknown_note(key: str, path: str) -> str:
+    close = difflib.get_close_matches(key, KNOWN_KEYWORDS, n=1, cutoff=0.75)
+    return f"unknown keyword {key!r} at {path}: ignored" + (f"; did you mean {close[0]!r}?" if close else "")
+
+
+def _pointer(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
