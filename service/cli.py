@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from stencil.engine.models import registry
 from stencil.grammar.backends import backend_registry
 
 BENCHMARKS = {
@@ -49,7 +50,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", type=Path, default=None,
                    help="a .gguf file, a directory holding one, or an HF-format model directory (config.json + "
-                        "safetensors); architectures llama (Mistral, SmolLM), qwen2, qwen3, gemma3 "
+                        f"safetensors); architectures {registry.describe()} "
                         "(default: SmolLM2-135M-Instruct, fetched once into the cache)")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:0)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

@@ -214,3 +214,174 @@ def test_no_upward_import_in_the_engine_even_for_types():
         for target in sorted(_imports(mods[leaf], types=True)):
             for m in sorted(loaded(target)):
                 assert reaches_grammar(m) == [], (leaf, target)
+
+
+# -- the model registry (issue 48) -------------------------------------------------------------------
+
+_ARCH_VALUES = ("model_type", "architecture", "arch")  # what holds an architecture's name
+_ARCH_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text")  # names once compared in engine/
+
+
+def _architecture_compares(source: str) -> list[str]:
+    """``==`` / ``!=`` / ``in`` / ``not in`` comparisons of an architecture's name: one side a
+    ``model_type`` / ``architecture`` / ``arch`` (a name or an attribute), or a literal
+    architecture name (or a tuple, list or set holding one)."""
+    def named(node) -> bool:
+        return ((isinstance(node, ast.Name) and node.id in _ARCH_VALUES)
+                or (isinstance(node, ast.Attribute) and node.attr in _ARCH_VALUES))
+
+    def literal(node) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(literal(e) for e in node.elts)
+        return isinstance(node, ast.Constant) and node.value in _ARCH_NAMES
+
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare)
+            and all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops)
+            and any(named(side) or literal(side) for side in (node.left, *node.comparators))]
+
+
+def test_the_architecture_compare_finder_finds_the_old_if_chains():
+    old = '''
+if model_type not in SUPPORTED_MODEL_TYPES: pass
+qwen2 = model_type == "qwen2"
+if getattr(hf_config, "model_type", None) == "gemma3_text": pass
+gemma = spec.model_type == "gemma3"
+permute = gguf.architecture == "llama"
+spec = _gemma3_spec(gguf) if arch == "gemma3" else _llama_spec(gguf)
+table = {**_LAYER, **(_GEMMA if kind in ("gemma3", "x") else _LLAMA)}
+'''
+    assert len(_architecture_compares(old)) == 7
+    assert _architecture_compares('kind == "linear"\nname in ("auto", "eager")\nx.model == y\n'
+                                  'spec.sandwich_norms is True') == []
+
+
+def test_no_architecture_name_is_compared_outside_the_registry():
+    """What differs by architecture is asked of its ``stencil.engine.models.registry`` entry or its
+    spec (``spec.sandwich_norms``, ``spec.activation``, ...), never decided by comparing names."""
+    registry = ROOT / "engine" / "models" / "registry.py"
+    found = {str(p.relative_to(ROOT)): hits for pkg in ("engine", "service", "kernels")
+             for p in sorted((ROOT / pkg).rglob("*.py"))
+             if p != registry and (hits := _architecture_compares(p.read_text()))}
+    assert found == {}
+
+
+def test_every_registry_entry_has_all_its_parts():
+    """Each entry's spec reads a tiny transformers config of its kind and has a GGUF reader; its
+    model (built on meta) gets every parameter from transformers' names with the shape it needs
+    and names every parameter's GGUF tensors; names are unique across entries."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gguf_testing import HF_TYPE, hf_config
+    from stencil.engine.models import registry
+    from stencil.engine.models.gguf_weights import gguf_names
+
+    seen = [n for a in registry.ARCHITECTURES for n in {a.name, *a.hf_model_types}]
+    assert len(seen) == len(set(seen)), seen
+    assert set(HF_TYPE) == set(registry.names())  # the tiny configs the model tests use cover every entry
+    for arch in registry.ARCHITECTURES:
+        config = hf_config(arch.name)
+        assert registry.for_hf_config(config) is arch and registry.for_gguf(arch.name) is arch
+        spec = arch.spec_from_hf(config)
+        assert callable(type(spec).from_gguf) and registry.for_spec(spec) is arch
+        assert isinstance(spec.activation, str) and isinstance(spec.sandwich_norms, bool)
+        model = arch.build(spec, dtype=torch.float32, device="meta")
+        assert isinstance(model, torch.nn.Module) and model.spec is spec
+        with torch.device("meta"):
+            ref = AutoModelForCausalLM.from_config(config).state_dict()
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if name == "lm_head.weight" and spec.tie_word_embeddings:
+                continue
+            assert arch.hf_tensor(name, ref.__getitem__).shape == param.shape, (arch.name, name)
+            assert all(t.startswith(("blk.", "token_embd", "output")) for t in gguf_names(name, arch.gguf_norms))
+
+
+def test_loading_refuses_an_unknown_architecture_naming_the_registrys(tmp_path):
+    import gguf
+    import pytest
+
+    from stencil.engine.models import registry
+    from stencil.engine.models.gguf_config import UnsupportedModelError, read_gguf_info
+    from stencil.engine.models.loader import spec_from_hf_config
+
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(UnsupportedModelError) as e:
+        read_gguf_info(path)
+    assert str(e.value) == (f"unsupported GGUF architecture 'mamba' in mamba.gguf; supported: "
+                            f"{', '.join(registry.names())} (Mistral and SmolLM files are llama)")
+    with pytest.raises(ValueError) as e:
+        spec_from_hf_config(type("Config", (), {"model_type": "mamba"})())
+    assert str(e.value) == f"unsupported model_type 'mamba'; supported: {list(registry.hf_model_types())}"
+    assert registry.names() == ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def test_the_docs_name_every_architecture_of_the_registry():
+    """Each ``Architectures:`` line of the README and docs/ (what a user may serve) names every registry
+    entry, so an entry added is an entry documented."""
+    from stencil.engine.models import registry
+
+    lines = {f"{doc.name}:{i}": line for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+             for i, line in enumerate(doc.read_text().splitlines(), 1) if "Architectures: `" in line}
+    assert "models.md" in " ".join(lines)
+    assert {at: [n for n in registry.names() if f"`{n}`" not in line] for at, line in lines.items()} == {
+        at: [] for at in lines}
+
+
+# -- the engine imports nothing above it, not even for types (issue 48) ----------------------------
+
+ENGINE_LEAF_TYPES = ("stencil.engine.request", "stencil.engine.outputs")
+
+
+def _imports(path: Path, *, types: bool) -> set[str]:
+    """Absolute module names ``path`` imports at any depth (``from a import b``: ``a`` and ``a.b``),
+    those under ``if TYPE_CHECKING:`` too when ``types``."""
+    tree = ast.parse(path.read_text())
+    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))] if types \
+        else _runtime_nodes(tree)
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_no_upward_import_in_the_engine_even_for_types():
+    """The rule: no module of ``engine/`` imports ``service/`` or ``benchmarks/`` (the layers above
+    it), at any depth and under ``TYPE_CHECKING`` too. And the engine's leaf types, the data every
+    layer passes around (``engine/request.py``: ``SamplingParams``, ``Request``; ``engine/outputs.py``:
+    ``RequestOutput``), import (types included) no engine module that reaches ``grammar/``, through
+    everything importing it runs (parent packages' ``__init__`` included): a type is never a door to
+    the grammar compiler, and no type circle runs through it."""
+    mods = _modules()
+    upward = sorted((m, t) for m, path in mods.items() if m.startswith("stencil.engine")
+                    for t in _imports(path, types=True) if t.startswith(("stencil.service", "stencil.benchmarks")))
+    assert upward == []
+
+    def loaded(name: str) -> set[str]:
+        """The modules of ours that importing ``name`` runs: it and its parent packages."""
+        parts = name.split(".")
+        return {m for m in (".".join(parts[:i]) for i in range(2, len(parts) + 1)) if m in mods}
+
+    def reaches_grammar(start: str) -> list[str]:
+        """The chain of run-time imports from ``start`` to ``grammar/``, or ``[]``."""
+        seen, stack = {start}, [(start, [start])]
+        while stack:
+            mod, chain = stack.pop()
+            for target in sorted(_imports(mods[mod], types=False)):
+                if target.startswith("stencil.grammar"):
+                    return chain + [target]
+                for m in sorted(loaded(target) - seen):
+                    seen.add(m)
+                    stack.append((m, chain + [m]))
+        return []
+
+    for leaf in ENGINE_LEAF_TYPES:
+        for target in sorted(_imports(mods[leaf], types=True)):
+            for m in sorted(loaded(target)):
+                assert reaches_grammar(m) == [], (leaf, target)

@@ -1,12 +1,22 @@
-"""Model code: our Llama-family forward (``llama``) and Gemma 3's (``gemma3``), their
-architecture specs (``architecture``), RoPE tables (``rope``), what a model path names (``source``),
-the loaders (``loader``: HF safetensors directories and GGUF files; ``gguf_file``,
-``gguf_config``, ``gguf_weights``), tokenizers (``tokenizer``), and the model fetchers
-(``default_model``, ``pypi_gguf``)."""
+"""Model code: the architectures served (``registry``: one entry each), our Llama-family forward
+(``llama``, its spec in ``architecture``) and Gemma 3's (``gemma3``), RoPE tables (``rope``), what a
+model path names (``source``), the loaders (``loader``: HF safetensors directories and GGUF files;
+``gguf_file``, ``gguf_hparams``, ``gguf_config``, ``gguf_weights``), tokenizers (``tokenizer``), and
+the model fetchers (``default_model``, ``pypi_gguf``).
 
-from stencil.engine.models.llama import DenseLinear, LlamaForCausalLM
-from stencil.engine.models.loader import load_model, load_weights
-from stencil.engine.models.architecture import SUPPORTED_MODEL_TYPES, LlamaSpec
+Nothing is imported here, so reading ``registry``'s names (the CLI's help) does not import torch;
+the names below resolve on first use."""
 
-__all__ = ["DenseLinear", "LlamaForCausalLM", "LlamaSpec", "SUPPORTED_MODEL_TYPES", "load_model",
-           "load_weights"]
+import importlib
+
+_LAZY = {"DenseLinear": "llama", "LlamaForCausalLM": "llama", "LlamaSpec": "architecture", "load_model": "loader",
+         "load_weights": "loader"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+
+
+__all__ = ["DenseLinear", "LlamaForCausalLM", "LlamaSpec", "load_model", "load_weights"]

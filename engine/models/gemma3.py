@@ -36,11 +36,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stencil.engine.models.gguf_file import GgufFile
+from stencil.engine.models.gguf_hparams import UnsupportedModelError, common_sizes, need, rope_spec
 from stencil.engine.models.llama import DenseEmbedding, DenseLinear, LlamaForCausalLM, _empty_param, rope_and_cache
 from stencil.engine.models.rope import RopeSpec, RopeTable
 from stencil.kernels import layer_ops
@@ -67,7 +70,12 @@ class Gemma3Spec:
         final_logit_softcapping: ``cap`` of ``cap * tanh(logits / cap)``, or None.
         model_type: ``"gemma3"``.
         tie_word_embeddings: always True (Gemma's LM head is its embedding).
+        activation: the gated MLP's activation (class constant; ``layer_ops.glu``'s name).
+        sandwich_norms: True (class constant): norms after attention and after the MLP too.
     """
+
+    activation: ClassVar[str] = "gelu_tanh"
+    sandwich_norms: ClassVar[bool] = True
 
     vocab_size: int
     hidden_size: int
@@ -94,6 +102,10 @@ class Gemma3Spec:
     def layer_window(self, layer: int) -> int | None:
         """The attention window of layer ``layer`` (tokens), or None for a global layer."""
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` reads the local RoPE table (``local_rope``): the sliding layers."""
+        return self.layer_types[layer] == SLIDING
 
     @classmethod
     def from_hf_config(cls, config) -> "Gemma3Spec":
@@ -122,6 +134,37 @@ class Gemma3Spec:
             query_pre_attn_scalar=float(config.query_pre_attn_scalar),
             final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
         )
+
+    @classmethod
+    def from_gguf(cls, gguf: GgufFile) -> "Gemma3Spec":
+        """Build from a ``gemma3`` GGUF's metadata. Where the file leaves a value out, the defaults
+        are those llama.cpp's ``llama-model.cpp`` hard-codes for ``LLM_ARCH_GEMMA3`` (transformers'
+        ``Gemma3TextConfig`` agrees): every 6th layer global, local RoPE base 10,000, attention
+        scale ``1/sqrt(head_dim)`` (``1/sqrt(hidden/heads)`` for the 62-layer 27B).
+
+        Raises:
+            KeyError: a required key (``attention.sliding_window``, ...) is missing (named).
+            UnsupportedModelError: attention-logit soft-capping, or settings ``gguf_hparams`` refuses.
+        """
+        c = common_sizes(gguf)
+        if gguf.arch_get("attn_logit_softcapping") is not None:
+            raise UnsupportedModelError(f"{gguf.path.name}: attention-logit soft-capping is not supported")
+        pattern = gguf.arch_get("attention.sliding_window_pattern")
+        if pattern is None:
+            layer_types = default_layer_types(c["num_layers"], DEFAULT_SLIDING_WINDOW_PATTERN)
+        elif hasattr(pattern, "__len__"):  # one flag per layer: true = sliding
+            layer_types = tuple(SLIDING if bool(p) else FULL for p in pattern)
+        else:
+            layer_types = default_layer_types(c["num_layers"], int(pattern))
+        # llama.cpp: f_attention_scale = 1/sqrt(n_embd / n_head) for the 27B (62 layers), else 1/sqrt(head_dim)
+        scalar = c["hidden_size"] / c["num_heads"] if c["num_layers"] == 62 else c["head_dim"]
+        cap = gguf.arch_get("final_logit_softcapping")
+        return cls(
+            rope=rope_spec(gguf, float(gguf.arch_get("rope.freq_base", 1_000_000.0))),
+            local_rope=RopeSpec(theta=float(gguf.arch_get("rope.freq_base_swa", DEFAULT_LOCAL_ROPE_THETA))),
+            sliding_window=int(need(gguf, "attention.sliding_window")), layer_types=layer_types,
+            query_pre_attn_scalar=float(scalar),
+            final_logit_softcapping=None if cap is None else float(cap), **c)
 
 
 def default_layer_types(num_layers: int, pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN) -> tuple[str, ...]:
@@ -288,6 +331,15 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+GGUF_NORMS = {
+    "post_attn_norm.weight": ("post_attention_norm.weight",),
+    "pre_mlp_norm.weight": ("ffn_norm.weight",),
+    "post_mlp_norm.weight": ("post_ffw_norm.weight",),
+}
+"""Our per-layer norms (after ``layers.{i}.``) -> their GGUF tensors (after ``blk.{i}.``), besides
+the shared ``attn_norm`` / ``attn_{q,k}_norm`` (``gguf_weights``)."""
+
+
 def hf_tensor(name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
     """The transformers ``Gemma3ForCausalLM`` tensor(s) behind our parameter ``name``: fused
     where we fuse, norm weights ``w`` returned as ``1 + w``."""
@@ -310,4 +362,4 @@ def hf_tensor(name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
     return get(hf + rest.replace("attn.", "self_attn.", 1))
 
 
-__all__ = ["Gemma3ForCausalLM", "Gemma3Spec", "GemmaRMSNorm", "default_layer_types", "hf_tensor"]
+__all__ = ["GGUF_NORMS", "Gemma3ForCausalLM", "Gemma3Spec", "GemmaRMSNorm", "default_layer_types", "hf_tensor"]

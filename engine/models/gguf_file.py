@@ -16,9 +16,8 @@ Format (little-endian; version 2 and 3)::
 
 A string is ``u64 length`` + UTF-8 bytes. ``dims[0]`` is the innermost (contiguous) dimension.
 
-``GgufFile`` answers the calls ``stencil.engine.models.quant.int4_projections`` makes of a
-``quant.GgufWeights`` (``architecture``, ``tensors``, ``qtype``, ``planes``, ``dequantized``,
-``count``), so the int4 layers are built from it without a second, slow parse.
+``GgufFile`` also answers the calls one makes of a ``quant.GgufWeights`` (``architecture``,
+``tensors``, ``qtype``, ``planes``, ``dequantized``, ``count``), without gguf-py's slower parse.
 """
 
 from __future__ import annotations
@@ -167,7 +166,7 @@ class GgufFile:
 
         return hashlib.sha256(memoryview(self._map)[:self.header_bytes]).hexdigest()
 
-    # -- the calls int4_projections makes of a quant.GgufWeights --------------------------------
+    # -- the calls one makes of a quant.GgufWeights ----------------------------------------------
 
     def qtype(self, name: str) -> str:
         """ggml type name of tensor ``name`` (``"Q4_1"``, ``"F32"``, ...). Raises KeyError."""

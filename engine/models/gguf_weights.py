@@ -2,10 +2,12 @@
 
 Names: llama.cpp's (``gguf-py``'s ``constants.py``, ``MODEL_TENSORS``): ``token_embd``,
 ``output_norm``, ``output``, and per block ``blk.{i}.attn_norm``, ``attn_q/k/v``, ``attn_output``,
-``attn_q_norm``/``attn_k_norm`` (Qwen3, Gemma 3), ``ffn_norm``, ``ffn_gate/up/down``, and Gemma's
-``post_attention_norm``/``post_ffw_norm``. Q and K rows of the ``llama`` architecture are put back
-in transformers' order (``quant.qk_row_order``: llama.cpp's converter interleaves each head's
-rotary halves). A file without ``output.weight`` ties the LM head to the embedding.
+``attn_q_norm``/``attn_k_norm`` (Qwen3, Gemma 3), ``ffn_gate/up/down``; the other norms are each
+architecture's (its model file's ``GGUF_NORMS``, through ``registry``: the Llama family's
+``ffn_norm``, Gemma's ``post_attention_norm``/``ffn_norm``/``post_ffw_norm``). Q and K rows of an
+architecture whose entry says ``gguf_qk_permuted`` (``llama``) are put back in transformers' order
+(``quant.qk_row_order``: llama.cpp's converter interleaves each head's rotary halves). A file
+without ``output.weight`` ties the LM head to the embedding.
 
 ``quantized_modules`` builds the quantized layers (projections, LM head, embedding) by the rule
 of ``kernel_policy.layer_kind``: a quantized matrix stays the file's blocks (``QuantLinear``,
@@ -20,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch import nn
+
+from stencil.engine.models import registry
 
 DENSE_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
                "Q5_K", "Q6_K")
@@ -38,12 +42,6 @@ _LAYER = {  # our parameter (after "layers.{i}.") -> GGUF tensors (after "blk.{i
     "mlp.gate_up_proj.bias": ("ffn_gate.bias", "ffn_up.bias"),
     "mlp.down_proj.weight": ("ffn_down.weight",),
     "mlp.down_proj.bias": ("ffn_down.bias",),
-}
-_LLAMA_NORMS = {"post_attn_norm.weight": ("ffn_norm.weight",)}  # HF post_attention_layernorm: before the MLP
-_GEMMA_NORMS = {
-    "post_attn_norm.weight": ("post_attention_norm.weight",),
-    "pre_mlp_norm.weight": ("ffn_norm.weight",),
-    "post_mlp_norm.weight": ("post_ffw_norm.weight",),
 }
 _TOP = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
@@ -90,7 +88,7 @@ def quantized_modules(gguf, spec, *, embedding: bool = True, route=None, terms: 
     (``layers.{i}.attn.qkv_proj``, ``.attn.o_proj``, ``.mlp.gate_up_proj``, ``.mlp.down_proj``,
     ``lm_head``, ``embed_tokens``); a layer ``kernel_policy.layer_kind`` calls dense is left out.
 
-    Q and K rows of the ``llama`` architecture are reordered (``quant.qk_row_order``: whole
+    Q and K rows of a ``gguf_qk_permuted`` architecture are reordered (``quant.qk_row_order``: whole
     rows of blocks, exact); biases are read as fp32. The LM head is ``output.weight``, else (tied
     embeddings) ``token_embd.weight``: with a ``QuantEmbedding`` the head shares its bytes
     (``gguf_layers.tied_lm_head``).
@@ -110,7 +108,7 @@ def quantized_modules(gguf, spec, *, embedding: bool = True, route=None, terms: 
 
     terms = BLOCK_TERMS if terms is None else terms
     out: dict[str, nn.Module] = {}
-    permute = gguf.architecture == "llama"
+    permute = qk_permuted(gguf)
     for i in range(spec.num_layers):
         for ours, theirs in _PARTS.items():
             names = [f"blk.{i}.{t}.weight" for t in theirs]
@@ -148,8 +146,15 @@ def quantized_modules(gguf, spec, *, embedding: bool = True, route=None, terms: 
     return out
 
 
+def qk_permuted(gguf) -> bool:
+    """Whether ``gguf``'s Q/K rows are in llama.cpp's interleaved order (its architecture's
+    registry entry says ``gguf_qk_permuted``; False for an architecture the registry lacks)."""
+    entry = registry.for_gguf(gguf.architecture)
+    return entry is not None and entry.gguf_qk_permuted
+
+
 def qk_order(kind: str, tensor, spec) -> torch.Tensor | None:
-    """For the ``llama`` architecture's ``attn_q`` / ``attn_k``: the row order that undoes
+    """For a ``qk_permuted`` file's ``attn_q`` / ``attn_k``: the row order that undoes
     llama.cpp's Q/K permutation (``quant.qk_row_order``); None for other tensors."""
     from stencil.engine.models.quant import qk_row_order
 
@@ -209,8 +214,9 @@ def install(model: nn.Module, modules: dict) -> None:
         setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
-def gguf_names(name: str, model_type: str) -> tuple[str, ...]:
-    """The GGUF tensors behind our parameter ``name`` (rows stacked in this order).
+def gguf_names(name: str, norms: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The GGUF tensors behind our parameter ``name`` (rows stacked in this order); ``norms``: the
+    architecture's own per-layer norms (``registry.Architecture.gguf_norms``).
 
     Raises:
         KeyError: a parameter this mapping does not know.
@@ -218,7 +224,7 @@ def gguf_names(name: str, model_type: str) -> tuple[str, ...]:
     if name in _TOP:
         return (_TOP[name],)
     _, index, rest = name.split(".", 2)
-    table = {**_LAYER, **(_GEMMA_NORMS if model_type == "gemma3" else _LLAMA_NORMS)}
+    table = {**_LAYER, **norms}
     return tuple(f"blk.{index}.{t}" for t in table[rest])
 
 
@@ -238,13 +244,14 @@ def load_gguf_weights(model: nn.Module, gguf, *, device: torch.device | str | No
     from stencil.engine.models.quant import qk_row_order
 
     spec = model.spec
+    norms = registry.for_spec(spec).gguf_norms
     target = torch.device(device) if device is not None else None
-    permute = gguf.architecture == "llama"
+    permute = qk_permuted(gguf)
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue
         parts = []
-        for tname in gguf_names(name, spec.model_type):
+        for tname in gguf_names(name, norms):
             if tname not in gguf.tensors:
                 raise KeyError(f"{gguf.path}: tensor {tname} (for {name}) is missing")
             t = dequantize_tensor(gguf.tensors[tname])
@@ -268,4 +275,4 @@ def load_gguf_weights(model: nn.Module, gguf, *, device: torch.device | str | No
 
 
 __all__ = ["DENSE_TYPES", "dequantize_tensor", "gguf_names", "install", "load_gguf_weights", "qk_order",
-           "quantized_modules"]
+           "qk_permuted", "quantized_modules"]

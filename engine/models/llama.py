@@ -18,7 +18,7 @@ embedding (Su et al. 2021, arXiv 2104.09864) in the "rotate half" layout of tran
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -342,5 +342,39 @@ def _empty_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-__all__ = ["Attention", "DecoderLayer", "DenseEmbedding", "DenseLinear", "LlamaForCausalLM", "LlamaSpec", "MLP",
-           "RMSNorm", "RopeSpec", "apply_rope", "rope_and_cache"]
+GGUF_NORMS = {"post_attn_norm.weight": ("ffn_norm.weight",)}
+"""Our per-layer norms (after ``layers.{i}.``) -> their GGUF tensors (after ``blk.{i}.``), besides
+the shared ``attn_norm`` / ``attn_{q,k}_norm`` (``gguf_weights``): HF's post_attention_layernorm is
+llama.cpp's ``ffn_norm``, the norm before the MLP."""
+
+
+def hf_tensor(name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """The transformers tensor(s) behind our parameter ``name`` (``LlamaForCausalLM``'s names),
+    fused where we fuse: q/k/v rows stacked into ``qkv_proj``, gate/up into ``gate_up_proj``.
+
+    Raises:
+        KeyError: ``get`` lacks a tensor (its message).
+    """
+    if name == "lm_head.weight":
+        return get("lm_head.weight")
+    if name in ("embed_tokens.weight", "norm.weight"):
+        return get(f"model.{name}")
+    _, index, rest = name.split(".", 2)  # "layers", "3", "attn.qkv_proj.weight"
+    hf_layer = f"model.layers.{index}."
+    if rest.startswith("attn.qkv_proj."):
+        kind = rest.rsplit(".", 1)[1]
+        return torch.cat([get(f"{hf_layer}self_attn.{p}_proj.{kind}") for p in "qkv"])
+    if rest.startswith("mlp.gate_up_proj."):
+        kind = rest.rsplit(".", 1)[1]
+        return torch.cat([get(f"{hf_layer}mlp.{p}_proj.{kind}") for p in ("gate", "up")])
+    renamed = {
+        "input_norm.weight": "input_layernorm.weight",
+        "post_attn_norm.weight": "post_attention_layernorm.weight",
+    }.get(rest)
+    if renamed is None:
+        renamed = rest.replace("attn.", "self_attn.", 1) if rest.startswith("attn.") else rest
+    return get(hf_layer + renamed)
+
+
+__all__ = ["Attention", "DecoderLayer", "DenseEmbedding", "DenseLinear", "GGUF_NORMS", "LlamaForCausalLM", "LlamaSpec",
+           "MLP", "RMSNorm", "RopeSpec", "apply_rope", "hf_tensor", "rope_and_cache"]

@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from stencil.engine.models import registry
 from stencil.engine.models.llama import LlamaForCausalLM
 from stencil.engine.models.source import resolve_model_path
-from stencil.engine.models.architecture import LlamaSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 META_FILE = "stencil.json"  # our notes next to a converted model: {"gguf_file": path}
@@ -70,13 +70,14 @@ def load_model(model_dir: Path | str, *, dtype: torch.dtype = torch.float32,
             ``kernel_policy.BLOCK_TERMS``).
 
     Returns:
-        ``(model, config)``: a ``LlamaForCausalLM`` (or ``Gemma3ForCausalLM``) in eval mode and
-        the transformers config (for a GGUF: its ``gguf_config.GgufModelInfo``).
+        ``(model, config)``: the architecture's model (``registry``: ``LlamaForCausalLM``,
+        ``Gemma3ForCausalLM``) in eval mode and the transformers config (for a GGUF: its
+        ``gguf_config.GgufModelInfo``).
 
     Raises:
         ModelPathError: ``model_dir`` names no model.
         UnsupportedModelError: a GGUF of another architecture or tensor type.
-        ValueError: unsupported ``model_type`` (names it and the supported list) or RoPE.
+        ValueError: a ``model_type`` the registry lacks (names it and the supported list) or RoPE.
         FileNotFoundError: no safetensors file in ``model_dir``.
         KeyError: a weight the architecture needs is missing from the checkpoint.
         ValueError: ``weights="int4"`` on a non-CPU device, or GGUF shapes that do not match.
@@ -136,26 +137,18 @@ def check_model(path: Path | str) -> str:
 
 
 def spec_from_hf_config(hf_config):
-    """``LlamaSpec`` or ``Gemma3Spec`` of a transformers config.
+    """The spec of a transformers config, by its ``model_type``'s registry entry.
 
     Raises:
-        ValueError: an unsupported ``model_type`` (names it and the supported ones).
+        ValueError: a ``model_type`` the registry lacks (names it and the supported ones), or
+            settings the spec refuses.
     """
-    if getattr(hf_config, "model_type", None) == "gemma3_text":
-        from stencil.engine.models.gemma3 import Gemma3Spec
-
-        return Gemma3Spec.from_hf_config(hf_config)
-    return LlamaSpec.from_hf_config(hf_config)
+    return registry.for_hf_config(hf_config).spec_from_hf(hf_config)
 
 
 def build_model(spec, *, dtype: torch.dtype, device: torch.device | str):
-    """The model class of ``spec`` (``Gemma3ForCausalLM`` for a ``Gemma3Spec``, else
-    ``LlamaForCausalLM``), built with uninitialised parameters."""
-    if spec.model_type == "gemma3":
-        from stencil.engine.models.gemma3 import Gemma3ForCausalLM
-
-        return Gemma3ForCausalLM(spec, dtype=dtype, device=device)
-    return LlamaForCausalLM(spec, dtype=dtype, device=device)
+    """The model class of ``spec``'s registry entry, built with uninitialised parameters."""
+    return registry.for_spec(spec).build(spec, dtype=dtype, device=device)
 
 
 def load_gguf_model(path: Path | str, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
@@ -297,11 +290,12 @@ def load_weights(model: LlamaForCausalLM, get: Callable[[str], torch.Tensor], *,
         ValueError: a tensor's shape does not match the architecture.
     """
     spec = model.spec
+    arch = registry.for_spec(spec)
     target = torch.device(device) if device is not None else None
     for name, param in list(model.named_parameters(remove_duplicate=False)):
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue
-        tensor = _hf_tensor(name, get, spec.model_type)
+        tensor = arch.hf_tensor(name, get)
         if tensor.shape != param.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
                              f"expected {tuple(param.shape)}")
@@ -311,33 +305,6 @@ def load_weights(model: LlamaForCausalLM, get: Callable[[str], torch.Tensor], *,
         setattr(model.get_submodule(module_name), attr, new)
     if spec.tie_word_embeddings:
         model.tie_weights()
-
-
-def _hf_tensor(name: str, get: Callable[[str], torch.Tensor], model_type: str = "llama") -> torch.Tensor:
-    """The HF tensor(s) behind our parameter ``name``, fused where we fuse."""
-    if model_type == "gemma3":
-        from stencil.engine.models.gemma3 import hf_tensor
-
-        return hf_tensor(name, get)
-    if name == "lm_head.weight":
-        return get("lm_head.weight")
-    if name in ("embed_tokens.weight", "norm.weight"):
-        return get(f"model.{name}")
-    _, index, rest = name.split(".", 2)  # "layers", "3", "attn.qkv_proj.weight"
-    hf_layer = f"model.layers.{index}."
-    if rest.startswith("attn.qkv_proj."):
-        kind = rest.rsplit(".", 1)[1]
-        return torch.cat([get(f"{hf_layer}self_attn.{p}_proj.{kind}") for p in "qkv"])
-    if rest.startswith("mlp.gate_up_proj."):
-        kind = rest.rsplit(".", 1)[1]
-        return torch.cat([get(f"{hf_layer}mlp.{p}_proj.{kind}") for p in ("gate", "up")])
-    renamed = {
-        "input_norm.weight": "input_layernorm.weight",
-        "post_attn_norm.weight": "post_attention_layernorm.weight",
-    }.get(rest)
-    if renamed is None:
-        renamed = rest.replace("attn.", "self_attn.", 1) if rest.startswith("attn.") else rest
-    return get(hf_layer + renamed)
 
 
 def _open_checkpoint(model_dir: Path, stack: ExitStack) -> Callable[[str], torch.Tensor]:

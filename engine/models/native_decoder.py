@@ -83,7 +83,9 @@ class DecoderPlan:
         if getattr(model, "row_route", None) is not None:
             raise _Refused("prompt rows take other weights (prompt_weights)")
         spec = model.spec
-        gemma = spec.model_type == "gemma3"
+        act = _ACTIVATIONS.get(spec.activation)
+        if act is None:
+            raise _Refused(f"activation {spec.activation!r} (the C decoder has {', '.join(_ACTIVATIONS)})")
         k0 = kv_caches[0][0]
         if not all(backend.supports_cache(k) and backend.supports_cache(v) for k, v in kv_caches):
             raise _Refused("the attention kernel does not take this cache")
@@ -93,7 +95,7 @@ class DecoderPlan:
             attn, mlp = layer.attn, layer.mlp
             L = layers[i]
             L.attn_in_norm = _norm(layer.input_norm, keep)
-            if gemma:
+            if spec.sandwich_norms:  # Gemma's: the blocks' outputs are normed too
                 L.attn_out_norm = _norm(layer.post_attn_norm, keep)
                 L.mlp_in_norm = _norm(layer.pre_mlp_norm, keep)
                 L.mlp_out_norm = _norm(layer.post_mlp_norm, keep)
@@ -108,11 +110,11 @@ class DecoderPlan:
             L.num_slots = k_cache.shape[0] * k_cache.shape[1]
             L.window = attn.window or 0
             L.table = int(attn.window is not None)  # meta.for_window(): its group's tables, if apart
-            L.rope = int(gemma and layer.local)
+            L.rope = int(spec.uses_local_rope(i))
             L.scale = attn.scale
         m = C.Model(num_layers=spec.num_layers, hidden=spec.hidden_size, heads=spec.num_heads,
                     kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, inter=spec.intermediate_size,
-                    act=C.ACT_GELU_TANH if gemma else C.ACT_SILU, cache_kind=native.CACHE_KINDS[k0.dtype],
+                    act=act, cache_kind=native.CACHE_KINDS[k0.dtype],
                     block_size=k0.shape[1], eps=spec.rms_norm_eps,
                     vnni_gemm=pointers["vnni_gemm"], gguf_quantize=pointers["gguf_quantize"],
                     gguf_gemm=pointers["gguf_gemm"], attention=pointers["attention"],
@@ -161,6 +163,9 @@ def plan_key(kv_caches, backend) -> tuple:
 
 class _Refused(Exception):
     pass
+
+
+_ACTIVATIONS = {"silu": C.ACT_SILU, "gelu_tanh": C.ACT_GELU_TANH}  # a spec's ``activation`` -> decoder.c's
 
 
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

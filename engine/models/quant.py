@@ -403,59 +403,6 @@ def qk_row_order(rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(num_heads, half, 2).transpose(1, 2).reshape(rows)
 
 
-
-
-# -- our projections from GGUF tensor names --------------------------------------------------------
-
-_PARTS = {  # our projection -> GGUF tensors whose rows it stacks, in our row order
-    "attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
-    "attn.o_proj": ("attn_output",),
-    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
-    "mlp.down_proj": ("ffn_down",),
-}
-
-
-def int4_projections(gguf: GgufWeights, num_layers: int, num_heads: int, num_kv_heads: int,
-                     *, lm_head: bool, route: RowRoute | None = None) -> dict[str, Int4Linear]:
-    """Int4 modules for every projection whose GGUF tensors are all Q4_0/Q4_1/Q8_0.
-
-    Keys are our dotted module names (``layers.{i}.attn.qkv_proj``, ..., ``lm_head``); a
-    projection with any other part type (F16, Q6_K, ...) is left out, to be loaded dense. Q and
-    K rows are reordered for the ``llama`` architecture (``qk_row_order``). Biases (Qwen2's
-    ``attn_{q,k,v}.bias``) are read as fp32. ``lm_head=True`` adds the LM head: ``output.weight``,
-    or ``token_embd.weight`` when the file has no separate head (tied embeddings), always
-    through int4 (it reads a few rows a step). ``route`` goes to every layer projection
-    (see ``RowRoute``).
-
-    Raises:
-        KeyError: a layer tensor is missing from the file.
-    """
-    out: dict[str, Int4Linear] = {}
-    permute = gguf.architecture == "llama"
-    for i in range(num_layers):
-        for ours, theirs in _PARTS.items():
-            names = [f"blk.{i}.{t}.weight" for t in theirs]
-            if not all(gguf.qtype(n) in INT4_TYPES for n in names):
-                continue
-            parts, biases = [], []
-            for t, n in zip(theirs, names):
-                planes = gguf.planes(n)
-                heads = {"attn_q": num_heads, "attn_k": num_kv_heads}.get(t)
-                order = qk_row_order(planes.shape[0], heads) if permute and heads else None
-                parts.append(planes if order is None else permute_rows(planes, order))
-                bias_name = f"blk.{i}.{t}.bias"
-                if bias_name in gguf.tensors:
-                    bias = gguf.dequantized(bias_name)
-                    biases.append(bias if order is None else bias[order])
-            bias = torch.cat(biases) if biases else None
-            out[f"layers.{i}.{ours}"] = Int4Linear(concat_planes(parts), bias, route=route)
-    if lm_head:
-        head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-        if gguf.qtype(head) in INT4_TYPES:
-            out["lm_head"] = Int4Linear(gguf.planes(head))
-    return out
-
-
 class HeadEmbedding(nn.Module):
     """A tied embedding read from its LM head's packed bytes: ``forward(ids int64 [...]) -> fp32
     [..., dim]``, the rows ``gguf.quants.dequantize`` gives for the Q8_0 matrix both share (bit
@@ -488,7 +435,7 @@ class HeadEmbedding(nn.Module):
 
 
 __all__ = ["HeadEmbedding", "GROUP", "INT4_TYPES", "GgufWeights", "Int4Linear", "Int4Planes", "RowRoute", "concat_planes",
-           "int4_projections", "permute_rows", "planes_from_blocks",
+           "permute_rows", "planes_from_blocks",
            "qk_row_order"]
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from stencil.engine.models import registry
 from stencil.engine.models.gguf_config import UnsupportedModelError, read_gguf_info
 from stencil.engine.models.gguf_file import GgufFile
 from stencil.engine.models.loader import check_model, load_model
@@ -49,7 +50,7 @@ def tiny_gguf(tmp_path_factory, vocab):
     return factory
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", registry.names())  # every architecture served
 def test_gguf_model_matches_transformers_over_prefill_chunks_and_greedy_decode(arch, tiny_gguf):
     path, ref = tiny_gguf(arch)
     ours, info = load_model(path, weights="fp32")

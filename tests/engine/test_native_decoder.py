@@ -18,6 +18,7 @@ import random
 import pytest
 import torch
 
+from stencil.engine.models import registry
 from stencil.engine.models.loader import load_model
 from stencil.engine.models.native_decoder import DecoderPlan
 from gguf_testing import smol_vocab, write_tiny_gguf
@@ -82,7 +83,7 @@ def _steps(vocab: int, seed: int):
     return steps
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", registry.names())  # every architecture served
 @pytest.mark.parametrize("mix", ["kquant", "int4"])
 def test_c_decoder_gives_the_bits_of_the_torch_layers(arch, mix, tiny, monkeypatch):
     if mix == "int4" and not native.vnni_available():
