@@ -8,6 +8,13 @@ running streams cost the loop one wake-up a step. Besides outputs, a stream lear
 request is first scheduled (``EngineStream.started``), so a server can wait for a running slot
 before it sends any header and still answer a request that waited too long with a status code.
 
+``AsyncEngine.submit`` takes a whole request (prompt ids, ``SamplingParams``, ``GrammarSpec``): it checks
+it, starts the grammar's compile and queues the request at once, so the engine reads all but the
+prompt's last token while the grammar compiles; ``EngineStream.admit`` then waits for the compile and
+the budget check, whose errors still come before the answer's first byte. ``AsyncEngine`` and
+``EngineStream`` are the local ``EngineClient`` and ``RequestStream`` of ``stencil.service.engine_client``
+(structurally: nothing here imports the service).
+
 Flow control: a stream whose caller stops taking outputs (a client that reads its answer slowly
 or not at all, the server's writes paused) would make the engine run on for nobody, its outputs
 piling up in the stream. Once ``HOLD_AT`` outputs wait untaken the request is held
@@ -22,6 +29,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
@@ -45,17 +53,26 @@ RELEASE_AT = 8  # ... and let go once no more than this many wait
 
 
 class EngineStream:
-    """One submitted request: an async iterator of its ``RequestOutput`` items, last one finished.
+    """One submitted request: its admission, then an async iterator of its ``RequestOutput`` items,
+    the last one finished (``stencil.service.engine_client.RequestStream``, structurally).
 
     Attributes:
         request_id: the engine's id of the request.
         started: set once the engine has scheduled the request (or it ended, or failed).
+        grammar: the compiled grammar once admitted (None without a constraint).
+        warnings: the compiled grammar's notes, once admitted.
+        grammar_ms: milliseconds from ``submit`` until the grammar was compiled and the budget
+            checked (0 without a constraint), once admitted.
+        replica: always None (the request runs in this process).
 
     Leaving early (``aclose()``, or ``AsyncEngine.generate``'s generator closed) aborts the
     request, so its KV blocks are freed at once. Iterate on the loop that submitted it.
     """
 
-    def __init__(self, aeng: "AsyncEngine", request_id: str):
+    replica = None
+
+    def __init__(self, aeng: "AsyncEngine", request_id: str, params: SamplingParams | None = None,
+                 grammar_future: Future | None = None):
         self._aeng = aeng
         self.request_id = request_id
         self.started = asyncio.Event()
@@ -63,6 +80,42 @@ class EngineStream:
         self._finished = False
         self._closed = False
         self.held = False  # the engine was asked to hold the request (see the module docstring)
+        self._params = params
+        self._future = grammar_future
+        self._submitted_at = time.perf_counter()
+        self._admitted = grammar_future is None
+        self.grammar = None
+        self.warnings: list[str] = []
+        self.grammar_ms = 0.0
+
+    async def admit(self) -> None:
+        """Wait for the request's grammar, compiling on the compiler's pool while the engine reads
+        the prompt, then check ``max_tokens`` against it; a no-op without a grammar or once done.
+        On a refusal the request is aborted (its blocks freed) before the error is raised.
+
+        Raises:
+            stencil.grammar.base.GrammarError: the constraint cannot be compiled exactly (or the
+                compile timed out).
+            EngineError: ``max_tokens`` is below the grammar's shortest answer.
+        """
+        if self._admitted:
+            return
+        try:
+            # shield: a client leaving cancels this wait, not the compile the engine polls (whose
+            # outcome is then read by the callback, so asyncio does not log it as never retrieved)
+            waited = asyncio.wrap_future(self._future)
+            waited.add_done_callback(lambda f: f.cancelled() or f.exception())
+            compiled = await asyncio.shield(waited)
+            # a 400 naming max_tokens; off the loop: a small budget may need the closing automaton,
+            # whose build for large counted repeats takes seconds of Python
+            await asyncio.to_thread(self._aeng.engine.check_budget, compiled, self._params)
+        except BaseException:
+            await self.aclose()
+            raise
+        self._admitted = True
+        self.grammar = compiled
+        self.warnings = [str(w) for w in compiled.warnings]
+        self.grammar_ms = (time.perf_counter() - self._submitted_at) * 1e3
 
     def _put(self, item) -> None:
         """On the stream's loop: one item from the engine thread."""
@@ -79,6 +132,8 @@ class EngineStream:
     async def __anext__(self) -> RequestOutput:
         if self._finished or self._closed:
             raise StopAsyncIteration
+        if not self._admitted:
+            await self.admit()
         item = await self._queue.get()
         if self.held and self._queue.qsize() <= RELEASE_AT:
             self.held = False
@@ -177,7 +232,7 @@ class AsyncEngine:
         return (self._go.is_set() and self._thread is not None and self._thread.is_alive()
                 and self.error is None)
 
-    # -- the model and admission (what ``stencil.service.engine_client.EngineClient`` names) --------------
+    # -- the model and observation (what ``stencil.service.engine_client.EngineClient`` names) ----------
     @property
     def tokenizer(self):
         return self.engine.tokenizer
@@ -197,14 +252,6 @@ class AsyncEngine:
         """The configured model, as given (``EngineConfig.model``)."""
         return str(self.engine.config.model)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, admission: bool = True) -> None:
-        """``LLMEngine.check_request`` (thread-safe: it reads the engine's limits and queue length)."""
-        self.engine.check_request(prompt_token_ids, params, admission=admission)
-
-    def check_budget(self, grammar, params: SamplingParams) -> None:
-        """``LLMEngine.check_budget``."""
-        self.engine.check_budget(grammar, params)
-
     def stats(self) -> dict:
         """``LLMEngine.stats()`` (a snapshot read without a lock)."""
         return self.engine.stats()
@@ -218,7 +265,11 @@ class AsyncEngine:
         """The grammar compiler's counters (``stencil.grammar.base.CompileStats``)."""
         return self.engine.grammar.stats
 
-    # -- requests --------------------------------------------------------------------------------
+    def replica_health(self) -> None:
+        """None: one engine, in this process, has no replicas to report."""
+        return None
+
+    # -- requests (``stencil.service.engine_client.EngineClient.submit``) ---------------------------
     async def compile_grammar(self, spec, backend: str | None = None, client: str | None = None):
         """Compile (or fetch from cache) a grammar on the compiler's pool, without blocking the loop.
 
@@ -230,12 +281,11 @@ class AsyncEngine:
         Raises:
             stencil.grammar.base.GrammarError: the constraint is invalid or cannot be enforced exactly.
         """
-        return await asyncio.wrap_future(self.engine.grammar.submit(spec, backend, client=client))
+        return await asyncio.wrap_future(self.grammar_future(spec, backend, client))
 
     def grammar_future(self, spec, backend: str | None = None, client: str | None = None) -> Future:
-        """Start compiling ``spec`` on the compiler's pool; the ``concurrent.futures.Future``
-        may be given to ``submit`` as the request's grammar at once: the request then prefills
-        all but its last prompt token while it compiles (``stencil.engine.scheduler``). Arguments as
+        """Start compiling ``spec`` on the compiler's pool; ``submit`` hands the
+        ``concurrent.futures.Future`` to the engine as the request's grammar at once. Arguments as
         ``compile_grammar``.
 
         Raises:
@@ -243,41 +293,60 @@ class AsyncEngine:
         """
         return self.engine.grammar.submit(spec, backend, client=client)
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None,
-               request_id: str | None = None, *, admitted: bool = False) -> EngineStream:
-        """Queue a request for the engine thread; return its stream (call on an event loop).
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, spec=None, *,
+               request_id: str | None = None, grammar_backend: str | None = None,
+               client: str | None = None) -> EngineStream:
+        """Check a request, start its grammar's compile, and queue it for the engine thread at once;
+        return its stream (call on an event loop).
 
-        ``admitted=True``: the caller already passed ``engine.check_request`` (admission); the
-        waiting-queue limit is not checked again, here or on the engine thread.
+        The request is queued before its grammar is ready: the engine reads all but its last prompt
+        token while the grammar compiles ("compile behind prefill", ``stencil.engine.scheduler``),
+        and ``EngineStream.admit`` waits for the compile and the budget check, so that their errors
+        still come before the answer's first byte.
+
+        Args:
+            prompt_token_ids: the tokenized prompt.
+            params: sampling parameters (the request runs with ``LLMEngine.check_request``'s: ``max_tokens``
+                lowered to the context's room where the prompt leaves less).
+            spec: the ``stencil.grammar.base.GrammarSpec``, or None for free text.
+            request_id: unique among live requests (a fresh one when None).
+            grammar_backend: "auto", "eager" or "lazy" for this request (None: the compiler's policy).
+            client: who asks, for the compiler's per-client share of its workers.
 
         Raises:
-            EngineError / EngineOverloaded: refused here; later refusals (on the engine
-                thread) come out of the stream.
+            EngineError / EngineOverloaded: refused here (``LLMEngine.check_request``; the
+                waiting-queue limit is decided here, once); later refusals come from ``admit`` or
+                out of the stream.
             EngineDeadError: the engine loop died.
+            ValueError: an unknown ``grammar_backend``.
         """
         if not self.is_alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        self.engine.check_request(prompt_token_ids, params, admission=not admitted)
-        stream = EngineStream(self, request_id or uuid.uuid4().hex)
+        params = self.engine.check_request(prompt_token_ids, params)  # max_tokens within the context's room
+        future = self.grammar_future(spec, grammar_backend, client) if spec is not None else None
+        stream = EngineStream(self, request_id or uuid.uuid4().hex, params, future)
         with self._lock:
             self._streams[stream.request_id] = (asyncio.get_running_loop(), stream)
-        self._inbox.put(("add", stream.request_id, prompt_token_ids, params, grammar))
+        self._inbox.put(("add", stream.request_id, prompt_token_ids, params, future))
         self._wake.set()
         return stream
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None,
-                       request_id: str | None = None, *, admitted: bool = False) -> AsyncIterator[RequestOutput]:
-        """Submit a request (``submit``) and yield its outputs until it finishes.
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, spec=None,
+                       request_id: str | None = None, *, grammar_backend: str | None = None,
+                       client: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request (``submit``), admit it, and yield its outputs until it finishes.
 
         Leaving the iteration early (client gone, timeout, cancellation) aborts the request, so
         its KV blocks are freed at once.
 
         Raises:
-            EngineError / EngineOverloaded: before anything is yielded.
+            EngineError / EngineOverloaded / GrammarError: before anything is yielded.
             EngineDeadError: the engine loop died.
         """
-        stream = self.submit(prompt_token_ids, params, grammar, request_id, admitted=admitted)
+        stream = self.submit(prompt_token_ids, params, spec, request_id=request_id, grammar_backend=grammar_backend,
+                             client=client)
         try:
+            await stream.admit()
             async for item in stream:
                 yield item
         finally:
@@ -338,7 +407,7 @@ class AsyncEngine:
                 if not live:
                     continue  # the caller left before the engine saw the request
                 try:
-                    # Admission was decided in generate(), on the caller's side.
+                    # Admission was decided in submit(), on the caller's side.
                     eng.add_request(rid, prompt, params, grammar, admitted=True)
                 except Exception as e:  # noqa: BLE001 - the caller gets the exception
                     self._deliver(rid, e)

@@ -261,8 +261,7 @@ async def health_handler(service: ServiceState) -> Response[HealthResponse]:
     eng = service.engine
     stats = eng.stats()
     # A cluster ingress (stencil.service.cluster) reports each replica; it is dead when none is up.
-    replica_health = getattr(eng, "replica_health", None)
-    replicas = replica_health() if replica_health is not None else None
+    replicas = eng.replica_health()
     if not eng.is_alive or (replicas is not None and not any(r.get("status") == "ok" for r in replicas)):
         status, code = "dead", 503
     elif service.draining:
@@ -328,9 +327,9 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
 
     Args:
         engine: an ``EngineConfig`` (the model is loaded at startup, off the event loop), an
-            ``AsyncEngine`` (started at startup), or a ``stencil.service.cluster.cluster_engine.ClusterEngine``
-            (the Ray Serve ingress: replicas do the generating). Either way the app owns it and
-            shuts it down.
+            ``AsyncEngine`` (started at startup), a ``stencil.service.cluster.cluster_engine.ClusterEngine``
+            (the Ray Serve ingress: replicas do the generating), or any other
+            ``stencil.service.engine_client.EngineClient``. Either way the app owns it and shuts it down.
         config: service limits; ``None`` = defaults (API key from ``STENCIL_API_KEY``).
         route_handlers: more routes; they can ask for ``service: ServiceState`` and raise the
             errors ``stencil.service.errors.to_problem`` knows.

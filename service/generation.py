@@ -33,6 +33,7 @@ import msgspec
 from stencil.engine.request import SamplingParams
 from stencil.grammar.base import GrammarError, GrammarSpec
 from stencil.schemas.common import Timings, Usage
+from stencil.service.engine_client import RequestStream
 from stencil.service.errors import (ClientDisconnected, GenerationFailed, GenerationTimeout, InputError, QueueTimeout,
                             Unavailable)
 from stencil.service.state import ServiceState
@@ -116,49 +117,41 @@ class GenerationResult(msgspec.Struct, kw_only=True):
 class GenerationStream:
     """An admitted request: iterate it for ``GenerationDelta`` items, then one ``GenerationResult``.
 
-    Iterate at most once. Leaving the iteration early (client gone, task cancelled) aborts the
-    request in the engine, which frees its KV blocks at once.
+    Wraps the engine's ``stencil.service.engine_client.RequestStream`` (``start`` makes one). Iterate at
+    most once. Leaving the iteration early (client gone, task cancelled) aborts the request in the
+    engine, which frees its KV blocks at once.
     """
 
-    def __init__(self, state: ServiceState, prompt_ids: list[int], params: SamplingParams,
-                 spec: GrammarSpec | None, compiled: Any, request_id: str, arrival: float,
-                 grammar_ms: float, queue_timeout_s: float | None = None):
+    def __init__(self, state: ServiceState, stream: RequestStream | None, params: SamplingParams,
+                 spec: GrammarSpec | None, request_id: str, arrival: float, queue_timeout_s: float | None = None):
         self.state = state
         # Latest moment the request may still be waiting for a running slot (perf_counter s).
         wait = state.config.queue_wait_s if queue_timeout_s is None else min(
             queue_timeout_s, state.config.request_timeout_s)
         self.queue_deadline = arrival + wait
-        self.prompt_ids = prompt_ids
         self.params = params
         self.spec = spec
-        self.compiled = compiled
         self.request_id = request_id
         self.arrival = arrival
-        self.grammar_ms = grammar_ms
         self.result: GenerationResult | None = None
-        self._agen = None
+        self._stream = stream
 
-    async def open(self) -> None:
-        """Submit the request to the engine (``start`` does it).
+    async def admit(self) -> None:
+        """Wait for the engine to accept the request (``RequestStream.admit``: its grammar compiled, its
+        budget checked; on a cluster, a replica's word), so its refusal is still raised before the
+        first byte; ``start`` does it. The stream is closed on a refusal."""
+        try:
+            await self._stream.admit()
+        except BaseException:
+            await self._stream.aclose()
+            raise
+        if self.spec is not None:
+            self.state.metrics.grammar_wait.observe(self._stream.grammar_ms / 1e3)
 
-        An engine whose requests are admitted elsewhere (``stencil.service.cluster``: a replica checks
-        the request and compiles its grammar) returns a stream with an ``admit()`` coroutine;
-        it is awaited here, so the replica's refusal is still raised before the first byte.
-        """
-        st = self.state
-        # start() admitted the request (429 before any header); don't decide again mid-stream.
-        submit = getattr(st.engine, "submit", None)
-        if submit is not None:
-            self._agen = submit(self.prompt_ids, self.params, self.compiled, self.request_id, admitted=True)
-            return
-        self._agen = st.engine.generate(self.prompt_ids, self.params, self.compiled, self.request_id, admitted=True)
-        admit = getattr(self._agen, "admit", None)
-        if admit is not None:
-            try:
-                self.grammar_ms += await admit()
-            except BaseException:
-                await self._agen.aclose()
-                raise
+    @property
+    def warnings(self) -> list[str]:
+        """The compiled grammar's notes (keywords relaxed, bounds applied), once admitted."""
+        return self._stream.warnings
 
     async def wait_started(self, receive=None) -> None:
         """Wait until the engine schedules the request (a running slot is its own), before any
@@ -173,9 +166,9 @@ class GenerationStream:
             QueueTimeout (429): still queued at ``queue_deadline``; it was taken off the queue.
             ClientDisconnected: the client left while queued; the request was aborted.
         """
-        started = getattr(self._agen, "started", None)
-        if started is None or started.is_set():
-            return  # an engine without the notion (a cluster replica admits on its own)
+        started = self._stream.started
+        if started.is_set():
+            return  # at once on a cluster: a replica queues the requests it admitted itself
         st = self.state
         waiter = asyncio.ensure_future(started.wait())
         watch = asyncio.ensure_future(_until_disconnect(receive)) if receive is not None else None
@@ -190,7 +183,7 @@ class GenerationStream:
         st.metrics.queue_wait.observe(time.perf_counter() - self.arrival)
         if started.is_set():
             return
-        await self._agen.aclose()  # off the queue: its place goes to the next request
+        await self._stream.aclose()  # off the queue: its place goes to the next request
         if watch is not None and watch in done:
             raise ClientDisconnected(f"client closed the connection; request {self.request_id} aborted while queued")
         st.metrics.queue_timeouts.inc()
@@ -201,14 +194,14 @@ class GenerationStream:
     @property
     def replica(self) -> str | None:
         """On a cluster (``stencil.service.cluster``), the replica now serving the request; else None."""
-        return getattr(self._agen, "replica", None)
+        return self._stream.replica
 
     async def aclose(self) -> None:
         """Give the request up: abort it in the engine unless it finished (idempotent). For a
         stream never iterated (a sibling request failed to start; a client that hung up before
         the body's first chunk) this is the only cleanup there is."""
-        if self._agen is not None:
-            await self._agen.aclose()
+        if self._stream is not None:
+            await self._stream.aclose()
 
     def __aiter__(self) -> AsyncIterator[GenerationDelta | GenerationResult]:
         return self._iterate()
@@ -216,9 +209,7 @@ class GenerationStream:
     async def _iterate(self) -> AsyncIterator[GenerationDelta | GenerationResult]:
         st = self.state
         deadline = self.arrival + st.config.request_timeout_s
-        if self._agen is None:
-            await self.open()
-        agen = self._agen
+        agen = self._stream
         parts: list[str] = []
         token_ids: list[int] = []
         logprobs: list[float] = []
@@ -290,10 +281,10 @@ class GenerationStream:
                 first_at: float | None) -> GenerationResult:
         st = self.state
         now = time.perf_counter()
-        checked = st.checker.check(self.spec, text, out.finish_reason, token_ids, self.compiled)
-        warnings = [str(w) for w in (getattr(self.compiled, "warnings", None) or ())] + checked.warnings
-        if self.params.context_room is not None:
-            warnings.append(f"max_tokens was lowered to {self.params.context_room}: the prompt leaves that many "
+        checked = st.checker.check(self.spec, text, out.finish_reason, token_ids, self._stream.grammar)
+        warnings = list(self._stream.warnings) + checked.warnings
+        if out.context_room is not None:
+            warnings.append(f"max_tokens was lowered to {out.context_room}: the prompt leaves that many "
                             f"tokens of max_model_len (the model's context, or the KV cache's capacity where smaller)")
         usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                       total_tokens=out.num_prompt_tokens + out.num_output_tokens,
@@ -319,7 +310,7 @@ class GenerationStream:
                 warnings.append(f"run-on guard: {what}" + (f" at {where[0] or 'the root'}" if where else "")
                                 + "; it was closed (soft_limits adjusts the bounds)")
         timings = Timings(ttft_ms=round((first_at - self.arrival) * 1e3, 3) if first_at is not None else None,
-                          total_ms=round((now - self.arrival) * 1e3, 3), grammar_ms=round(self.grammar_ms, 3))
+                          total_ms=round((now - self.arrival) * 1e3, 3), grammar_ms=round(self._stream.grammar_ms, 3))
         st.metrics.record_finished(usage, out.finish_reason, checked.valid if self.spec is not None else None)
         log.info("request finished", extra={
             "request_id": self.request_id, "finish_reason": out.finish_reason, "valid": checked.valid,
@@ -361,8 +352,9 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
                 spec: GrammarSpec | None, request_id: str, arrival: float | None = None,
                 grammar_backend: str | None = None, client: str | None = None, *, receive=None,
                 queue_timeout_s: float | None = None, wait: bool = True) -> GenerationStream:
-    """Admit a request: check it, compile its grammar (on the compiler's pool), submit it, and
-    wait until it is scheduled (``GenerationStream.wait_started``); return its stream.
+    """Admit a request: submit it to the engine (``EngineClient.submit``: checked, its grammar
+    compiled behind its prefill), wait for its admission (``RequestStream.admit``), then until it is
+    scheduled (``GenerationStream.wait_started``); return its stream.
 
     Args:
         state: the app's injected state.
@@ -393,58 +385,19 @@ async def start(state: ServiceState, prompt_ids: list[int], params: SamplingPara
         raise Unavailable("the server is shutting down and admits no new requests")
     if not state.engine.is_alive:
         raise Unavailable(f"the engine is not running: {state.engine.error!r}")
-    # Refuse early (cheap) so a doomed request does not pay for a grammar compile.
-    state.engine.check_request(prompt_ids, params)
     try:
-        if spec is not None and hasattr(state.engine, "grammar_future"):
-            gen = await _start_behind_prefill(state, prompt_ids, params, spec, request_id, arrival,
-                                              grammar_backend, client, queue_timeout_s)
-        else:
-            compiled, grammar_ms = None, 0.0
-            if spec is not None:
-                t = time.perf_counter()
-                compiled = await state.engine.compile_grammar(spec, grammar_backend, client)
-                await asyncio.to_thread(state.engine.check_budget, compiled, params)
-                grammar_ms = (time.perf_counter() - t) * 1e3
-                state.metrics.grammar_wait.observe(grammar_ms / 1e3)
-            gen = GenerationStream(state, prompt_ids, params, spec, compiled, request_id, arrival, grammar_ms,
-                                   queue_timeout_s)
-            await gen.open()  # on a cluster, the replica's compile and checks: their errors too
+        # The engine checks the request (cheap, before any compile; the 429 is decided here,
+        # once), then compiles its grammar while it reads the prompt (compile behind prefill).
+        stream = state.engine.submit(prompt_ids, params, spec, request_id=request_id,
+                                     grammar_backend=grammar_backend, client=client)
+        gen = GenerationStream(state, stream, params, spec, request_id, arrival, queue_timeout_s)
+        await gen.admit()  # the compile's and the budget's errors (a replica's refusal) too
     except GrammarError as e:
         if e.field is not None or spec is None:
             raise
         raise e.copy(field=_SPEC_FIELDS.get(spec.kind)) from None
     if wait:
         await gen.wait_started(receive)
-    return gen
-
-
-async def _start_behind_prefill(state: ServiceState, prompt_ids: list[int], params: SamplingParams,
-                                spec: GrammarSpec, request_id: str, arrival: float, grammar_backend: str | None,
-                                client: str | None, queue_timeout_s: float | None) -> GenerationStream:
-    """Submit the request with its grammar still compiling, so that the engine prefills all but
-    its last prompt token meanwhile; then wait for the compile and the budget check, so their
-    errors still come before the first byte (the engine request is aborted then, its blocks
-    freed). The stream's ``grammar_ms`` is the compile's wait, counted from here."""
-    t = time.perf_counter()
-    future = state.engine.grammar_future(spec, grammar_backend, client)
-    gen = GenerationStream(state, prompt_ids, params, spec, future, request_id, arrival, 0.0, queue_timeout_s)
-    await gen.open()
-    try:
-        # shield: a client leaving cancels this wait, not the compile the engine polls (whose
-        # outcome is then read by the callback, so asyncio does not log it as never retrieved)
-        waited = asyncio.wrap_future(future)
-        waited.add_done_callback(lambda f: f.cancelled() or f.exception())
-        compiled = await asyncio.shield(waited)
-        # a 400 naming max_tokens; off the loop: a small budget may need the closing automaton,
-        # whose build for large counted repeats takes seconds of Python
-        await asyncio.to_thread(state.engine.check_budget, compiled, params)
-    except BaseException:
-        await gen.aclose()
-        raise
-    gen.compiled = compiled
-    gen.grammar_ms = (time.perf_counter() - t) * 1e3
-    state.metrics.grammar_wait.observe(gen.grammar_ms / 1e3)
     return gen
 
 

@@ -3,8 +3,9 @@
 Counters and histograms are updated as requests finish (``stencil.service.generation``) or are
 answered (the app's ``after_response`` hook). Engine state — running/waiting requests, KV
 blocks, prefix-cache hit rate, grammar compiler counters — is not copied on every step: a
-custom collector reads ``LLMEngine.stats()`` and the compiler's ``CompileStats`` when
-``GET /metrics`` is scraped (prometheus-client "custom collectors").
+custom collector reads the engine's ``EngineClient.stats()``, ``grammar_stats`` (the compiler's
+``CompileStats``) and, on a cluster, ``replica_health()`` when ``GET /metrics`` is scraped
+(prometheus-client "custom collectors").
 
 Each app gets its own ``CollectorRegistry`` (no global default registry), so several apps in
 one process (tests) never clash.
@@ -93,13 +94,13 @@ class _EngineCollector:
             yield c
         if counters_summary is not None:
             yield counters_summary
-        replica_health = getattr(aeng, "replica_health", None)
-        if replica_health is not None:
-            yield from _replica_families(replica_health(), gauges, counters)
+        replicas = aeng.replica_health()
+        if replicas is not None:  # a cluster ingress (its stats carry its retries and replays)
+            yield from _replica_families(replicas, gauges, counters)
             for name, doc, value in (("stencil_cluster_retries", "requests re-sent after a replica failed",
-                                      aeng.retries),
+                                      s.get("retries", 0)),
                                      ("stencil_cluster_replays", "re-sent requests that had delivered tokens",
-                                      aeng.replays)):
+                                      s.get("replays", 0))):
                 c = CounterMetricFamily(name, doc)
                 c.add_metric([], float(value))
                 yield c

@@ -272,8 +272,7 @@ async def start_all(service: ServiceState, jobs: list[tuple[list[int], Any]], sp
 
 def relaxed(c: Constraint, stream: gen.GenerationStream) -> list[str]:
     """Every keyword the grammar relaxes for this answer (tools' and response format's)."""
-    compiled = getattr(stream.compiled, "warnings", None) or ()
-    return list(c.warnings) + [str(w) for w in compiled if str(w) not in c.warnings]
+    return list(c.warnings) + [w for w in stream.warnings if w not in c.warnings]
 
 
 def warnings_header(warnings: list[str]) -> dict[str, str]:

@@ -86,9 +86,8 @@ class ServerRunner:
 
     def _abort_inflight(self) -> None:
         state = service_state(self.app) if self.app is not None else None
-        abort_all = getattr(getattr(state, "engine", None), "abort_all", None)
-        if abort_all is not None:
-            n = abort_all()
+        if state is not None:
+            n = state.engine.abort_all()
             if n:
                 log.warning("shutdown: aborting %d requests still running after %.0f s", n, self.grace_s)
 

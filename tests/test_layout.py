@@ -10,6 +10,7 @@ are left out. ``from pkg import mod`` is an edge to ``pkg.mod``, not to ``pkg``'
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,20 +128,94 @@ def test_the_engine_reaches_grammar_through_its_structured_output_manager_only()
     assert doors == {"stencil.engine.structured_output"}
 
 
-def test_both_engines_offer_every_member_of_the_engine_client():
-    """The service's one door to an engine (``stencil.service.engine_client.EngineClient``): the local
-    engine and the cluster's ingress both have every member (instance attributes aside)."""
+def _protocol_members(proto) -> list[str]:
+    """A protocol's methods and properties (``__anext__`` and its kind included), and its annotated
+    attributes."""
     import inspect
 
-    from stencil.engine.async_engine import AsyncEngine
-    from stencil.service.cluster.cluster_engine import ClusterEngine
-    from stencil.service.engine_client import EngineClient
+    return sorted({n for n, v in vars(proto).items()
+                   if (not n.startswith("_") or n in ("__aiter__", "__anext__"))
+                   and (inspect.isfunction(v) or isinstance(v, property))} | set(proto.__annotations__))
 
-    members = [n for n, v in vars(EngineClient).items()
-               if not n.startswith("_") and (inspect.isfunction(v) or isinstance(v, property))]
-    assert {"generate", "check_request", "check_budget", "stats", "vocab_size", "kernels"} <= set(members)
+
+def test_both_engines_offer_every_member_of_the_engine_client():
+    """The service's one door to an engine (``stencil.service.engine_client.EngineClient``): the local
+    engine and the cluster's ingress both have every member, and so do the request streams they hand
+    back (``RequestStream``: ``EngineStream``, ``ReplicaStream``). Attributes set in ``__init__`` are
+    read off an instance built without running it, so the check needs no model."""
+    import inspect
+
+    from stencil.engine.async_engine import AsyncEngine, EngineStream
+    from stencil.service.cluster.cluster_engine import ClusterEngine
+    from stencil.service.cluster.stream import ReplicaStream
+    from stencil.service.engine_client import EngineClient, RequestStream
+
+    members = _protocol_members(EngineClient)
+    assert {"submit", "abort_all", "replica_health", "stats", "vocab_size", "kernels", "tokenizer"} <= set(members)
+    assert not {"generate", "compile_grammar", "check_request", "check_budget"} & set(members)  # behind submit
+    stream_members = _protocol_members(RequestStream)
+    assert {"admit", "started", "replica", "warnings", "grammar_ms", "grammar", "aclose", "__anext__"} <= set(
+        stream_members)
+
+    def declared(cls) -> set[str]:
+        own = {n for k in cls.__mro__ for n in vars(k)}
+        src = inspect.getsource(cls)
+        return own | {n for n in members + stream_members if f"self.{n} =" in src or f"self.{n}:" in src}
+
     for cls in (AsyncEngine, ClusterEngine):
-        assert [n for n in members if not hasattr(cls, n)] == [], cls
+        assert [n for n in members if n not in declared(cls)] == [], cls
+        assert inspect.signature(cls.submit).parameters.keys() == inspect.signature(
+            EngineClient.submit).parameters.keys(), cls
+    for cls in (EngineStream, ReplicaStream):
+        assert [n for n in stream_members if n not in declared(cls)] == [], cls
+        assert inspect.iscoroutinefunction(cls.admit) and inspect.iscoroutinefunction(cls.aclose), cls
+
+
+# -- the engine door has no side doors (issue 48) ------------------------------------------------------
+
+_ENGINE_OBJECT = re.compile(r"engine|\ba?eng\b|_agen|compiled|stream", re.IGNORECASE)
+
+
+def _engine_probes(source: str) -> list[str]:
+    """Every ``getattr(x, ...)`` / ``hasattr(x, ...)`` in ``source`` whose ``x`` reads as an engine
+    object: an engine (``engine``, ``eng``, ``aeng``), a request's stream (``stream``, ``_agen``) or a
+    grammar it compiled (``compiled``). The engine's ``tokenizer`` is a Hugging Face object the door
+    types as ``Any``, so probing it (``chat_template``) is not probing the engine."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                and node.args):
+            target = node.args[0]
+            if isinstance(target, ast.Attribute) and target.attr == "tokenizer":
+                continue
+            if _ENGINE_OBJECT.search(ast.unparse(target)):
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_the_probe_finder_finds_the_old_side_doors():
+    old = '''
+if spec is not None and hasattr(state.engine, "grammar_future"): pass
+submit = getattr(st.engine, "submit", None)
+admit = getattr(self._agen, "admit", None)
+warnings = getattr(self.compiled, "warnings", None) or ()
+compiled = getattr(stream.compiled, "warnings", None) or ()
+replica_health = getattr(eng, "replica_health", None)
+more = getattr(aeng, "replica_health", None)
+abort_all = getattr(getattr(state, "engine", None), "abort_all", None)
+'''
+    assert len(_engine_probes(old)) == 8
+    assert _engine_probes('getattr(data, name)\ngetattr(svc.engine.tokenizer, "chat_template", None)\n'
+                          'getattr(exc, "field", None)\ngetattr(self, "_engineer", None)') == []
+
+
+def test_the_service_probes_no_engine_object():
+    """``stencil.service`` uses an engine, its request streams and the grammars they compiled only
+    through ``stencil.service.engine_client`` (``EngineClient``, ``RequestStream``): a member it needs
+    is declared there and implemented by every engine, never probed for."""
+    probes = {str(p.relative_to(ROOT)): found for p in sorted((ROOT / "service").rglob("*.py"))
+              if (found := _engine_probes(p.read_text()))}
+    assert probes == {}
 
 
 # -- grammar's ground floor (issue 48) ------------------------------------------------------------------
@@ -157,63 +232,6 @@ def test_grammars_ground_floor_imports_nothing_above_it():
     assert {mod: sorted(edges[mod] - set(GRAMMAR_FLOOR[i + 1:])) for i, mod in enumerate(GRAMMAR_FLOOR)} == {
         mod: [] for mod in GRAMMAR_FLOOR}
     assert edges["stencil.grammar.charset"] == set()
-
-
-# -- the engine imports nothing above it, not even for types (issue 48) ----------------------------
-
-ENGINE_LEAF_TYPES = ("stencil.engine.request", "stencil.engine.outputs")
-
-
-def _imports(path: Path, *, types: bool) -> set[str]:
-    """Absolute module names ``path`` imports at any depth (``from a import b``: ``a`` and ``a.b``),
-    those under ``if TYPE_CHECKING:`` too when ``types``."""
-    tree = ast.parse(path.read_text())
-    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))] if types \
-        else _runtime_nodes(tree)
-    names = set()
-    for node in nodes:
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif node.level == 0 and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-    return names
-
-
-def test_no_upward_import_in_the_engine_even_for_types():
-    """The rule: no module of ``engine/`` imports ``service/`` or ``benchmarks/`` (the layers above
-    it), at any depth and under ``TYPE_CHECKING`` too. And the engine's leaf types, the data every
-    layer passes around (``engine/request.py``: ``SamplingParams``, ``Request``; ``engine/outputs.py``:
-    ``RequestOutput``), import (types included) no engine module that reaches ``grammar/``, through
-    everything importing it runs (parent packages' ``__init__`` included): a type is never a door to
-    the grammar compiler, and no type circle runs through it."""
-    mods = _modules()
-    upward = sorted((m, t) for m, path in mods.items() if m.startswith("stencil.engine")
-                    for t in _imports(path, types=True) if t.startswith(("stencil.service", "stencil.benchmarks")))
-    assert upward == []
-
-    def loaded(name: str) -> set[str]:
-        """The modules of ours that importing ``name`` runs: it and its parent packages."""
-        parts = name.split(".")
-        return {m for m in (".".join(parts[:i]) for i in range(2, len(parts) + 1)) if m in mods}
-
-    def reaches_grammar(start: str) -> list[str]:
-        """The chain of run-time imports from ``start`` to ``grammar/``, or ``[]``."""
-        seen, stack = {start}, [(start, [start])]
-        while stack:
-            mod, chain = stack.pop()
-            for target in sorted(_imports(mods[mod], types=False)):
-                if target.startswith("stencil.grammar"):
-                    return chain + [target]
-                for m in sorted(loaded(target) - seen):
-                    seen.add(m)
-                    stack.append((m, chain + [m]))
-        return []
-
-    for leaf in ENGINE_LEAF_TYPES:
-        for target in sorted(_imports(mods[leaf], types=True)):
-            for m in sorted(loaded(target)):
-                assert reaches_grammar(m) == [], (leaf, target)
 
 
 # -- the model registry (issue 48) -------------------------------------------------------------------

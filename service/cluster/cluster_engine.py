@@ -1,18 +1,20 @@
 """The ingress side of the cluster: an engine-shaped client of the engine replicas.
 
 ``ClusterEngine`` implements ``stencil.service.engine_client.EngineClient``, as
-``stencil.engine.async_engine.AsyncEngine`` does (tokenizer, ``compile_grammar``, ``generate``,
-``check_request``, ``stats``, ``kernels``, ``start`` / ``shutdown``), so the same Litestar app
-(validation, chat templates, tokenizing, output checking, errors, metrics) runs as the Ray Serve
-ingress, and only token ids travel to the replicas.
+``stencil.engine.async_engine.AsyncEngine`` does (tokenizer, ``submit``, ``stats``, ``kernels``,
+``replica_health``, ``start`` / ``shutdown``), so the same Litestar app (validation, chat templates,
+tokenizing, output checking, errors, metrics) runs as the Ray Serve ingress, and only token ids and
+the grammar's spec travel to the replicas, which check the request and compile the grammar themselves
+(one copy of the engine's rules).
 
 It knows Ray only through two callables given to it (``call`` starts a streaming request on a
 replica chosen by the deployment's router; ``broadcast`` asks every replica) and the exception
 types it is told to retry, so it is tested with fake replicas.
 
-Admission before the first byte: ``generate`` returns a ``stencil.service.cluster.stream.ReplicaStream``
-whose ``admit()`` (awaited by ``stencil.service.generation.start``) waits for the replica's ``Admitted``
-or ``Refusal``, so a replica's 400/429 still comes as a status code, not inside a stream.
+Admission before the first byte: ``submit`` returns a ``stencil.service.cluster.stream.ReplicaStream``
+(an ``stencil.service.engine_client.RequestStream``) whose ``admit()`` (awaited by
+``stencil.service.generation.start``) waits for the replica's ``Admitted`` or ``Refusal``, so a
+replica's 400/429 still comes as a status code, not inside a stream.
 
 Faults: when the replica dies (or its engine stops) mid-request, the stream re-sends the request,
 with the same id, to another replica and *replays* it: the new replica recomputes the output
@@ -30,7 +32,7 @@ import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stencil.engine.config import EngineConfig
@@ -74,17 +76,6 @@ class ClusterSettings:
     stats_period_s: float = 1.0
     stats_timeout_s: float = 5.0
     block_size: int = 16
-
-
-@dataclass(slots=True)
-class RemoteGrammar:
-    """The ingress's stand-in for a compiled grammar: replicas compile the spec themselves.
-
-    ``warnings`` are filled in from the replica's ``Admitted`` (read by ``GenerationStream``).
-    """
-
-    spec: GrammarSpec
-    warnings: list[str] = field(default_factory=list)
 
 
 class _Vocab:
@@ -191,17 +182,6 @@ class ClusterEngine:
     def model_path(self) -> str:
         return str(self.config.model)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                      admission: bool = True) -> None:
-        """Nothing to check here: the replica checks the request when it admits it, which
-        ``ReplicaStream.admit`` waits for before any byte is sent. Checking twice would mean two
-        copies of the engine's rules."""
-        return None
-
-    def check_budget(self, grammar, params: SamplingParams) -> None:
-        """The replica checks ``max_tokens`` against the grammar when it admits the request."""
-        return None
-
     def stats(self) -> dict:
         """The replicas' ``LLMEngine.stats()`` summed (hit rate and KV usage recomputed), plus the
         ingress's ``retries`` and ``replays`` (requests re-sent after a replica failed, and of
@@ -223,26 +203,26 @@ class ClusterEngine:
         return None
 
     # -- requests -------------------------------------------------------------------------------
-    async def compile_grammar(self, spec: GrammarSpec, backend: str | None = None,
-                              client: str | None = None) -> RemoteGrammar:
-        """Replicas compile grammars (their vocabulary, their cache, their default backend);
-        errors come at admission, and so does the budget check (``LLMEngine.check_budget``)."""
-        return RemoteGrammar(spec)
-
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, grammar: RemoteGrammar | None = None,
-                 request_id: str | None = None, *, admitted: bool = False) -> ReplicaStream:
-        """A request's stream of ``RequestOutput`` s; ``await stream.admit()`` first (optional).
-
-        ``admitted`` is accepted for ``AsyncEngine``'s signature; replicas always decide
-        admission themselves.
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, spec: GrammarSpec | None = None, *,
+               request_id: str | None = None, grammar_backend: str | None = None,
+               client: str | None = None) -> ReplicaStream:
+        """A request's stream (nothing is sent yet): its ``admit()`` sends it to a replica, which checks
+        it (``LLMEngine.check_request``, the 429 decided there, once), compiles ``spec`` (its
+        vocabulary, its cache, its default backend: ``grammar_backend`` and ``client`` are not sent)
+        and checks ``max_tokens`` against it; their errors are raised by ``admit``.
         """
         rid = request_id or "req-" + os.urandom(8).hex()
         if params.seed is None:
             # Pinned here, as one engine would derive it, so every attempt samples alike.
             params = dataclasses.replace(params, seed=default_seed(self.config.seed, rid))
-        req = ReplicaRequest(rid, list(prompt_token_ids), params, grammar.spec if grammar is not None else None,
+        req = ReplicaRequest(rid, list(prompt_token_ids), params, spec,
                              prompt_block_hashes(prompt_token_ids, self.settings.block_size, MAX_ROUTED_BLOCKS))
-        return ReplicaStream(self, req, grammar)
+        return ReplicaStream(self, req)
+
+    def abort_all(self) -> int:
+        """0: the requests run on the replicas, which Serve drains on shutdown (their engines abort
+        what still runs, and each stream fails over or ends); the ingress has nothing to abort."""
+        return 0
 
     # -- replicas -------------------------------------------------------------------------------
     def replica_health(self) -> list[dict]:

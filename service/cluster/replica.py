@@ -4,9 +4,11 @@ A plain class (``stencil.service.cluster.deploy`` makes it a deployment with ``s
 owns an ``AsyncEngine`` and answers
 
 * ``generate(ReplicaRequest)`` — a stream: one ``Admitted`` or ``Refusal``, then the request's
-  ``RequestOutput`` s (``stencil.service.cluster.messages``). Admission here means the engine's own
-  ``check_request`` (prompt length, parameters, waiting-queue room) and the grammar compile (on
-  the replica's compiler, with its cache), so the ingress never duplicates the engine's rules.
+  ``RequestOutput`` s (``stencil.service.cluster.messages``). Admission here is the engine's own:
+  ``AsyncEngine.submit`` (``check_request``: prompt length, parameters, waiting-queue room; the
+  grammar compile on the replica's compiler, with its cache, behind the prompt's prefill) and
+  ``EngineStream.admit`` (the compile's outcome, the budget check), so the ingress never
+  duplicates the engine's rules.
 * ``record_routing_stats()`` — what the prefix-affinity router reads (Serve polls it every
   ``request_routing_stats_period_s``): cached block hashes, queue, KV usage.
 * ``stats()`` — for the ingress's ``/health`` and ``/metrics`` (``handle.broadcast``).
@@ -78,26 +80,22 @@ class EngineReplica:
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[object]:
         """Admit, then stream one request (see ``stencil.service.cluster.messages`` for the items)."""
         aeng = self._aeng
-        t = time.perf_counter()
-        try:
-            if not aeng.is_alive:
-                raise EngineDeadError(f"engine is not running: {aeng.error!r}")
-            aeng.check_request(request.prompt_token_ids, request.params)
-            compiled = await aeng.compile_grammar(request.grammar) if request.grammar is not None else None
-            if compiled is not None:
-                aeng.check_budget(compiled, request.params)
-        except (GrammarError, EngineError, EngineOverloaded, EngineDeadError) as e:
-            yield Refusal.of(e, self.replica_id)
-            return
-        self.admitted += 1
-        warnings = [str(w) for w in (getattr(compiled, "warnings", None) or ())]
-        yield Admitted(self.replica_id, (time.perf_counter() - t) * 1e3 if compiled is not None else 0.0, warnings)
+        stream = None
         try:
             # Each attempt gets its own engine id: a retry that lands where an earlier attempt
             # was just aborted must not receive that attempt's last outputs.
-            engine_id = f"{request.request_id}~{request.attempt}"
-            async for out in aeng.generate(request.prompt_token_ids, request.params, compiled, engine_id,
-                                           admitted=True):
+            stream = aeng.submit(request.prompt_token_ids, request.params, request.grammar,
+                                 request_id=f"{request.request_id}~{request.attempt}")
+            await stream.admit()
+        except (GrammarError, EngineError, EngineOverloaded, EngineDeadError) as e:
+            if stream is not None:
+                await stream.aclose()
+            yield Refusal.of(e, self.replica_id)
+            return
+        try:
+            self.admitted += 1
+            yield Admitted(self.replica_id, stream.grammar_ms, list(stream.warnings))
+            async for out in stream:
                 out.request_id = request.request_id
                 yield out
                 if out.finished:
@@ -106,6 +104,8 @@ class EngineReplica:
             yield Refusal.of(e, self.replica_id)
         except (EngineError, EngineOverloaded) as e:  # refused on the engine thread (e.g. duplicate id)
             yield Refusal.of(e, self.replica_id)
+        finally:
+            await stream.aclose()  # cancelled (the client left): the engine aborts it, its blocks freed
 
     def record_routing_stats(self) -> dict:
         """Routing state for ``stencil.service.cluster.routers`` (keys: ``tracking.ROUTING_STATS_KEYS``)."""

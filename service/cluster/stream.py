@@ -1,8 +1,8 @@
 """One request on the replicas: admission, outputs, and failover with replay.
 
-``ReplicaStream`` is what ``ClusterEngine.generate`` returns: an async iterator of
-``stencil.engine.outputs.RequestOutput`` (the items ``AsyncEngine.generate`` yields) with an
-``admit()`` that ``stencil.service.generation.start`` awaits before the first byte.
+``ReplicaStream`` is what ``ClusterEngine.submit`` returns, a ``stencil.service.engine_client.RequestStream``
+as ``stencil.engine.async_engine.EngineStream`` is: an async iterator of ``stencil.engine.outputs.RequestOutput``
+with an ``admit()`` that ``stencil.service.generation.start`` awaits before the first byte.
 
 Failover: when the replica dies (Ray's ``ActorDiedError``, a ``Refusal`` of kind
 "unavailable", an "abort" it did not ask for, a stream that ends early), the request is sent
@@ -24,7 +24,7 @@ from stencil.service.cluster.messages import Admitted, Refusal, ReplicaRequest
 from stencil.service.errors import Unavailable
 
 if TYPE_CHECKING:
-    from stencil.service.cluster.cluster_engine import ClusterEngine, RemoteGrammar
+    from stencil.service.cluster.cluster_engine import ClusterEngine, ReplicaCall
 
 log = logging.getLogger("stencil.cluster")
 
@@ -34,12 +34,26 @@ class ReplicaStream:
 
     An async iterator of ``RequestOutput`` (the same items ``AsyncEngine.generate`` yields).
     ``aclose()`` cancels the replica call (the replica aborts the request and frees its blocks).
+
+    Attributes:
+        request_id: the request's id (every attempt's).
+        started: set at the first admission: the replica queues the request itself, and the
+            ingress does not wait for its scheduling.
+        grammar: None: the grammar was compiled on the replica (its Lark answers are not replayed
+            here).
+        warnings: the grammar's notes, from the latest ``Admitted``.
+        grammar_ms: the first admitting replica's time for the grammar (ms; 0 without one).
     """
 
-    def __init__(self, cluster: "ClusterEngine", request: ReplicaRequest, grammar: "RemoteGrammar | None"):
+    grammar = None
+
+    def __init__(self, cluster: "ClusterEngine", request: ReplicaRequest):
         self._cluster = cluster
         self.request = request
-        self._grammar = grammar
+        self.request_id = request.request_id
+        self.started = asyncio.Event()
+        self.warnings: list[str] = []
+        self.grammar_ms = 0.0
         self._call: ReplicaCall | None = None
         self.admitted: Admitted | None = None
         self.replicas: list[str] = []  # replicas that admitted it, in order
@@ -52,14 +66,17 @@ class ReplicaStream:
         self._replay_text = ""
         self._replay_logprobs: list[float] = []
 
-    async def admit(self) -> float:
-        """Wait until a replica admits the request; return its grammar time (ms).
+    async def admit(self) -> None:
+        """Wait until a replica admits the request (a no-op once one has); a refused request's call
+        is cancelled.
 
         Raises:
             GrammarError, EngineError (400), EngineOverloaded (429): the replica refused it.
             stencil.service.errors.Unavailable (503): no replica admitted it within the admission
                 timeout, or every attempt found its replica gone.
         """
+        if self.admitted is not None:
+            return
         settings = self._cluster.settings
         last: str = "no replica answered"
         while self.request.attempt < settings.max_attempts:
@@ -90,9 +107,11 @@ class ReplicaStream:
                 raise TypeError(f"replica sent {type(first).__name__} before admitting the request")
             self.admitted = first
             self.replicas.append(first.replica_id)
-            if self._grammar is not None:
-                self._grammar.warnings = list(first.warnings)
-            return first.grammar_ms
+            self.warnings = list(first.warnings)
+            if not self.started.is_set():  # the first admission (not a failover's)
+                self.grammar_ms = first.grammar_ms
+                self.started.set()
+            return
         raise Unavailable(f"request {self.request.request_id} failed on {settings.max_attempts} "
                           f"attempts; last: {last}")
 
@@ -191,7 +210,7 @@ class ReplicaStream:
                                    new_top_logprobs=[])
 
     async def aclose(self) -> None:
-        """Cancel the replica call if the request is not finished (the replica aborts it)."""
+        """Cancel the replica call if the request is not finished (the replica aborts it); idempotent."""
         if self._call is not None and not self._done:
             self._call.cancel()
         self._done = True

@@ -72,6 +72,57 @@ def test_a_held_request_frees_its_blocks_when_aborted(aeng):
     asyncio.run(main())
 
 
+def test_submit_queues_the_request_while_its_grammar_compiles_and_admit_raises_its_refusals(aeng):
+    """``submit`` takes the whole request: it is in the engine before ``admit`` returns (compile
+    behind prefill); ``admit`` gives the compiled grammar, its wait and its notes, or raises the
+    compile's and the budget's errors with the request gone and its blocks back."""
+    from concurrent.futures import Future
+
+    from stencil.engine.llm_engine import EngineError
+    from stencil.grammar.base import GrammarError, GrammarSpec
+
+    sent = []
+    inbox = aeng._inbox
+
+    class Spy:  # the commands submit sends the engine thread
+        def put(self, cmd):
+            sent.append(cmd)
+            inbox.put(cmd)
+
+        def __getattr__(self, name):
+            return getattr(inbox, name)
+
+    async def main():
+        free = aeng.engine.stats()["kv_blocks_free"]
+        params = SamplingParams(max_tokens=8, temperature=0.0)
+        aeng._inbox = Spy()
+        try:
+            stream = aeng.submit(PROMPT, params, GrammarSpec("regex", "(yes|no)"), request_id="yesno")
+        finally:
+            aeng._inbox = inbox
+        # Queued at once, its grammar a future the engine polls while it reads the prompt.
+        assert [(c[0], c[1], type(c[4])) for c in sent] == [("add", "yesno", Future)]
+        assert stream.grammar is None and stream.replica is None  # not admitted yet
+        await stream.admit()
+        assert stream.grammar is not None and stream.grammar_ms > 0 and stream.warnings == []
+        outs = [out async for out in stream]
+        assert "".join(o.new_text for o in outs) in ("yes", "no") and outs[-1].finish_reason == "stop"
+        assert stream.started.is_set()
+
+        bad = aeng.submit(PROMPT, params, GrammarSpec("regex", "(ab["), request_id="bad")
+        with pytest.raises(GrammarError):
+            await bad.admit()
+        short = aeng.submit(PROMPT, SamplingParams(max_tokens=2, temperature=0.0),
+                            GrammarSpec("regex", "[0-9]{5}"), request_id="short")
+        with pytest.raises(EngineError) as e:
+            await short.admit()
+        assert e.value.field == "max_tokens"
+        assert await _until(lambda: not aeng.engine.scheduler.requests)
+        assert aeng.engine.stats()["kv_blocks_free"] == free
+
+    asyncio.run(main())
+
+
 def test_the_local_engine_is_an_engine_client(aeng):
     from stencil.service.engine_client import EngineClient
 

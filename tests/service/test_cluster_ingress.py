@@ -253,8 +253,8 @@ def test_giving_a_request_up_cancels_the_replica_call(engine_config, cluster, to
                            tokenizer=tokenizer, vocab_size=49152)
 
     async def scenario():
-        stream = engine.generate(tokenizer.encode(BODY["prompt"]), SamplingParams(max_tokens=1000, temperature=0,
-                                                                                   ignore_eos=True))
+        stream = engine.submit(tokenizer.encode(BODY["prompt"]), SamplingParams(max_tokens=1000, temperature=0,
+                                                                                 ignore_eos=True), request_id="gone")
         await stream.admit()
         first = await anext(stream)
         assert first.new_token_ids and not first.finished

@@ -140,7 +140,7 @@ def test_a_request_may_queue_for_half_its_deadline_unless_told_otherwise():
 
     def deadline(config, queue_timeout_s=None):
         state = SimpleNamespace(config=config.validate())
-        return GenerationStream(state, [1], None, None, None, "r", arrival=100.0, grammar_ms=0.0,
+        return GenerationStream(state, None, None, None, "r", arrival=100.0,
                                 queue_timeout_s=queue_timeout_s).queue_deadline
 
     assert deadline(ServiceConfig(request_timeout_s=300)) == 250.0
