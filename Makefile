@@ -1,4 +1,6 @@
-# Stencil: `make serve` and `make test` set themselves up from nothing (idempotent).
+# Stencil: `make serve` and `make test` set themselves up from nothing (idempotent), saying each step in
+# one line (pip itself stays quiet, -q, so CI logs stay short); `stencil serve` then says what it loads
+# and ends with the address and a curl to try.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -20,18 +22,20 @@ export PYTHONSAFEPATH := 1
 .PHONY: setup serve test test-fast bench clean-venv
 
 $(VENV)/.torch-$(TORCH_VERSION):
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade "pip>=24"
-	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
-	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),) torch==$(TORCH_VERSION)
-	touch $@
+	@test -x $(PY) || { echo "stencil: creating the virtual environment $(VENV) ..."; $(PYTHON) -m venv $(VENV); }
+	@$(PIP) install -q --upgrade "pip>=24"
+	@# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+	@echo "stencil: installing CPU torch $(TORCH_VERSION) (a 192 MB download, 750 MB installed; once) ..."
+	@$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),) torch==$(TORCH_VERSION)
+	@touch $@
 
 $(VENV)/.project: pyproject.toml $(VENV)/.torch-$(TORCH_VERSION)
-	$(PIP) install -q -e ".[test,bench]"
-	touch $@
+	@echo "stencil: installing Stencil and its dependencies, test and benchmark extras included (1.2 GB installed; once) ..."
+	@$(PIP) install -q -e ".[test,bench]"
+	@touch $@
 
 setup: $(VENV)/.project
-	$(PY) -m stencil.engine.models.default_model
+	@$(PY) -m stencil.engine.models.default_model
 
 serve: setup
 	$(VENV)/bin/stencil serve --host $(HOST) --port $(PORT)

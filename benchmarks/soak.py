@@ -116,9 +116,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _tiny_model(out: Path) -> Path:
     """A 2-layer random Llama (hidden 64) with the default model's tokenizer, as in the tests."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from stencil.engine.models.default_model import ensure_default_model
+    from stencil.engine.models.tokenizer import load_tokenizer
 
     config = AutoConfig.for_model(
         "llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -132,7 +133,7 @@ def _tiny_model(out: Path) -> Path:
             if p.dim() >= 2:
                 p.normal_(0.0, 0.3 if "embed" in name else 0.15)
     model.save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(str(ensure_default_model())).save_pretrained(str(out))
+    load_tokenizer(ensure_default_model()).save_pretrained(str(out))
     return out
 
 

@@ -83,8 +83,11 @@ class OutlinesBaseline:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch = torch
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        # a GGUF file (the default model) is dequantized to fp32 on load, as transformers reads one
+        where = dict(pretrained_model_name_or_path=str(model_dir.parent), gguf_file=model_dir.name) \
+            if model_dir.is_file() else dict(pretrained_model_name_or_path=str(model_dir))
+        self.tokenizer = AutoTokenizer.from_pretrained(**where)
+        self.hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
         self.model = outlines.from_transformers(self.hf, self.tokenizer)
         self.outlines = outlines
         self.generators: dict[str, object] = {}

@@ -51,7 +51,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", type=Path, default=None,
                    help="a .gguf file, a directory holding one, or an HF-format model directory (config.json + "
                         f"safetensors); architectures {registry.describe()} "
-                        "(default: SmolLM2-135M-Instruct, fetched once into the cache)")
+                        "(default: SmolLM2-135M-Instruct, fetched once into the cache: a small demo model "
+                        "that shows the API; for real answers serve a stronger one, --model path/to/file.gguf)")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:0)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -111,7 +112,9 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
                         "(more fields right on small models, a few more tokens); compact has no free "
                         "whitespace")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    g.add_argument("--log-format", default="json", choices=["json", "text"])
+    g.add_argument("--log-format", default="auto", choices=["auto", "text", "json"],
+                   help="logs on stderr: text (one plain line each) or json (one object a line, request ids "
+                        "as keys, for a log shipper); auto (default): text when stderr is a terminal, else json")
 
 
 def _add_connection_args(p: argparse.ArgumentParser) -> None:
@@ -174,8 +177,9 @@ class ModelArgError(Exception):
     """``--model`` names no model, or one Stencil cannot serve; the message is one line."""
 
 
-def engine_config_from_args(args: argparse.Namespace):
-    """``EngineConfig`` from parsed engine arguments (the default model is fetched if needed).
+def engine_config_from_args(args: argparse.Namespace, progress=None):
+    """``EngineConfig`` from parsed engine arguments (the default model is fetched if needed,
+    each step told to ``progress(line)`` when given).
 
     Raises:
         ModelArgError: ``--model`` names no model or an unsupported one (checked from its
@@ -190,7 +194,7 @@ def engine_config_from_args(args: argparse.Namespace):
     if model is None:
         from stencil.engine.models.default_model import ensure_default_model
 
-        model = ensure_default_model()
+        model = ensure_default_model(progress)
     try:
         check_model(model)
     except (ModelPathError, UnsupportedModelError) as e:
@@ -223,6 +227,8 @@ def service_config_from_args(args: argparse.Namespace):
 # -- commands --------------------------------------------------------------------------------------
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """``stencil serve``: its steps (fetching the default model, loading) and, once it answers, the
+    ready lines go to stdout, for the person who started it; logs go to stderr."""
     from stencil.service.app import create_app
     from stencil.service.logs import configure_logging
     from stencil.service.server import ServerRunner
@@ -233,9 +239,51 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_cluster(args, scfg)
     limits = connection_limits_from_args(args)
     runner = ServerRunner()
-    app = create_app(engine_config_from_args(args), scfg, on_engine_dead=runner.engine_dead, freeze_heap=True)
+    config = engine_config_from_args(args, _say)
+    _say(f"loading {model_id(config.model)} ({_size(config.model)}) on {config.device} ...")
+    app = create_app(config, scfg, on_engine_dead=runner.engine_dead, freeze_heap=True)
+    demo, keyed = args.model is None, bool(scfg.api_key)
     return runner.run(app, args.host, args.port, grace_s=args.shutdown_grace, log_level=args.log_level,
-                      limits=limits)
+                      limits=limits, on_ready=lambda url: _say(ready_text(url, demo=demo, api_key=keyed)))
+
+
+# The request the ready lines suggest: small, and answered right by the default model.
+TRY_BODY = {"messages": [{"role": "user", "content": "John Smith is 42 years old and lives in Paris."}],
+            "response_schema": {"type": "object", "properties": {"name": {"type": "string"},
+                                                                 "age": {"type": "integer"}},
+                                "required": ["name", "age"]},
+            "max_tokens": 48}
+
+
+def ready_text(url: str, *, demo: bool, api_key: bool = False) -> str:
+    """What ``stencil serve`` prints once it answers: where, a curl to try (a ``/generate`` with a
+    small schema), and, for the default model, that it is a demo and how to serve another.
+
+    Args:
+        url: the server's base URL (``http://127.0.0.1:8000``).
+        demo: the default model is served.
+        api_key: the server wants a key (the curl then sends ``$STENCIL_API_KEY``).
+    """
+    auth = " -H \"Authorization: Bearer $STENCIL_API_KEY\"" if api_key else ""
+    lines = [f"Stencil is ready on {url}",
+             "Try:",
+             f"  curl -s {url}/generate -H 'content-type: application/json'{auth} -d '{json.dumps(TRY_BODY)}'",
+             f"API documentation: {url}/schema; OpenAI-compatible routes under {url}/v1"]
+    if demo:
+        lines.append("The default model (SmolLM2-135M-Instruct) is a small demo model; for real answers serve a "
+                     "stronger one: stencil serve --model path/to/file.gguf")
+    return "\n".join(lines)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _size(path) -> str:
+    """A model's size on disk, in MB (a directory: its files')."""
+    path = Path(path)
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return f"{sum(f.stat().st_size for f in files) / 1e6:.0f} MB"
 
 
 def _serve_cluster(args: argparse.Namespace, scfg) -> int:

@@ -1,17 +1,23 @@
-"""Structured logging: one JSON object per line, request ids included.
+"""Logging on stderr: plain text lines for a person at a terminal, JSON lines for a log shipper.
 
-Code logs with ``extra={"request_id": ..., ...}``; the formatter copies every such extra field
-into the JSON object, so a log shipper can index and join on ``request_id``.
+Code logs with ``extra={"request_id": ..., ...}``; both formatters write every such extra field
+(the JSON one as keys of the object, so a shipper can index and join on ``request_id``; the text
+one as ``key=value``). ``log_format("auto")`` picks text when stderr is a terminal, else JSON.
+uvicorn's ``color_message`` (its message again, with terminal colour codes) is never written.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 
-# Attributes every LogRecord has; anything else on a record came from ``extra=``.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+# Attributes every LogRecord has; anything else on a record came from ``extra=``. uvicorn adds
+# ``color_message``: the same message with ANSI escape codes, noise in a file or a JSON field.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName",
+                                                                         "color_message"}
+FORMATS = ("auto", "text", "json")
 
 
 class JsonFormatter(logging.Formatter):
@@ -45,10 +51,26 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def configure_logging(level: str = "info", fmt: str = "json") -> None:
-    """Send all logs to stderr in ``fmt`` ("json" or "text") at ``level``; replaces root handlers."""
+def log_format(fmt: str = "auto", stream=None) -> str:
+    """``fmt`` resolved: "auto" is "text" when ``stream`` (default: stderr) is a terminal, else
+    "json"; "text" and "json" stand.
+
+    Raises:
+        ValueError: ``fmt`` is none of ``FORMATS``.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt != "auto":
+        return fmt
+    stream = sys.stderr if stream is None else stream
+    return "text" if stream.isatty() else "json"
+
+
+def configure_logging(level: str = "info", fmt: str = "auto") -> None:
+    """Send all logs to stderr in ``fmt`` ("auto", "text" or "json": ``log_format``) at ``level``;
+    replaces root handlers."""
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter() if log_format(fmt) == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

