@@ -234,6 +234,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from stencil.service.server import ServerRunner
 
     configure_logging(args.log_level, args.log_format)
+    if args.model is None and args.model_name is None:
+        from stencil.engine.models.default_model import MODEL_NAME
+
+        args.model_name = MODEL_NAME  # the default model's id, whatever file it is served from
     scfg = service_config_from_args(args)
     if args.replicas is not None:
         return _serve_cluster(args, scfg)
@@ -247,12 +251,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       limits=limits, on_ready=lambda url: _say(ready_text(url, demo=demo, api_key=keyed)))
 
 
-# The request the ready lines suggest: small, and answered right by the default model.
+# The request the ready lines suggest (README's first): small, and answered right by the default model.
 TRY_BODY = {"messages": [{"role": "user", "content": "John Smith is 42 years old and lives in Paris."}],
             "response_schema": {"type": "object", "properties": {"name": {"type": "string"},
-                                                                 "age": {"type": "integer"}},
-                                "required": ["name", "age"]},
-            "max_tokens": 48}
+                                                                 "age": {"type": "integer"},
+                                                                 "city": {"type": "string"}},
+                                "required": ["name", "age", "city"]},
+            "max_tokens": 64}
 
 
 def ready_text(url: str, *, demo: bool, api_key: bool = False) -> str:

@@ -76,7 +76,7 @@ def test_serve_says_its_steps_and_ends_with_a_ready_line_whose_curl_works(tiny_m
         assert "demo model" not in out  # a model of the user's own
         r = httpx.post(curl.group(1), json=json.loads(curl.group(2)), timeout=60)
         assert r.status_code == 200 and r.json()["valid"] is True, r.text
-        assert set(r.json()["output"]) == {"name", "age"}
+        assert set(r.json()["output"]) == {"name", "age", "city"}
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=60)
@@ -91,7 +91,7 @@ def test_ready_text_for_the_default_model_says_it_is_a_demo_and_how_to_serve_ano
     assert text.splitlines()[0] == "Stencil is ready on http://127.0.0.1:8000"
     assert "small demo model" in text and "--model path/to/file.gguf" in text
     body = json.loads(re.search(r"-d '(.*)'$", text, re.M).group(1))
-    assert body == cli.TRY_BODY and body["response_schema"]["required"] == ["name", "age"]
+    assert body == cli.TRY_BODY and body["response_schema"]["required"] == ["name", "age", "city"]
     keyed = cli.ready_text("http://127.0.0.1:8000", demo=False, api_key=True)
     assert '-H "Authorization: Bearer $STENCIL_API_KEY"' in keyed and "demo" not in keyed
 
