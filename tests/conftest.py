@@ -8,6 +8,9 @@ directory the tests compare against (``reference_model``).
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,7 +27,8 @@ import torch
 
 from reference_model import converted_default_model
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
 
 
 @pytest.fixture(scope="session")
@@ -104,3 +108,20 @@ def shared_corpora() -> Path | None:
     """``../shared/corpora`` when present (a user's clone has none)."""
     p = SHARED / "corpora"
     return p if p.exists() else None
+
+
+@pytest.fixture(scope="session")
+def stencil_wheel(tmp_path_factory) -> Path:
+    """The wheel of this tree (its tracked and untracked-but-not-ignored files, copied: no stale
+    build/), built without network by the test environment's setuptools."""
+    work = tmp_path_factory.mktemp("wheel")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (work / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, work / "src" / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(work / "dist"), str(work / "src")], check=True, capture_output=True)
+    (built,) = (work / "dist").glob("stencil_serve-*.whl")
+    return built

@@ -403,3 +403,51 @@ def test_no_upward_import_in_the_engine_even_for_types():
         for target in sorted(_imports(mods[leaf], types=True)):
             for m in sorted(loaded(target)):
                 assert reaches_grammar(m) == [], (leaf, target)
+
+
+# -- One import name (docs/architecture.md, "One import name") -----------------------------------
+
+FOLDERS = ("engine", "service", "grammar", "kernels", "schemas", "benchmarks")
+
+
+def _bare_imports(path: Path, root: Path = ROOT) -> list[str]:
+    """``import engine...`` / ``from service... import`` in ``path``: a root folder by its bare name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                 else [])
+        found += [f"{path.relative_to(root)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in FOLDERS]
+    return found
+
+
+def test_the_bare_import_finder_finds_one(tmp_path):
+    (tmp_path / "x.py").write_text("import stencil.engine\nfrom engine.request import SamplingParams\n"
+                                   "def f():\n    import kernels.cpu\n")
+    assert _bare_imports(tmp_path / "x.py", tmp_path) == ["x.py:2: engine.request", "x.py:4: kernels.cpu"]
+
+
+def test_every_module_imports_stencils_folders_by_the_stencil_name():
+    """A bare ``import engine`` would load a second copy of a module (two registries, two locks)
+    where the repository root is on sys.path, and fails in an installed wheel."""
+    paths = [p for folder in (*FOLDERS, "stencil", "tests", "examples") for p in (ROOT / folder).rglob("*.py")]
+    assert len(paths) > 200
+    assert [hit for p in paths for hit in _bare_imports(p)] == []
+
+
+def test_the_wheel_claims_only_the_stencil_import_name(stencil_wheel):
+    import zipfile
+
+    names = zipfile.ZipFile(stencil_wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    dist_info = {t for t in top if t.endswith(".dist-info")}
+    assert top - dist_info == {"stencil"} and len(dist_info) == 1, top
+    # Every root folder's modules are under stencil/, with the data the code reads at run time.
+    for folder in FOLDERS:
+        expected = {f"stencil/{p.relative_to(ROOT).as_posix()}" for p in (ROOT / folder).rglob("*.py")
+                    if "__pycache__" not in p.parts}
+        assert expected and expected <= set(names), sorted(expected - set(names))[:5]
+    assert {f"stencil/kernels/csrc/{p.name}" for p in (ROOT / "kernels" / "csrc").glob("*.c")} <= set(names)
+    assert any(n.startswith("stencil/benchmarks/data/") for n in names)
+    entry_points = zipfile.ZipFile(stencil_wheel).read(f"{dist_info.pop()}/entry_points.txt").decode()
+    assert "stencil = stencil.service.cli:main" in entry_points
