@@ -157,6 +157,9 @@ def test_metrics_report_the_window_group(gemma):
         def stats(self):
             return eng.stats()
 
+        def replica_health(self):
+            return None  # one engine, no replicas
+
     text = Metrics(lambda: Client()).render()[0].decode()
     assert f"stencil_kv_sliding_blocks_total {float(eng.kv.groups[1].num_blocks)}" in text
     assert "stencil_kv_sliding_blocks_used 0.0" in text and "stencil_kv_blocks_total 48.0" in text

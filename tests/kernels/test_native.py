@@ -120,7 +120,7 @@ def test_refuses_bad_shapes():
 @pytest.mark.parametrize(("variable", "printed"), [("STENCIL_NATIVE", "False False"),
                                                    ("STENCIL_VNNI", "True False")])
 def test_switched_off_by_environment(variable, printed):
-    code = "from kernels import native; print(native.available(), native.vnni_available())"
+    code = "from stencil.kernels import native; print(native.available(), native.vnni_available())"
     env = {**os.environ, variable: "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

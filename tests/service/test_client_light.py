@@ -4,7 +4,8 @@ installed but httpx, msgspec and what they require.
 The environment is built for the test: a directory holding exactly the installed files of httpx
 and msgspec and of their requirements (read from their metadata, so it follows their versions),
 put on the path of an interpreter started with ``-S`` (no site-packages: torch, transformers,
-litestar and the rest of the server cannot be imported). The answer comes from httpx's mock
+litestar and the rest of the server cannot be imported), beside Stencil's wheel unpacked (what
+``pip install --no-deps`` of it puts in site-packages). The answer comes from httpx's mock
 transport, so no server runs.
 """
 
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[2]
 CLIENT_DEPENDENCIES = ("httpx", "msgspec")
 
 EXTRACT = r"""
@@ -76,13 +77,14 @@ def _site_of(dists: list[metadata.Distribution], site: Path) -> Path:
 
 
 def _run(site: Path, code: str, cwd: Path) -> subprocess.CompletedProcess:
-    prelude = f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(site)!r}]\n"
+    prelude = f"import sys; sys.path[:0] = [{str(site)!r}]\n"
     return subprocess.run([sys.executable, "-S", "-c", prelude + code], cwd=cwd, capture_output=True,
                           text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
 
 
-def test_client_extracts_with_only_httpx_and_msgspec(tmp_path):
+def test_client_extracts_with_only_httpx_and_msgspec(tmp_path, stencil_wheel):
     site = _site_of(_closure(CLIENT_DEPENDENCIES), tmp_path / "site")
+    zipfile.ZipFile(stencil_wheel).extractall(site)
     # The environment really lacks the server: torch is not importable there.
     refused = _run(site, "import torch", tmp_path)
     assert refused.returncode != 0 and "No module named 'torch'" in refused.stderr
