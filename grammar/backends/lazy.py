@@ -288,6 +288,8 @@ class LazyGrammar:
                 if not self._pool:
                     return self._root.deep_copy()
                 m = self._pool.pop()
+            if getattr(m, "freed", False):  # finalized in the very collection that gave it back
+                continue
             try:
                 if m.reset():  # (False in an error state: that one is dropped)
                     return m
@@ -307,8 +309,13 @@ class LazyGrammar:
         of ``Github_hard---o90714`` (82 to 42) and took those of the 537 handed-over schemas of a
         600-schema sample from 1,989 to 1,729. Each kept matcher holds its lexer states while the
         grammar is cached (about 0.1 MB after a few answers). A matcher in an error state is
-        dropped (it cannot be reset)."""
-        if len(self._pool) >= MATCHER_POOL_SIZE or sys.is_finalizing():
+        dropped (it cannot be reset), and so is one already finalized, here and again when
+        ``_copy_root`` takes it: a cursor caught in a reference cycle (an exception's traceback
+        holds one) is finalized by the garbage collector together with its matcher, in either
+        order, so the matcher may be freed before the cursor gives it back or just after (in
+        the same collection); a freed matcher reused crashed the next cursor's reset
+        (``CMatcher.freed``)."""
+        if len(self._pool) >= MATCHER_POOL_SIZE or sys.is_finalizing() or getattr(m, "freed", False):
             return
         # Never waits: this runs from ``__del__``, which the garbage collector may call on a
         # thread that holds this very lock (``_copy_root`` allocating); then the matcher is freed.

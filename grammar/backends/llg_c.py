@@ -254,6 +254,15 @@ class CMatcher:
             except Exception:  # noqa: BLE001 - never raise from a finalizer
                 pass
 
+    @property
+    def freed(self) -> bool:
+        """Whether ``__del__`` has run (its pointer handed to the freeing thread). A cursor's
+        finalizer can still see such a matcher: the garbage collector finalizes every object of
+        an unreachable cycle, in no set order, so the matcher of a cursor caught in a cycle may
+        be finalized before the cursor that gives it back, or after, in the same collection
+        (``lazy.LazyGrammar._give_back`` refuses it, ``_copy_root`` skips it)."""
+        return not self._ptr
+
     def deep_copy(self) -> "CMatcher":
         return CMatcher(self._lib, self._lib.llg_clone_matcher(self._ptr), self._tok)
 
