@@ -57,11 +57,12 @@ def app(args: dict[str, Any]):
     def pick(table: dict) -> dict:
         return {k: table[k](v) for k, v in args.items() if k in table and v is not None}
 
-    model = args.get("model")
+    model, service = args.get("model"), pick(_SERVICE)
     if model is None:
-        from stencil.engine.models.default_model import ensure_default_model
+        from stencil.engine.models.default_model import MODEL_NAME, ensure_default_model
 
         model = ensure_default_model()
-    scfg = ServiceConfig(**pick(_SERVICE))
+        service.setdefault("model_name", MODEL_NAME)  # its id, as `stencil serve` gives it, not the file's
+    scfg = ServiceConfig(**service)
     opts = ClusterOptions(**pick(_OPTIONS))
     return build_app(EngineConfig(model=Path(model), **pick(_ENGINE)), scfg, opts)

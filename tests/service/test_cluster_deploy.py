@@ -59,6 +59,11 @@ def test_the_builder_makes_the_application_it_is_asked_for(tiny_model_dir):
     assert cfg.request_router_config.request_routing_stats_period_s == 1.0
     fixed = stencil.cluster.app({"model": str(tiny_model_dir), "replicas": 3})._bound_deployment
     assert fixed.init_args[0]._bound_deployment.num_replicas == 3
+    # The default model keeps its id on /v1 (as under `stencil serve`), whatever file serves it.
+    from stencil.engine.models.default_model import MODEL_NAME
+
+    assert stencil.cluster.app({})._bound_deployment.init_args[2].model_name == MODEL_NAME
+    assert stencil.cluster.app({"model_name": "mine"})._bound_deployment.init_args[2].model_name == "mine"
     with pytest.raises(ValueError, match="unknown stencil.cluster arguments: colour"):
         stencil.cluster.app({"model": str(tiny_model_dir), "colour": "red"})
 
