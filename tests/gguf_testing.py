@@ -13,6 +13,7 @@ tokenizer from it.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -199,3 +200,12 @@ def write_tiny_gguf(out: Path, arch: str, vocab: dict, *, seed: int = 0, quant: 
     writer.write_tensors_to_file()
     writer.close()
     return out, model
+
+
+def smol_gguf_factory(tmp_path_factory, prefix: str, write):
+    """For a module-scoped fixture: ``key -> write(folder, key, vocab)``, called once per key, with
+    a fresh temporary folder ``{prefix}-{key}`` and SmolLM2's vocabulary (from the default GGUF)."""
+    from stencil.engine.models.default_model import fetch_gguf
+
+    vocab = smol_vocab(fetch_gguf())
+    return functools.cache(lambda key: write(tmp_path_factory.mktemp(f"{prefix}-{key}"), key, vocab))

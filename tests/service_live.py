@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 
 import httpx
 
+from stencil.engine.config import EngineConfig
 from stencil.service.app import create_app
 from stencil.service.server import ServerRunner
+from stencil.service.state import ServiceConfig
+
+TINY_MODEL_NAME = "tiny"
 
 
 class LiveServer:
@@ -52,3 +58,26 @@ class LiveServer:
         if self.runner.server is not None:
             self.runner.server.should_exit = True
         self.thread.join(timeout_s)
+
+
+@contextlib.contextmanager
+def tiny_live_server(model_dir, num_kv_blocks: int = 128) -> Iterator[LiveServer]:
+    """A started ``LiveServer`` on the tiny model as the OpenAI-route tests use it: served under the
+    name ``TINY_MODEL_NAME``, 8 running sequences, ``max_tokens_cap=1024``; stopped on exit.
+    ``num_kv_blocks`` is the one value those tests differ in."""
+    live = LiveServer(EngineConfig(model=model_dir, num_kv_blocks=num_kv_blocks, max_num_seqs=8),
+                      ServiceConfig(model_name=TINY_MODEL_NAME, max_tokens_cap=1024)).start()
+    try:
+        yield live
+    finally:
+        live.stop()
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float) -> bool:
+    """Polls ``pred`` every 20 ms until it is true (True) or ``timeout_s`` has passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False

@@ -9,18 +9,13 @@ import json
 import pytest
 
 from stencil.benchmarks import serve
-from stencil.engine.config import EngineConfig
-from stencil.service.state import ServiceConfig
+from service_live import tiny_live_server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from service_live import LiveServer
-
-    live = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=256, max_num_seqs=8),
-                      ServiceConfig(model_name="tiny", max_tokens_cap=1024)).start()
-    yield live
-    live.stop()
+    with tiny_live_server(tiny_model_dir, num_kv_blocks=256) as live:
+        yield live
 
 
 def _args(tmp_path, urls, **kw) -> argparse.Namespace:

@@ -9,23 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from stencil.engine.config import EngineConfig
-from stencil.service.state import ServiceConfig
+from service_live import tiny_live_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-MODEL_NAME = "tiny"
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from service_live import LiveServer
-
-    live = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, max_num_seqs=8),
-                      ServiceConfig(model_name=MODEL_NAME, max_tokens_cap=1024)).start()
-    yield live
-    live.stop()
+    with tiny_live_server(tiny_model_dir) as live:
+        yield live
 
 
 def _run(script: str, url: str) -> subprocess.CompletedProcess:
@@ -33,6 +25,14 @@ def _run(script: str, url: str) -> subprocess.CompletedProcess:
            "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, str(ROOT / "examples" / script), "--url", url], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def _run_openai_example(script: str, url: str) -> str:
+    """``_run`` for an example that needs the ``openai`` package (skipped without it); its stdout."""
+    pytest.importorskip("openai")
+    p = _run(script, url)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
 
 
 def test_typed_client_example(server):
@@ -45,28 +45,22 @@ def test_typed_client_example(server):
 
 
 def test_tool_call_example(server):
-    pytest.importorskip("openai")
-    p = _run("tool_call.py", server.url)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "finish_reason: tool_calls" in p.stdout
-    assert "model called get_weather({'city': " in p.stdout
-    assert "answer:" in p.stdout
+    out = _run_openai_example("tool_call.py", server.url)
+    assert "finish_reason: tool_calls" in out
+    assert "model called get_weather({'city': " in out
+    assert "answer:" in out
 
 
 def test_responses_api_example(server):
-    pytest.importorskip("openai")
-    p = _run("responses_api.py", server.url)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "parsed: Invoice(number='INV-" in p.stdout
-    assert "response.completed" in p.stdout or "response.incomplete" in p.stdout
+    out = _run_openai_example("responses_api.py", server.url)
+    assert "parsed: Invoice(number='INV-" in out
+    assert "response.completed" in out or "response.incomplete" in out
 
 
 def test_pydantic_tool_example(server):
-    pytest.importorskip("openai")
-    p = _run("pydantic_tool.py", server.url)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "called: CreateTicket" in p.stdout
-    assert "ticket: CreateTicket(title=" in p.stdout and "priority=<Priority." in p.stdout
+    out = _run_openai_example("pydantic_tool.py", server.url)
+    assert "called: CreateTicket" in out
+    assert "ticket: CreateTicket(title=" in out and "priority=<Priority." in out
 
 
 def test_readme_openai_snippets_are_the_examples_that_run():

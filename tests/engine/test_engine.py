@@ -14,14 +14,21 @@ from stencil.engine.request import SamplingParams
 from stencil.engine.speculative.spec_config import SpecConfigError
 
 
+def random_prompts(seed: int, count: int, shared_len: int, body_lens: tuple[int, int], prefix) -> list[list[int]]:
+    """``count`` prompts of random token ids: ``prefix(i, shared)`` (a part of ``shared_len``
+    random ids common to all, or none) then a body of a random length in ``range(*body_lens)``."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(20, 49000) for _ in range(shared_len)]
+    out = []
+    for i in range(count):
+        body = [rng.randrange(20, 49000) for _ in range(rng.randrange(*body_lens))]
+        out.append(prefix(i, shared) + body)
+    return out
+
+
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(0)
-    shared = [rng.randrange(20, 49000) for _ in range(40)]
-    out = []
-    for i in range(16):
-        body = [rng.randrange(20, 49000) for _ in range(rng.randrange(3, 50))]
-        out.append((shared if i % 2 else shared[:17]) + body if i % 3 else body)
+    out = random_prompts(0, 16, 40, (3, 50), lambda i, shared: (shared if i % 2 else shared[:17]) if i % 3 else [])
     # A prompt that repeats itself, so n-gram drafts get proposed and accepted.
     out.append([101, 202, 303, 404, 505] * 8)
     return out

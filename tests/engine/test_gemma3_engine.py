@@ -4,7 +4,6 @@ prefill and preemption are switched on; a base model without a chat template ref
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -12,6 +11,7 @@ from stencil.engine.config import EngineConfig
 from stencil.engine.llm_engine import LLMEngine
 from stencil.engine.request import SamplingParams
 from gguf_testing import smol_vocab, write_tiny_gguf
+from test_engine import random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +26,7 @@ def gemma_gguf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = random.Random(1)
-    shared = [rng.randrange(20, 49000) for _ in range(35)]
-    out = []
-    for i in range(8):
-        body = [rng.randrange(20, 49000) for _ in range(rng.randrange(3, 26))]
-        out.append(shared + body if i % 2 else body)
-    return out
+    return random_prompts(1, 8, 35, (3, 26), lambda i, shared: shared if i % 2 else [])
 
 
 def test_gemma3_greedy_outputs_do_not_depend_on_batching_caching_chunking_preemption(gemma_gguf, prompts):

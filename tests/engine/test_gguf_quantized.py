@@ -33,7 +33,7 @@ from stencil.engine.models.gguf_layers import QuantEmbedding, QuantLinear
 from stencil.engine.models.kernel_policy import layer_kind
 from stencil.engine.models.loader import load_model
 from stencil.kernels import ggml_blocks
-from gguf_testing import KQUANT, smol_vocab, write_tiny_gguf
+from gguf_testing import KQUANT, smol_gguf_factory, write_tiny_gguf
 from test_model_forward import PagedBatch, hf_logits, random_prompt
 
 SIZES = dict(hidden_size=256, intermediate_size=512)
@@ -42,19 +42,11 @@ GEMMA = dict(head_dim=64, query_pre_attn_scalar=64)  # q and attention output: 4
 
 @pytest.fixture(scope="module")
 def kquant_gguf(tmp_path_factory):
-    from stencil.engine.models.default_model import fetch_gguf
+    def write(folder, arch: str, vocab):
+        return write_tiny_gguf(folder / f"kq-{arch}.gguf", arch, vocab, seed=5, quant=KQUANT, **SIZES,
+                               **(GEMMA if arch == "gemma3" else {}))
 
-    vocab = smol_vocab(fetch_gguf())
-    cache = {}
-
-    def factory(arch: str):
-        if arch not in cache:
-            out = tmp_path_factory.mktemp(f"kq-{arch}") / f"kq-{arch}.gguf"
-            cache[arch] = write_tiny_gguf(out, arch, vocab, seed=5, quant=KQUANT, **SIZES,
-                                          **(GEMMA if arch == "gemma3" else {}))
-        return cache[arch]
-
-    return factory
+    return smol_gguf_factory(tmp_path_factory, "kq", write)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

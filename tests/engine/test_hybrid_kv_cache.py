@@ -20,7 +20,7 @@ import pytest
 from stencil.engine.config import EngineConfig
 from stencil.engine.llm_engine import LLMEngine
 from stencil.engine.request import SamplingParams
-from gguf_testing import KQUANT, smol_vocab, write_tiny_gguf
+from gguf_testing import KQUANT, smol_gguf_factory, write_tiny_gguf
 
 WINDOW = 32
 
@@ -28,21 +28,13 @@ WINDOW = 32
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     """``"dense"``: F32 weights (the torch layers); ``"kquant"``: a Q4_K_M-like mix (the C decoder)."""
-    from stencil.engine.models.default_model import fetch_gguf
+    def write(folder, kind: str, vocab):
+        extra = (dict(quant=KQUANT, hidden_size=256, intermediate_size=512, head_dim=64, query_pre_attn_scalar=64)
+                 if kind == "kquant" else dict(quant={"ffn_down.weight": "Q8_0"}))
+        return write_tiny_gguf(folder / f"gemma3-{kind}.gguf", "gemma3", vocab, seed=4, chat_template=None,
+                               sliding_window=WINDOW, max_position_embeddings=1024, **extra)[0]
 
-    vocab = smol_vocab(fetch_gguf())
-    cache = {}
-
-    def factory(kind: str):
-        if kind not in cache:
-            out = tmp_path_factory.mktemp(f"hybrid-{kind}") / f"gemma3-{kind}.gguf"
-            extra = (dict(quant=KQUANT, hidden_size=256, intermediate_size=512, head_dim=64, query_pre_attn_scalar=64)
-                     if kind == "kquant" else dict(quant={"ffn_down.weight": "Q8_0"}))
-            cache[kind] = write_tiny_gguf(out, "gemma3", vocab, seed=4, chat_template=None, sliding_window=WINDOW,
-                                          max_position_embeddings=1024, **extra)[0]
-        return cache[kind]
-
-    return factory
+    return smol_gguf_factory(tmp_path_factory, "hybrid", write)
 
 
 def long_prompts(n: int = 6, seed: int = 2) -> list[list[int]]:

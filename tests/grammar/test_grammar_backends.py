@@ -563,19 +563,26 @@ def test_a_cursor_dropped_while_its_grammar_is_locked_is_freed_not_waited_for():
     assert len(g._pool) == 1
 
 
-def test_a_matcher_finalized_before_its_cursor_is_not_kept_for_the_next_one(monkeypatch):
-    """The garbage collector finalizes every object of an unreachable cycle in no set order: a
-    cursor caught in one (a traceback holds it) may give back a C matcher whose own ``__del__``
-    already ran. Kept, it crashed the next cursor's reset (a NULL matcher), as the service did
-    under load after a request's fault; it must be dropped, and the next cursor must work."""
-    import gc
-
+@pytest.fixture
+def freed(monkeypatch) -> list[int]:
+    """The pointers the C API's matchers hand to the freeing thread (``llg_c._FREE``, stubbed to
+    record them instead); skips where llguidance is not the release the C API binding is for."""
     from stencil.grammar.backends import llg_c
 
     if llg_c.library() is None:
         pytest.skip("llguidance is not the release the C API binding is for")
     freed: list[int] = []
     monkeypatch.setattr(llg_c, "_FREE", lambda lib, ptr: freed.append(ptr))
+    return freed
+
+
+def test_a_matcher_finalized_before_its_cursor_is_not_kept_for_the_next_one(freed):
+    """The garbage collector finalizes every object of an unreachable cycle in no set order: a
+    cursor caught in one (a traceback holds it) may give back a C matcher whose own ``__del__``
+    already ran. Kept, it crashed the next cursor's reset (a NULL matcher), as the service did
+    under load after a request's fault; it must be dropped, and the next cursor must work."""
+    import gc
+
     vocab = TokenVocabulary.from_token_bytes(JSON_TOKENS, 40, 48)
     g = LazyBackend(vocab).build(Program("json", '{"type": "integer"}'))
     g.matcher()  # the first cursor shares the root; the next ones own a matcher
@@ -610,16 +617,10 @@ def test_a_matcher_finalized_before_its_cursor_is_not_kept_for_the_next_one(monk
     assert fresh.accept_tokens([JSON_TOKENS_ID[b"3"]]) and fresh.is_accepting()
 
 
-def test_every_c_matcher_is_freed_once_when_its_last_reference_goes(monkeypatch):
+def test_every_c_matcher_is_freed_once_when_its_last_reference_goes(freed):
     """A C API matcher (``llg_c.CMatcher``) hands its pointer to the freeing thread exactly once,
     when it is dropped: the root and the copies of a grammar, and the matchers its cursors gave
     back to its pool, all with the grammar; none before."""
-    from stencil.grammar.backends import llg_c
-
-    if llg_c.library() is None:
-        pytest.skip("llguidance is not the release the C API binding is for")
-    freed: list[int] = []
-    monkeypatch.setattr(llg_c, "_FREE", lambda lib, ptr: freed.append(ptr))
     vocab = TokenVocabulary.from_token_bytes(JSON_TOKENS, 40, 48)
     g = LazyBackend(vocab).build(Program("json", '{"type": "integer"}'))
     cursors = [g.matcher() for _ in range(3)]  # each owns a copy of the root from its first step

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from stencil.kernels import native, vec_attention
-from stencil.kernels.attention_backend import AttentionMetadata
 from stencil.kernels.torch_ref import TorchAttentionBackend
 from test_kernels_flash import fake_flash  # noqa: F401 - the stand-in flash_attn fixture
+from test_kernels_cpu import assert_each_row_alone_is_the_same_bits
 from test_kernels_torch import paged_case
 
 # A fresh prefill longer than the windows, decode rows far past them, a prefill chunk behind a
@@ -66,15 +66,7 @@ def test_native_windowed_rows_are_the_same_bits_alone_and_in_a_batch(window):
     q, k, v, k_cache, v_cache, meta, _ = paged_case(SEQS, 9, 3, 64, seed=7, num_blocks=80)
     backend = CpuAttentionBackend("cpu")
     backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = backend.forward(q, k_cache, v_cache, meta, 0.125, window=window)
-    starts = meta.query_start_loc_cpu
-    for i, (cached, n) in enumerate(SEQS):
-        for j in range(n):
-            t, keys = starts[i] + j, cached + j + 1
-            one = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([keys], dtype=torch.int32),
-                                    meta.block_tables[i:i + 1], meta.slot_mapping[t:t + 1], 1, keys, [0, 1], [keys])
-            alone = backend.forward(q[t:t + 1], k_cache, v_cache, one, 0.125, window=window)
-            assert torch.equal(alone[0], out[t]), (i, j)
+    assert_each_row_alone_is_the_same_bits(backend, q, k_cache, v_cache, meta, SEQS, window=window)
     # A window no row reaches past is no window, bit for bit.
     assert torch.equal(backend.forward(q, k_cache, v_cache, meta, 0.125, window=10_000),
                        backend.forward(q, k_cache, v_cache, meta, 0.125))

@@ -37,20 +37,27 @@ def test_mixed_varlen_batch_matches_dense_sdpa(seed, heads, kv_heads, dim):
     torch.testing.assert_close(out, dense_reference(dense, seqs, dim ** -0.5), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_every_row_is_the_same_bits_alone_in_any_batch_or_chunk(seed):
-    """A row computed alone (one query, its exact keys) equals the same row inside a mixed batch,
-    whether it belongs to a decode, a draft run or a fresh 60-token prefill."""
-    seqs = [(40, 2), (3, 16), (0, 60), (64, 1), (31, 3), (16, 17), (200, 1)]
-    backend, q, k_cache, v_cache, meta, _ = _run(seqs, 9, 3, 64, seed)
-    out = backend.forward(q, k_cache, v_cache, meta, 0.125)
+def assert_each_row_alone_is_the_same_bits(backend, q, k_cache, v_cache, meta, seqs, **kw) -> None:
+    """Every row of ``backend.forward`` over the batch (scale 0.125, keyword arguments ``kw``) is,
+    bit for bit, the row computed alone: one query over its exact keys."""
+    out = backend.forward(q, k_cache, v_cache, meta, 0.125, **kw)
     starts = meta.query_start_loc_cpu
     for i, (cached, n) in enumerate(seqs):
         for j in range(n):
             t, keys = starts[i] + j, cached + j + 1
             one = AttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([keys], dtype=torch.int32),
                                     meta.block_tables[i:i + 1], meta.slot_mapping[t:t + 1], 1, keys, [0, 1], [keys])
-            assert torch.equal(backend.forward(q[t:t + 1], k_cache, v_cache, one, 0.125)[0], out[t]), (i, j)
+            alone = backend.forward(q[t:t + 1], k_cache, v_cache, one, 0.125, **kw)
+            assert torch.equal(alone[0], out[t]), (i, j)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_row_is_the_same_bits_alone_in_any_batch_or_chunk(seed):
+    """A row computed alone (one query, its exact keys) equals the same row inside a mixed batch,
+    whether it belongs to a decode, a draft run or a fresh 60-token prefill."""
+    seqs = [(40, 2), (3, 16), (0, 60), (64, 1), (31, 3), (16, 17), (200, 1)]
+    backend, q, k_cache, v_cache, meta, _ = _run(seqs, 9, 3, 64, seed)
+    assert_each_row_alone_is_the_same_bits(backend, q, k_cache, v_cache, meta, seqs)
 
 
 def test_threads_do_not_change_bits():

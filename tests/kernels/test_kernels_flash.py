@@ -18,52 +18,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stencil.kernels.attention_backend import AttentionMetadata
 from stencil.kernels.torch_ref import TorchAttentionBackend
+from test_kernels_torch import dense_reference, paged_case
 
 
 def make_case(seqs, heads, kv_heads, dim, *, block=16, dtype=torch.float32, device="cpu",
               seed=0):
     """Random sequences [(cached_len, q_len), ...] written whole into a shuffled paged cache
     filled with NaN elsewhere. Returns (query, k_cache, v_cache, meta, reference output)."""
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-(c + n) // block) for c, n in seqs]
-    num_blocks = sum(need) + 2
-    k_cache = torch.full((num_blocks, block, kv_heads, dim), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.zeros(len(seqs), max(need), dtype=torch.int32)
-    queries, refs, starts = [], [], [0]
-    for i, ((cached, q_len), n_blocks) in enumerate(zip(seqs, need)):
-        total = cached + q_len
-        blocks = [order.pop() for _ in range(n_blocks)]
-        tables[i, :n_blocks] = torch.tensor(blocks, dtype=torch.int32)
-        q, k, v = (torch.randn(total, h, dim, generator=g).to(dtype)
-                   for h in (heads, kv_heads, kv_heads))
-        slots = torch.tensor([blocks[p // block] * block + p % block for p in range(total)])
-        k_cache.view(-1, kv_heads, dim)[slots] = k
-        v_cache.view(-1, kv_heads, dim)[slots] = v
-        group = heads // kv_heads
-        o = F.scaled_dot_product_attention(
-            q.float().transpose(0, 1), k.float().repeat_interleave(group, 1).transpose(0, 1),
-            v.float().repeat_interleave(group, 1).transpose(0, 1), is_causal=True,
-            scale=dim ** -0.5)
-        refs.append(o.transpose(0, 1)[cached:])
-        queries.append(q[cached:])
-        starts.append(starts[-1] + q_len)
-    seq_lens = [c + n for c, n in seqs]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.long, device=device),
-        max_query_len=max(n for _, n in seqs),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-    )
-    return (torch.cat(queries).to(device), k_cache.to(device), v_cache.to(device), meta,
-            torch.cat(refs))
+    num_blocks = sum(-(-(c + n) // block) for c, n in seqs) + 2
+    q, k, v, k_cache, v_cache, meta, dense = paged_case(seqs, heads, kv_heads, dim, seed, num_blocks, nan_filled=True,
+                                                        block=block, dtype=dtype, device=device)
+    k_cache.view(-1, kv_heads, dim)[meta.slot_mapping] = k
+    v_cache.view(-1, kv_heads, dim)[meta.slot_mapping] = v
+    ref = dense_reference([tuple(t.float() for t in qkv) for qkv in dense], seqs, dim ** -0.5)
+    return q, k_cache, v_cache, meta, ref
 
 
 # --- a stand-in flash_attn, from flash-attn 2's docstrings ----------------------------------

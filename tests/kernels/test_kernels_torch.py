@@ -17,29 +17,36 @@ BLOCK = 16
 
 
 def paged_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, seed: int,
-               num_blocks: int = 64):
+               num_blocks: int = 64, *, nan_filled: bool = False, block: int = BLOCK,
+               dtype: torch.dtype = torch.float32, device="cpu"):
     """Random Q/K/V for ``seqs`` = [(cached_len, q_len), ...] stored in a shuffled paged cache.
 
     The cached prefix is written straight into the cache; the new tokens' K/V are returned flat,
-    for ``reshape_and_cache``. The cache is pre-filled with large garbage so any read of a
-    slot outside a sequence shows up in the output.
+    for ``reshape_and_cache``. The cache is pre-filled with large garbage, or NaN with
+    ``nan_filled``, so any read of a slot outside a sequence shows up in the output. Returns
+    (query, new_k, new_v, k_cache, v_cache, meta, dense) on ``device``, ``dense`` holding each
+    whole sequence's (q, k, v) on the CPU.
     """
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g) * 100
-    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, dim, generator=g) * 100
+    if nan_filled:
+        k_cache = torch.full((num_blocks, block, kv_heads, dim), float("nan"), dtype=dtype)
+        v_cache = torch.full_like(k_cache, float("nan"))
+    else:
+        k_cache = (torch.randn(num_blocks, block, kv_heads, dim, generator=g) * 100).to(dtype)
+        v_cache = (torch.randn(num_blocks, block, kv_heads, dim, generator=g) * 100).to(dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()
-    max_blocks = max(-(-(c + n) // BLOCK) for c, n in seqs)
+    max_blocks = max(-(-(c + n) // block) for c, n in seqs)
     tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
     dense, new_q, new_k, new_v, slots, starts = [], [], [], [], [], [0]
     for i, (cached, q_len) in enumerate(seqs):
         total = cached + q_len
-        blocks = [free.pop() for _ in range(-(-total // BLOCK))]
+        blocks = [free.pop() for _ in range(-(-total // block))]
         tables[i, : len(blocks)] = torch.tensor(blocks)
-        q = torch.randn(total, heads, dim, generator=g)
-        k = torch.randn(total, kv_heads, dim, generator=g)
-        v = torch.randn(total, kv_heads, dim, generator=g)
+        q = torch.randn(total, heads, dim, generator=g).to(dtype)
+        k = torch.randn(total, kv_heads, dim, generator=g).to(dtype)
+        v = torch.randn(total, kv_heads, dim, generator=g).to(dtype)
         dense.append((q, k, v))
-        seq_slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(total)])
+        seq_slots = torch.tensor([blocks[p // block] * block + p % block for p in range(total)])
         k_cache.view(-1, kv_heads, dim)[seq_slots[:cached]] = k[:cached]
         v_cache.view(-1, kv_heads, dim)[seq_slots[:cached]] = v[:cached]
         new_q.append(q[cached:])
@@ -49,17 +56,17 @@ def paged_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dim: int,
         starts.append(starts[-1] + q_len)
     seq_lens = [c + n for c, n in seqs]
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.cat(slots).long(),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.cat(slots).long().to(device),
         max_query_len=max(n for _, n in seqs),
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens,
     )
-    return (torch.cat(new_q), torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, meta,
-            dense)
+    moved = [t.to(device) for t in (torch.cat(new_q), torch.cat(new_k), torch.cat(new_v), k_cache, v_cache)]
+    return (*moved, meta, dense)
 
 
 def dense_reference(dense, seqs, scale: float) -> torch.Tensor:

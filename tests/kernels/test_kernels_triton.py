@@ -22,12 +22,12 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 triton = pytest.importorskip("triton")
 
-from stencil.kernels.attention_backend import AttentionMetadata  # noqa: E402
 from stencil.kernels.torch_ref import TorchAttentionBackend  # noqa: E402
 from stencil.kernels.triton import TritonAttentionBackend  # noqa: E402
 from stencil.kernels.triton.launch import is_interpreted  # noqa: E402
 from stencil.kernels.triton.paged_attention import _paged_attention_kernel, paged_attention  # noqa: E402
 from stencil.kernels.triton.reshape_and_cache import reshape_and_cache  # noqa: E402
+from test_kernels_torch import paged_case  # noqa: E402
 
 BLOCK = 16
 INTERPRETED = is_interpreted(_paged_attention_kernel)
@@ -38,49 +38,14 @@ compiled_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED,
 
 def make_case(seqs, heads, kv_heads, dim, *, dtype=torch.float32, device="cpu", seed=0,
               extra_blocks=3):
-    """Random Q/K/V for ``seqs`` = [(cached_len, q_len), ...] in a shuffled, NaN-filled cache.
+    """``paged_case`` in a NaN-filled cache of just enough blocks and ``extra_blocks`` more.
 
     Returns (query, new_k, new_v, k_cache, v_cache, meta, dense) where the cached prefixes are
     already in the cache, the new tokens' K/V are flat for ``reshape_and_cache`` and ``dense``
     holds each whole sequence's (q, k, v).
     """
-    g = torch.Generator().manual_seed(seed)
-    need = [-(-(c + n) // BLOCK) for c, n in seqs]
-    num_blocks = sum(need) + extra_blocks
-    k_cache = torch.full((num_blocks, BLOCK, kv_heads, dim), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.zeros(len(seqs), max(need), dtype=torch.int32)
-    dense, qs, ks, vs, slots, starts = [], [], [], [], [], [0]
-    for i, ((cached, q_len), n_blocks) in enumerate(zip(seqs, need)):
-        total = cached + q_len
-        blocks = [order.pop() for _ in range(n_blocks)]
-        tables[i, :n_blocks] = torch.tensor(blocks, dtype=torch.int32)
-        q = torch.randn(total, heads, dim, generator=g).to(dtype)
-        k = torch.randn(total, kv_heads, dim, generator=g).to(dtype)
-        v = torch.randn(total, kv_heads, dim, generator=g).to(dtype)
-        dense.append((q, k, v))
-        seq_slots = torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(total)])
-        k_cache.view(-1, kv_heads, dim)[seq_slots[:cached]] = k[:cached]
-        v_cache.view(-1, kv_heads, dim)[seq_slots[:cached]] = v[:cached]
-        qs.append(q[cached:])
-        ks.append(k[cached:])
-        vs.append(v[cached:])
-        slots.append(seq_slots[cached:])
-        starts.append(starts[-1] + q_len)
-    seq_lens = [c + n for c, n in seqs]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
-        slot_mapping=torch.cat(slots).long().to(device),
-        max_query_len=max(n for _, n in seqs),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-    )
-    moved = [t.to(device) for t in (torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache)]
-    return (*moved, meta, dense)
+    num_blocks = sum(-(-(c + n) // BLOCK) for c, n in seqs) + extra_blocks
+    return paged_case(seqs, heads, kv_heads, dim, seed, num_blocks, nan_filled=True, dtype=dtype, device=device)
 
 
 def dense_sdpa(dense, seqs, scale: float) -> torch.Tensor:

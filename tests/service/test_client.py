@@ -15,9 +15,8 @@ import jsonschema
 import msgspec
 import pytest
 
-from stencil.engine.config import EngineConfig
 from stencil.service.client import AsyncClient, Client, ExtractionError, StencilError, json_schema_for, retry_delay
-from stencil.service.state import ServiceConfig
+from service_live import tiny_live_server
 
 Level = Annotated[int, msgspec.Meta(ge=0, le=9)]
 Colour = Literal["red", "green", "blue"]
@@ -219,17 +218,10 @@ def test_every_request_declares_its_json_body():
 # -- live server ---------------------------------------------------------------------------------
 
 
-MODEL_NAME = "tiny"
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from service_live import LiveServer
-
-    live = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, max_num_seqs=8),
-                      ServiceConfig(model_name=MODEL_NAME, max_tokens_cap=1024)).start()
-    yield live
-    live.stop()
+    with tiny_live_server(tiny_model_dir) as live:
+        yield live
 
 
 def _types():

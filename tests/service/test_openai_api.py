@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import jsonschema
@@ -16,11 +15,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from stencil.engine.config import EngineConfig  # noqa: E402
 from stencil.service.state import service_state  # noqa: E402
-from stencil.service.state import ServiceConfig  # noqa: E402
-
-MODEL_NAME = "tiny"
+from service_live import TINY_MODEL_NAME as MODEL_NAME, tiny_live_server, wait_until  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -46,12 +42,8 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from service_live import LiveServer
-
-    live = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=128, max_num_seqs=8),
-                      ServiceConfig(model_name=MODEL_NAME, max_tokens_cap=1024)).start()
-    yield live
-    live.stop()
+    with tiny_live_server(tiny_model_dir) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")
@@ -283,12 +275,7 @@ def test_a_schema_the_tool_grammar_cannot_enforce_is_a_400_naming_its_field(serv
 
 
 def _wait(pred, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
+    return wait_until(pred, timeout_s)
 
 
 def test_hanging_up_aborts_every_choice(server):

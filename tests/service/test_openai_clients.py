@@ -21,11 +21,9 @@ pydantic = pytest.importorskip("pydantic")
 
 from pydantic import BaseModel, Field, StringConstraints  # noqa: E402
 
-from stencil.engine.config import EngineConfig  # noqa: E402
 from stencil.service.state import service_state  # noqa: E402
-from stencil.service.state import ServiceConfig  # noqa: E402
+from service_live import TINY_MODEL_NAME as MODEL_NAME, tiny_live_server  # noqa: E402
 
-MODEL_NAME = "tiny"
 MESSAGES = [{"role": "user", "content": "Ann is an admin in Oslo, tagged red and blue, aged 35."}]
 EOS = 2  # SmolLM2's <|im_end|>: banning it shows what the grammar alone allows after a call
 
@@ -71,12 +69,8 @@ CLOCK = {"type": "function", "function": {"name": "now", "description": "The cur
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    from service_live import LiveServer
-
-    live = LiveServer(EngineConfig(model=tiny_model_dir, num_kv_blocks=256, max_num_seqs=8),
-                      ServiceConfig(model_name=MODEL_NAME, max_tokens_cap=1024)).start()
-    yield live
-    live.stop()
+    with tiny_live_server(tiny_model_dir, num_kv_blocks=256) as live:
+        yield live
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 
 import httpx
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from stencil.engine.config import EngineConfig
 from stencil.service.state import service_state
 from stencil.service.state import ServiceConfig
-from service_live import LiveServer
+from service_live import LiveServer, wait_until
 
 RUNNING, WAITING = 2, 4
 LONG = {"prompt": "load", "regex": "[ab]{2000}", "max_tokens": 600, "close_on_budget": False}  # seconds per request on the tiny model
@@ -34,12 +33,7 @@ def server(tiny_model_dir):
 
 
 def _wait(pred, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
+    return wait_until(pred, timeout_s)
 
 
 async def _post(ac: httpx.AsyncClient, path: str, body: dict) -> httpx.Response:
