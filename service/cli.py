@@ -232,6 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from stencil.service.app import create_app
     from stencil.service.logs import configure_logging
     from stencil.service.server import ServerRunner
+    from stencil.service.state import service_state
 
     configure_logging(args.log_level, args.log_format)
     if args.model is None and args.model_name is None:
@@ -242,13 +243,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         return _serve_cluster(args, scfg)
     limits = connection_limits_from_args(args)
+    busy = port_in_use(args.host, args.port)
+    if busy:  # said before the model loads, not after
+        print(f"error: cannot listen on {args.host}:{args.port}: {busy}; pick another port with --port "
+              f"(make serve PORT=8123)", file=sys.stderr)
+        return 2
     runner = ServerRunner()
     config = engine_config_from_args(args, _say)
     _say(f"loading {model_id(config.model)} ({_size(config.model)}) on {config.device} ...")
     app = create_app(config, scfg, on_engine_dead=runner.engine_dead, freeze_heap=True)
     demo, keyed = args.model is None, bool(scfg.api_key)
+
+    def ready(url: str) -> None:
+        state = service_state(app)
+        chat = state is None or bool(getattr(state.engine.tokenizer, "chat_template", None))
+        _say(ready_text(url, demo=demo, api_key=keyed, chat=chat))
+
     return runner.run(app, args.host, args.port, grace_s=args.shutdown_grace, log_level=args.log_level,
-                      limits=limits, on_ready=lambda url: _say(ready_text(url, demo=demo, api_key=keyed)))
+                      limits=limits, on_ready=ready)
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (e.g. ``[Errno 98] Address already in use``), else None;
+    bound the way the server binds (``SO_REUSEADDR``), then released. Port 0 is never in use."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as e:
+        return str(e)
+    return None
 
 
 # The request the ready lines suggest (README's first): small, and answered right by the default model.
@@ -258,21 +287,26 @@ TRY_BODY = {"messages": [{"role": "user", "content": "John Smith is 42 years old
                                                                  "city": {"type": "string"}},
                                 "required": ["name", "age", "city"]},
             "max_tokens": 64}
+# The same for a base model, which has no chat template (so no ``messages``): a plain prompt.
+TRY_BODY_PROMPT = {"prompt": "John Smith is 42 years old and lives in Paris. As JSON:",
+                   **{k: v for k, v in TRY_BODY.items() if k != "messages"}}
 
 
-def ready_text(url: str, *, demo: bool, api_key: bool = False) -> str:
+def ready_text(url: str, *, demo: bool, api_key: bool = False, chat: bool = True) -> str:
     """What ``stencil serve`` prints once it answers: where, a curl to try (a ``/generate`` with a
     small schema), and, for the default model, that it is a demo and how to serve another.
 
     Args:
         url: the server's base URL (``http://127.0.0.1:8000``).
         demo: the default model is served.
-        api_key: the server wants a key (the curl then sends ``$STENCIL_API_KEY``).
+        api_key: the server wants a key (the curl then sends ``$STENCIL_API_KEY``, which it says).
+        chat: the model has a chat template (else the curl sends a ``prompt``, not ``messages``).
     """
     auth = " -H \"Authorization: Bearer $STENCIL_API_KEY\"" if api_key else ""
+    body = TRY_BODY if chat else TRY_BODY_PROMPT
     lines = [f"Stencil is ready on {url}",
-             "Try:",
-             f"  curl -s {url}/generate -H 'content-type: application/json'{auth} -d '{json.dumps(TRY_BODY)}'",
+             "Try" + (" (with the server's key in $STENCIL_API_KEY):" if api_key else ":"),
+             f"  curl -s {url}/generate -H 'content-type: application/json'{auth} -d '{json.dumps(body)}'",
              f"API documentation: {url}/schema; OpenAI-compatible routes under {url}/v1"]
     if demo:
         lines.append("The default model (SmolLM2-135M-Instruct) is a small demo model; for real answers serve a "

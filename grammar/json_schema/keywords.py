@@ -73,10 +73,19 @@ _ONE = ("additionalProperties", "additionalItems", "contains", "propertyNames", 
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 MAX_UNKNOWN_NOTES = 8  # a schema written for another tool may carry dozens: name a few, count the rest
+# The formats the drafts (04 to 2020-12) define, and OpenAPI's data-type formats (int32, double, ... common
+# in schemas written from OpenAPI documents). Any other name is an annotation JSON Schema ignores, so a
+# typo ("emial") constrains nothing: said like an unknown keyword.
+KNOWN_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "idn-email", "hostname",
+                           "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid",
+                           "uri-template", "json-pointer", "relative-json-pointer", "regex", "host-name",
+                           "ip-address", "color", "utc-millisec",
+                           "int32", "int64", "float", "double", "byte", "binary", "password"})
 
 
 def unknown_keywords(schema: object) -> list[str]:
-    """Notes on the keys of ``schema`` (and of every subschema) that no JSON Schema draft defines.
+    """Notes on the keys of ``schema`` (and of every subschema) that no JSON Schema draft defines, and on
+    ``format`` names none defines (``KNOWN_FORMATS``).
 
     JSON Schema ignores such keys, so the schema stays served as written; but a typo
     (``"proprties"``) then constrains nothing, and only a note tells the client. Extension keys
@@ -105,6 +114,12 @@ def unknown_keywords(schema: object) -> list[str]:
                         notes.append(_unknown_note(key, path))
                 continue
             where = f"{path}/{_pointer(key)}"
+            if key == "format" and isinstance(value, str) and value not in KNOWN_FORMATS:
+                found += 1
+                if found <= MAX_UNKNOWN_NOTES:
+                    close = difflib.get_close_matches(value, KNOWN_FORMATS, n=1, cutoff=0.75)
+                    notes.append(f"unknown format {value!r} at {path}: ignored (an annotation)"
+                                 + (f"; did you mean {close[0]!r}?" if close else ""))
             if key in _ONE and isinstance(value, dict):
                 subschemas.append((value, where))
             elif key in _LIST and isinstance(value, list):

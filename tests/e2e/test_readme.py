@@ -123,16 +123,16 @@ def test_the_readme_curl_answers_with_the_keys_it_shows(server):
     assert shown["valid"] is True and shown["output"] == {"name": "John Smith", "age": 42, "city": "Paris"}
 
 
-def test_the_readme_generate_line_runs(tiny_model_dir, tmp_path):
-    """``stencil generate --schema person.json PROMPT`` as the README writes it, on the tiny model, with the
-    curl's schema as person.json: exit 0 means the output is valid."""
+def test_the_readme_generate_line_runs(tiny_model_dir):
+    """``stencil generate --schema examples/person.json PROMPT`` as the README writes it, from the repository
+    root, on the tiny model: the file is the curl's schema, and exit 0 means the output is valid."""
     (line,) = [ln for ln in shell_lines() if (_stencil_argv(ln) or [""])[0] == "generate"]
     argv = _stencil_argv(line)
-    schema_file = argv[argv.index("--schema") + 1]
+    schema_file = ROOT / argv[argv.index("--schema") + 1]
     body = re.search(r"-d '(.*)'", curl_command(), re.S).group(1)
-    (tmp_path / schema_file).write_text(json.dumps(json.loads(body)["response_schema"]))
+    assert json.loads(schema_file.read_text()) == json.loads(body)["response_schema"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     p = subprocess.run([sys.executable, "-m", "stencil.service.cli", *argv, "--model", str(tiny_model_dir),
-                        "--max-tokens", "64"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                        "--max-tokens", "64"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert set(json.loads(p.stdout)) == {"name", "age", "city"}  # the output, as JSON

@@ -94,6 +94,31 @@ def test_ready_text_for_the_default_model_says_it_is_a_demo_and_how_to_serve_ano
     assert body == cli.TRY_BODY and body["response_schema"]["required"] == ["name", "age", "city"]
     keyed = cli.ready_text("http://127.0.0.1:8000", demo=False, api_key=True)
     assert '-H "Authorization: Bearer $STENCIL_API_KEY"' in keyed and "demo" not in keyed
+    assert "with the server's key in $STENCIL_API_KEY" in keyed
+
+
+def test_ready_text_for_a_base_model_sends_a_prompt(client):
+    """A model without a chat template (Gemma 3 270M base) gets a curl it answers: a prompt, not messages."""
+    text = cli.ready_text("http://127.0.0.1:8000", demo=False, chat=False)
+    body = json.loads(re.search(r"-d '(.*)'$", text, re.M).group(1))
+    assert "messages" not in body and body["prompt"] and body["response_schema"] == cli.TRY_BODY["response_schema"]
+    r = client.post("/generate", json=body)
+    assert r.status_code == 200 and r.json()["valid"] is True, r.text
+
+
+def test_serve_says_a_port_in_use_before_loading_the_model(capsys):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert cli.port_in_use("127.0.0.1", port)
+        assert cli.main(["serve", "--model", "/nonexistent/never-loaded.gguf", "--port", str(port)]) == 2
+    err = capsys.readouterr()
+    assert f"cannot listen on 127.0.0.1:{port}" in err.err and "--port" in err.err
+    assert "loading" not in err.out  # refused before the model
+    assert cli.port_in_use("127.0.0.1", port) is None  # free again once closed
 
 
 def test_serve_help_says_the_default_is_a_demo_model(capsys):
@@ -162,6 +187,10 @@ def test_unknown_keywords_are_named_with_the_nearest_known_one():
         "unknown keyword 'requried' at #/$defs/d: ignored; did you mean 'required'?",
     ]  # (x- extensions, and enum values, are not keywords)
     assert unknown_keywords({"type": "string", "format": "date", "$comment": "ok"}) == []
+    assert unknown_keywords({"properties": {"m": {"type": "string", "format": "emial"},
+                                            "n": {"format": "zip-code"}}}) == [
+        "unknown format 'emial' at #/properties/m: ignored (an annotation); did you mean 'email'?",
+        "unknown format 'zip-code' at #/properties/n: ignored (an annotation)"]
     many = unknown_keywords({f"k{i}": 1 for i in range(MAX_UNKNOWN_NOTES + 3)})
     assert len(many) == MAX_UNKNOWN_NOTES + 1 and many[-1] == "3 more unknown keywords (ignored)"
 
