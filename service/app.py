@@ -359,6 +359,8 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
 
         aeng.on_dead = dead
         aeng.start()
+        if cfg.chat_template is not None:  # (checked by ServiceConfig.validate)
+            aeng.tokenizer.chat_template = cfg.chat_template
         from stencil.engine.models.source import ModelPathError, resolve_model_path
 
         try:  # a GGUF file's stem, or the directory's name

@@ -106,6 +106,9 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue-wait", type=float, default=None,
                    help="longest wait for a running slot before a 429 (s; default: half the request timeout)")
     g.add_argument("--shutdown-grace", type=float, default=30.0, help="in-flight time allowed after SIGTERM (s)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file used instead of the model's own (vLLM's --chat-template): "
+                        "for a model that carries none or a wrong one (default: the model's)")
     g.add_argument("--json-whitespace", default="flexible", choices=["flexible", "compact"],
                    help="layout of JSON Schema answers when a request does not choose (/generate's "
                         "whitespace; the OpenAI routes always): flexible lets the model pretty-print "
@@ -214,14 +217,25 @@ def engine_config_from_args(args: argparse.Namespace, progress=None):
 
 
 def service_config_from_args(args: argparse.Namespace):
-    """``ServiceConfig`` from parsed ``stencil serve`` arguments."""
+    """``ServiceConfig`` from parsed ``stencil serve`` arguments.
+
+    Raises:
+        ConfigError: a value out of range, or a ``--chat-template`` file that cannot be read or parsed.
+    """
+    from stencil.engine.config import ConfigError
     from stencil.service.state import ServiceConfig
 
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = Path(args.chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--chat-template: cannot read {args.chat_template}: {e}") from None
     return ServiceConfig(api_key=args.api_key, model_name=args.model_name, max_tokens_cap=args.max_tokens_cap,
                          default_max_tokens=min(256, args.max_tokens_cap), max_body_bytes=args.max_body_bytes,
                          request_timeout_s=args.request_timeout, max_queue_wait_s=args.max_queue_wait,
-                         shutdown_grace_s=args.shutdown_grace,
-                         json_whitespace=args.json_whitespace).validate()
+                         shutdown_grace_s=args.shutdown_grace, json_whitespace=args.json_whitespace,
+                         chat_template=template).validate()
 
 
 # -- commands --------------------------------------------------------------------------------------
@@ -506,10 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``stencil`` console script; returns the exit status."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from stencil.engine.config import ConfigError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ModelArgError as e:  # one line, no traceback: the user gave a path we cannot serve
+    except (ModelArgError, ConfigError) as e:  # one line, no traceback: a path or a value we cannot serve
         print(f"stencil {args.command}: {e}", file=sys.stderr)
         return 2
 

@@ -41,6 +41,10 @@ class ServiceConfig:
         json_whitespace: the layout JSON Schema answers may take when a request does not say:
             "flexible" (a line break and an indent, or a space, around structural characters:
             the pretty-printed JSON models write; docs/api.md, "Behaviour") or "compact".
+        chat_template: a Jinja chat template used instead of the model's own (vLLM's
+            ``--chat-template``): for a model whose file carries none or a wrong one. ``None``: the
+            model's. Checked by ``validate`` (a syntax error names its line); installed on the
+            engine's tokenizer when the app starts, so every route renders with it.
     """
 
     api_key: str | None = None
@@ -63,6 +67,7 @@ class ServiceConfig:
     shutdown_grace_s: float = 30.0
     retry_after_s: int = 1
     json_whitespace: str = "flexible"
+    chat_template: str | None = None
 
     def validate(self) -> "ServiceConfig":
         """Resolve the API key from the environment and check ranges; return self.
@@ -88,6 +93,14 @@ class ServiceConfig:
             raise ConfigError("request_timeout_s must be > 0 and shutdown_grace_s >= 0")
         if self.max_queue_wait_s is not None and not 0 < self.max_queue_wait_s <= self.request_timeout_s:
             raise ConfigError(f"max_queue_wait_s must be in (0, request_timeout_s], got {self.max_queue_wait_s}")
+        if self.chat_template is not None:
+            from jinja2 import TemplateSyntaxError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            try:  # transformers renders templates in this sandbox too
+                ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(self.chat_template)
+            except TemplateSyntaxError as e:
+                raise ConfigError(f"chat_template does not parse: line {e.lineno}: {e.message}") from None
         return self
 
     @property

@@ -1,0 +1,43 @@
+"""``--chat-template`` (``ServiceConfig.chat_template``): a template given at start replaces the model's
+for every route, a file that does not parse is refused before the model loads, naming its line."""
+
+from __future__ import annotations
+
+import pytest
+from litestar.testing import TestClient
+
+from stencil.engine.config import ConfigError, EngineConfig
+from stencil.service import cli
+from stencil.service.app import create_app
+from stencil.service.state import ServiceConfig
+
+# Renders every message as "<<role>> content", then the assistant's cue: nothing like SmolLM2's own.
+TEMPLATE = "{% for m in messages %}<<{{ m.role }}>> {{ m.content }}\n{% endfor %}<<assistant>> "
+
+
+def test_the_given_template_renders_every_chat_route(tiny_model_dir, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    expected = len(tokenizer("<<system>> Be brief.\n<<user>> Name a colour.\n<<assistant>> ",
+                             add_special_tokens=False).input_ids)
+    own = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    assert expected != own  # the two templates are told apart by the prompt's length
+    app = create_app(EngineConfig(model=tiny_model_dir, num_kv_blocks=64, max_num_seqs=2),
+                     ServiceConfig(chat_template=TEMPLATE, max_tokens_cap=16, default_max_tokens=4))
+    with TestClient(app, timeout=60) as client:
+        r = client.post("/generate", json={"messages": messages, "regex": "[a-z]{3}"})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == expected, r.text
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        r = client.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == expected, r.text
+
+
+def test_a_template_that_does_not_parse_is_refused_naming_its_line(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"chat_template does not parse: line 2: "):
+        ServiceConfig(chat_template="{% for m in messages %}\n{{ m.content }\n{% endfor %}").validate()
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }}")  # the loop never ends
+    assert cli.main(["serve", "--chat-template", str(bad), "--model", "/never/loaded.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "chat_template does not parse: line 1" in err and "loading" not in err
+    assert cli.main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "--chat-template: cannot read" in capsys.readouterr().err
