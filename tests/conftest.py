@@ -125,3 +125,25 @@ def stencil_wheel(tmp_path_factory) -> Path:
                     "-w", str(work / "dist"), str(work / "src")], check=True, capture_output=True)
     (built,) = (work / "dist").glob("stencil_serve-*.whl")
     return built
+
+
+@pytest.fixture(scope="session")
+def family_model_factory(tmp_path_factory, default_model_dir):
+    """A tiny random model carrying a real chat template and its family's special tokens
+    (``tests/real_templates.py``), built once per arguments:
+    ``factory("Qwen-Qwen3-0.6B", ["<think>", "</think>", "<tool_call>", "</tool_call>"])``.
+    Skipped where the templates cannot be fetched."""
+    from real_templates import family_model_dir, real_template
+
+    cache: dict = {}
+
+    def factory(template_name: str, special_tokens=(), eos_token: str | None = None,
+                bos_token: str | None = None) -> Path:
+        key = (template_name, tuple(special_tokens), eos_token, bos_token)
+        if key not in cache:
+            cache[key] = family_model_dir(tmp_path_factory.mktemp("family"), default_model_dir,
+                                          real_template(template_name), list(special_tokens),
+                                          eos_token, bos_token)
+        return cache[key]
+
+    return factory
