@@ -38,6 +38,15 @@ class RequestOutput:
         context_room: on the last output: the tokens the prompt left of ``max_model_len`` where
             that was below the request's ``max_tokens`` (its budget then), else None
             (``SamplingParams.context_room``).
+        new_reasoning_text: with ``SamplingParams.reasoning``: the reasoning's text made final
+            this step (its markers and separator excluded); ``new_text`` then carries the
+            answer's text only, and stop strings apply to the answer only. ``new_token_ids`` and
+            the logprobs still cover every output token, reasoning and answer.
+        num_reasoning_tokens: with reasoning: output tokens from the first through the end
+            marker and its separator (``start_ids`` included when forced); while still
+            reasoning, every output token so far. 0 without reasoning.
+        reasoning_cut: the end marker was forced (the budget needed the room for the answer, or
+            ``max_reasoning_tokens`` was reached), not chosen by the model.
     """
 
     request_id: str
@@ -64,3 +73,6 @@ class RequestOutput:
     budget_unenforced: str | None = None
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     context_room: int | None = None
+    new_reasoning_text: str = ""
+    num_reasoning_tokens: int = 0
+    reasoning_cut: bool = False

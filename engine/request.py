@@ -61,6 +61,72 @@ BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
 
 
+REASONING_MARGIN = 32  # tokens: ReasoningParams.margin's default
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningParams:
+    """A reasoning region before the answer: the model thinks freely, then writes the answer
+    (constrained or not), both within one ``max_tokens`` (``stencil.grammar.reasoning``).
+
+    The output is ``start_ids`` (when the prompt did not open the region), the reasoning, then
+    ``end_ids`` and ``after_ids``, then the answer. The engine forces the end marker when the
+    tokens left reach what the answer needs (``len(end_ids) + len(after_ids)`` + the answer's
+    shortest completion + ``margin``) or when the reasoning reaches ``max_reasoning_tokens``, so a
+    structured answer still closes valid within ``max_tokens``.
+
+    Attributes:
+        end_text: the end marker's text ("</think>"); the reasoning never contains it.
+        end_ids: its token ids (usually one added token); forced when the reasoning is cut.
+        start_ids: forced before the reasoning when the prompt did not open it (the ids of
+            "<think>\n"); () when the prompt did.
+        after_ids: forced right after the end marker (the template's separator, the ids of "\n\n").
+        max_reasoning_tokens: most tokens of reasoning (the region between ``start_ids`` and
+            ``end_ids``, both excluded); ``None``: no cap but the budget; 0: an empty region.
+        margin: tokens kept for the answer beyond its shortest completion when the budget cuts
+            the reasoning (default ``REASONING_MARGIN``, 32: room for a short free answer or a
+            JSON answer's values beyond their shortest spelling); 0 cuts at the last moment.
+
+    Lists given for the id fields are stored as tuples. Checked by ``SamplingParams.verify``.
+    """
+
+    end_text: str
+    end_ids: tuple[int, ...]
+    start_ids: tuple[int, ...] = ()
+    after_ids: tuple[int, ...] = ()
+    max_reasoning_tokens: int | None = None
+    margin: int = REASONING_MARGIN
+
+    def __post_init__(self) -> None:
+        for name in ("end_ids", "start_ids", "after_ids"):
+            v = getattr(self, name)
+            if isinstance(v, list):
+                object.__setattr__(self, name, tuple(v))
+
+    def verify(self) -> None:
+        """Raises: EngineError naming the field (``reasoning.end_ids``)."""
+        if not isinstance(self.end_text, str) or not self.end_text:
+            raise EngineError(f"reasoning.end_text must be a non-empty string, got {self.end_text!r}",
+                              field="reasoning.end_text", lead=True)
+        for name in ("end_ids", "start_ids", "after_ids"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                                               or t < 0 for t in v):
+                raise EngineError(f"reasoning.{name} must be a list of token ids (integers >= 0), got {v!r}",
+                                  field=f"reasoning.{name}", lead=True)
+        if not self.end_ids:
+            raise EngineError("reasoning.end_ids must hold at least one token id", field="reasoning.end_ids",
+                              lead=True)
+        if self.max_reasoning_tokens is not None:
+            _integer("reasoning.max_reasoning_tokens", self.max_reasoning_tokens, 0)
+        _integer("reasoning.margin", self.margin, 0)
+
+    @property
+    def fixed_tokens(self) -> int:
+        """Tokens the region itself costs at least: ``start_ids + end_ids + after_ids``."""
+        return len(self.start_ids) + len(self.end_ids) + len(self.after_ids)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each output token; verified when made (``verify``).
@@ -98,6 +164,9 @@ class SamplingParams:
             when the prompt leaves fewer than ``max_tokens`` tokens of the model's context: its
             ``max_tokens`` is that room, so the budget closes a constrained answer before the
             context ends (as it does before ``max_tokens``); ``None`` otherwise.
+        reasoning: a reasoning region before the answer (``ReasoningParams``), or ``None``. With
+            it, ``stop`` strings and ``RequestOutput.new_text`` concern the answer alone, and the
+            grammar (if any) constrains the answer alone.
 
     Raises (on construction, and so on ``dataclasses.replace``):
         EngineError: a value out of range; ``field`` names it (``verify``).
@@ -123,6 +192,7 @@ class SamplingParams:
     close_on_budget: bool = True
     soft_limits: Any = None
     context_room: int | None = None
+    reasoning: ReasoningParams | None = None
 
     def __post_init__(self) -> None:
         spec = self.speculative
@@ -180,17 +250,30 @@ class SamplingParams:
         if self.soft_limits is True or isinstance(self.soft_limits, dict):
             raise EngineError("soft_limits must be a stencil.grammar.budget.SoftLimits, false or null here "
                               "(SoftLimits.from_dict parses its object form)", field="soft_limits")
+        if self.reasoning is not None:
+            if not isinstance(self.reasoning, ReasoningParams):
+                raise EngineError(f"reasoning must be a ReasoningParams or None, got {type(self.reasoning).__name__}",
+                                  field="reasoning", lead=True)
+            self.reasoning.verify()
 
     def verify_token_ids(self, vocab_size: int) -> None:
-        """Refuse ``logit_bias`` token ids outside a vocabulary of ``vocab_size`` tokens.
+        """Refuse ``logit_bias`` (and ``reasoning``) token ids outside a vocabulary of
+        ``vocab_size`` tokens.
 
         Raises:
-            EngineError: naming ``logit_bias`` and the first id out of range.
+            EngineError: naming the field and the first id out of range.
         """
         for token in self.logit_bias or ():
             if not isinstance(token, int) or not 0 <= token < vocab_size:
                 raise EngineError(f"logit_bias: token id {token!r} is not in this model's vocabulary "
                                   f"(0..{vocab_size - 1})", field="logit_bias")
+        r = self.reasoning
+        if r is not None:
+            for name in ("end_ids", "start_ids", "after_ids"):
+                for token in getattr(r, name):
+                    if token >= vocab_size:
+                        raise EngineError(f"reasoning.{name}: token id {token} is not in this model's vocabulary "
+                                          f"(0..{vocab_size - 1})", field=f"reasoning.{name}", lead=True)
 
     @property
     def greedy(self) -> bool:
