@@ -20,6 +20,8 @@ class Usage(msgspec.Struct, kw_only=True):
         draft_tokens: speculative (n-gram) tokens proposed for verification.
         accepted_tokens: proposed draft tokens the model accepted.
         forced_tokens: tokens the grammar allowed alone, appended without sampling.
+        reasoning_tokens: of ``completion_tokens``, those of the reasoning (its markers
+            included); 0 without reasoning.
     """
 
     prompt_tokens: int
@@ -29,6 +31,7 @@ class Usage(msgspec.Struct, kw_only=True):
     draft_tokens: int = 0
     accepted_tokens: int = 0
     forced_tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 class Timings(msgspec.Struct, kw_only=True):

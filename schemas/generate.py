@@ -84,6 +84,11 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         queue_timeout: most seconds to wait for a running slot (absent: the server's request
             timeout). A request still queued then is answered 429 with ``Retry-After``; nothing
             was generated. Admission is first come, first served.
+        chat_template_kwargs: with ``messages``: extra keywords for the chat template (vLLM's:
+            ``{"enable_thinking": false}`` turns a Qwen3's thinking off); ``messages``, ``tools``
+            and ``add_generation_prompt`` are the server's (400).
+        reasoning_effort: with ``messages`` and a reasoning model: none / minimal / low /
+            medium / high, a cap on its reasoning tokens (docs/api.md, "Reasoning models").
     """
 
     prompt: str | None = None
@@ -111,6 +116,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     close_on_budget: bool = True
     soft_limits: dict[str, int] | bool | None = None
     queue_timeout: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 
 class GenerateResponse(msgspec.Struct, kw_only=True):
@@ -134,6 +141,8 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
         logprobs: natural-log probabilities of the output tokens, when asked for.
         closed_by_budget: the output was closed early (budget-aware masks) to fit ``max_tokens``.
         shortened: JSON pointers of the values cut short by that (``["/tags/3", "/note"]``).
+        reasoning: a reasoning model's thoughts before the answer (markers excluded), with
+            ``messages``; null otherwise. ``text``, ``output`` and ``valid`` are the answer's.
     """
 
     id: str
@@ -148,13 +157,16 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     closed_by_budget: bool = False
     shortened: list[str] = msgspec.field(default_factory=list)
     truncated_value: bool = False
+    reasoning: str | None = None
 
 
 class StreamDelta(msgspec.Struct, kw_only=True, omit_defaults=True, tag="delta", tag_field="type"):
-    """A ``data:`` event with new text (``type: "delta"``)."""
+    """A ``data:`` event with new text (``type: "delta"``); ``reasoning``: new reasoning text
+    (a reasoning model's, before the answer's ``text``)."""
 
     text: str
     logprobs: list[float] | None = None
+    reasoning: str | None = None
 
 
 class StreamFinal(msgspec.Struct, kw_only=True, tag="final", tag_field="type"):

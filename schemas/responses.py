@@ -80,6 +80,16 @@ class TextConfig(Struct, forbid_unknown_fields=True):
     verbosity: str | None = None
 
 
+class ReasoningConfig(Struct, forbid_unknown_fields=True):
+    """``reasoning``: ``effort`` (none / minimal / low / medium / high: a cap on a reasoning
+    model's reasoning tokens, ``stencil.service.reasoning``). ``summary`` / ``generate_summary``
+    are OpenAI's summaries, not served (refused unless null)."""
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
 class ResponseStreamOptions(Struct, forbid_unknown_fields=True):
     include_obfuscation: bool | None = None
 
@@ -93,8 +103,9 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True):
     ``parallel_tool_calls`` and ``max_tool_calls``, ``stream``, ``top_logprobs`` with ``include:
     ["message.output_text.logprobs"]``, ``metadata`` (echoed), ``user`` / ``safety_identifier``
     / ``prompt_cache_key`` (echoed; the prefix cache needs no key). Stencil extensions: ``seed``,
-    ``top_k``. The fields after ``top_k`` are in the reference but refused unless absent or
-    neutral (``stencil.service.responses_api``).
+    ``top_k``. ``reasoning.effort`` caps a reasoning model's thoughts (served as none, with a
+    warning, on a model that does not reason). The fields after ``top_k`` are in the reference
+    but refused unless absent or neutral (``stencil.service.responses_api``).
     """
 
     input: str | list[InputItem]
@@ -123,12 +134,12 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True):
     top_k: int | None = None
     close_on_budget: bool | None = None  # Stencil extension (see stencil.schemas.openai)
     soft_limits: dict[str, int] | bool | None = None
+    reasoning: ReasoningConfig | None = None
     # In the reference, not served.
     previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
     background_options: Any = None
-    reasoning: Any = None
     prompt: Any = None
     prompt_cache_options: Any = None
     prompt_cache_retention: str | None = None
@@ -182,7 +193,22 @@ class FunctionCallItem(Struct, tag="function_call", tag_field="type"):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(Struct):
+    text: str
+    type: Literal["reasoning_text"] = "reasoning_text"
+
+
+class ReasoningItem(Struct, tag="reasoning", tag_field="type"):
+    """A reasoning model's thoughts before its answer (markers excluded), whole in ``content``
+    (``summary`` is always empty: Stencil writes no summaries)."""
+
+    id: str
+    content: list[ReasoningText]
+    summary: list[Any] = msgspec.field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(Struct):

@@ -59,12 +59,15 @@ class GenerationDelta:
         logprobs: log-probabilities of ``token_ids`` (natural log), when requested, else None.
         top_logprobs: per token, the most likely ``(token id, logprob)`` at its position, best
             first, when ``top_logprobs`` was requested, else None.
+        reasoning: new reasoning text (with ``SamplingParams.reasoning``; ``text`` is then the
+            answer's).
     """
 
     text: str
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    reasoning: str = ""
 
 
 class GenerationResult(msgspec.Struct, kw_only=True):
@@ -72,8 +75,9 @@ class GenerationResult(msgspec.Struct, kw_only=True):
 
     Attributes:
         id: the request id.
-        text: the whole output text (equal to the concatenated stream deltas).
-        token_ids: the output token ids.
+        text: the whole output text (equal to the concatenated stream deltas); with reasoning,
+            the answer's alone.
+        token_ids: the output token ids (reasoning and answer).
         finish_reason: "stop" (EOS, stop string, grammar complete) or "length" (max_tokens or
             the model's context).
         output: the parsed JSON (schema requests) or the chosen string (choice requests);
@@ -94,6 +98,10 @@ class GenerationResult(msgspec.Struct, kw_only=True):
         truncated_value: valid, but stopped at ``max_tokens`` where the constraint allowed more
             (``finish_reason`` "length"): its last value may be cut short (a run of digits the
             budget never steered, an optional part of a regex).
+        reasoning: with ``SamplingParams.reasoning``, the reasoning's text (markers excluded;
+            "" when the region was empty); ``None`` without reasoning.
+        reasoning_cut: the end of the reasoning was forced (to leave the answer room within
+            ``max_tokens``, or at the reasoning cap), not written by the model.
     """
 
     id: str
@@ -110,6 +118,8 @@ class GenerationResult(msgspec.Struct, kw_only=True):
     closed_by_budget: bool = False
     shortened: list[str] = msgspec.field(default_factory=list)
     truncated_value: bool = False
+    reasoning: str | None = None
+    reasoning_cut: bool = False
 
 
 # -- running ---------------------------------------------------------------------------------------
@@ -211,6 +221,7 @@ class GenerationStream:
         deadline = self.arrival + st.config.request_timeout_s
         agen = self._stream
         parts: list[str] = []
+        thoughts: list[str] = []
         token_ids: list[int] = []
         logprobs: list[float] = []
         tops: list[list[tuple[int, float]]] = []
@@ -250,8 +261,9 @@ class GenerationStream:
                         for _ in out.new_token_ids:
                             st.metrics.itl.observe(gap)
                     last_at = now
-                if out.new_token_ids or out.new_text:
+                if out.new_token_ids or out.new_text or out.new_reasoning_text:
                     parts.append(out.new_text)
+                    thoughts.append(out.new_reasoning_text)
                     token_ids.extend(out.new_token_ids)
                     lp = list(out.new_logprobs) if self.params.logprobs else None
                     if lp:
@@ -259,7 +271,7 @@ class GenerationStream:
                     top = list(out.new_top_logprobs) if self.params.top_logprobs else None
                     if top:
                         tops.extend(top)
-                    yield GenerationDelta(out.new_text, list(out.new_token_ids), lp, top)
+                    yield GenerationDelta(out.new_text, list(out.new_token_ids), lp, top, out.new_reasoning_text)
                 if out.finished:
                     final = out
                     break
@@ -269,19 +281,22 @@ class GenerationStream:
         if final is None:
             raise GenerationFailed(f"request {self.request_id} ended without a final output")
         text = "".join(parts)
+        reasoning = "".join(thoughts) if self.params.reasoning is not None else None
         if len(text) >= _THREAD_CHECK_CHARS:
-            self.result = await asyncio.to_thread(self._finish, final, text, token_ids, logprobs, first_at)
+            self.result = await asyncio.to_thread(self._finish, final, text, token_ids, logprobs, first_at, reasoning)
         else:
-            self.result = self._finish(final, text, token_ids, logprobs, first_at)
+            self.result = self._finish(final, text, token_ids, logprobs, first_at, reasoning)
         if self.params.top_logprobs:
             self.result.top_logprobs = tops
         yield self.result
 
     def _finish(self, out, text: str, token_ids: list[int], logprobs: list[float],
-                first_at: float | None) -> GenerationResult:
+                first_at: float | None, reasoning: str | None = None) -> GenerationResult:
         st = self.state
         now = time.perf_counter()
-        checked = st.checker.check(self.spec, text, out.finish_reason, token_ids, self._stream.grammar)
+        # The constraint judges the answer alone: its tokens follow the reasoning's.
+        answer_ids = token_ids[out.num_reasoning_tokens:] if reasoning is not None else token_ids
+        checked = st.checker.check(self.spec, text, out.finish_reason, answer_ids, self._stream.grammar)
         warnings = list(self._stream.warnings) + checked.warnings
         if out.context_room is not None:
             warnings.append(f"max_tokens was lowered to {out.context_room}: the prompt leaves that many "
@@ -289,7 +304,12 @@ class GenerationStream:
         usage = Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                       total_tokens=out.num_prompt_tokens + out.num_output_tokens,
                       cached_tokens=out.num_cached_tokens, draft_tokens=out.num_draft_tokens,
-                      accepted_tokens=out.num_accepted_tokens, forced_tokens=out.num_forced_tokens)
+                      accepted_tokens=out.num_accepted_tokens, forced_tokens=out.num_forced_tokens,
+                      reasoning_tokens=out.num_reasoning_tokens)
+        if out.reasoning_cut:
+            warnings.append(f"the reasoning was ended for the model ({out.num_reasoning_tokens} tokens with its "
+                            "markers) to leave the answer room within max_tokens, reasoning_effort or the server's "
+                            "reasoning budget")
         shortened: list[str] = []
         if out.closed_by_budget and self.spec is not None and self.spec.kind == "json_schema":
             from stencil.service.json_paths import shortened_paths
@@ -321,7 +341,8 @@ class GenerationStream:
                                 usage=usage, timings=timings, warnings=warnings,
                                 logprobs=logprobs if self.params.logprobs else None,
                                 closed_by_budget=out.closed_by_budget, shortened=shortened,
-                                truncated_value=checked.truncated_value)
+                                truncated_value=checked.truncated_value, reasoning=reasoning,
+                                reasoning_cut=out.reasoning_cut)
 
 
 async def close_streams(streams: Sequence[GenerationStream]) -> None:

@@ -38,11 +38,13 @@ _THREAD_TOKENIZE_CHARS = 16_384
 # -- prompts ---------------------------------------------------------------------------------------
 
 async def tokenize(state: ServiceState, prompt: str | None = None, messages: list[dict] | None = None,
-                   tools: list[dict] | None = None, *, parse_special_tokens: bool = False) -> list[int]:
+                   tools: list[dict] | None = None, *, parse_special_tokens: bool = False,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """``encode_prompt`` with the service's size limits, off the event loop for long inputs.
 
     Content is data: no text of a message, tool or prompt becomes a control token
     (``stencil.service.prompts``), unless ``parse_special_tokens`` asks for it in a plain prompt.
+    ``template_kwargs``: the chat template's extra keywords (``chat_template_kwargs``).
 
     Raises:
         InputError: over ``max_prompt_chars`` or ``max_messages``; see ``encode_prompt``.
@@ -63,7 +65,7 @@ async def tokenize(state: ServiceState, prompt: str | None = None, messages: lis
     # always off the loop. A short plain prompt tokenizes in microseconds (Rust): inline.
     if messages is not None or size > _THREAD_TOKENIZE_CHARS:
         return await asyncio.to_thread(encode_prompt, tok, prompt, messages, tools,
-                                       parse_special_tokens=parse_special_tokens)
+                                       parse_special_tokens=parse_special_tokens, template_kwargs=template_kwargs)
     return encode_prompt(tok, prompt, messages, tools, parse_special_tokens=parse_special_tokens)
 
 
@@ -122,7 +124,8 @@ def sampling_fields(data: Any) -> dict[str, Any]:
             and (value := getattr(data, name)) is not None}
 
 
-_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) - {"context_room"}
+# ``reasoning`` is the service's to build (``stencil.service.reasoning``), never a wire field's.
+_SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) - {"context_room", "reasoning"}
 
 
 def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str | None = None,

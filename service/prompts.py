@@ -38,6 +38,7 @@ The control tokens of a tokenizer are its added tokens marked special (SmolLM2: 
 
 from __future__ import annotations
 
+import inspect
 import re
 import secrets
 import weakref
@@ -211,8 +212,31 @@ def message_text(content: Any, index: int) -> str:
                      field=f"messages[{index}].content")
 
 
+# Keywords the service gives the template itself: a request's chat_template_kwargs may not set them.
+_TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt"})
+
+
+def check_template_kwargs(tokenizer, kwargs: dict[str, Any]) -> None:
+    """Refuse ``chat_template_kwargs`` keys the service sets itself: ``messages``, ``tools``,
+    ``add_generation_prompt`` and every parameter of ``apply_chat_template`` (``tokenize``,
+    ``documents``, ``chat_template``, ...).
+
+    Raises:
+        InputError: (field ``chat_template_kwargs``) naming the first such key.
+    """
+    try:
+        own = {n for n, p in inspect.signature(tokenizer.apply_chat_template).parameters.items()
+               if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    except (TypeError, ValueError):
+        own = set()
+    for key in kwargs:
+        if not isinstance(key, str) or key in _TEMPLATE_OWN or key in own:
+            raise InputError(f"chat_template_kwargs: {key!r} is set by the server (the messages, tools and "
+                             "generation prompt are the request's own fields)", field="chat_template_kwargs")
+
+
 def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                    defanger: Defanger | None = None) -> str:
+                    defanger: Defanger | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
     """Render chat messages with the tokenizer's chat template, ending with the assistant's turn.
 
     Args:
@@ -222,10 +246,13 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None = 
         tools: OpenAI-style tool definitions handed to the template, if it uses them.
         defanger: marks control-token text in every string first (``encode_prompt`` passes
             one); ``None`` renders the strings as they are.
+        template_kwargs: extra keywords for the template (vLLM's ``chat_template_kwargs``:
+            ``{"enable_thinking": false}``); their strings are defanged as content is.
 
     Raises:
         InputError: (field ``messages``) no chat template, or the template refused the messages
-            (e.g. roles out of order).
+            (e.g. roles out of order); (field ``chat_template_kwargs``) a key the server sets
+            (``check_template_kwargs``).
 
     The template runs in transformers' sandboxed Jinja environment: request content is data,
     never code.
@@ -241,6 +268,9 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None = 
     if tools and defanger is not None:
         tools = defanger.value(tools)
     kwargs = {"tools": tools} if tools else {}
+    if template_kwargs:
+        check_template_kwargs(tokenizer, template_kwargs)
+        kwargs.update(defanger.value(template_kwargs) if defanger is not None else template_kwargs)
     try:
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja raises TemplateError and others for bad input
@@ -248,7 +278,8 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None = 
 
 
 def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None,
-                  tools: list[dict] | None = None, *, parse_special_tokens: bool = False) -> list[int]:
+                  tools: list[dict] | None = None, *, parse_special_tokens: bool = False,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of a plain prompt, or of messages rendered with the chat template; content
     never becomes a control token (the module docstring says how).
 
@@ -258,6 +289,7 @@ def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | N
     Args:
         parse_special_tokens: plain prompts only: parse control-token text in ``prompt`` into
             control tokens (the caller applies its own template). Default: plain text.
+        template_kwargs: messages only: the template's extra keywords (``render_messages``).
 
     Raises:
         InputError: neither or both of ``prompt`` and ``messages``; template errors.
@@ -268,7 +300,7 @@ def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | N
         if not messages:
             raise InputError("messages is empty", field="messages", lead=True)
         defanger = Defanger(tokenizer)
-        return defanger.encode(render_messages(tokenizer, messages, tools, defanger))
+        return defanger.encode(render_messages(tokenizer, messages, tools, defanger, template_kwargs))
     if parse_special_tokens:
         return list(tokenizer.encode(prompt, add_special_tokens=True))
     return _plain_ids(tokenizer, prompt, add_special_tokens=True)
