@@ -1,13 +1,19 @@
 """The grammar of a tool-calling answer: call blocks of the allowed functions, or a text answer.
 
-Wire format the model writes (the Hermes / Qwen convention, compact JSON inside):
+A :class:`~stencil.grammar.call_syntax.CallSyntax` says how a model family writes its calls (``stencil.service.tool_formats`` is
+the registry of families). The default, :data:`HERMES` (the Hermes / Qwen convention, compact JSON
+inside), reads
 
     <tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>
 
-With ``parallel`` one or more such blocks follow each other directly (at most ``max_calls`` when
-given); without it exactly one. (With a newline allowed between blocks, SmolLM2-135M chose the
-newline over EOS and repeated its call until ``max_tokens``; right after ``</tool_call>`` it
-prefers EOS to ``<``.)
+and, say, Mistral's 2506 templates ``[TOOL_CALLS]get_weather[ARGS]{"city":"Paris"}``: every
+syntax is ``begin``, then calls (``call_open`` NAME ``name_close`` ARGUMENTS ``call_close``)
+separated by ``sep``, then ``end``.
+
+With ``parallel`` one or more such calls follow each other (at most ``max_calls`` when
+given); without it exactly one. (With a newline allowed between Hermes blocks, SmolLM2-135M chose
+the newline over EOS and repeated its call until ``max_tokens``; right after ``</tool_call>`` it
+prefers EOS to ``<``, so Hermes' ``sep`` is empty.)
 
 Each block is the regex alternation over the allowed functions of
 ``{"name":"<f>","arguments":`` + the regex of ``f``'s ``parameters`` + ``}``, disjoint by the name.
@@ -18,8 +24,9 @@ wrote (pydantic writes ``$defs`` for every nested model and Enum). A function wi
 cannot enforce; otherwise only those are relaxed, and named in the warnings.
 
 ``required`` answers are call blocks only; otherwise (OpenAI's ``tool_choice: "auto"``) either call
-blocks or a text answer, which is any text not starting with ``<tool_call>`` or, given a
-``text_schema``, that JSON. The grammar is the regex alternation of both, so the model picks with
+blocks or a text answer, which is any text not starting with the first call's opening marker
+(``<tool_call>``) or, given a ``text_schema``, that JSON (after the syntax's ``text_prefix``, where
+it has one: functionary's ``all\n``). The grammar is the regex alternation of both, so the model picks with
 its first tokens.
 
 The service turns OpenAI's ``tools`` / ``tool_choice`` into :class:`ToolCalls`
@@ -29,17 +36,14 @@ reads the calls back with ``stencil.service.tool_parser``, which shares the mark
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from stencil.grammar.base import GrammarError, GrammarSpec
+from stencil.grammar.call_syntax import CALL_CLOSE, CALL_OPEN, CALL_SEP, HERMES, NAME_CHARS, CallSyntax  # noqa: F401 - re-exported
 from stencil.grammar.json_schema.schema_compiler import schema_to_regex
 
-CALL_OPEN = "<tool_call>"
-CALL_CLOSE = "</tool_call>"
-CALL_SEP = ""  # between parallel blocks (see the module docstring: no newline)
 ANY_TEXT = r"[\s\S]*"
 NO_ARGUMENTS: dict = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -71,12 +75,14 @@ class ToolCalls:
         required: calls only (False: calls or a text answer).
         parallel: one or more calls (False: exactly one).
         max_calls: most calls when ``parallel`` (``None``: no limit).
+        syntax: how the calls are written.
     """
 
     functions: tuple[ToolFunction, ...]
     required: bool
     parallel: bool
     max_calls: int | None = None
+    syntax: CallSyntax = HERMES
 
 
 ArgumentsRegex = Callable[[ToolFunction], str]
@@ -95,7 +101,7 @@ def tool_call_spec(calls: ToolCalls, text_schema: Any = None, *, text_strict: bo
     Args:
         calls: the functions and the shape of the answer.
         text_schema: the JSON Schema a text answer must follow (not ``required`` only), or
-            ``None`` for any text not starting with ``<tool_call>``.
+            ``None`` for any text not starting a call (``calls.syntax``).
         text_strict: fail closed on ``text_schema``'s keywords the grammar cannot enforce.
         text_field: the request field holding ``text_schema``, for errors.
 
@@ -133,29 +139,34 @@ def tool_regex(calls: ToolCalls, arguments_regex: ArgumentsRegex, text_regex: st
         calls: the functions and the shape of the answer.
         arguments_regex: a function → the regex of its arguments' compact JSON.
         text_regex: what a text answer must match when not ``required`` (``None``: any text not
-            starting with ``<tool_call>``).
+            starting a call; after ``calls.syntax.text_prefix`` where it has one).
 
     Raises:
         stencil.grammar.base.GrammarError: from ``arguments_regex``.
     """
-    branches = [call_regex(fn.name, arguments_regex(fn)) for fn in calls.functions]
-    one = literal(CALL_OPEN) + "(?:" + "|".join(branches) + ")" + literal(CALL_CLOSE)
+    syntax = calls.syntax
+    branches = [call_regex(fn.name, arguments_regex(fn), syntax) for fn in calls.functions]
+    one = "(?:" + "|".join(branches) + ")"
     if not calls.parallel:
         answer = one
     elif calls.max_calls is None:
-        answer = f"{one}(?:{literal(CALL_SEP)}{one})*"
+        answer = f"{one}(?:{literal(syntax.sep)}{one})*"
     else:
-        answer = f"{one}(?:{literal(CALL_SEP)}{one}){{0,{calls.max_calls - 1}}}"
+        answer = f"{one}(?:{literal(syntax.sep)}{one}){{0,{calls.max_calls - 1}}}"
+    answer = literal(syntax.begin) + answer + literal(syntax.end)
     if calls.required:
         return answer
-    text = text_regex if text_regex is not None else not_starting_with(CALL_OPEN)
+    if syntax.text_prefix:
+        text = literal(syntax.text_prefix) + "(?:" + (text_regex if text_regex is not None else ANY_TEXT) + ")"
+    else:
+        text = text_regex if text_regex is not None else not_starting_with(syntax.call_marker)
     return f"(?:{answer}|{text})"
 
 
-def call_regex(name: str, arguments_regex: str) -> str:
-    """Regex of one call object: ``{"name":"<name>","arguments":<arguments>}``."""
-    head = '{"name":' + json.dumps(name) + ',"arguments":'
-    return literal(head) + "(?:" + arguments_regex + ")" + literal("}")
+def call_regex(name: str, arguments_regex: str, syntax: CallSyntax = HERMES) -> str:
+    """Regex of one call of ``name`` in ``syntax`` (Hermes: ``<tool_call>{"name":"<name>","arguments":<arguments>}</tool_call>``)."""
+    return (literal(syntax.call_open + name + syntax.name_close) + "(?:" + arguments_regex + ")"
+            + literal(syntax.call_close))
 
 
 def literal(text: str) -> str:

@@ -488,9 +488,10 @@ def verdict(service: ServiceState, c: Constraint, r: gen.GenerationResult, relax
         problems = [w for w in r.warnings if w not in relaxed_warnings]
         return Verdict(r.text, [], r.finish_reason, r.valid, problems)
     auto = c.plan.mode == "auto"
-    parsed = parse_answer(r.text, auto) if r.finish_reason == "stop" else None
+    syntax = c.plan.syntax
+    parsed = parse_answer(r.text, auto, syntax) if r.finish_reason == "stop" else None
     if parsed is None and auto and r.finish_reason == "length":
-        cut = parse_answer(r.text, True)
+        cut = parse_answer(r.text, True, syntax)
         if cut is not None and not cut[1]:
             parsed = cut  # a text answer cut at max_tokens is still a text answer (any text is one)
     if parsed is None:

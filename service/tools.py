@@ -9,7 +9,10 @@ the wire format, the call regex), which the plan asks for through :meth:`ToolPla
 - ``"required"``: the whole output is one (or, in parallel, several) call blocks.
 - a named function: exactly one block calling it.
 - ``"auto"`` (default when tools are given): either call blocks, or a text answer (any text not
-  starting with ``<tool_call>``, or, with a JSON ``response_format``, that JSON).
+  starting a call, or, with a JSON ``response_format``, that JSON).
+
+The calls are written in the served family's syntax (``stencil.service.tool_formats``: Hermes'
+``<tool_call>`` blocks, Mistral's ``[TOOL_CALLS]``, ...), which the plan carries.
 
 ``strict: true`` on a function fails closed on keywords the grammar cannot enforce; omitted or
 false (OpenAI's default) relaxes only those, names them in the warnings, and the arguments are
@@ -28,8 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from stencil.grammar import tool_calls
-from stencil.grammar.tool_calls import CALL_CLOSE, CALL_OPEN, CALL_SEP, ToolCalls, ToolFunction
+from stencil.grammar.call_syntax import HERMES, CallSyntax
+from stencil.grammar.tool_calls import ToolCalls, ToolFunction
 from stencil.schemas.openai import ChatMessage, FunctionCall, FunctionDefinition, ToolCall
+from stencil.service.tool_formats import HERMES_FORMAT, ToolFormat
 from stencil.service.tool_parser import parse_answer
 
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -56,12 +61,14 @@ class ToolPlan:
         functions: the functions a call may name (one, for a named ``tool_choice``).
         parallel: several calls allowed in one answer.
         max_calls: most calls in one answer when ``parallel`` (None: no limit).
+        syntax: how the model writes its calls (the served ``stencil.service.tool_formats`` entry's).
     """
 
     mode: Literal["none", "auto", "required"]
     functions: tuple[FunctionDefinition, ...]
     parallel: bool
     max_calls: int | None = None
+    syntax: CallSyntax = HERMES
 
     @property
     def active(self) -> bool:
@@ -75,7 +82,8 @@ class ToolPlan:
         ``parameters_field`` names where function ``i`` of the plan holds its parameters."""
         return ToolCalls(tuple(ToolFunction(fn.name, fn.parameters, is_strict(fn), parameters_field.format(i=i))
                                for i, fn in enumerate(self.functions)),
-                         required=self.mode == "required", parallel=self.parallel, max_calls=self.max_calls)
+                         required=self.mode == "required", parallel=self.parallel, max_calls=self.max_calls,
+                         syntax=self.syntax)
 
 
 def is_strict(fn: FunctionDefinition) -> bool:
@@ -85,7 +93,7 @@ def is_strict(fn: FunctionDefinition) -> bool:
 
 def plan_tools(functions: Sequence[FunctionDefinition], tool_choice: str | None, named: str | None = None,
                parallel_tool_calls: bool | None = None, max_calls: int | None = None,
-               param: str = "tools") -> ToolPlan:
+               param: str = "tools", syntax: CallSyntax = HERMES) -> ToolPlan:
     """Resolve OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` into a plan.
 
     Args:
@@ -96,6 +104,8 @@ def plan_tools(functions: Sequence[FunctionDefinition], tool_choice: str | None,
         parallel_tool_calls: ``None`` = true (OpenAI's default).
         max_calls: most calls per answer (the Responses API's ``max_tool_calls``).
         param: how the request calls its tool list (for errors).
+        syntax: how the served model writes calls; one whose template shows one call per
+            message (``syntax.parallel`` false) makes every answer a single call.
 
     Raises:
         ToolError: duplicate or malformed function names, an unknown named function, a
@@ -116,15 +126,16 @@ def plan_tools(functions: Sequence[FunctionDefinition], tool_choice: str | None,
         if not chosen:
             raise ToolError(f"tool_choice names function {named!r}, which is not among the tools "
                             f"({', '.join(names) or 'none given'})", "tool_choice")
-        return ToolPlan("required", (chosen[0],), False)
+        return ToolPlan("required", (chosen[0],), False, syntax=syntax)
     if tool_choice is None:
         tool_choice = "auto" if functions else "none"
     if tool_choice == "none":
-        return ToolPlan("none", (), False)
+        return ToolPlan("none", (), False, syntax=syntax)
     if not functions:
         raise ToolError(f"tool_choice {tool_choice!r} needs at least one tool in '{param}'", "tool_choice")
-    parallel = (True if parallel_tool_calls is None else parallel_tool_calls) and max_calls != 1
-    return ToolPlan(tool_choice, tuple(functions), parallel, max_calls if parallel else None)  # type: ignore[arg-type]
+    parallel = (True if parallel_tool_calls is None else parallel_tool_calls) and max_calls != 1 and syntax.parallel
+    return ToolPlan(tool_choice, tuple(functions), parallel, max_calls if parallel else None,  # type: ignore[arg-type]
+                    syntax)
 
 
 def arguments_schema(fn: FunctionDefinition) -> dict:
@@ -139,7 +150,7 @@ def new_call_id() -> str:
 def parse_tool_output(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolCall]]:
     """Split a finished output into ``(content, tool_calls)``.
 
-    Output that starts with ``<tool_call>`` is read as call blocks (``content`` is ``None``);
+    Output that starts a call (in ``plan.syntax``) is read as calls (``content`` is ``None``);
     anything else is a text answer with no calls. Arguments are the model's own JSON text
     (compact, as the grammar wrote it), as streamed.
 
@@ -149,7 +160,7 @@ def parse_tool_output(text: str, plan: ToolPlan) -> tuple[str | None, list[ToolC
     """
     if not plan.active:
         return text, []
-    parsed = parse_answer(text, plan.mode == "auto")
+    parsed = parse_answer(text, plan.mode == "auto", plan.syntax)
     if parsed is None:
         raise ValueError(f"output starts a tool call but holds no complete blocks: {text[:200]!r}")
     content, calls = parsed
@@ -165,6 +176,12 @@ def template_supports_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
 
 
+def template_renders_calls(chat_template: str | None) -> bool:
+    """True when a Jinja chat template reads messages' ``tool_calls`` (then it renders past calls
+    and, by the same token, tool results itself)."""
+    return bool(chat_template) and re.search(r"\btool_calls\b", chat_template) is not None
+
+
 def tools_system_text(plan: ToolPlan) -> str:
     """The system-message description of the callable functions and the call format."""
     lines = ["You can call the following functions. Each is given as JSON with its name, "
@@ -172,9 +189,8 @@ def tools_system_text(plan: ToolPlan) -> str:
     for fn in plan.functions:
         lines.append(json.dumps({"name": fn.name, "description": fn.description or "",
                                  "parameters": arguments_schema(fn)}, ensure_ascii=False))
-    lines.append(f'To call a function, write {CALL_OPEN}{{"name": <function name>, "arguments": '
-                 f'<arguments as a JSON object>}}{CALL_CLOSE}'
-                 + (" (one block per call)." if plan.parallel else "."))
+    example = plan.syntax.calls_text([("<function name>", "<arguments as a JSON object>")])
+    lines.append(f"To call a function, write {example}" + (" (one block per call)." if plan.parallel else "."))
     if plan.mode == "auto":
         lines.append("If no function is needed, answer in plain text instead.")
     return "\n".join(lines)
@@ -194,12 +210,18 @@ def _text_of(msg: ChatMessage, index: int) -> str:
     return "".join(parts)
 
 
-def _calls_text(calls: list[ToolCall]) -> str:
-    blocks = []
-    for c in calls:
-        blocks.append(CALL_OPEN + json.dumps({"name": c.function.name, "arguments": _arguments(c)},
-                                             separators=(",", ":"), ensure_ascii=False) + CALL_CLOSE)
-    return CALL_SEP.join(blocks)
+def _calls_text(calls: list[ToolCall], syntax: CallSyntax) -> str:
+    return syntax.calls_text([(c.function.name, json.dumps(_arguments(c), separators=(",", ":"), ensure_ascii=False))
+                              for c in calls])
+
+
+def _template_id(call_id: str, fmt: ToolFormat) -> str:
+    return fmt.call_id(call_id) if fmt.call_id is not None else call_id
+
+
+def _template_arguments(call: ToolCall, fmt: ToolFormat) -> Any:
+    args = _arguments(call)  # checked JSON either way
+    return json.dumps(args, ensure_ascii=False) if fmt.arguments_as_text else args
 
 
 def _arguments(call: ToolCall) -> Any:
@@ -210,19 +232,25 @@ def _arguments(call: ToolCall) -> Any:
                         "messages") from None
 
 
-def template_messages(messages: list[ChatMessage], plan: ToolPlan,
-                      native_tools: bool) -> tuple[list[dict], list[dict] | None]:
+def template_messages(messages: list[ChatMessage], plan: ToolPlan, native_tools: bool,
+                      fmt: ToolFormat = HERMES_FORMAT,
+                      native_calls: bool | None = None) -> tuple[list[dict], list[dict] | None]:
     """OpenAI messages → (messages for ``apply_chat_template``, its ``tools=`` argument or None).
 
-    With ``native_tools`` the template sees assistant ``tool_calls`` (arguments as objects) and
-    ``tool`` messages as they are. Otherwise past calls become their ``<tool_call>`` text, tool
-    results become user messages naming the function, and the tool description goes into the
-    system message (prepended to the first system message, or as a new first message).
-    ``developer`` messages are treated as ``system``.
+    With ``native_tools`` the template sees assistant ``tool_calls`` and ``tool`` messages as they
+    are, as ``fmt`` (the served tool-call format) says its template reads them: arguments as
+    objects (or JSON text), ids it accepts, or (a template that drops past calls) the calls
+    written into the content in ``fmt``'s syntax. Otherwise past calls become their text in
+    ``fmt``'s syntax, tool results become user messages naming the function, and the tool
+    description goes into the system message (prepended to the first system message, or as a
+    new first message). ``developer`` messages are treated as ``system``. ``native_calls``: the
+    template renders past calls and results though it takes no ``tools`` (DeepSeek R1's);
+    ``None``: as ``native_tools``.
 
     Raises:
         ToolError: non-text content parts, or arguments of a past call that are not JSON.
     """
+    calls_native = native_tools if native_calls is None else native_calls
     names: dict[str, str] = {}
     out: list[dict] = []
     for i, m in enumerate(messages):
@@ -231,19 +259,21 @@ def template_messages(messages: list[ChatMessage], plan: ToolPlan,
         if role == "assistant" and m.tool_calls:
             for c in m.tool_calls:
                 names[c.id] = c.function.name
-            if native_tools:
+            if calls_native and fmt.native_calls:
                 out.append({"role": "assistant", "content": text, "tool_calls": [
-                    {"id": c.id, "type": "function",
-                     "function": {"name": c.function.name, "arguments": _arguments(c)}} for c in m.tool_calls]})
+                    {"id": _template_id(c.id, fmt), "type": "function",
+                     "function": {"name": c.function.name, "arguments": _template_arguments(c, fmt)}}
+                    for c in m.tool_calls]})
             else:
-                out.append({"role": "assistant", "content": (text + "\n" if text else "") + _calls_text(m.tool_calls)})
-        elif role == "tool" and not native_tools:
+                calls_text = _calls_text(m.tool_calls, fmt.syntax)
+                out.append({"role": "assistant", "content": (text + "\n" if text else "") + calls_text})
+        elif role == "tool" and not calls_native:
             name = names.get(m.tool_call_id or "", m.name or "a function")
             out.append({"role": "user", "content": f"Result of calling {name}: {text}"})
         else:
             msg: dict = {"role": role, "content": text}
             if role == "tool" and m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
+                msg["tool_call_id"] = _template_id(m.tool_call_id, fmt)
             if m.name is not None:
                 msg["name"] = m.name
             out.append(msg)
