@@ -78,3 +78,57 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         return self.text[:self.emitted]
+
+
+class ReasoningDetokenizer:
+    """The text of an output with a reasoning region (``SamplingParams.reasoning``), split in two.
+
+    Output tokens are routed by where the request's matcher put them
+    (``stencil.grammar.reasoning.ReasoningMatcher``: ``reasoning_start``, ``reasoning_end``,
+    ``answer_start``): the reasoning's own tokens to one ``IncrementalDetokenizer`` (with the end
+    marker's text as its stop string, so a marker the reasoning's text completed is cut off, and
+    a partial one is held back until it is settled), the answer's to another (the request's stop
+    strings), and the forced start, marker and separator tokens to neither.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        stop: the request's stop strings (they apply to the answer only).
+        end_text: the end marker's text.
+    """
+
+    def __init__(self, tokenizer, stop: list[str] | None, end_text: str):
+        self.reasoning = IncrementalDetokenizer(tokenizer, [end_text])
+        self.answer = IncrementalDetokenizer(tokenizer, stop)
+        self.seen = 0  # output tokens routed so far
+
+    def push(self, token_ids: list[int], matcher) -> tuple[str, str]:
+        """Route the new output tokens; return the (answer, reasoning) text made final."""
+        start = matcher.reasoning_start
+        end, answer = matcher.reasoning_end, matcher.answer_start
+        think: list[int] = []
+        said: list[int] = []
+        for i, t in enumerate(token_ids, self.seen):
+            if answer is not None and i >= answer:
+                said.append(t)
+            elif start <= i and (end is None or i < end):
+                think.append(t)
+        self.seen += len(token_ids)
+        r = self.reasoning.push(think) if think else ""
+        if end is not None:
+            r += self.reasoning.finish()  # the reasoning is over: release what it held back
+        a = self.answer.push(said) if said else ""
+        return a, r
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held back: (answer, reasoning)."""
+        return self.answer.finish(), self.reasoning.finish()
+
+    @property
+    def stopped(self) -> bool:
+        """The answer met one of the request's stop strings."""
+        return self.answer.stopped
+
+    @property
+    def text(self) -> str:
+        """The answer's text once it began, else the reasoning's (what speculation reads)."""
+        return self.answer.text if self.answer.tokens else self.reasoning.text

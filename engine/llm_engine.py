@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from typing import Callable
 
 from stencil.engine.config import EngineConfig
-from stencil.engine.detokenizer import IncrementalDetokenizer
+from stencil.engine.detokenizer import IncrementalDetokenizer, ReasoningDetokenizer
 from stencil.engine.kv_cache_manager import KVCacheManager
 from stencil.engine.model_runner import ModelRunner, ModelRunnerOutput
 from stencil.engine.outputs import RequestOutput
@@ -96,7 +96,7 @@ class LLMEngine:
         # Rows torch's CPU int4 kernel multiplies together (4): speculation sizes drafts to it.
         # The native kernel (kernels/native.py) has no such tile.
         self.row_tile = 4 if self._int4_gemm == "torch" else 1
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._detok: dict[str, IncrementalDetokenizer | ReasoningDetokenizer] = {}
         self.drafter = Drafter(self.tokenizer, self._output_text, self.scheduler.may_draft, self.max_model_len)
         # Whether drafting pays, from what decode steps cost with and without it.
         self.goodput = Goodput(row_floor_ms=0.0 if row_floor_ms is None and cost_model is not None else row_floor_ms)
@@ -140,7 +140,9 @@ class LLMEngine:
         future = None
         if isinstance(grammar, Future):
             future, grammar = grammar, None
-        elif grammar is not None:
+        elif grammar is not None or params.reasoning is not None:
+            # reasoning without a constraint: a free answer, still behind the reasoning's matcher
+            grammar = grammar if grammar is not None else self.structured.free_answer()
             self.check_budget(grammar, params)
         # No matcher and no detokenizer yet: the scheduler makes the matcher when it first runs
         # the request, _output the detokenizer at its first token (a queued request stays small).
@@ -197,11 +199,17 @@ class LLMEngine:
         return params
 
     def check_budget(self, grammar, params: SamplingParams) -> None:
-        """Refuse a constrained request whose ``max_tokens`` cannot hold the shortest output.
+        """Refuse a constrained request whose ``max_tokens`` cannot hold the shortest output
+        (with ``params.reasoning``: the region's forced tokens and the answer's shortest output;
+        ``grammar`` None then stands for a free answer).
 
         Raises:
             EngineError: naming ``max_tokens`` and the minimum.
         """
+        if grammar is None:
+            if params.reasoning is None:
+                return
+            grammar = self.structured.free_answer()
         try:
             check_budget(grammar, params)
         except BudgetError as e:
@@ -376,19 +384,30 @@ class LLMEngine:
 
     def _output(self, req: Request, new: list[int]) -> RequestOutput:
         detok = self._detok.get(req.request_id)
+        reasoning = req.params.reasoning
+        split = reasoning is not None and req.matcher is not None
         if detok is None and new:
-            detok = self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
-        text = ""
+            detok = self._detok[req.request_id] = (
+                ReasoningDetokenizer(self.tokenizer, req.params.stop, reasoning.end_text) if split
+                else IncrementalDetokenizer(self.tokenizer, req.params.stop))
+        text = thought = ""
         if detok is not None:
             try:
-                text = detok.push(new)
+                if split:  # the answer's text in text, the reasoning's in thought
+                    text, thought = detok.push(new, req.matcher)
+                else:
+                    text = detok.push(new)
                 if detok.stopped and not req.is_finished:
                     # step() skips requests whose end it already reported: not reported twice.
                     self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
                 if req.is_finished:
-                    text += detok.finish()
+                    if split:
+                        more, more_thought = detok.finish()
+                        text, thought = text + more, thought + more_thought
+                    else:
+                        text += detok.finish()
             except Exception as e:  # noqa: BLE001 - one request's text must not stop the batch
-                text = ""
+                text = thought = ""
                 if req.is_finished:  # already ended (length, stop): report the failure all the same
                     req.status = RequestStatus.FINISHED_ERROR
                     req.error = f"internal error while detokenizing ({type(e).__name__}); see the server log"
@@ -419,7 +438,17 @@ class LLMEngine:
             new_top_logprobs=(req.output_top_logprobs[len(req.output_top_logprobs) - len(new):]
                               if req.params.top_logprobs and new else []),
             context_room=req.params.context_room if finished else None,
+            new_reasoning_text=thought,
+            num_reasoning_tokens=self._reasoning_tokens(req) if split else 0,
+            reasoning_cut=split and req.matcher.reasoning_cut,
         )
+
+    @staticmethod
+    def _reasoning_tokens(req: Request) -> int:
+        """Output tokens through the reasoning's end marker and separator (all of them while
+        the answer has not begun)."""
+        start = req.matcher.answer_start
+        return req.num_output_tokens if start is None else min(start, req.num_output_tokens)
 
     # -- convenience ---------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

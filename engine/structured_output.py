@@ -52,6 +52,16 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.compiler = GrammarCompiler(vocab, vocab_size, max_workers=workers, timeout_s=timeout_s,
                                         backend=backend)
+        self._free = None
+
+    def free_answer(self):
+        """The "grammar" of an unconstrained answer after reasoning (``SamplingParams.reasoning``
+        without a constraint): ``make_matcher`` gives it a reasoning matcher with a free answer."""
+        from stencil.grammar.reasoning import FreeAnswer
+
+        if self._free is None:
+            self._free = FreeAnswer(self.compiler.vocab)
+        return self._free
 
     def grammar_bitmask(self, sched: "SchedulerOutput",
                         failed: list[tuple["Request", BaseException]]) -> "torch.Tensor | None":
@@ -106,6 +116,9 @@ def check_budget(grammar, params: "SamplingParams") -> None:
     Raises:
         BudgetError: naming ``max_tokens`` and the minimum.
     """
+    if params.reasoning is not None:
+        _check_reasoning_budget(grammar, params)
+        return
     if not params.close_on_budget or not hasattr(grammar, "min_output_tokens"):
         return
     need = grammar.min_output_tokens(params.max_tokens)
@@ -114,15 +127,53 @@ def check_budget(grammar, params: "SamplingParams") -> None:
                           f"admits: it needs at least {need} tokens (or set close_on_budget false)")
 
 
+def _check_reasoning_budget(grammar, params: "SamplingParams") -> None:
+    """With a reasoning region the shortest output is its forced tokens (start, end marker,
+    separator) and then the answer's shortest output (none for a free answer, or without
+    ``close_on_budget``)."""
+    r = params.reasoning
+    fixed = r.fixed_tokens
+    room = params.max_tokens - fixed
+    answer = 0
+    if params.close_on_budget and hasattr(grammar, "min_output_tokens"):
+        answer = grammar.min_output_tokens(max(room, 0)) or 0
+    if room < 0 or answer:
+        raise BudgetError(f"max_tokens {params.max_tokens} is below the shortest output with reasoning: it needs at "
+                          f"least {fixed + answer} tokens ({fixed} for the reasoning's start, end marker and "
+                          f"separator, {answer} for the answer)")
+
+
 def make_matcher(grammar, params: "SamplingParams"):
-    """The request's matcher: budget-aware unless ``params.close_on_budget`` is off."""
+    """The request's matcher: budget-aware unless ``params.close_on_budget`` is off; with
+    ``params.reasoning``, a ``stencil.grammar.reasoning.ReasoningMatcher`` around the answer's
+    (``grammar`` may then be the engine's ``free_answer()``: no matcher for the answer)."""
+    if params.reasoning is not None:
+        return _reasoning_matcher(grammar, params)
+    return _answer_matcher(grammar, params, params.max_tokens)
+
+
+def _answer_matcher(grammar, params: "SamplingParams", max_tokens: int):
     if params.close_on_budget and hasattr(grammar, "budget_matcher"):
         from stencil.grammar.budget import SoftLimits
 
         limits = params.soft_limits
         soft = None if limits is False else limits if isinstance(limits, SoftLimits) else SoftLimits()
-        return grammar.budget_matcher(params.max_tokens, soft_limits=soft)
+        return grammar.budget_matcher(max_tokens, soft_limits=soft)
     return grammar.matcher()
+
+
+def _reasoning_matcher(grammar, params: "SamplingParams"):
+    from stencil.grammar.reasoning import FreeAnswer, ReasoningMatcher
+
+    r = params.reasoning
+    if isinstance(grammar, FreeAnswer):
+        return ReasoningMatcher(None, grammar.vocab, r, params.max_tokens, answer_min=0)
+    # The answer's budget is set again when it starts (what the reasoning left of max_tokens).
+    answer = _answer_matcher(grammar, params, max(1, params.max_tokens - r.fixed_tokens))
+    answer_min = None  # a BudgetMatcher's distance from its start
+    if not hasattr(answer, "set_budget"):
+        answer_min = (lambda: grammar.min_output_tokens(0)) if hasattr(grammar, "min_output_tokens") else 0
+    return ReasoningMatcher(answer, grammar.vocab, r, params.max_tokens, answer_min=answer_min)
 
 
 def prefetch(matchers: list) -> None:

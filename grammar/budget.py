@@ -229,6 +229,12 @@ class BudgetMatcher:
         """Tokens left in the budget."""
         return self.max_tokens - self.inner.num_tokens
 
+    def set_budget(self, max_tokens: int) -> None:
+        """Give the output a new budget (a reasoning region ended: the answer gets what is left,
+        ``stencil.grammar.reasoning``); the cached plan is dropped."""
+        self.max_tokens = max_tokens
+        self._plan = None
+
     @property
     def closed_by_budget(self) -> bool:
         """Whether the budget narrowed any mask of this output."""

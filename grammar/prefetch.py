@@ -24,7 +24,9 @@ def prefetch_masks(matchers) -> None:
     """
     groups: dict[int, tuple[object, list[LazyMatcher]]] = {}
     for m in matchers:
-        inner = getattr(m, "inner", m)  # stencil.grammar.budget.BudgetMatcher wraps the backend's matcher
+        inner = m  # a BudgetMatcher wraps the backend's matcher; a ReasoningMatcher, the answer's
+        while not isinstance(inner, LazyMatcher) and getattr(inner, "inner", None) is not None:
+            inner = inner.inner
         if isinstance(inner, LazyMatcher) and inner.needs_mask:
             backend = inner.grammar.backend
             groups.setdefault(id(backend), (backend, []))[1].append(inner)
