@@ -236,7 +236,7 @@ def test_qwen3_reasons_then_answers_a_valid_schema(qwen3_dir):
 
         # room to think: reasoning deltas first, then the answer's
         chunks = _sse(client.post("/v1/chat/completions",
-                                  json={**body, "max_tokens": 60, "stream": True,
+                                  json={**body, "max_tokens": 50, "stream": True,
                                         "stream_options": {"include_usage": True}}))
         deltas = [ChatCompletionChunk.model_validate(c).choices[0].delta for c in chunks if c["choices"]]
         thoughts = [(d.model_extra or {}).get("reasoning_content") for d in deltas]
@@ -246,24 +246,24 @@ def test_qwen3_reasons_then_answers_a_valid_schema(qwen3_dir):
         assert not any(thoughts[first_content:]) and thought and "think>" not in thought + content
         assert chunks[-2]["choices"][0]["valid"] is True
         usage = chunks[-1]["usage"]
-        assert 4 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"] <= 60
+        assert 4 < usage["completion_tokens_details"]["reasoning_tokens"] < usage["completion_tokens"] <= 50
         _answer(content)
 
         # /generate: the same run (greedy, the same prompt), the reasoning apart
-        r = client.post("/generate", json={"messages": ASK, "response_schema": SCHEMA, "max_tokens": 60})
+        r = client.post("/generate", json={"messages": ASK, "response_schema": SCHEMA, "max_tokens": 50})
         g = r.json()
         assert r.status_code == 200 and g["valid"] is True and g["output"] == _answer(g["text"]), g
         assert (g["reasoning"], g["text"]) == (thought, content)
         assert g["usage"]["reasoning_tokens"] == usage["completion_tokens_details"]["reasoning_tokens"]
 
         # thinking off: the answer at once, no reasoning
-        r = client.post("/v1/chat/completions", json={**body, "max_tokens": 24,
+        r = client.post("/v1/chat/completions", json={**body, "max_tokens": 16,
                                                       "chat_template_kwargs": {"enable_thinking": False}})
         a = r.json()
         assert r.status_code == 200 and a["choices"][0]["valid"] is True, a
         assert "reasoning_content" not in a["choices"][0]["message"] and "completion_tokens_details" not in a["usage"]
         _answer(a["choices"][0]["message"]["content"])
-        r = client.post("/generate", json={"messages": ASK, "response_schema": SCHEMA, "max_tokens": 24,
+        r = client.post("/generate", json={"messages": ASK, "response_schema": SCHEMA, "max_tokens": 16,
                                            "reasoning_effort": "none"})
         assert r.json()["reasoning"] is None and r.json()["valid"] is True and r.json()["usage"]["reasoning_tokens"] == 0
 
@@ -309,6 +309,6 @@ def test_deepseek_r1_and_the_responses_reasoning_item(r1_dir):
         ResponseReasoningTextDeltaEvent.model_validate(
             next(e for e in events if e["type"] == "response.reasoning_text.delta"))
         # the output sent back as the next turn's input: the reasoning item is taken (and dropped)
-        r = client.post("/v1/responses", json={**body, "max_output_tokens": 20, "input": [
+        r = client.post("/v1/responses", json={**body, "max_output_tokens": 16, "input": [
             {"role": "user", "content": "Where?"}, *a["output"], {"role": "user", "content": "Again."}]})
         assert r.status_code == 200, r.text
