@@ -2,7 +2,7 @@
 
 Every family's chat template shows the model past calls in its own syntax, and the model was
 trained to write new ones the same way. A :class:`ToolFormat` is one family: the
-:class:`~stencil.grammar.tool_calls.CallSyntax` its calls are written in (the grammar,
+:class:`~stencil.grammar.call_syntax.CallSyntax` its calls are written in (the grammar,
 ``stencil.grammar.tool_calls.tool_regex``, and the reader, ``stencil.service.tool_parser``, both
 work from it), a detector over the template's text, and how earlier calls go back through that
 template (``stencil.service.tools.template_messages``). The answer the client sees is OpenAI's

@@ -1,7 +1,7 @@
 """Reads tool calls out of a model's output as it streams, one text fragment at a time.
 
 The grammar (``stencil.grammar.tool_calls``, the syntaxes' home) makes the model write its calls in
-its family's :class:`~stencil.grammar.tool_calls.CallSyntax`, by default (Hermes)
+its family's :class:`~stencil.grammar.call_syntax.CallSyntax`, by default (Hermes)
 
     <tool_call>{"name":"NAME","arguments":ARGUMENTS}</tool_call>   (one or more blocks)
 
