@@ -130,14 +130,14 @@ def check_budget(grammar, params: "SamplingParams") -> None:
 def _check_reasoning_budget(grammar, params: "SamplingParams") -> None:
     """With a reasoning region the shortest output is its forced tokens (start, end marker,
     separator) and then the answer's shortest output (none for a free answer, or without
-    ``close_on_budget``)."""
+    ``close_on_budget``). The answer's minimum is asked for exactly (``min_output_tokens(0)``),
+    which builds its closing automaton now: the reasoning's cut needs it from the first step."""
     r = params.reasoning
     fixed = r.fixed_tokens
-    room = params.max_tokens - fixed
     answer = 0
     if params.close_on_budget and hasattr(grammar, "min_output_tokens"):
-        answer = grammar.min_output_tokens(max(room, 0)) or 0
-    if room < 0 or answer:
+        answer = grammar.min_output_tokens(0) or 0
+    if params.max_tokens < fixed + answer:
         raise BudgetError(f"max_tokens {params.max_tokens} is below the shortest output with reasoning: it needs at "
                           f"least {fixed + answer} tokens ({fixed} for the reasoning's start, end marker and "
                           f"separator, {answer} for the answer)")
