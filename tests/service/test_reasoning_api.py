@@ -209,13 +209,15 @@ def _answer(text: str) -> dict:
     return value
 
 
-def test_qwen3_reasons_then_answers_a_valid_schema(qwen3_dir):
+def test_qwen3_reasons_then_answers_a_valid_schema(qwen3_dir, caplog):
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    caplog.set_level("INFO")
     with TestClient(_app(qwen3_dir), timeout=120) as client:
         model = client.get("/v1/models").json()["data"][0]
         assert model["chat_format"]["reasoning"] == "qwen3"
+        assert "(reasoning format: qwen3, detected from its chat template)" in caplog.text
         body = {"model": model["id"], "messages": ASK, "response_format": fmt, "temperature": 0}
         # the least max_tokens: the region's 4 forced tokens (<think> \n </think> \n\n) and the
         # answer's shortest spelling, so the reasoning is empty
@@ -265,7 +267,8 @@ def test_qwen3_reasons_then_answers_a_valid_schema(qwen3_dir):
         _answer(a["choices"][0]["message"]["content"])
         r = client.post("/generate", json={"messages": ASK, "response_schema": SCHEMA, "max_tokens": 16,
                                            "reasoning_effort": "none"})
-        assert r.json()["reasoning"] is None and r.json()["valid"] is True and r.json()["usage"]["reasoning_tokens"] == 0
+        g = r.json()
+        assert g["reasoning"] is None and g["valid"] is True and g["usage"]["reasoning_tokens"] == 0
 
 
 def _sse(r) -> list[dict]:
