@@ -113,7 +113,7 @@ class ReasoningRows:
 
 def reasoning_rows(vocab: TokenVocabulary, end_text: str, end_id: int) -> ReasoningRows:
     """The :class:`ReasoningRows` of ``vocab`` and this marker, built once and cached (a scan of
-    the tokens holding the marker's last byte; tens of milliseconds on a 150k vocabulary)."""
+    the tokens holding the marker's last byte: about 2 ms on SmolLM2's 49,152 tokens)."""
     key = (vocab.fingerprint, end_text, end_id)
     with _ROWS_LOCK:
         rows = _ROWS.get(key)
@@ -261,8 +261,9 @@ class ReasoningMatcher:
         return None
 
     def _step(self, t: int) -> bool:
-        """Accept one token outside the answer (or the first of the answer's tokens' phase
-        change); False, state unchanged, when refused."""
+        """Accept one token before the answer (the start, the reasoning, the marker, the
+        separator), moving to the next phase where it ends one; False, state unchanged, when
+        refused."""
         phase, i, run, k, n, cut, r_end, a_start, ended = st = self._st
         pos = len(self._hist)
         p = self.params
