@@ -139,6 +139,35 @@ def test_deepseek_r1_prompt_opens_the_region(r1_dir):
     assert r is not None and r.max_reasoning_tokens == 0 and p.kwargs is None
 
 
+@pytest.mark.parametrize("template, specials, start, after, off", [
+    ("HuggingFaceTB-SmolLM3-3B", ["<think>", "</think>"], "<think>\n", "\n", "closed"),
+    ("mistralai-Ministral-3-14B-Reasoning-2512", ["[THINK]", "[/THINK]", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                                                  "[/SYSTEM_PROMPT]"], "[THINK]", "", "empty"),
+    ("openai-gpt-oss-120b", ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"],
+     "<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>", "empty"),
+])
+def test_other_families_regions_from_their_real_templates(tiny_model_dir, template, specials, start, after, off):
+    from real_templates import real_template
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tok.add_special_tokens({"additional_special_tokens": specials}, replace_extra_special_tokens=False)
+    tok.chat_template = real_template(template)
+    state = SimpleNamespace(reasoning=resolve("auto", tok.chat_template), config=ServiceConfig().validate(),
+                            engine=SimpleNamespace(tokenizer=tok))
+    p, r, _ = _params(state, tok)
+    assert r.start_ids == tuple(tok.encode(start, add_special_tokens=False))  # the prompt leaves it to the model
+    assert r.end_ids == tuple(tok.encode(state.reasoning.end, add_special_tokens=False))
+    assert r.after_ids == tuple(tok.encode(after, add_special_tokens=False))
+    p, r, ids = _params(state, tok, "none")
+    if off == "closed":  # SmolLM3's switch writes an empty region into the prompt
+        assert r is None and tok.decode(ids).endswith("<think>\n\n</think>\n")
+    else:  # no switch: an empty region the engine forces
+        assert r.max_reasoning_tokens == 0
+    if state.reasoning.effort_kwarg:  # gpt-oss takes the effort itself, in its system message
+        p, r, ids = _params(state, tok, "high")
+        assert p.kwargs == {"reasoning_effort": "high"} and "Reasoning: high" in tok.decode(ids)
+
+
 def test_a_model_that_does_not_reason_takes_any_effort_as_none(tiny_model_dir):
     state, tok = _state(tiny_model_dir)
     assert state.reasoning is None
