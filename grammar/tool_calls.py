@@ -1,7 +1,7 @@
 """The grammar of a tool-calling answer: call blocks of the allowed functions, or a text answer.
 
-A :class:`~stencil.grammar.call_syntax.CallSyntax` says how a model family writes its calls (``stencil.service.tool_formats`` is
-the registry of families). The default, :data:`HERMES` (the Hermes / Qwen convention, compact JSON
+A :class:`~stencil.grammar.call_syntax.CallSyntax` says how a model family writes its calls
+(``stencil.service.tool_formats`` is the registry of families). The default, :data:`HERMES` (the Hermes / Qwen convention, compact JSON
 inside), reads
 
     <tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stencil.grammar.base import GrammarError, GrammarSpec
-from stencil.grammar.call_syntax import CALL_CLOSE, CALL_OPEN, CALL_SEP, HERMES, NAME_CHARS, CallSyntax  # noqa: F401 - re-exported
+from stencil.grammar.call_syntax import CALL_CLOSE, CALL_OPEN, CALL_SEP, HERMES, CallSyntax  # noqa: F401 (re-exported)
 from stencil.grammar.json_schema.schema_compiler import schema_to_regex
 
 ANY_TEXT = r"[\s\S]*"
@@ -164,7 +164,8 @@ def tool_regex(calls: ToolCalls, arguments_regex: ArgumentsRegex, text_regex: st
 
 
 def call_regex(name: str, arguments_regex: str, syntax: CallSyntax = HERMES) -> str:
-    """Regex of one call of ``name`` in ``syntax`` (Hermes: ``<tool_call>{"name":"<name>","arguments":<arguments>}</tool_call>``)."""
+    """Regex of one call of ``name`` in ``syntax`` (Hermes:
+    ``<tool_call>{"name":"<name>","arguments":<arguments>}</tool_call>``)."""
     return (literal(syntax.call_open + name + syntax.name_close) + "(?:" + arguments_regex + ")"
             + literal(syntax.call_close))
 

@@ -17,13 +17,14 @@ llama3_json    ``{"name":"f","parameters":{...}}``, one call per answer (Llama 3
                templates refuse several; ``<|python_tag|>`` is only for their built-in tools'
                Python calls, which are not served)
 mistral_nemo   ``[TOOL_CALLS][{"name":"f","arguments":{...}},...]`` (Mistral Nemo, 7B v0.3)
-mistral        ``[TOOL_CALLS]f[ARGS]{...}`` per call (Mistral Small 3.2 2506, Devstral, Magistral)
+mistral        ``[TOOL_CALLS]f[ARGS]{...}`` per call (Mistral Small 3.2 2506, Devstral)
 deepseek_r1    ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f`` + a json fence
                around the arguments (DeepSeek R1 and its distills)
 deepseek_v3_1  ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...``
 granite        ``<|tool_call|>[{"name":"f","arguments":{...}},...]`` (Granite 3.x)
-functionary    ``f\\n{...}>>>g\\n{...}`` after the prompt's ``>>>``; text is ``all\\n...``
-_v3_2          (functionary medium/small v3.2)
+functionary_v3_2
+               ``f\\n{...}>>>g\\n{...}`` after the prompt's ``>>>``; a text answer is ``all\\n...``
+               (functionary medium/small v3.2)
 gpt_oss        ``<|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>``,
                one call per answer (harmony; its template renders one per message)
 ============== =================================================================================
@@ -31,8 +32,10 @@ gpt_oss        ``<|channel|>commentary to=functions.f <|constrain|>json<|message
 Known limit: the markers are written by the grammar as TEXT. The grammar's alphabet leaves a
 model's added and special tokens out (``stencil.grammar.vocab``), so a model spells
 ``[TOOL_CALLS]`` or ``<｜tool▁sep｜>`` with ordinary tokens, not with the one control token its
-training used; a real model reads such spelled markers back reliably in its prompt, but a
-family whose weights only ever saw the control token may find the spelled call less likely.
+training used (and a family's detector reads only the template, so a syntax the registry lacks,
+Qwen3-Coder's XML calls inside ``<tool_call>`` say, is served as the nearest entry's). How much
+a real model's calls suffer from the spelled markers is not measured here: the tests use tiny
+random models.
 """
 
 from __future__ import annotations

@@ -158,6 +158,16 @@ def test_any_split_of_a_call_text_gives_the_events_of_one_piece(name):
     assert "".join(e.text for e in got) == "Sunny."
 
 
+def test_a_family_whose_template_shows_one_call_answers_with_one():
+    fns = [FunctionDefinition(**t["function"]) for t in TOOLS]
+    for name, parallel in [("llama3_json", False), ("gpt_oss", False), ("mistral", True), ("hermes", True)]:
+        plan = plan_tools(fns, "required", parallel_tool_calls=True, max_calls=3, syntax=BY_NAME[name].syntax)
+        assert (plan.parallel, plan.max_calls, plan.calls().syntax.name) == (parallel, 3 if parallel else None, name)
+        rx = re.compile(tool_call_spec(plan.calls())[0].value)
+        two = BY_NAME[name].syntax.calls_text([("now", "{}"), ("now", "{}")])
+        assert bool(rx.fullmatch(two)) == parallel
+
+
 # -- rendering earlier calls -------------------------------------------------------------------------
 
 
