@@ -38,6 +38,8 @@ class CallSyntax:
             ``<tool_call>`` tag alone).
         parallel: the family's template shows several calls in one assistant message (False:
             one call per answer, whatever ``parallel_tool_calls`` says).
+        example: how a system message written for a template without tools shows a call
+            (``stencil.service.tools.tools_system_text``); empty: one call with placeholders.
     """
 
     name: str
@@ -50,6 +52,7 @@ class CallSyntax:
     text_prefix: str = ""
     marker: str = ""
     parallel: bool = True
+    example: str = ""
 
     @property
     def opener(self) -> str:
@@ -71,4 +74,6 @@ class CallSyntax:
 
 
 HERMES = CallSyntax("hermes", CALL_OPEN + '{"name":"', '","arguments":', "}" + CALL_CLOSE, sep=CALL_SEP,
-                    marker=CALL_OPEN)
+                    marker=CALL_OPEN,
+                    example=CALL_OPEN + '{"name": <function name>, "arguments": <arguments as a JSON object>}'
+                    + CALL_CLOSE)

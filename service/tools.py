@@ -189,7 +189,7 @@ def tools_system_text(plan: ToolPlan) -> str:
     for fn in plan.functions:
         lines.append(json.dumps({"name": fn.name, "description": fn.description or "",
                                  "parameters": arguments_schema(fn)}, ensure_ascii=False))
-    example = plan.syntax.calls_text([("<function name>", "<arguments as a JSON object>")])
+    example = plan.syntax.example or plan.syntax.calls_text([("<function name>", "<arguments as a JSON object>")])
     lines.append(f"To call a function, write {example}" + (" (one block per call)." if plan.parallel else "."))
     if plan.mode == "auto":
         lines.append("If no function is needed, answer in plain text instead.")

@@ -25,7 +25,9 @@ from stencil.service.app import create_app
 from stencil.service.state import ServiceConfig
 from stencil.service.tool_formats import BY_NAME, HERMES_FORMAT, mistral_call_id
 from stencil.service.tool_parser import ToolCallParser, ToolEvent
-from stencil.service.tools import plan_tools, template_messages, template_renders_calls, template_supports_tools
+from stencil.service.tools import (
+    plan_tools, template_messages, template_renders_calls, template_supports_tools, tools_system_text,
+)
 
 openai = pytest.importorskip("openai")
 
@@ -179,6 +181,16 @@ def test_a_family_whose_template_shows_one_call_answers_with_one():
         rx = re.compile(tool_call_spec(plan.calls())[0].value)
         two = BY_NAME[name].syntax.calls_text([("now", "{}"), ("now", "{}")])
         assert bool(rx.fullmatch(two)) == parallel
+
+
+def test_a_template_without_tools_is_told_the_syntax_in_the_system_message():
+    fns = [FunctionDefinition(name="now")]
+    hermes = tools_system_text(plan_tools(fns, "required")).splitlines()[-1]
+    assert hermes == ('To call a function, write <tool_call>{"name": <function name>, "arguments": '
+                      "<arguments as a JSON object>}</tool_call> (one block per call).")
+    mistral = tools_system_text(plan_tools(fns, "required", syntax=BY_NAME["mistral"].syntax)).splitlines()[-1]
+    assert mistral == "To call a function, write [TOOL_CALLS]<function name>[ARGS]<arguments as a JSON object> " \
+                      "(one block per call)."
 
 
 # -- rendering earlier calls -------------------------------------------------------------------------
