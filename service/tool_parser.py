@@ -102,7 +102,7 @@ class ToolCallParser:
         if self._state is _State.TEXT:
             return True
         if self._state is _State.DECIDE:
-            # a proper prefix of the opener (or nothing) is text, unless text has a prefix of its own
+            # a proper prefix of the call marker (or nothing) is text, unless text has a prefix of its own
             return not self.syntax.text_prefix
         if self._state is _State.DONE:
             return True
