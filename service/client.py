@@ -12,6 +12,12 @@ derivation, retry timing and answer decoding defined here.
     for item in client.stream_extract(Person, "Ada Lovelace, 36, London"):
         ...   # Partial(done={"name": "Ada Lovelace"}, writing="age"), ..., then a Person
 
+Validation and batches: ``extract(tp, text, validate=fn, max_retries=N)`` re-asks an answer that
+fails validation (the type's own checks, pydantic validators, ``fn``), telling the model the error,
+and raises ``ValidationFailed`` with every attempt when none passes; ``extract_many(tp, texts,
+concurrency=N, progress=cb)`` extracts many texts at once, results in input order. Hooks given to
+the constructor (``on_request``, ``on_response``, ``on_retry``) see every request, answer and re-ask.
+
 Retries: 429 and 503 answers (and connection failures) are retried up to ``max_retries`` times,
 waiting the server's ``Retry-After`` when it sends one, else an exponential backoff
 (``backoff_s * 2**attempt``, capped at ``max_backoff_s``).
@@ -23,9 +29,12 @@ import asyncio
 import dataclasses
 import email.utils
 import json
+import sys
+import threading
 import time
 import typing
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -66,6 +75,38 @@ class ExtractionError(StencilError):
     def __init__(self, message: str, response: dict):
         super().__init__(message, status=200, body=response)
         self.response = response
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One answer of ``extract`` that failed validation.
+
+    Attributes:
+        text: the answer's text, as the model wrote it (and as the re-ask quoted it back).
+        error: the validation error, as short as the re-ask told it to the model.
+        response: the whole ``/generate`` answer.
+    """
+
+    text: str
+    error: str
+    response: dict
+
+
+class ValidationFailed(ExtractionError):
+    """Every answer ``extract`` got (the first and ``max_retries`` re-asks) failed validation.
+
+    Validation is building the typed value (a type's constraints, pydantic field and model
+    validators) and then ``extract``'s ``validate``. ``__cause__`` is the last answer's error.
+
+    Attributes:
+        attempts: each answer in order, with its error (``len == max_retries + 1``).
+        response: the last answer.
+    """
+
+    def __init__(self, attempts: list[Attempt]):
+        super().__init__(f"{len(attempts)} answer(s) failed validation, the last: {attempts[-1].error}",
+                         attempts[-1].response)
+        self.attempts = attempts
 
 
 # -- schemas from types ----------------------------------------------------------------------------
@@ -250,22 +291,143 @@ def retry_delay(resp: httpx.Response | None, attempt: int, backoff_s: float, max
     return min(backoff_s * (2 ** attempt), max_backoff_s)
 
 
-def _extracted(tp: type[T], answer: dict, relaxed: bool = False) -> T:
-    """The answer's output as a ``tp``.
+def _output_of(answer: dict, relaxed: bool) -> Any:
+    """The answer's parsed output.
 
     ``relaxed`` (the request said ``strict: false``): an output the server's jsonschema check
     found invalid (a relaxed keyword was broken, e.g. a duplicate in a ``set``) is still offered
-    to the type, which has the last word; otherwise it is an ``ExtractionError``.
+    to the type, which has the last word.
+
+    Raises:
+        ExtractionError: no output (cut at ``max_tokens``), or one the server found invalid
+            while not ``relaxed``.
     """
     output = answer.get("output")
     if output is None or (answer.get("valid") is False and not relaxed):
         raise ExtractionError(
             f"no valid output (finish_reason={answer.get('finish_reason')!r}, "
             f"text={str(answer.get('text'))[:200]!r})", answer)
+    return output
+
+
+def _extracted(tp: type[T], answer: dict, relaxed: bool = False) -> T:
+    """The answer's output as a ``tp``; an output that does not fit is an ``ExtractionError``."""
+    output = _output_of(answer, relaxed)
     try:
         return decode_output(tp, output)
     except Exception as e:  # noqa: BLE001 - msgspec or pydantic validation error, reported alike
         raise ExtractionError(f"output does not fit {getattr(tp, '__name__', tp)}: {e}", answer) from e
+
+
+# What a failed validation raises: a type's own check (msgspec.ValidationError; pydantic's
+# ValidationError is a ValueError) or the caller's ``validate``. Other exceptions are bugs: not re-asked.
+VALIDATION_ERRORS = (ValueError, AssertionError, msgspec.ValidationError)
+
+MAX_ERROR_CHARS = 300  # of a validation error told to the model: enough for a few fields' messages
+
+
+def validation_message(e: BaseException) -> str:
+    """A validation error in one short line, as the re-ask tells it to the model.
+
+    pydantic's errors become ``loc: msg`` pairs (no documentation links); others their ``str``
+    (an empty ``assert``'s the exception's name). Cut at ``MAX_ERROR_CHARS``.
+    """
+    pydantic_core = sys.modules.get("pydantic_core")  # loaded only if the caller uses pydantic
+    if pydantic_core is not None and isinstance(e, pydantic_core.ValidationError):
+        parts = []
+        for err in e.errors(include_url=False):
+            loc = ".".join(str(x) for x in err["loc"])
+            parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+        text = "; ".join(parts)
+    else:
+        text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS - 3] + "..."
+
+
+def reask_message(error: str) -> str:
+    """The user turn that follows an answer which failed validation."""
+    return f"That answer is not valid: {error}. Answer again with this fixed."
+
+
+class _Reask:
+    """One ``extract`` with re-asks: the conversation so far and the answers that failed.
+
+    Shared by the sync and async clients, which differ only in how they send ``prompt``.
+    """
+
+    def __init__(self, tp: Any, text_or_messages: str | list[dict], validate: Callable[[Any], Any] | None,
+                 max_retries: int, relaxed: bool, on_retry: Callable[[int, BaseException], Any] | None):
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.tp, self.validate, self.max_retries, self.relaxed = tp, validate, max_retries, relaxed
+        self.on_retry = on_retry
+        self.attempts: list[Attempt] = []
+        # A re-ask needs turns: with retries allowed, a plain prompt is sent as one user message.
+        if isinstance(text_or_messages, str):
+            self.prompt: str | list[dict] = (
+                [{"role": "user", "content": text_or_messages}] if max_retries else text_or_messages)
+        else:
+            self.prompt = list(text_or_messages)
+
+    def judge(self, answer: dict) -> tuple[bool, Any]:
+        """``(True, value)`` when the answer validates, ``(False, None)`` when ``prompt`` now
+        holds the re-ask.
+
+        Raises:
+            ExtractionError: the answer has no output (cut at ``max_tokens``): not re-asked.
+            ValidationFailed: it failed validation and no re-ask is left.
+        """
+        output = _output_of(answer, self.relaxed)
+        try:
+            value = decode_output(self.tp, output)
+            if self.validate is not None:
+                self.validate(value)
+            return True, value
+        except VALIDATION_ERRORS as e:
+            text = str(answer.get("text") or "")
+            error = validation_message(e)
+            self.attempts.append(Attempt(text, error, answer))
+            if len(self.attempts) > self.max_retries:
+                raise ValidationFailed(self.attempts) from e
+            if self.on_retry is not None:
+                self.on_retry(len(self.attempts), e)
+            self.prompt = [*self.prompt, {"role": "assistant", "content": text},
+                           {"role": "user", "content": reask_message(error)}]
+            return False, None
+
+
+class _Batch:
+    """``extract_many``'s bookkeeping: hands out indices in input order, keeps results in place,
+    counts finished items for ``progress``, and stops handing out after the first error unless
+    ``return_exceptions``. Not locked: the sync client calls it under its own lock."""
+
+    def __init__(self, total: int, progress: Callable[[int, int], Any] | None, return_exceptions: bool):
+        self.results: list[Any] = [None] * total
+        self.total, self.progress, self.return_exceptions = total, progress, return_exceptions
+        self.next = 0
+        self.done = 0
+        self.error: BaseException | None = None
+
+    def take(self) -> int | None:
+        """The next index to extract, or None when all are handed out or an error stopped the batch."""
+        if self.next >= self.total or self.error is not None:
+            return None
+        self.next += 1
+        return self.next - 1
+
+    def finish(self, i: int, result: Any, failed: bool) -> None:
+        if failed and not self.return_exceptions:
+            self.error = self.error or result
+        self.results[i] = result
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
+def _workers(concurrency: int, total: int) -> int:
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    return min(concurrency, total)
 
 
 def _sse_events():
@@ -344,9 +506,16 @@ def _delta_of(data: str) -> tuple[str | None, dict | None]:
     return None, None
 
 
+RequestHook = Callable[[dict], Any]
+ResponseHook = Callable[[dict, dict], Any]
+RetryHook = Callable[[int, BaseException], Any]
+
+
 class _Base:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
-                 max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0):
+                 max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
+                 on_request: RequestHook | None = None, on_response: ResponseHook | None = None,
+                 on_retry: RetryHook | None = None):
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.base_url = base_url.rstrip("/")
@@ -356,6 +525,15 @@ class _Base:
         self.timeout = timeout
         self.last: dict | None = None  # final event of the latest stream()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.on_request, self.on_response, self.on_retry = on_request, on_response, on_retry
+
+    def _requested(self, body: dict) -> None:
+        if self.on_request is not None:
+            self.on_request(body)
+
+    def _answered(self, body: dict, answer: dict | None) -> None:
+        if self.on_response is not None and answer is not None:
+            self.on_response(body, answer)
 
     def _timeout_error(self, e: Exception) -> StencilError:
         return StencilError(f"request timed out after {self.timeout} s: {e!r}")
@@ -368,14 +546,26 @@ class Client(_Base):
         base_url: the server's root, e.g. ``"http://127.0.0.1:8000"``.
         api_key: sent as ``Authorization: Bearer ...`` when given.
         timeout: seconds allowed for connecting and for each read (a whole non-streamed answer).
-        max_retries: retries after 429/503 answers or connection failures.
+        max_retries: retries after 429/503 answers or connection failures (not ``extract``'s
+            re-asks, which its own ``max_retries`` allows).
         backoff_s / max_backoff_s: first backoff and its cap, in seconds.
+        on_request: ``on_request(body)``, before each ``/generate`` request is sent (once per
+            request: the 429/503 retries of one request do not call it again).
+        on_response: ``on_response(body, answer)`` after each successful answer: the decoded JSON,
+            or for a stream its final event plus the whole ``text``. A request that fails calls
+            nothing: it raises ``StencilError``.
+        on_retry: ``on_retry(attempt, error)`` before each re-ask of ``extract``: ``attempt`` the
+            number of the answer that failed (1 for the first), ``error`` its validation error.
+        Hooks run in the calling thread (``extract_many``: in its worker threads, one at a time
+        per worker, so several may run at once); what they raise propagates.
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
                  max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 transport: httpx.BaseTransport | None = None):
-        super().__init__(base_url, api_key, timeout, max_retries, backoff_s, max_backoff_s)
+                 transport: httpx.BaseTransport | None = None, on_request: RequestHook | None = None,
+                 on_response: ResponseHook | None = None, on_retry: RetryHook | None = None):
+        super().__init__(base_url, api_key, timeout, max_retries, backoff_s, max_backoff_s,
+                         on_request, on_response, on_retry)
         self._http = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout,
                                   transport=transport)
 
@@ -422,24 +612,105 @@ class Client(_Base):
         Raises:
             StencilError: an error answer (after retries), a timeout or a connection failure.
         """
+        body = _body(text_or_messages, **gen_kwargs)
+        self._requested(body)
         try:
-            return self._send(_body(text_or_messages, **gen_kwargs), stream=False).json()
+            answer = self._send(body, stream=False).json()
         except httpx.TimeoutException as e:
             raise self._timeout_error(e) from e
+        self._answered(body, answer)
+        return answer
 
-    def extract(self, tp: type[T], text_or_messages: str | list[dict], **gen_kwargs: Any) -> T:
+    def extract(self, tp: type[T], text_or_messages: str | list[dict], *,
+                validate: Callable[[T], Any] | None = None, max_retries: int = 0, **gen_kwargs: Any) -> T:
         """Generate JSON constrained by ``tp``'s schema and decode it into a ``tp`` instance.
 
         With ``strict=False`` the server relaxes keywords its grammar cannot enforce exactly
         (a ``set``'s ``uniqueItems``), and the type, not the server's jsonschema check, decides
         whether the answer fits.
 
+        Validation and re-asks: the answer is validated by building the ``tp`` (its constraints,
+        pydantic field and model validators), then by ``validate(value)`` when given, which
+        raises ``ValueError``, ``AssertionError`` or a pydantic ``ValidationError`` for what a
+        schema cannot say (an end date before the start date); its return value is ignored. An
+        answer that fails is re-asked, up to ``max_retries`` times: the conversation gets the
+        answer as an assistant turn and a user turn naming the error (``reask_message``), and
+        the next answer is validated alike. With ``max_retries > 0`` a plain-text prompt is
+        sent as one user message, so there are turns to add to.
+
+        A re-ask resends the whole conversation; the server's prefix cache serves the blocks
+        (16 tokens) it has already seen (``usage.cached_tokens``). In
+        ``test_client_extract.py::test_reask_after_a_failed_check_then_accepts`` (tiny model)
+        the re-ask had 32 of its 78 prompt tokens cached: the first prompt's 34 tokens, down to
+        whole blocks (the quoted answer is tokenized anew from its text, so the block holding
+        the generated tokens does not match). Against ``stencil serve`` (default model, ``python
+        examples/extract_many.py``, which prints each re-ask's counts) re-asks of 117 and 190
+        tokens had only 16 cached: there every request starts with a cache hit (the shared
+        system prompt), and the engine registers none of the blocks a request computes after a
+        hit in its first step (``KVCacheManager.allocate_slots`` counts them as cached).
+
         Raises:
-            StencilError: the request failed.
-            ExtractionError: no valid output (e.g. ``finish_reason == "length"``).
+            StencilError: a request failed.
+            ExtractionError: no valid output (e.g. ``finish_reason == "length"``); not re-asked.
+            ValidationFailed: every answer failed validation; ``.attempts`` holds each answer's
+                text and error.
         """
-        answer = self.generate(text_or_messages, response_schema=json_schema_for(tp), **gen_kwargs)
-        return _extracted(tp, answer, gen_kwargs.get("strict") is False)
+        asker = _Reask(tp, text_or_messages, validate, max_retries, gen_kwargs.get("strict") is False,
+                       self.on_retry)
+        schema = json_schema_for(tp)
+        while True:
+            ok, value = asker.judge(self.generate(asker.prompt, response_schema=schema, **gen_kwargs))
+            if ok:
+                return value
+
+    def extract_many(self, tp: type[T], texts: Iterable[str | list[dict]], *, concurrency: int = 8,
+                     progress: Callable[[int, int], Any] | None = None, return_exceptions: bool = False,
+                     validate: Callable[[T], Any] | None = None, max_retries: int = 0,
+                     **gen_kwargs: Any) -> list[Any]:
+        """``extract`` of each text (or message list), ``concurrency`` at a time; results in input order.
+
+        Runs on a pool of ``concurrency`` threads sharing this client's connection pool (the
+        sync client needs no event loop); each thread takes the next text when its last is done,
+        so at most ``concurrency`` requests are in flight (an item's re-asks follow one another).
+        ``progress(done, total)`` is called as each item finishes, failed ones included, from
+        the worker threads one call at a time. ``validate``, ``max_retries`` and ``gen_kwargs``
+        are ``extract``'s, for every item.
+
+        Errors: with ``return_exceptions`` an item that fails holds its exception in the result
+        list. Without, the first failure stops the handing out of texts; the requests in flight
+        finish (their results are dropped), then that exception is raised.
+
+        Raises:
+            ValueError: ``concurrency < 1``.
+            StencilError / ExtractionError / ValidationFailed: an item failed (without
+                ``return_exceptions``).
+        """
+        items = list(texts)
+        batch = _Batch(len(items), progress, return_exceptions)
+        lock = threading.Lock()
+
+        def work() -> None:
+            while True:
+                with lock:
+                    i = batch.take()
+                if i is None:
+                    return
+                try:
+                    result, failed = self.extract(tp, items[i], validate=validate, max_retries=max_retries,
+                                                  **gen_kwargs), False
+                except Exception as e:  # noqa: BLE001 - kept for the caller, as asyncio.gather does
+                    result, failed = e, True
+                with lock:
+                    batch.finish(i, result, failed)
+
+        workers = _workers(concurrency, len(items))
+        if workers:
+            with ThreadPoolExecutor(workers, thread_name_prefix="stencil-extract") as pool:
+                for f in [pool.submit(work) for _ in range(workers)]:
+                    f.result()
+        if batch.error is not None:
+            raise batch.error
+        return batch.results
 
     def stream(self, text_or_messages: str | list[dict], **gen_kwargs: Any) -> Iterator[str]:
         """Yield text deltas of a streamed ``/generate``.
@@ -451,7 +722,9 @@ class Client(_Base):
             StencilError: the request failed before or during the stream.
         """
         self.last = None
-        resp = self._send(_body(text_or_messages, stream=True, **gen_kwargs), stream=True)
+        body = _body(text_or_messages, stream=True, **gen_kwargs)
+        self._requested(body)
+        resp = self._send(body, stream=True)
         events = _TextStream()
         try:
             for line in resp.iter_lines():
@@ -463,6 +736,7 @@ class Client(_Base):
             raise self._timeout_error(e) from e
         finally:
             resp.close()
+        self._answered(body, self.last)
 
     def stream_extract(self, tp: type[T], text_or_messages: str | list[dict],
                        **gen_kwargs: Any) -> Iterator[Partial[T] | T]:
@@ -484,8 +758,10 @@ class AsyncClient(_Base):
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 60.0,
                  max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 transport: httpx.AsyncBaseTransport | None = None):
-        super().__init__(base_url, api_key, timeout, max_retries, backoff_s, max_backoff_s)
+                 transport: httpx.AsyncBaseTransport | None = None, on_request: RequestHook | None = None,
+                 on_response: ResponseHook | None = None, on_retry: RetryHook | None = None):
+        super().__init__(base_url, api_key, timeout, max_retries, backoff_s, max_backoff_s,
+                         on_request, on_response, on_retry)
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=timeout,
                                        transport=transport)
 
@@ -524,20 +800,56 @@ class AsyncClient(_Base):
 
     async def generate(self, text_or_messages: str | list[dict], **gen_kwargs: Any) -> dict:
         """See ``Client.generate``."""
+        body = _body(text_or_messages, **gen_kwargs)
+        self._requested(body)
         try:
-            return (await self._send(_body(text_or_messages, **gen_kwargs), stream=False)).json()
+            answer = (await self._send(body, stream=False)).json()
         except httpx.TimeoutException as e:
             raise self._timeout_error(e) from e
+        self._answered(body, answer)
+        return answer
 
-    async def extract(self, tp: type[T], text_or_messages: str | list[dict], **gen_kwargs: Any) -> T:
-        """See ``Client.extract``."""
-        answer = await self.generate(text_or_messages, response_schema=json_schema_for(tp), **gen_kwargs)
-        return _extracted(tp, answer, gen_kwargs.get("strict") is False)
+    async def extract(self, tp: type[T], text_or_messages: str | list[dict], *,
+                      validate: Callable[[T], Any] | None = None, max_retries: int = 0, **gen_kwargs: Any) -> T:
+        """See ``Client.extract`` (``validate`` is a plain function, called in the event loop)."""
+        asker = _Reask(tp, text_or_messages, validate, max_retries, gen_kwargs.get("strict") is False,
+                       self.on_retry)
+        schema = json_schema_for(tp)
+        while True:
+            ok, value = asker.judge(await self.generate(asker.prompt, response_schema=schema, **gen_kwargs))
+            if ok:
+                return value
+
+    async def extract_many(self, tp: type[T], texts: Iterable[str | list[dict]], *, concurrency: int = 8,
+                           progress: Callable[[int, int], Any] | None = None, return_exceptions: bool = False,
+                           validate: Callable[[T], Any] | None = None, max_retries: int = 0,
+                           **gen_kwargs: Any) -> list[Any]:
+        """See ``Client.extract_many``: here ``concurrency`` tasks in the running event loop take
+        the texts in turn, and ``progress`` is called in the loop. Cancelling the call cancels
+        the requests in flight."""
+        items = list(texts)
+        batch = _Batch(len(items), progress, return_exceptions)
+
+        async def work() -> None:
+            while (i := batch.take()) is not None:
+                try:
+                    result, failed = await self.extract(tp, items[i], validate=validate, max_retries=max_retries,
+                                                        **gen_kwargs), False
+                except Exception as e:  # noqa: BLE001 - kept for the caller, as asyncio.gather does
+                    result, failed = e, True
+                batch.finish(i, result, failed)
+
+        await asyncio.gather(*(work() for _ in range(_workers(concurrency, len(items)))))
+        if batch.error is not None:
+            raise batch.error
+        return batch.results
 
     async def stream(self, text_or_messages: str | list[dict], **gen_kwargs: Any) -> AsyncIterator[str]:
         """See ``Client.stream``."""
         self.last = None
-        resp = await self._send(_body(text_or_messages, stream=True, **gen_kwargs), stream=True)
+        body = _body(text_or_messages, stream=True, **gen_kwargs)
+        self._requested(body)
+        resp = await self._send(body, stream=True)
         events = _TextStream()
         try:
             async for line in resp.aiter_lines():
@@ -549,6 +861,7 @@ class AsyncClient(_Base):
             raise self._timeout_error(e) from e
         finally:
             await resp.aclose()
+        self._answered(body, self.last)
 
     async def stream_extract(self, tp: type[T], text_or_messages: str | list[dict],
                              **gen_kwargs: Any) -> AsyncIterator[Partial[T] | T]:

@@ -44,6 +44,17 @@ def test_typed_client_example(server):
     assert sum(line.startswith("Async: Person(") for line in lines) == 2
 
 
+def test_extract_many_example(server):
+    p = _run("extract_many.py", server.url)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    assert [ln for ln in lines if ln.endswith("/4 done")] == [f"{n}/4 done" for n in range(1, 5)]
+    results = [ln for ln in lines if ln.startswith("  -> ")]
+    assert len(results) == 4  # each text in order, then its span or why none passed
+    assert all(r.startswith(("  -> Span(name=", "  -> failed: ")) for r in results)
+    assert lines[-2].startswith("The Thirty Years' War")
+
+
 def test_tool_call_example(server):
     out = _run_openai_example("tool_call.py", server.url)
     assert "finish_reason: tool_calls" in out
