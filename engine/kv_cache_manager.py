@@ -332,16 +332,18 @@ class KVCacheManager:
             if needed > pool.num_free_blocks - idle_cached:
                 return False
             needs.append(needed)
-        for pool, table, blocks, needed in zip(self.pools, tables, cached, needs):
+        for g, (pool, table, blocks, needed) in enumerate(zip(self.pools, tables, cached, needs)):
             if blocks:
                 pool.touch([b for b in blocks if not _null(pool, b)])
                 table.extend(blocks)
+                if g == 0:
+                    # The hit's blocks are registered already; the ones allocated below are not
+                    # (cache_full_blocks registers them once computed).
+                    request.num_cached_blocks = len(table)
             if needed > 0:
                 new = pool.allocate(needed)
                 assert new is not None  # checked above
                 table.extend(new)
-        if cached[0]:
-            request.num_cached_blocks = len(request.block_ids)
         return True
 
     def release_out_of_window(self, request: Request) -> None:

@@ -33,6 +33,26 @@ def test_block_holding_output_tokens_is_reused_only_when_computed_alike(boundary
     assert kv.get_computed_blocks(third)[1] == 8
 
 
+def test_blocks_computed_after_a_prefix_hit_are_registered_for_the_next_request():
+    """A request admitted on a prefix hit registers the full blocks it then computes: the same
+    conversation one turn longer hits all of them (it hit only the first turn's blocks while the
+    new ones were counted as registered at allocation)."""
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    system = list(range(8))  # two blocks every conversation shares
+    first = Request("a", system + [20, 21], SamplingParams(max_tokens=1), eos_token_id=None)
+    _finish_turn(kv, first, [])
+    turn = system + [30, 31, 32, 33, 34, 35, 36, 37, 38]  # two more full blocks, one partial
+    for i, expected_hit in enumerate((8, 16)):
+        req = Request(f"t{i}", turn, SamplingParams(max_tokens=1), eos_token_id=None)
+        blocks, hit = kv.get_computed_blocks(req)
+        assert hit == expected_hit  # the second time: the blocks the first one computed
+        req.num_computed_tokens = hit
+        assert kv.allocate_slots(req, req.num_tokens - hit, blocks)
+        req.num_computed_tokens = req.num_tokens
+        kv.cache_full_blocks(req)
+        kv.free(req)
+
+
 # -- stable block hashes ------------------------------------------------------------------------
 
 import hashlib  # noqa: E402
