@@ -9,7 +9,8 @@ which and why); a field the reference does not have is refused as unknown
 (``forbid_unknown_fields``), so a typo or another server's extension is never silently dropped.
 Stencil's own extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``close_on_budget``, ``soft_limits``; answers carry ``valid`` and ``closed_by_budget`` (per choice)
-and ``warnings``.
+and ``warnings``. From vLLM: ``chat_template_kwargs`` in, ``reasoning_content`` out (a reasoning
+model's thoughts, apart from ``content``).
 """
 
 from __future__ import annotations
@@ -168,13 +169,16 @@ class ChatCompletionRequest(Struct, forbid_unknown_fields=True):
     close_on_budget: bool | None = None
     soft_limits: dict[str, int] | bool | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: extra keywords for the chat template ({"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # none / minimal / low / medium / high: a cap on reasoning tokens (stencil.service.reasoning).
+    reasoning_effort: str | None = None
     # In the reference, not served: refused unless absent/null (or their neutral value).
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
     functions: Any = None
     function_call: Any = None
-    reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: Any = None
     moderation: Any = None
@@ -225,10 +229,19 @@ class CompletionRequest(Struct, forbid_unknown_fields=True):
 # -- responses -----------------------------------------------------------------------------------
 
 
+class CompletionTokensDetails(Struct):
+    """``reasoning_tokens``: of ``completion_tokens``, those of the reasoning (markers included)."""
+
+    reasoning_tokens: int = 0
+
+
 class Usage(Struct):
+    """Token counts; ``completion_tokens_details`` comes with a reasoning model's chat answers."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 class TopLogprob(Struct):
@@ -256,10 +269,14 @@ class ChoiceLogprobs(Struct):
 
 
 class AssistantMessage(Struct):
+    """The answer. ``reasoning_content`` (vLLM's and DeepSeek's field; a reasoning model's
+    only): its reasoning, markers excluded; ``content`` and ``tool_calls`` hold the answer alone."""
+
     content: str | None
     role: Literal["assistant"] = "assistant"
     tool_calls: list[ToolCall] | UnsetType = UNSET
     refusal: str | None = None
+    reasoning_content: str | None | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -312,9 +329,13 @@ class ToolCallDelta(Struct, omit_defaults=True):
 
 
 class ChoiceDelta(Struct, omit_defaults=True):
+    """A streamed piece: ``reasoning_content`` deltas (a reasoning model's) come before the
+    answer's ``content``."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChunkChoice(Struct):
@@ -376,11 +397,23 @@ class Completion(Struct):
     warnings: list[str] | UnsetType = UNSET
 
 
+class ChatFormat(Struct):
+    """How the served model's chat template writes what the service reads back (Stencil
+    extension): ``reasoning``, the reasoning format (``qwen3``, ``deepseek_r1``, ...;
+    ``stencil.service.reasoning_formats``) or null when the model does not reason;
+    ``tool_calls``, the syntax the model writes tool calls in (``hermes``, ``mistral``, ...;
+    ``stencil.service.tool_formats``; the answers carry OpenAI's ``tool_calls`` whatever it is)."""
+
+    reasoning: str | None = None
+    tool_calls: str = "hermes"
+
+
 class Model(Struct):
     id: str
     created: int
     owned_by: str = "stencil"
     object: Literal["model"] = "model"
+    chat_format: ChatFormat = msgspec.field(default_factory=ChatFormat)
 
 
 class ModelList(Struct):

@@ -37,7 +37,7 @@ from stencil.grammar.base import GrammarError
 from stencil.schemas.common import Problem
 from stencil.schemas.generate import (GenerateRequest, GenerateResponse, HealthResponse, StreamDelta, StreamError,
                               StreamFinal)
-from stencil.service import generation, inputs
+from stencil.service import generation, inputs, reasoning, reasoning_formats, tool_formats
 from stencil.service.errors import (InputError, ServiceError, Unauthorized, Unavailable, client_left_during_body,
                             log_refused, named_as, to_problem, wrong_method)
 from stencil.service.metrics import Metrics
@@ -187,25 +187,27 @@ class _ScopeView:
 
 # -- handlers --------------------------------------------------------------------------------------
 
-def _response_of(result: generation.GenerationResult) -> GenerateResponse:
+def _response_of(result: generation.GenerationResult, notes: list[str] = ()) -> GenerateResponse:
     return GenerateResponse(id=result.id, text=result.text, output=result.output, valid=result.valid,
                             finish_reason=result.finish_reason, usage=result.usage, timings=result.timings,
-                            warnings=result.warnings, logprobs=result.logprobs,
+                            warnings=[*notes, *result.warnings], logprobs=result.logprobs,
                             closed_by_budget=result.closed_by_budget, shortened=result.shortened,
-                            truncated_value=result.truncated_value)
+                            truncated_value=result.truncated_value, reasoning=result.reasoning)
 
 
-async def _sse_events(gen: generation.GenerationStream, rid: str) -> AsyncIterator[str]:
-    """``data:`` payloads: deltas, then the final fields (or an error), then ``[DONE]``."""
+async def _sse_events(gen: generation.GenerationStream, rid: str, notes: list[str] = ()) -> AsyncIterator[str]:
+    """``data:`` payloads: deltas, then the final fields (or an error), then ``[DONE]``;
+    ``notes``: the request's own warnings, with the final's."""
     try:
         async for item in gen:
             if isinstance(item, generation.GenerationDelta):
-                if item.text or item.logprobs:
-                    yield event_json(StreamDelta(text=item.text, logprobs=item.logprobs)).decode()
+                if item.text or item.logprobs or item.reasoning:
+                    yield event_json(StreamDelta(text=item.text, logprobs=item.logprobs,
+                                                 reasoning=item.reasoning or None)).decode()
             else:
                 yield event_json(StreamFinal(id=item.id, output=item.output, valid=item.valid,
                                                   finish_reason=item.finish_reason, usage=item.usage,
-                                                  timings=item.timings, warnings=item.warnings,
+                                                  timings=item.timings, warnings=[*notes, *item.warnings],
                                                   closed_by_budget=item.closed_by_budget,
                                                   shortened=item.shortened,
                                                   truncated_value=item.truncated_value)).decode()
@@ -232,9 +234,16 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
     if data.parse_special_tokens and data.prompt is None:
         raise InputError("parse_special_tokens applies to a plain 'prompt'; message content is always plain text",
                          field="parse_special_tokens")
+    if messages is None and (data.chat_template_kwargs is not None or data.reasoning_effort is not None):
+        field = "chat_template_kwargs" if data.chat_template_kwargs is not None else "reasoning_effort"
+        raise InputError(f"{field} applies to messages (a plain prompt has no chat template)", field=field)
+    thinking = reasoning.plan(service, data.reasoning_effort, data.chat_template_kwargs) \
+        if messages is not None else reasoning.ReasoningPlan(None)
     prompt_ids = await inputs.tokenize(service, prompt=data.prompt, messages=messages,
-                                           parse_special_tokens=data.parse_special_tokens)
-    params = inputs.sampling_params(cfg, **inputs.sampling_fields(data))
+                                           parse_special_tokens=data.parse_special_tokens,
+                                           template_kwargs=thinking.kwargs)
+    params = inputs.sampling_params(cfg, **inputs.sampling_fields(data),
+                                    reasoning=thinking.params(service.engine.tokenizer, prompt_ids))
     spec = await inputs.checked_grammar_spec(service, response_schema=data.response_schema, regex=data.regex,
                                                  choice=data.choice, whitespace=data.whitespace, strict=data.strict,
                                                  grammar=data.grammar.lark if data.grammar is not None else None)
@@ -247,9 +256,9 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
         headers = {"cache-control": "no-cache", "content-type": "text/event-stream; charset=utf-8"}
         if gen.replica is not None:  # on a cluster: which replica admitted it
             headers["x-stencil-replica"] = gen.replica
-        return ServerSentEvent(_sse_events(gen, rid), headers=headers,  # type: ignore[return-value]
+        return ServerSentEvent(_sse_events(gen, rid, thinking.warnings), headers=headers,  # type: ignore[return-value]
                                background=BackgroundTask(generation.close_streams, [gen]))
-    body = _response_of(await generation.collect(gen, request.receive))
+    body = _response_of(await generation.collect(gen, request.receive), thinking.warnings)
     if gen.replica is not None:
         return Response(body, headers={"x-stencil-replica": gen.replica})  # type: ignore[return-value]
     return body
@@ -368,8 +377,12 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
         except ModelPathError:
             default_name = Path(aeng.model_path).name
         model_name = cfg.model_name or default_name
+        fmt = reasoning_formats.resolve(cfg.reasoning_format, getattr(aeng.tokenizer, "chat_template", None))
+        tool_format, tool_format_known = tool_formats.resolve(cfg.tool_call_format,
+                                                              getattr(aeng.tokenizer, "chat_template", None))
         holder.state = ServiceState(engine=aeng, config=cfg, metrics=Metrics(lambda: aeng),
-                                    checker=OutputChecker(), model_name=model_name)
+                                    checker=OutputChecker(), model_name=model_name, reasoning=fmt,
+                                    tool_format=tool_format)
         # With freeze_heap, what loading left (tokenizer tables, vocabularies, modules: ~363k
         # objects with the default model) lives as long as the server: out of the collector's
         # sight, so a full collection scans only what requests made. Measured on the loaded
@@ -379,7 +392,12 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
         if freeze_heap:
             gc.collect()
             gc.freeze()
-        log.info("serving %s", model_name)
+        log.info("serving %s (reasoning format: %s%s)", model_name, fmt.name if fmt else "none",
+                 ", detected from its chat template" if cfg.reasoning_format in (None, reasoning_formats.AUTO) else "")
+        log.info("tool calls in the %s format (%s)", tool_format.name,
+                 "as configured" if cfg.tool_call_format not in (None, tool_formats.AUTO)
+                 else "detected from the chat template" if tool_format_known
+                 else "the chat template shows no tool-call syntax Stencil knows: Hermes' <tool_call> blocks")
         try:
             yield
         finally:

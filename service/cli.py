@@ -93,6 +93,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "lazy: never build one")
 
 
+def _reasoning_format_names() -> list[str]:
+    from stencil.service.reasoning_formats import BY_NAME
+
+    return list(BY_NAME)
+
+
+def _tool_call_format_names() -> list[str]:
+    from stencil.service.tool_formats import BY_NAME
+
+    return list(BY_NAME)
+
+
 def _add_service_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("service")
     g.add_argument("--host", default="127.0.0.1")
@@ -109,6 +121,16 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file used instead of the model's own (vLLM's --chat-template): "
                         "for a model that carries none or a wrong one (default: the model's)")
+    g.add_argument("--reasoning-format", default="auto", metavar="NAME",
+                   help="how the model marks its reasoning: auto (default: detected from the chat template), "
+                        "none (no reasoning split out), or one of: "
+                        + ", ".join(_reasoning_format_names()))
+    g.add_argument("--tool-call-format", default="auto", metavar="NAME",
+                   help="the syntax the model writes tool calls in: auto (default: detected from the chat "
+                        "template; hermes where it shows none), or one of: " + ", ".join(_tool_call_format_names()))
+    g.add_argument("--reasoning-budget", type=int, default=None, metavar="TOKENS",
+                   help="most reasoning tokens of any request (default: no cap but max_tokens; "
+                        "reasoning_effort caps it further)")
     g.add_argument("--json-whitespace", default="flexible", choices=["flexible", "compact"],
                    help="layout of JSON Schema answers when a request does not choose (/generate's "
                         "whitespace; the OpenAI routes always): flexible lets the model pretty-print "
@@ -235,7 +257,9 @@ def service_config_from_args(args: argparse.Namespace):
                          default_max_tokens=min(256, args.max_tokens_cap), max_body_bytes=args.max_body_bytes,
                          request_timeout_s=args.request_timeout, max_queue_wait_s=args.max_queue_wait,
                          shutdown_grace_s=args.shutdown_grace, json_whitespace=args.json_whitespace,
-                         chat_template=template).validate()
+                         chat_template=template, reasoning_format=args.reasoning_format,
+                         tool_call_format=args.tool_call_format,
+                         reasoning_budget=args.reasoning_budget).validate()
 
 
 # -- commands --------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ fields as the request sent them (``max_completion_tokens``, ``messages``; ``erro
 extension are applied with the grammar mask
 (``stencil.engine.logits_process``); logprobs are those of the distribution tokens are drawn from
 (masked, penalized, biased, temperature 1). Legacy ``logprobs`` with ``echo`` cover the
-generated tokens only.
+generated tokens only. A reasoning model's thoughts come apart from the answer, in
+``reasoning_content`` (``stencil.service.reasoning``: ``reasoning_effort`` and
+``chat_template_kwargs``); ``content``, tool calls and ``valid`` are the answer's.
 
 ``stencil.service.app`` mounts ``openai_route_handlers`` (with ``stencil.service.responses_api``'s) under ``/v1``
 and injects their dependency ``service: ServiceState``.
@@ -43,13 +45,13 @@ from litestar.openapi import ResponseSpec
 from litestar.openapi.spec import Link, Operation
 
 from stencil.schemas.openai import (
-    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, ChoiceDelta,
-    ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    ErrorResponse, FunctionCall, FunctionCallDelta, Model, ModelList, ResponseFormat, StructuredOutputs, ToolCall,
-    ToolCallDelta, ToolChoiceFunction, Usage,
+    AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatFormat, ChatMessage,
+    ChoiceDelta, ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs, CompletionRequest,
+    CompletionTokensDetails, ErrorResponse, FunctionCall, FunctionCallDelta, Model, ModelList, ResponseFormat,
+    StructuredOutputs, ToolCall, ToolCallDelta, ToolChoiceFunction, Usage,
 )
 from stencil.service import generation as gen
-from stencil.service import inputs
+from stencil.service import inputs, reasoning
 from stencil.service.errors import InputError, named_as
 from stencil.service.openai_common import (
     GENERATION_ERRORS, Constraint, check_model, constraint, error_fields, grammar_field, logit_bias_ids, merged,
@@ -78,7 +80,6 @@ UNSERVED_CHAT: dict[str, tuple[tuple, str]] = {
     "prediction": ((), "predicted outputs are not served (Stencil drafts from the prompt by itself)"),
     "functions": ((), "the deprecated functions API is not served; use tools"),
     "function_call": ((), "the deprecated functions API is not served; use tool_choice"),
-    "reasoning_effort": (("none",), "the served model does not reason"),
     "verbosity": ((), "the served model has no verbosity control"),
     "web_search_options": ((), "Stencil has no web search"),
     "moderation": ((), "Stencil runs no moderation"),
@@ -132,12 +133,14 @@ def _seeds(seed: int | None, n: int) -> list[int | None]:
     return [None if seed is None else seed + i for i in range(n)]
 
 
-def _usage(results: list[gen.GenerationResult], prompt_counts: list[int]) -> Usage:
+def _usage(results: list[gen.GenerationResult], prompt_counts: list[int], reasons: bool = False) -> Usage:
     """Totals; ``prompt_counts`` has one entry per distinct prompt (``n`` choices of one prompt
-    count it once, as OpenAI does)."""
+    count it once, as OpenAI does); ``reasons``: with ``completion_tokens_details``."""
     prompt = sum(prompt_counts)
     completion = sum(r.usage.completion_tokens for r in results)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    details = CompletionTokensDetails(sum(r.usage.reasoning_tokens for r in results)) if reasons else msgspec.UNSET
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 completion_tokens_details=details)
 
 
 def chat_logprobs(service: ServiceState, token_ids: list[int], logprobs: list[float] | None,
@@ -180,6 +183,7 @@ class _ChatJob(OpenAIJob):
     prompt_ids: list[int]
     include_usage: bool
     service_tier: str | None
+    reasons: bool = False  # the runs have a reasoning region (reasoning_content is sent)
 
     @property
     def plan(self) -> ToolPlan:
@@ -225,6 +229,8 @@ def _chat_choice(service: ServiceState, job: _ChatJob, index: int, r: gen.Genera
                  relaxed_warnings: list[str]) -> tuple[ChatChoice, list[str]]:
     v = verdict(service, job.constraint, r, relaxed_warnings)
     msg = AssistantMessage(content=v.text)
+    if job.reasons:
+        msg.reasoning_content = r.reasoning
     if v.calls:
         msg.tool_calls = _tool_calls(v.calls)
     choice = ChatChoice(index=index, message=msg, finish_reason=v.finish_reason,
@@ -283,7 +289,7 @@ async def _chat_events(service: ServiceState, job: _ChatJob, streams: list[gen.G
     # Under tools, text is held back while it could still be the start of a call; calls stream
     # as the parser reads them: the name, then the arguments as they are written.
     plan = job.plan
-    parsers = [ToolCallParser(plan.mode == "auto") if plan.active else None for _ in streams]
+    parsers = [ToolCallParser(plan.mode == "auto", plan.syntax) if plan.active else None for _ in streams]
     call_ids: list[dict[int, str]] = [{} for _ in streams]
     pending = [_Pending() for _ in streams]
     results: list[gen.GenerationResult | None] = [None] * len(streams)
@@ -294,8 +300,10 @@ async def _chat_events(service: ServiceState, job: _ChatJob, streams: list[gen.G
             p = parsers[i]
             if isinstance(item, gen.GenerationDelta):
                 pending[i].add(item)
+                if item.reasoning:  # before the answer; its tokens' logprobs go with the answer's first
+                    yield chunk(i, ChoiceDelta(reasoning_content=item.reasoning))
                 if p is None:
-                    if item.text or item.token_ids:
+                    if item.text or (item.token_ids and not item.reasoning):
                         yield chunk(i, ChoiceDelta(content=item.text), logprobs=pending[i].take(service))
                     continue
                 for ev in p.feed(item.text):
@@ -320,7 +328,7 @@ async def _chat_events(service: ServiceState, job: _ChatJob, streams: list[gen.G
         if include_usage:
             done = [r for r in results if r is not None]
             yield sse(ChatCompletionChunk(id=rid, created=created, model=job.model, choices=[],
-                                          usage=_usage(done, [len(job.prompt_ids)])))
+                                          usage=_usage(done, [len(job.prompt_ids)], job.reasons)))
     except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, as OpenAI does
         yield sse({"error": msgspec.to_builtins(error_fields(e))})
     yield b"data: [DONE]\n\n"
@@ -357,20 +365,23 @@ class ChatCompletions:
             raise InputError("top_logprobs needs logprobs: true", field="top_logprobs")
         named = data.tool_choice.function.name if isinstance(data.tool_choice, ToolChoiceFunction) else None
         choice = None if isinstance(data.tool_choice, ToolChoiceFunction) else data.tool_choice
+        thinking = reasoning.plan(service, data.reasoning_effort, data.chat_template_kwargs)
         plan, prompt_ids = await chat_prompt(service, data.messages, [t.function for t in data.tools or []], choice,
-                                             named, data.parallel_tool_calls)
+                                             named, data.parallel_tool_calls, template_kwargs=thinking.kwargs)
+        region = thinking.params(service.engine.tokenizer, prompt_ids)
         c = await _structured_outputs(service, data.structured_outputs, data.response_format, plan) \
             if data.structured_outputs is not None else await constraint(service, *format_schema(data.response_format), plan)
         max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
         bias = logit_bias_ids(data.logit_bias, vocab_size(service))
         params = [sampling_params(service, data, max_tokens=max_tokens, seed=s, logprobs=bool(data.logprobs),
-                                  top_logprobs=data.top_logprobs or 0 if data.logprobs else 0, logit_bias=bias)
+                                  top_logprobs=data.top_logprobs or 0 if data.logprobs else 0, logit_bias=bias,
+                                  reasoning=region)
                   for s in _seeds(data.seed, n)]
         return _ChatJob(rid=f"chatcmpl-{uuid.uuid4().hex}", model=model, constraint=c,
                         format_field=_format_field(data.structured_outputs),
                         runs=[(prompt_ids, p) for p in params], prompt_ids=prompt_ids,
                         include_usage=bool(data.stream_options and data.stream_options.include_usage),
-                        service_tier=data.service_tier)
+                        service_tier=data.service_tier, reasons=region is not None, notes=thinking.warnings)
 
     def events(self, service: ServiceState, job: _ChatJob, streams: list[gen.GenerationStream],
                warnings: list[str]) -> AsyncIterator[bytes]:
@@ -384,7 +395,7 @@ class ChatCompletions:
             choices.append(choice)
             notes += [f"choice {i}: {w}" for w in problems]
         return ChatCompletion(id=job.rid, created=int(time.time()), model=job.model, choices=choices,
-                              usage=_usage(results, [len(job.prompt_ids)]),
+                              usage=_usage(results, [len(job.prompt_ids)], job.reasons),
                               service_tier=job.service_tier and "default", warnings=notes or msgspec.UNSET)
 
 
@@ -546,7 +557,9 @@ def _model(service: ServiceState) -> Model:
         created = int(Path(service.engine.model_path).stat().st_mtime)
     except (AttributeError, OSError):
         created = 0
-    return Model(id=service.model_name, created=created)
+    return Model(id=service.model_name, created=created,
+                 chat_format=ChatFormat(reasoning=service.reasoning.name if service.reasoning is not None else None,
+                                        tool_calls=service.tool_format.name))
 
 
 # The served model's id, as every other /v1 operation takes it (OpenAPI links: clients and

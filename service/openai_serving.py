@@ -22,14 +22,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from stencil.engine.request import SamplingParams
+from stencil.engine.request import ReasoningParams, SamplingParams
 from stencil.schemas.openai import ChatMessage, FunctionDefinition
 from stencil.service import generation as gen
 from stencil.service import inputs
@@ -37,7 +37,9 @@ from stencil.service.errors import named_as
 from stencil.service.openai_common import (SSE_HEADERS, Constraint, openai_temperature, relaxed, run_all, start_all,
                                    warnings_header)
 from stencil.service.state import ServiceState
-from stencil.service.tools import ToolPlan, plan_tools, template_messages, template_supports_tools
+from stencil.service.tools import (
+    ToolPlan, plan_tools, template_messages, template_renders_calls, template_supports_tools,
+)
 
 log = logging.getLogger("stencil.openai")
 
@@ -53,6 +55,8 @@ class OpenAIJob:
         format_field: the request field that holds the constraint, for the errors of compiling it.
         runs: ``(prompt token ids, sampling parameters)`` of each run, in the answer's order.
         created: Unix time (s) at which the job was prepared.
+        notes: warnings of the request itself (a ``reasoning_effort`` the model cannot take),
+            sent with the relaxed keywords.
     """
 
     rid: str
@@ -61,6 +65,7 @@ class OpenAIJob:
     format_field: str
     runs: list[tuple[list[int], SamplingParams]]
     created: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.created:
@@ -105,7 +110,7 @@ async def serve(endpoint: Endpoint, data: Any, service: ServiceState, request: R
         log_labels(job.rid, data)
         streams = await start_all(service, job.runs, job.constraint.spec, job.rid, job.format_field,
                                   receive=request.receive)
-    warnings = relaxed(job.constraint, streams[0])
+    warnings = job.notes + relaxed(job.constraint, streams[0])
     headers = warnings_header(warnings)
     if data.stream:
         return Stream(endpoint.events(service, job, streams, warnings), media_type="text/event-stream",
@@ -115,34 +120,42 @@ async def serve(endpoint: Endpoint, data: Any, service: ServiceState, request: R
 
 
 def sampling_params(service: ServiceState, data: Any, *, max_tokens: int | None, seed: int | None,
-                    logprobs: bool, top_logprobs: int, logit_bias: dict[int, float] | None = None) -> SamplingParams:
+                    logprobs: bool, top_logprobs: int, logit_bias: dict[int, float] | None = None,
+                    reasoning: ReasoningParams | None = None) -> SamplingParams:
     """``SamplingParams`` of one run from an OpenAI request's fields named as ``SamplingParams``
     names them (``top_p``, ``top_k``, ``stop``, the penalties, ``close_on_budget``,
     ``soft_limits``: ``stencil.service.inputs.sampling_fields``; one the request lacks takes its
-    neutral value), OpenAI's ``temperature`` and the ones each endpoint names its own way.
+    neutral value), OpenAI's ``temperature`` and the ones each endpoint names its own way;
+    ``reasoning``: the region before the answer (``stencil.service.reasoning.ReasoningPlan.params``).
 
     Raises:
         stencil.service.errors.InputError: a value out of range (``stencil.service.inputs.sampling_params``).
     """
     fields = {**inputs.sampling_fields(data), "max_tokens": max_tokens, "seed": seed, "logprobs": logprobs,
               "temperature": openai_temperature(data.temperature), "top_logprobs": top_logprobs,
-              "logit_bias": logit_bias}
+              "logit_bias": logit_bias, "reasoning": reasoning}
     return inputs.sampling_params(service.config, **fields)
 
 
 async def chat_prompt(service: ServiceState, messages: list[ChatMessage], functions: list[FunctionDefinition],
                       choice: Any, named: str | None, parallel: bool | None,
-                      max_calls: int | None = None) -> tuple[ToolPlan, list[int]]:
+                      max_calls: int | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> tuple[ToolPlan, list[int]]:
     """The tool plan and the prompt token ids of a chat-shaped request (messages and tools).
 
     The tools go to the chat template natively when it takes them, else into a system message
     (``stencil.service.tools.template_messages``); content stays data (``stencil.service.inputs.tokenize``).
+    ``template_kwargs``: the template's extra keywords (``chat_template_kwargs``, the reasoning
+    switch: ``stencil.service.reasoning``).
 
     Raises:
         stencil.service.tools.ToolError: tools and ``tool_choice`` that do not fit (``plan_tools``).
         stencil.service.errors.InputError: the prompt over the limits.
     """
-    plan = plan_tools(functions, choice, named, parallel, max_calls)
-    native = template_supports_tools(getattr(service.engine.tokenizer, "chat_template", None))
-    templated, tools_arg = template_messages(messages, plan, native)
-    return plan, await inputs.tokenize(service, messages=templated, tools=tools_arg)
+    fmt = service.tool_format  # the family's call syntax (stencil.service.tool_formats)
+    plan = plan_tools(functions, choice, named, parallel, max_calls, syntax=fmt.syntax)
+    template = getattr(service.engine.tokenizer, "chat_template", None)
+    native = template_supports_tools(template)
+    templated, tools_arg = template_messages(messages, plan, native, fmt,
+                                             native_calls=native or template_renders_calls(template))
+    return plan, await inputs.tokenize(service, messages=templated, tools=tools_arg, template_kwargs=template_kwargs)

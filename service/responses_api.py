@@ -15,7 +15,9 @@ Streams are typed events (``response.created``, ``response.in_progress``,
 / ``.done``, ``response.function_call_arguments.delta`` / ``.done``,
 ``response.output_item.done``, then ``response.completed`` or ``response.incomplete``; ``error``
 and ``response.failed`` when the request fails after the stream began), each with a
-``sequence_number``; a call's arguments stream as they are written.
+``sequence_number``; a call's arguments stream as they are written. A reasoning model's thoughts
+come first, as a ``reasoning`` item (``response.reasoning_text.delta`` / ``.done``;
+``reasoning.effort`` caps them: ``stencil.service.reasoning``).
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from litestar.openapi.spec import Link
 from stencil.schemas.openai import ChatMessage, ErrorResponse, FunctionCall, FunctionDefinition, ToolCall
 from stencil.schemas.responses import (
     FunctionCallItem, FunctionTool, IncompleteDetails, InputContent, InputTokensDetails, NamedFunction, OutputItem,
-    OutputLogprob, OutputMessage, OutputText, Response as ResponseObject, ResponseError, ResponsesRequest,
-    ResponseUsage, TextConfig, TextFormat, TopLogprob,
+    OutputLogprob, OutputMessage, OutputText, OutputTokensDetails, ReasoningItem, ReasoningText,
+    Response as ResponseObject, ResponseError, ResponsesRequest, ResponseUsage, TextConfig, TextFormat, TopLogprob,
 )
 from stencil.service import generation as gen
+from stencil.service import reasoning
 from stencil.service.errors import InputError
 from stencil.service.openai_common import (
     GENERATION_ERRORS, NotFound, check_model, constraint, error_fields, refuse_unserved, sse, token_bytes, token_text,
@@ -47,6 +50,7 @@ from stencil.service.openai_serving import OpenAIJob, chat_prompt, sampling_para
 from stencil.service.openapi_docs import RefusedOperation, StreamableOperation, error_responses, with_links
 from stencil.service.state import ServiceState
 from stencil.service.tool_parser import ToolCallParser, ToolEvent
+from stencil.service.tools import ToolPlan
 from stencil.service.wire import strict_body
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -59,7 +63,6 @@ UNSERVED: dict[str, tuple[tuple, str]] = {
     "conversation": ((), "Stencil stores no conversations; send the whole conversation as input"),
     "background": ((False,), "responses run in the foreground only"),
     "background_options": ((), "responses run in the foreground only"),
-    "reasoning": ((), "the served model does not reason"),
     "prompt": ((), "stored prompt templates are not served"),
     "prompt_cache_options": ((), "the prefix cache is automatic and takes no options"),
     "prompt_cache_retention": ((), "the prefix cache is automatic and takes no options"),
@@ -95,9 +98,9 @@ def input_messages(data: ResponsesRequest) -> list[ChatMessage]:
     """``instructions`` + ``input`` as chat messages (past calls and their outputs included).
 
     Raises:
-        InputError: an item type Stencil does not serve (``reasoning``, ``item_reference``,
-            built-in tools' calls), a message without role or content, or content that is not
-            text; the field names the item.
+        InputError: an item type Stencil does not serve (``item_reference``, built-in tools'
+            calls; a ``reasoning`` item, a past turn's thoughts, is taken and dropped), a message
+            without role or content, or content that is not text; the field names the item.
     """
     out: list[ChatMessage] = []
     if data.instructions:
@@ -124,6 +127,8 @@ def input_messages(data: ResponsesRequest) -> list[ChatMessage]:
                 last.tool_calls.append(call)  # parallel calls of one turn
             else:
                 out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "reasoning":
+            continue  # a past turn's thoughts, sent back with its output: the templates drop them
         elif kind == "function_call_output":
             if item.call_id is None:
                 raise InputError(f"input[{i}]: a function_call_output needs call_id", field=f"input[{i}].call_id")
@@ -182,16 +187,24 @@ class Responses:
                                         strict=t.strict) for t in data.tools or []]
         named = data.tool_choice.name if isinstance(data.tool_choice, NamedFunction) else None
         choice = None if named is not None else data.tool_choice
+        effort = data.reasoning.effort if data.reasoning is not None else None
+        if data.reasoning is not None and (data.reasoning.summary or data.reasoning.generate_summary):
+            raise InputError("reasoning.summary is not served: the reasoning comes whole, as a reasoning item's "
+                             "reasoning_text", field="reasoning.summary")
+        thinking = reasoning.plan(service, effort, None, effort_field="reasoning.effort")
         plan, prompt_ids = await chat_prompt(service, input_messages(data), functions, choice, named,
-                                             data.parallel_tool_calls, data.max_tool_calls)
+                                             data.parallel_tool_calls, data.max_tool_calls,
+                                             template_kwargs=thinking.kwargs)
+        region = thinking.params(service.engine.tokenizer, prompt_ids)
         schema, strict = _format(data.text)
         c = await constraint(service, schema, strict, plan, parameters_field="tools[{i}].parameters",
                              format_field="text.format")
         want_logprobs = LOGPROBS_INCLUDE in include or bool(data.top_logprobs)
         params = sampling_params(service, data, max_tokens=data.max_output_tokens, seed=data.seed,
-                                 logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0)
+                                 logprobs=want_logprobs, top_logprobs=data.top_logprobs or 0, reasoning=region)
         return _Job(rid=f"resp_{uuid.uuid4().hex}", model=model, constraint=c, format_field="text.format",
-                    runs=[(prompt_ids, params)], want_logprobs=want_logprobs, data=data)
+                    runs=[(prompt_ids, params)], want_logprobs=want_logprobs, data=data,
+                    notes=thinking.warnings)
 
     def events(self, service: ServiceState, job: _Job, streams: list[gen.GenerationStream],
                warnings: list[str]) -> AsyncIterator[bytes]:
@@ -200,7 +213,9 @@ class Responses:
     def body(self, service: ServiceState, job: _Job, results: list[gen.GenerationResult],
              warnings: list[str]) -> ResponseObject:
         r = results[0]
-        out = _Output(service, ToolCallParser(job.constraint.plan.mode == "auto") if job.constraint.plan.active else None)
+        out = _Output(service, _parser(job.constraint.plan))
+        if r.reasoning:  # as streamed: an item once there is reasoning text
+            out.think(r.reasoning)
         out.feed(r.text, out.logprob_items(r.token_ids, r.logprobs, r.top_logprobs))
         body, _ = _final(service, job, out, r, warnings, job.created)
         return body
@@ -210,6 +225,11 @@ RESPONSES = Responses()
 
 
 # -- the output ----------------------------------------------------------------------------------
+
+
+def _parser(plan: ToolPlan) -> ToolCallParser | None:
+    """The reader of an answer's calls under ``plan`` (``None``: no tools)."""
+    return ToolCallParser(plan.mode == "auto", plan.syntax) if plan.active else None
 
 
 @dataclass(slots=True)
@@ -224,23 +244,49 @@ class _Output:
     parser: ToolCallParser | None
     items: list[OutputItem] = field(default_factory=list)
     message: OutputMessage | None = None  # the text answer, while it is being written
+    thought: ReasoningItem | None = None  # the reasoning, while it is being written
     calls: dict[int, FunctionCallItem] = field(default_factory=dict)
     pending: list[OutputLogprob] = field(default_factory=list)
 
+    def think(self, text: str) -> list[dict]:
+        """Reasoning text: into the reasoning item (the output's first), opened on first use."""
+        events: list[dict] = []
+        if self.thought is None:
+            self.thought = ReasoningItem(id=f"rs_{uuid.uuid4().hex}", content=[ReasoningText("")])
+            self.items.append(self.thought)
+            events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                           "item": self.thought})
+        if text:
+            self.thought.content[0].text += text
+            events.append({"type": "response.reasoning_text.delta", "item_id": self.thought.id,
+                           "output_index": self.items.index(self.thought), "content_index": 0, "delta": text})
+        return events
+
+    def _close_thought(self, status: str) -> list[dict]:
+        item = self.thought
+        if item is None or item.status != "in_progress":
+            return []
+        item.status = "completed" if status == "completed" else "incomplete"
+        index = self.items.index(item)
+        return [{"type": "response.reasoning_text.done", "item_id": item.id, "output_index": index,
+                 "content_index": 0, "text": item.content[0].text},
+                {"type": "response.output_item.done", "output_index": index, "item": item}]
+
     def feed(self, text: str, logprobs: list[OutputLogprob]) -> list[dict]:
         self.pending += logprobs
+        events = self._close_thought("completed") if text else []  # the answer has begun
         if self.parser is None:
-            return self._text(text) if text else []
-        events: list[dict] = []
+            return events + self._text(text) if text else events
         for ev in self.parser.feed(text):
             events += self._event(ev)
         return events
 
     def finish(self, status: str) -> list[dict]:
-        events: list[dict] = []
+        # A reasoning that max_output_tokens cut before any answer is incomplete.
+        events: list[dict] = self._close_thought(status if len(self.items) == 1 else "completed")
         for ev in (self.parser.finish() if self.parser is not None else []):
             events += self._event(ev)
-        if self.message is None and not self.items:
+        if self.message is None and all(isinstance(i, ReasoningItem) for i in self.items):
             events += self._open_message()  # an empty answer is still a message
         if self.message is not None:
             events += self._close_message(status)
@@ -346,7 +392,8 @@ def _response(job: _Job, status: str, output: list[OutputItem], created: float, 
 def _usage(job: _Job, r: gen.GenerationResult) -> ResponseUsage:
     return ResponseUsage(input_tokens=len(job.prompt_ids), output_tokens=r.usage.completion_tokens,
                          total_tokens=len(job.prompt_ids) + r.usage.completion_tokens,
-                         input_tokens_details=InputTokensDetails(cached_tokens=r.usage.cached_tokens))
+                         input_tokens_details=InputTokensDetails(cached_tokens=r.usage.cached_tokens),
+                         output_tokens_details=OutputTokensDetails(reasoning_tokens=r.usage.reasoning_tokens))
 
 
 def _final(service: ServiceState, job: _Job, out: _Output, r: gen.GenerationResult, relaxed_warnings: list[str],
@@ -374,13 +421,16 @@ async def _events(service: ServiceState, job: _Job, stream: gen.GenerationStream
         seq += 1
         return sse(event, event["type"])
 
-    out = _Output(service, ToolCallParser(job.constraint.plan.mode == "auto") if job.constraint.plan.active else None)
+    out = _Output(service, _parser(job.constraint.plan))
     started = _response(job, "in_progress", [], created)
     yield emit({"type": "response.created", "response": started})
     yield emit({"type": "response.in_progress", "response": started})
     try:
         async for item in stream:
             if isinstance(item, gen.GenerationDelta):
+                if item.reasoning:
+                    for ev in out.think(item.reasoning):
+                        yield emit(ev)
                 lps = out.logprob_items(item.token_ids, item.logprobs, item.top_logprobs)
                 for ev in out.feed(item.text, lps):
                     yield emit(ev)

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from stencil.engine.config import ConfigError
 from stencil.service.engine_client import EngineClient
 from stencil.service.metrics import Metrics
+from stencil.service.reasoning_formats import ReasoningFormat, check_name
+from stencil.service import tool_formats
+from stencil.service.tool_formats import ToolFormat
 from stencil.service.validation import OutputChecker, SchemaChecks
 
 
@@ -45,6 +48,17 @@ class ServiceConfig:
             ``--chat-template``): for a model whose file carries none or a wrong one. ``None``: the
             model's. Checked by ``validate`` (a syntax error names its line); installed on the
             engine's tokenizer when the app starts, so every route renders with it.
+        reasoning_format: how the model marks its reasoning (``stencil.service.reasoning_formats``):
+            "auto" (``None`` too: detected from the chat template), "none" (never split out
+            reasoning), or a format's name (``qwen3``, ``deepseek_r1``, ...). An unknown name
+            is refused by ``validate``, listing the known ones.
+        reasoning_budget: most reasoning tokens of any request (``None``: no cap but
+            ``max_tokens``); ``reasoning_effort`` caps it further per request.
+        tool_call_format: the syntax the model writes tool calls in
+            (``stencil.service.tool_formats``): "auto" (``None`` too: detected from the served
+            chat template; Hermes for a template that shows none) or a format's name
+            (``hermes``, ``mistral``, ...). An unknown name is refused by ``validate``, listing
+            the known ones.
     """
 
     api_key: str | None = None
@@ -68,6 +82,9 @@ class ServiceConfig:
     retry_after_s: int = 1
     json_whitespace: str = "flexible"
     chat_template: str | None = None
+    reasoning_format: str | None = "auto"
+    reasoning_budget: int | None = None
+    tool_call_format: str | None = "auto"
 
     def validate(self) -> "ServiceConfig":
         """Resolve the API key from the environment and check ranges; return self.
@@ -93,6 +110,10 @@ class ServiceConfig:
             raise ConfigError("request_timeout_s must be > 0 and shutdown_grace_s >= 0")
         if self.max_queue_wait_s is not None and not 0 < self.max_queue_wait_s <= self.request_timeout_s:
             raise ConfigError(f"max_queue_wait_s must be in (0, request_timeout_s], got {self.max_queue_wait_s}")
+        check_name(self.reasoning_format)
+        tool_formats.check_name(self.tool_call_format)
+        if self.reasoning_budget is not None and self.reasoning_budget < 0:
+            raise ConfigError(f"reasoning_budget must be >= 0, got {self.reasoning_budget}")
         if self.chat_template is not None:
             from jinja2 import TemplateSyntaxError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -124,6 +145,10 @@ class ServiceState:
         schemas: request schemas already checked against their meta-schema.
         draining: set on shutdown; new generation requests get 503.
         inflight: generation requests now being served.
+        reasoning: the served model's reasoning format (``ServiceConfig.reasoning_format``
+            resolved against its chat template when the app starts), or ``None``.
+        tool_format: the served model's tool-call format (``ServiceConfig.tool_call_format``
+            resolved likewise).
     """
 
     engine: EngineClient
@@ -134,6 +159,8 @@ class ServiceState:
     schemas: SchemaChecks = field(default_factory=SchemaChecks)
     draining: bool = False
     inflight: int = field(default=0)
+    reasoning: ReasoningFormat | None = None
+    tool_format: ToolFormat = tool_formats.HERMES_FORMAT
 
 
 class StateHolder:
