@@ -1,6 +1,6 @@
 """Reasoning then a structured answer in one ``max_tokens`` (``SamplingParams.reasoning``,
-``stencil.grammar.reasoning``), served by the engine on a tiny model carrying the real Qwen3
-template and its ``<think>`` / ``</think>`` tokens: at every budget from the minimum up, the
+``stencil.grammar.reasoning``), served by the engine on tiny models carrying the real Qwen3 and
+DeepSeek-R1-distill templates and their ``<think>`` / ``</think>`` tokens: at every budget from the minimum up, the
 answer is complete and valid, the reasoning never holds the end marker, and the output splits
 where the matcher put the marker; speculation keeps greedy outputs; a cap of 0 gives an empty
 region; admission refuses below the minimum."""
@@ -31,22 +31,39 @@ def flat_cost(shape) -> float:
     return 10.0  # every step costs the same: drafting always pays (test_engine.flat_cost)
 
 
-@pytest.fixture(scope="module")
-def qwen3(family_model_factory):
+# (template, its special tokens, eos, bos): Qwen3's generation prompt leaves the region to the model
+# (the engine forces "<think>\n"); the R1 distill's opens it ("<think>\n" ends the prompt).
+FAMILIES = {
+    "qwen3": ("Qwen-Qwen3-0.6B", ["<think>", "</think>", "<tool_call>", "</tool_call>"], None, None),
+    "deepseek_r1": ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+                    ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"],
+                    "<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def qwen3(family_model_factory, request):
+    """(engine, tokenizer, ReasoningParams, prompt ids) of a tiny model carrying the family's real
+    template (named for the first family; the R1 distill's runs the same tests)."""
     from transformers import AutoTokenizer
 
-    model = family_model_factory("Qwen-Qwen3-0.6B", ["<think>", "</think>", "<tool_call>", "</tool_call>"])
+    template, special, eos, bos = FAMILIES[request.param]
+    model = family_model_factory(template, special, eos_token=eos, bos_token=bos)
     tok = AutoTokenizer.from_pretrained(str(model))
     eng = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=512, max_num_seqs=32,
                                  max_num_batched_tokens=2048, max_prefill_chunk=2048, speculative=SPEC),
                     cost_model=flat_cost)
     end_id = tok.convert_tokens_to_ids("</think>")
-    rp = ReasoningParams("</think>", (end_id,), start_ids=tuple(tok.encode("<think>\n", add_special_tokens=False)),
-                         after_ids=tuple(tok.encode("\n\n", add_special_tokens=False)))
+    # (llama.cpp's copy of the R1 template closes the region unless enable_thinking is set)
     prompt = tok.apply_chat_template([{"role": "user", "content": "Who is Ada? Answer in JSON."}],
-                                     add_generation_prompt=True, tokenize=True)
+                                     add_generation_prompt=True, tokenize=True, enable_thinking=True)
     if not isinstance(prompt, list):
         prompt = prompt["input_ids"]
+    opened = tok.decode(prompt).endswith("<think>\n")
+    assert opened == (request.param == "deepseek_r1")
+    start = () if opened else tuple(tok.encode("<think>\n", add_special_tokens=False))
+    rp = ReasoningParams("</think>", (end_id,), start_ids=start,
+                         after_ids=tuple(tok.encode("\n\n", add_special_tokens=False)))
     return eng, tok, rp, list(prompt)
 
 
@@ -116,7 +133,7 @@ def test_every_budget_ends_with_a_valid_answer_and_a_clean_split(qwen3):
     rng = random.Random(0)
     end_id = rp.end_ids[0]
     params = []
-    budgets = [low, low + 1, low + 2] + sorted(rng.randint(low, 240) for _ in range(26))
+    budgets = [low, low + 1, low + 2] + sorted(rng.randint(low, 400) for _ in range(56))
     for i, mt in enumerate(budgets):
         # a random model rarely chooses the marker: a bias makes some of them end by choice
         bias = {end_id: rng.choice([0.0, 4.0, 7.0])}
@@ -129,7 +146,7 @@ def test_every_budget_ends_with_a_valid_answer_and_a_clean_split(qwen3):
                                  reasoning=ReasoningParams(rp.end_text, rp.end_ids, rp.start_ids, rp.after_ids, 60)))
     results = _run(eng, [prompt] * len(params), params, [g] * len(params))
     kinds = [_check_split(tok, p.reasoning, r, p.max_tokens) for p, r in zip(params, results)]
-    assert len(kinds) == 30 and {"cut", "model"} <= set(kinds), kinds
+    assert len(kinds) == 60 and {"cut", "model"} <= set(kinds), kinds
     for p, r in zip(params, results):
         if p.reasoning.max_reasoning_tokens == 0:
             assert r["reasoning"] == "" and r["last"].reasoning_cut
