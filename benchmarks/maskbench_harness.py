@@ -67,7 +67,6 @@ def stencil_engine(engine_base, whitespace: str, timeout_s: float):
     from stencil.grammar.base import GrammarSpec
     from stencil.grammar.bitmask import allocate_bitmask
     from stencil.grammar.compiler import GrammarCompiler
-    from stencil.grammar.frontend import warm_up
 
     class StencilEngine(engine_base):
         def get_id(self):
@@ -84,7 +83,7 @@ def stencil_engine(engine_base, whitespace: str, timeout_s: float):
                                             timeout_s=timeout_s, cache_size=0)
             self.bitmask = allocate_bitmask(1, len(self.tokenizer))
             self.words = self.bitmask[0].numpy()  # the same memory, read without torch indexing
-            warm_up()  # what a server pays once at start, not on the first schema's clock
+            self.compiler.warm_up()  # what a server pays once at start, not on the first schema's clock
 
         def compile_grammar(self, schema: dict):
             self.grammar = self.compiler.compile(GrammarSpec.json_schema(schema, whitespace=whitespace))

@@ -52,6 +52,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.compiler = GrammarCompiler(vocab, vocab_size, max_workers=workers, timeout_s=timeout_s,
                                         backend=backend)
+        self.compiler.warm_up()  # the first compile's one-time costs: here, before the server is healthy
         self._free = None
 
     def free_answer(self):

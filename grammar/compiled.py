@@ -90,20 +90,24 @@ class CompiledGrammar:
         """The grammar's closing automaton, built once in the background (a future; it raises
         ``ClosingUnsupported`` for grammars it does not model)."""
         with self._lock:
-            if self._closing is None:
-                if self._closing_pool is not None:
-                    try:
-                        self._closing = self._closing_pool.submit(self._build_closing)
-                    except RuntimeError:  # pool shut down
-                        self._closing = None
-                if self._closing is None:
-                    f: Future = Future()
-                    try:
-                        f.set_result(self._build_closing())
-                    except Exception as e:  # noqa: BLE001
-                        f.set_exception(e)
-                    self._closing = f
-            return self._closing
+            if self._closing is not None:
+                return self._closing
+            if self._closing_pool is not None:
+                try:
+                    self._closing = self._closing_pool.submit(self._build_closing)
+                    return self._closing
+                except RuntimeError:  # pool shut down: built here, below
+                    pass
+            f: Future = Future()
+            f.set_running_or_notify_cancel()
+            self._closing = f
+        # (outside the lock: the build reads ``own_program``, which takes it; others asking
+        # meanwhile wait on ``f``)
+        try:
+            f.set_result(self._build_closing())
+        except Exception as e:  # noqa: BLE001
+            f.set_exception(e)
+        return f
 
     def own_program(self) -> Program:
         """Stencil's own translation of the spec: the program itself, unless it is a "json"

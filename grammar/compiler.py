@@ -114,8 +114,8 @@ class GrammarCompiler:
                                            self._closing_pool)
         if backend != "eager":
             self.backend("lazy")  # its tokenizer trie takes ~0.6 s for 49 k tokens: pay it up front
-        # One-time translation costs (Unicode \d / \s sets, first imports): not on a request.
-        self._pool.submit(warm_up)
+        # The first compile's one-time costs, started now (``warm_up`` waits for them).
+        self._warm = self._pool.submit(self._warm_up)
 
     # -- public -------------------------------------------------------------------------------
 
@@ -248,6 +248,54 @@ class GrammarCompiler:
         with self._lock:
             self._closed = True
         self._finalizer()
+
+    def warm_up(self) -> None:
+        """Wait until the one-time costs of a first compile are paid, so that none is paid by a
+        user's first schema; a server calls it before it reports healthy. Idempotent, and cheap
+        once done; a closed compiler's returns at once if its warm-up had not started.
+
+        The constructor starts the warm-up on the request pool: a compile of a small tool-call
+        schema through the path a request takes (the front end and its first imports, above all
+        ``jsonschema``'s, ~90 ms cold; the policy's first backend, llguidance's first matcher and
+        mask; the shortest output and its closing automaton; a budget-aware matcher taking one
+        token), with the front end's own :func:`stencil.grammar.frontend.warm_up` (Unicode sets,
+        the validators) before it. That grammar is dropped: it is not in the cache and not in
+        :attr:`stats`. Under the ``eager`` policy only the front end is warmed (an eager index
+        is built in a child process, whose start is each build's own cost).
+
+        The engine's ``StructuredOutputManager`` calls it; so does the MaskBench adapter before
+        its clock (``stencil bench first_mask`` measures a first schema with and without it).
+
+        Raises:
+            GrammarError: the front end failed on the warm-up schema (a bug, not a user's error).
+                A vocabulary that cannot spell that schema's JSON stops the warm-up after the
+                front end, without an error.
+        """
+        if not self._warm.cancelled():  # (cancelled by ``close``: nothing left to warm)
+            self._warm.result()
+
+    def _warm_up(self) -> None:
+        from stencil.grammar.bitmask import allocate_bitmask  # (torch: imported where used)
+
+        warm_up()
+        first = "lazy" if self.policy == backend_registry.AUTO else self.policy  # (as a compile's)
+        if first == "eager" or self._closed:
+            return
+        spec = GrammarSpec.json_schema(_WARM_SCHEMA)
+        program = to_program(spec, max_recursion_depth=self._depth, deadline=time.monotonic() + self._timeout_s)
+        grammar = self._new_grammar(spec, program, self.policy)
+        try:
+            grammar._set(first, self._build(first, self._program_for(grammar, first, False), spec))
+        except GrammarError:  # a vocabulary that cannot spell JSON (some tests'): nothing more to warm
+            return
+        grammar.min_output_tokens(0)  # the shortest output, then the closing automaton
+        matcher = grammar.budget_matcher(64)
+        bitmask = allocate_bitmask(1, self.vocab.model_vocab_size)  # int32 [1, ceil(vocab / 32)]
+        matcher.fill_bitmask(bitmask, 0)
+        token = _first_allowed(bitmask[0].numpy())
+        if token is not None:  # (None: a vocabulary that cannot spell JSON, as in some tests)
+            matcher.accept_tokens([token])
+            matcher.fill_bitmask(bitmask, 0)
 
     def __enter__(self) -> "GrammarCompiler":
         return self
@@ -469,6 +517,31 @@ class GrammarCompiler:
             del self._failures[key]
             return None
         return error.copy()
+
+
+# What ``warm_up`` compiles: the shape of a typical tool call's arguments (kept small: its own
+# cost is paid once per compiler).
+_WARM_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 1},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+        "exact": {"type": "boolean"},
+    },
+    "required": ["city"],
+}
+
+
+def _first_allowed(words) -> int | None:
+    """The lowest token id set in one bitmask row (int32 ``[ceil(vocab / 32)]``), or None."""
+    set_words = words.nonzero()[0]
+    if not len(set_words):
+        return None
+    w = int(set_words[0])
+    bits = int(words[w]) & 0xFFFFFFFF
+    return w * 32 + (bits & -bits).bit_length() - 1
 
 
 def _own_copy(exc: BaseException) -> BaseException:
