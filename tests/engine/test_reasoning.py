@@ -98,7 +98,8 @@ def _check_split(tok, rp: ReasoningParams, r: dict, max_tokens: int, structured:
     end = m.reasoning_end
     if ids[end] == rp.end_ids[0]:
         assert ids[end:a] == list(rp.end_ids + rp.after_ids)
-        want = tok.decode(ids[len(rp.start_ids):end], skip_special_tokens=True)
+        # (a character the cut left unfinished is dropped, as the detokenizer's finish() does)
+        want = tok.decode(ids[len(rp.start_ids):end], skip_special_tokens=True).rstrip("\ufffd")
         kind = "cut" if out.reasoning_cut else "model"
     else:  # the reasoning's own text spelled the marker (not forced: the cut forces the token)
         assert not out.reasoning_cut and ids[end:a] == list(rp.after_ids)
