@@ -43,6 +43,7 @@ from stencil.service.errors import (InputError, ServiceError, Unauthorized, Unav
 from stencil.service.metrics import Metrics
 from stencil.service.openai_api import openai_route_handlers
 from stencil.service.openai_common import event_json, openai_exception_handler
+from stencil.service.prompts import check_template_renders
 from stencil.service.openapi_docs import StreamableOperation, StrictStructSchemaPlugin, error_responses
 from stencil.service.responses_api import responses_route_handlers
 from stencil.service.state import STATE_KEY, ServiceConfig, ServiceState, StateHolder, service_state
@@ -368,8 +369,13 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
 
         aeng.on_dead = dead
         aeng.start()
-        if cfg.chat_template is not None:  # (checked by ServiceConfig.validate)
+        if cfg.chat_template is not None:  # (parsed by ServiceConfig.validate)
             aeng.tokenizer.chat_template = cfg.chat_template
+            try:
+                check_template_renders(aeng.tokenizer)
+            except Exception:
+                await asyncio.to_thread(stop_engine, aeng)
+                raise
         from stencil.engine.models.source import ModelPathError, resolve_model_path
 
         try:  # a GGUF file's stem, or the directory's name

@@ -288,6 +288,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     runner = ServerRunner()
     config = engine_config_from_args(args, _say)
+    if scfg.chat_template is not None:  # rendered with the model's tokenizer before the model loads
+        from stencil.engine.models.tokenizer import load_tokenizer
+        from stencil.service.prompts import check_template_renders
+
+        tokenizer = load_tokenizer(config.model)
+        tokenizer.chat_template = scfg.chat_template
+        check_template_renders(tokenizer)
     _say(f"loading {model_id(config.model)} ({_size(config.model)}) on {config.device} ...")
     app = create_app(config, scfg, on_engine_dead=runner.engine_dead, freeze_heap=True)
     demo, keyed = args.model is None, bool(scfg.api_key)

@@ -235,6 +235,32 @@ def check_template_kwargs(tokenizer, kwargs: dict[str, Any]) -> None:
                              "generation prompt are the request's own fields)", field="chat_template_kwargs")
 
 
+def check_template_renders(tokenizer) -> None:
+    """Render one user message with the tokenizer's chat template, as a chat request would.
+
+    ``stencil serve --chat-template`` checks its template this way once the model's tokenizer is
+    loaded (its special tokens are template variables), so a template that parses but fails on
+    every request (an attribute of a message it lacks, an unknown filter, ``raise_exception`` on
+    a user turn) is refused at start, not answered 400 on each chat.
+
+    Raises:
+        stencil.engine.config.ConfigError: ``chat_template does not render: line N: ...``, the
+            line of the template where rendering failed (when Jinja says it).
+    """
+    import traceback
+
+    from stencil.engine.config import ConfigError
+
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                      tokenize=False)
+    except Exception as e:  # noqa: BLE001 - Jinja raises TemplateError, UndefinedError, TypeError, ...
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == "<template>"]
+        line = lines[-1] if lines else getattr(e, "lineno", None)
+        where = f"line {line}: " if line else ""
+        raise ConfigError(f"chat_template does not render: {where}{e}") from None
+
+
 def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None,
                     defanger: Defanger | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
     """Render chat messages with the tokenizer's chat template, ending with the assistant's turn.

@@ -1,7 +1,10 @@
 """``--chat-template`` (``ServiceConfig.chat_template``): a template given at start replaces the model's
-for every route, a file that does not parse is refused before the model loads, naming its line."""
+for every route; a file that does not parse, or does not render one user message with the model's
+tokenizer, is refused before the model loads, naming its line."""
 
 from __future__ import annotations
+
+import traceback
 
 import pytest
 from litestar.testing import TestClient
@@ -41,3 +44,33 @@ def test_a_template_that_does_not_parse_is_refused_naming_its_line(tmp_path, cap
     assert "chat_template does not parse: line 1" in err and "loading" not in err
     assert cli.main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "--chat-template: cannot read" in capsys.readouterr().err
+
+
+def test_a_template_that_does_not_render_is_refused_at_start_naming_its_line(tiny_model_dir, tmp_path, capsys):
+    from stencil.service.prompts import check_template_renders
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    bad = "{% for m in messages %}\n{{ m.content }}\n{{ m.nope.deeper }}\n{% endfor %}"  # parses, never renders
+    ServiceConfig(chat_template=bad).validate()
+    tok.chat_template = bad
+    with pytest.raises(ConfigError, match=r"chat_template does not render: line 3: .*'nope'"):
+        check_template_renders(tok)
+    tok.chat_template = TEMPLATE
+    check_template_renders(tok)
+    # a raise_exception on the user's turn, as real templates write their refusals
+    tok.chat_template = "{% for m in messages %}{% if m.role == 'user' %}\n{{ raise_exception('no users') }}{% endif %}{% endfor %}"
+    with pytest.raises(ConfigError, match=r"line 2: no users"):
+        check_template_renders(tok)
+    # the server: refused before the model loads (one line, exit 2), and by the app's start too
+    path = tmp_path / "bad.jinja"
+    path.write_text(bad)
+    assert cli.main(["serve", "--chat-template", str(path), "--model", str(tiny_model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "chat_template does not render: line 3" in err and "Traceback" not in err
+    app = create_app(EngineConfig(model=tiny_model_dir, num_kv_blocks=16, max_num_seqs=1),
+                     ServiceConfig(chat_template=bad))
+    with pytest.raises(BaseException) as e:
+        with TestClient(app, timeout=60):
+            pass
+    assert "ConfigError: chat_template does not render: line 3" in "".join(traceback.format_exception(e.value))
