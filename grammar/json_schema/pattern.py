@@ -10,8 +10,10 @@ Exactness: each atom carries a subset of Python's meaning (``\\d`` → ASCII dig
 ASCII word characters; negations remove a superset), so the emitted language is a subset of
 what ``re.search`` accepts and never more. With ``over=True`` each atom carries a superset instead
 (for ``not: {pattern}``, written as a complement of that superset). Python's ``$`` also matches before one final
-newline; that case is admitted. Lookaround, backreferences, word boundaries, inline flags
-and anchors in the middle raise ``PatternError``.
+newline; that case is admitted. Lookaheads right after a leading ``^`` are split off
+(``split_lookaheads``) and written as intersections and complements by ``strings``; other
+lookaround, backreferences, word boundaries, inline flags and anchors in the middle raise
+``PatternError``.
 """
 
 from __future__ import annotations
@@ -275,6 +277,64 @@ def parse(pattern: str, over: bool = False):
     superset of Python's meaning instead of a subset (``\\d`` → every Unicode digit), so that
     the language is a superset of what ``re.search`` accepts: the form a complement needs."""
     return _Parser(pattern, over).parse()
+
+
+def split_lookaheads(pattern: str) -> tuple[str, list[tuple[bool, str, int]]] | None:
+    """``^(?=X)(?!Y)REST`` as ``("^REST", [(False, X, 4), (True, Y, 10)])`` (True: a negative
+    lookahead; then where its body starts in ``pattern``); None where ``pattern`` does not open
+    with ``^`` (or ``\\A``) and a lookahead.
+
+    After a leading ``^`` the lookaheads all look from the string's start, so the pattern
+    matches (``re.search``) exactly the strings that ``^REST`` matches, that each ``^(?:X)``
+    matches and that no ``^(?:Y)`` matches: an intersection and complements, which the grammar
+    can write. ``REST`` must not hold a top-level ``|`` (``^(?=X)a|b`` is ``(?:^(?=X)a)|b``).
+
+    Raises:
+        PatternError: an unterminated lookahead, or a ``|`` at the top of ``REST``.
+    """
+    i = 1 if pattern.startswith("^") else 2 if pattern.startswith("\\A") else 0
+    if not i or not pattern.startswith(("(?=", "(?!"), i):
+        return None
+    anchor, looks = pattern[:i], []
+    while pattern.startswith(("(?=", "(?!"), i):
+        end = _group_end(pattern, i)
+        looks.append((pattern[i + 2] == "!", pattern[i + 3:end], i + 3))
+        i = end + 1
+    rest = pattern[i:]
+    try:
+        top = parse(rest)
+    except PatternError as exc:
+        raise PatternError(exc.message, exc.position + i) from None
+    if isinstance(top, Alt):
+        raise PatternError("a lookahead before a top-level '|'", i)
+    return anchor + rest, looks
+
+
+def _group_end(text: str, start: int) -> int:
+    """The index of the ``)`` that closes the group opened at ``text[start]``; skips escapes and
+    character classes (where ``(`` and ``)`` are literal)."""
+    depth, i, n = 0, start, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            i += 1
+            if i < n and text[i] == "^":
+                i += 1
+            if i < n and text[i] == "]":  # a ']' first in a class is literal
+                i += 1
+            while i < n and text[i] != "]":
+                i += 2 if text[i] == "\\" else 1
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    raise PatternError("missing ')'", start)
 
 
 def length_range(node) -> tuple[int, int | None]:

@@ -6,14 +6,16 @@ one character. Returns the regex of the whole literal, quotes included.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 
 from dataclasses import dataclass
 
 from stencil.grammar import charset as cs
 from stencil.grammar.json_schema import pattern as sp
 from stencil.grammar.json_schema.formats import format_pattern
-from stencil.grammar.program import both
+from stencil.grammar.program import both, minus
 from stencil.grammar.json_schema.rx import Rx, alt, repeat, seq
 
 ANY_CHAR = cs.json_char(cs.ANY_CHAR)
@@ -81,6 +83,12 @@ def _branch_regex(branch: sp.Branch) -> Rx:
 def _pattern_body(pattern: str, lo: int, hi: int | None, intersect: bool = False,
                   over: bool = False) -> Rx:
     try:
+        split = sp.split_lookaheads(pattern)
+    except sp.PatternError as exc:
+        raise StringError("pattern", f"unsupported pattern: {exc.message}", exc.position) from None
+    if split is not None:
+        return _lookaheads(pattern, *split, lo, hi, intersect, over)
+    try:
         branches = sp.branches(sp.parse(pattern, over))
     except sp.PatternError as exc:
         raise StringError("pattern", f"unsupported pattern: {exc.message}", exc.position) from None
@@ -108,6 +116,50 @@ def _pattern_body(pattern: str, lo: int, hi: int | None, intersect: bool = False
     return alt(out)
 
 
+def _lookaheads(pattern: str, rest: str, looks: list[tuple[bool, str, int]], lo: int, hi: int | None,
+                intersect: bool, over: bool) -> Rx:
+    """``pattern`` = ``^(?=X)(?!Y)REST`` (``sp.split_lookaheads``): ``^REST``'s non-empty strings,
+    intersected with ``^(?:X)``'s, minus ``^(?:Y)``'s; and the empty string where ``pattern``
+    matches it. Exact as the atoms are: a subset of Python's language (``over``: a superset),
+    since a complement takes away the other approximation of its part. (The empty string goes
+    apart: llguidance's ``&`` of two sides that both match it matched nothing, not even it.)"""
+    anchor = 1 if pattern.startswith("^") else 2  # (``^`` or ``\\A``)
+    if not intersect:
+        raise StringError("pattern", "a lookahead is written as an intersection, which only the "
+                          "lazy backend serves", anchor)
+    with _at(anchor, len(pattern) - len(rest)):  # (positions in ``rest`` past its anchor)
+        out = both(_pattern_body(rest, lo, hi, True, over), repeat(ANY_CHAR, 1, None))
+    for negative, look, start in looks:
+        with _at(0, start):
+            grouped = isinstance(_parsed(look), sp.Alt)
+        head = "^(?:" + look + ")" if grouped else "^" + look
+        with _at(0, start - (4 if grouped else 1)):
+            part = _pattern_body(head, 0, None, True, over != negative)
+        out = minus(out, part) if negative else both(out, part)
+    # (the empty string reads no atom, so Python's answer for it is the exact one)
+    empty = lo == 0 and re.search(pattern, "") is not None
+    return alt([out, ""]) if empty and out is not None else "" if empty else out
+
+
+@contextlib.contextmanager
+def _at(past: int, shift: int):
+    """Shift by ``shift`` the position of a pattern error raised inside, where it is at least
+    ``past``: a part's offsets become the whole pattern's."""
+    try:
+        yield
+    except StringError as exc:
+        if exc.position is not None and exc.position >= past:
+            exc.position += shift
+        raise
+
+
+def _parsed(pattern: str):
+    try:
+        return sp.parse(pattern)
+    except sp.PatternError as exc:
+        raise StringError("pattern", f"unsupported pattern: {exc.message}", exc.position) from None
+
+
 def pattern_superset_regex(pattern: str) -> Rx:
     """Regex of JSON string literals (with quotes) that includes every string ``re.search``
     matches with ``pattern`` (each atom over-approximated); what ``not: {pattern}`` takes away.
@@ -115,7 +167,7 @@ def pattern_superset_regex(pattern: str) -> Rx:
     Raises:
         StringError: a pattern we cannot translate.
     """
-    return seq('"', _pattern_body(pattern, 0, None, over=True), '"')
+    return seq('"', _pattern_body(pattern, 0, None, intersect=True, over=True), '"')  # (in a ``minus``: lazy only)
 
 
 @functools.lru_cache(maxsize=1024)
