@@ -368,7 +368,7 @@ class ChatCompletions:
         thinking = reasoning.plan(service, data.reasoning_effort, data.chat_template_kwargs)
         plan, prompt_ids = await chat_prompt(service, data.messages, [t.function for t in data.tools or []], choice,
                                              named, data.parallel_tool_calls, template_kwargs=thinking.kwargs)
-        region = thinking.params(service.engine.tokenizer, prompt_ids)
+        region = thinking.params(service.engine.tokenizer, prompt_ids, tools=plan.active)
         c = await _structured_outputs(service, data.structured_outputs, data.response_format, plan) \
             if data.structured_outputs is not None else await constraint(service, *format_schema(data.response_format), plan)
         max_tokens = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens

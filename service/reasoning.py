@@ -51,9 +51,10 @@ class ReasoningPlan:
     cap: int | None = None
     warnings: list[str] = field(default_factory=list)
 
-    def params(self, tokenizer, prompt_ids: list[int]) -> ReasoningParams | None:
+    def params(self, tokenizer, prompt_ids: list[int], tools: bool = False) -> ReasoningParams | None:
         """The engine's ``ReasoningParams`` for a prompt rendered with ``kwargs``, or ``None``
-        (no format, or the prompt closed the region: thinking is off)."""
+        (no format, or the prompt closed the region: thinking is off); ``tools``: the answer may
+        be tool calls (the format's ``tool_separator`` then follows the end marker)."""
         fmt = self.format
         if fmt is None:
             return None
@@ -67,7 +68,9 @@ class ReasoningPlan:
 
         return ReasoningParams(end_text=fmt.end, end_ids=ids(fmt.end),
                                start_ids=() if opened else ids(fmt.start + fmt.opening),
-                               after_ids=ids(fmt.separator), max_reasoning_tokens=self.cap)
+                               after_ids=ids(fmt.tool_separator if tools and fmt.tool_separator is not None
+                                             else fmt.separator),
+                               max_reasoning_tokens=self.cap)
 
 
 def _bound(a: int | None, b: int | None) -> int | None:

@@ -35,6 +35,9 @@ class ReasoningFormat:
             prompt leaves the region to the model.
         separator: what the template writes between ``end`` and the answer (``"\\n\\n"``);
             forced after the end marker.
+        tool_separator: the separator when the answer may be tool calls, where they need another
+            (gpt-oss: a new ``<|start|>assistant`` message whose channel, ``final`` or
+            ``commentary to=functions.f``, the tool grammar writes); ``None``: ``separator``.
         switch: the template keyword that turns thinking on and off (``enable_thinking``), or
             ``None`` where the template has none (thinking off is then an empty region).
         effort_kwarg: the template keyword that takes ``reasoning_effort`` itself (gpt-oss:
@@ -49,6 +52,7 @@ class ReasoningFormat:
     detect: Callable[[str], bool]
     opening: str = ""
     separator: str = ""
+    tool_separator: str | None = None
     switch: str | None = None
     effort_kwarg: str | None = None
     families: str = ""
@@ -61,7 +65,8 @@ def _has(*needles: str) -> Callable[[str], bool]:
 # Most specific first: ``detect`` returns the first entry that matches.
 FORMATS: tuple[ReasoningFormat, ...] = (
     ReasoningFormat("gpt_oss", start="<|channel|>analysis<|message|>", end="<|end|>",
-                    separator="<|start|>assistant<|channel|>final<|message|>", effort_kwarg="reasoning_effort",
+                    separator="<|start|>assistant<|channel|>final<|message|>", tool_separator="<|start|>assistant",
+                    effort_kwarg="reasoning_effort",
                     detect=_has("<|channel|>analysis<|message|>", "<|channel|>final<|message|>"),
                     families="gpt-oss (harmony's analysis channel)"),
     ReasoningFormat("deepseek_r1", start="<think>", end="</think>", opening="\n", separator="\n\n",

@@ -195,7 +195,7 @@ class Responses:
         plan, prompt_ids = await chat_prompt(service, input_messages(data), functions, choice, named,
                                              data.parallel_tool_calls, data.max_tool_calls,
                                              template_kwargs=thinking.kwargs)
-        region = thinking.params(service.engine.tokenizer, prompt_ids)
+        region = thinking.params(service.engine.tokenizer, prompt_ids, tools=plan.active)
         schema, strict = _format(data.text)
         c = await constraint(service, schema, strict, plan, parameters_field="tools[{i}].parameters",
                              format_field="text.format")

@@ -101,7 +101,7 @@ HERMES_FORMAT = ToolFormat(HERMES, _has("<tool_call>"), families="Hermes 2 Pro /
 # Most specific first: ``detect`` returns the first entry that matches.
 FORMATS: tuple[ToolFormat, ...] = (
     ToolFormat(CallSyntax("gpt_oss", "<|channel|>commentary to=functions.", " <|constrain|>json<|message|>",
-                          "<|call|>", parallel=False),
+                          "<|call|>", text_prefix="<|channel|>final<|message|>", parallel=False),
                _has("<|channel|>", "<|call|>"), families="gpt-oss (harmony)"),
     ToolFormat(CallSyntax("deepseek_r1", _DS_CALL + "function" + _DS_SEP, "\n```json\n", "\n```" + _DS_CALL_END,
                           begin=_DS_CALLS, sep="\n", end=_DS_CALLS_END),

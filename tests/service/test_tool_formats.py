@@ -338,3 +338,49 @@ def test_a_tiny_model_with_the_real_template_calls_in_its_family_syntax(template
         if name in ("mistral", "mistral_nemo"):
             past = past.replace(mistral_call_id("call_5f2a9c"), mistral_call_id(call.id))
         assert past in rendered[-1] and "SUNNY-18C" in rendered[-1]
+
+
+@pytest.mark.slow
+def test_gpt_oss_thinks_then_calls_in_a_new_assistant_message(family_model_factory, raw_answers):
+    """Tools and reasoning together on harmony: the analysis channel, ``<|end|>``, a new
+    ``<|start|>assistant`` message, then the call's ``commentary`` channel (or, for a text answer,
+    the ``final`` one): not a call inside the final channel."""
+    template = "openai-gpt-oss-120b"
+    name, special, eos, bos = FAMILIES[template]
+    model_dir = family_model_factory(template, special, eos_token=eos, bos_token=bos)
+    app = create_app(EngineConfig(model=str(model_dir), num_kv_blocks=64, max_num_seqs=2),
+                     ServiceConfig(max_tokens_cap=256, default_max_tokens=200))
+    syntax = BY_NAME[name].syntax
+    # the region's forced separator: a new assistant message with tools, the final channel without
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from stencil.service import reasoning, reasoning_formats
+    from stencil.service.prompts import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    state = SimpleNamespace(reasoning=reasoning_formats.BY_NAME["gpt_oss"], config=ServiceConfig().validate(),
+                            engine=SimpleNamespace(tokenizer=tok))
+    plan = reasoning.plan(state, "low", None)
+    ids = encode_prompt(tok, messages=MESSAGES, template_kwargs=plan.kwargs)
+    assert tok.decode(plan.params(tok, ids, tools=True).after_ids) == "<|start|>assistant"
+    assert tok.decode(plan.params(tok, ids).after_ids) == "<|start|>assistant<|channel|>final<|message|>"
+    with TestClient(app, timeout=120) as http:
+        model = http.get("/v1/models").json()["data"][0]
+        assert model["chat_format"] == {"tool_calls": "gpt_oss", "reasoning": "gpt_oss"}
+        for choice, seed in (("required", 1), ("auto", 2)):
+            raw_answers.clear()
+            r = http.post("/v1/chat/completions", json={
+                "model": model["id"], "messages": MESSAGES, "tools": TOOLS, "tool_choice": choice,
+                "reasoning_effort": "low", "max_tokens": 160, "seed": seed, "parallel_tool_calls": False})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            msg, usage = body["choices"][0]["message"], body["usage"]
+            assert isinstance(msg["reasoning_content"], str)
+            assert usage["completion_tokens_details"]["reasoning_tokens"] > 0
+            if msg.get("tool_calls"):
+                call = msg["tool_calls"][0]["function"]
+                assert raw_answers[-1] == syntax.calls_text([(call["name"], call["arguments"])])
+            else:  # auto's text answer: the final channel's message
+                assert choice == "auto" and raw_answers[-1] == syntax.text_prefix + msg["content"]
