@@ -10,10 +10,10 @@ Exactness: each atom carries a subset of Python's meaning (``\\d`` → ASCII dig
 ASCII word characters; negations remove a superset), so the emitted language is a subset of
 what ``re.search`` accepts and never more. With ``over=True`` each atom carries a superset instead
 (for ``not: {pattern}``, written as a complement of that superset). Python's ``$`` also matches before one final
-newline; that case is admitted. Lookaheads right after a leading ``^`` are split off
-(``split_lookaheads``) and written as intersections and complements by ``strings``; other
-lookaround, backreferences, word boundaries, inline flags and anchors in the middle raise
-``PatternError``.
+newline; that case is admitted. Lookaheads right after a leading ``^`` and a lookbehind right
+before a final ``$`` or ``\\Z`` are split off (``split_lookaheads``, ``split_lookbehind``) and
+written as intersections and complements by ``strings``; other lookaround, backreferences,
+word boundaries, inline flags and anchors in the middle raise ``PatternError``.
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def split_lookaheads(pattern: str) -> tuple[str, list[tuple[bool, str, int]]] | 
     can write. ``REST`` must not hold a top-level ``|`` (``^(?=X)a|b`` is ``(?:^(?=X)a)|b``).
 
     Raises:
-        PatternError: an unterminated lookahead, or a ``|`` at the top of ``REST``.
+        PatternError: an unterminated group, or a ``|`` at the top of ``REST``.
     """
     i = 1 if pattern.startswith("^") else 2 if pattern.startswith("\\A") else 0
     if not i or not pattern.startswith(("(?=", "(?!"), i):
@@ -301,13 +301,83 @@ def split_lookaheads(pattern: str) -> tuple[str, list[tuple[bool, str, int]]] | 
         looks.append((pattern[i + 2] == "!", pattern[i + 3:end], i + 3))
         i = end + 1
     rest = pattern[i:]
-    try:
-        top = parse(rest)
-    except PatternError as exc:
-        raise PatternError(exc.message, exc.position + i) from None
-    if isinstance(top, Alt):
+    if _scan(rest)[0] is not None:
         raise PatternError("a lookahead before a top-level '|'", i)
     return anchor + rest, looks
+
+
+def split_lookbehind(pattern: str) -> tuple[str, bool, str, int, bool] | None:
+    """``HEAD(?<!X)$`` as ``(HEAD, True, X, where X starts, True)`` (True: a negative
+    lookbehind; the last: ``$`` rather than ``\\Z``); None where ``pattern`` does not end with
+    a lookbehind and an end anchor, or has a top-level ``|``.
+
+    The lookbehind then looks back from where ``HEAD`` ends, so the strings are ``HEAD\\Z``'s
+    that end (or do not end) with one of ``X``'s, then for ``$`` an optional newline:
+    an intersection or a complement with ``.*X``, which the grammar can write.
+
+    Raises:
+        PatternError: a lookbehind whose strings differ in length (Python refuses it too).
+    """
+    end = 1 if pattern.endswith("$") and not pattern.endswith("\\$") else 2 if pattern.endswith("\\Z") else 0
+    if not end or not pattern.endswith(")", 0, len(pattern) - end):
+        return None
+    bar, last = _scan(pattern)
+    if bar is not None or last is None or _group_end(pattern, last) != len(pattern) - end - 1:
+        return None
+    if not pattern.startswith(("(?<=", "(?<!"), last):
+        return None
+    look = pattern[last + 4:len(pattern) - end - 1]
+    try:
+        lo, hi = length_range(parse(look))
+    except PatternError as exc:
+        raise PatternError(exc.message, exc.position + last + 4) from None
+    if lo != hi:
+        raise PatternError("a lookbehind must match strings of one length", last)
+    return pattern[:last], pattern[last + 3] == "!", look, last + 4, end == 1
+
+
+def top_branches(text: str) -> list[tuple[str, int]]:
+    """``text``'s top-level alternatives, each with where it starts in ``text``.
+
+    Raises:
+        PatternError: an unterminated group.
+    """
+    out, start = [], 0
+    while (bar := _scan(text, start)[0]) is not None:
+        out.append((text[start:bar], start))
+        start = bar + 1
+    return out + [(text[start:], start)]
+
+
+def _scan(text: str, i: int = 0) -> tuple[int | None, int | None]:
+    """Where ``text``'s first top-level ``|`` from ``i`` on is, and where its last top-level
+    group before that opens."""
+    last = None
+    while i < len(text):
+        c = text[i]
+        if c == "|":
+            return i, last
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            i = _class_end(text, i)
+        elif c == "(":
+            last, i = i, _group_end(text, i)
+        i += 1
+    return None, last
+
+
+def _class_end(text: str, i: int) -> int:
+    """The index of the ``]`` that closes the class opened at ``text[i]`` (or the text's end)."""
+    i += 1
+    if i < len(text) and text[i] == "^":
+        i += 1
+    if i < len(text) and text[i] == "]":  # a ']' first in a class is literal
+        i += 1
+    while i < len(text) and text[i] != "]":
+        i += 2 if text[i] == "\\" else 1
+    return i
 
 
 def _group_end(text: str, start: int) -> int:
@@ -320,13 +390,7 @@ def _group_end(text: str, start: int) -> int:
             i += 2
             continue
         if c == "[":
-            i += 1
-            if i < n and text[i] == "^":
-                i += 1
-            if i < n and text[i] == "]":  # a ']' first in a class is literal
-                i += 1
-            while i < n and text[i] != "]":
-                i += 2 if text[i] == "\\" else 1
+            i = _class_end(text, i)
         elif c == "(":
             depth += 1
         elif c == ")":

@@ -84,10 +84,13 @@ def _pattern_body(pattern: str, lo: int, hi: int | None, intersect: bool = False
                   over: bool = False) -> Rx:
     try:
         split = sp.split_lookaheads(pattern)
+        behind = None if split is not None else sp.split_lookbehind(pattern)
     except sp.PatternError as exc:
         raise StringError("pattern", f"unsupported pattern: {exc.message}", exc.position) from None
     if split is not None:
         return _lookaheads(pattern, *split, lo, hi, intersect, over)
+    if behind is not None:
+        return _lookbehind(pattern, *behind, lo, hi, intersect, over)
     try:
         branches = sp.branches(sp.parse(pattern, over))
     except sp.PatternError as exc:
@@ -130,15 +133,35 @@ def _lookaheads(pattern: str, rest: str, looks: list[tuple[bool, str, int]], lo:
     with _at(anchor, len(pattern) - len(rest)):  # (positions in ``rest`` past its anchor)
         out = both(_pattern_body(rest, lo, hi, True, over), repeat(ANY_CHAR, 1, None))
     for negative, look, start in looks:
-        with _at(0, start):
-            grouped = isinstance(_parsed(look), sp.Alt)
-        head = "^(?:" + look + ")" if grouped else "^" + look
-        with _at(0, start - (4 if grouped else 1)):
-            part = _pattern_body(head, 0, None, True, over != negative)
+        parts = []
+        for branch, offset in sp.top_branches(look):  # each anchored: ^(?:a|$) is ^a|^$
+            with _at(0, start + offset - 1):
+                parts.append(_pattern_body("^" + branch, 0, None, True, over != negative))
+        part = alt(parts)
         out = minus(out, part) if negative else both(out, part)
     # (the empty string reads no atom, so Python's answer for it is the exact one)
     empty = lo == 0 and re.search(pattern, "") is not None
     return alt([out, ""]) if empty and out is not None else "" if empty else out
+
+
+def _lookbehind(pattern: str, head: str, negative: bool, look: str, start: int, dollar: bool, lo: int,
+                hi: int | None, intersect: bool, over: bool) -> Rx:
+    """``pattern`` = ``HEAD(?<!X)$`` (``sp.split_lookbehind``): ``HEAD\\Z``'s non-empty strings
+    minus (``(?<=X)``: intersected with) ``.*X\\Z``'s, then for ``$`` an optional newline; and the
+    empty string, with or without that newline, where ``pattern`` matches it (as in
+    ``_lookaheads``, whose exactness argument this shares)."""
+    if not intersect:
+        raise StringError("pattern", "a lookbehind is written as an intersection, which only the "
+                          "lazy backend serves", start - 4)
+    out = both(_pattern_body(head + "\\Z", 0, None, True, over), repeat(ANY_CHAR, 1, None))
+    with _at(0, start - 3):
+        tail = _pattern_body("(?:" + look + ")\\Z", 0, None, True, over != negative)
+    out = minus(out, tail) if negative else both(out, tail)
+    if re.search(pattern, "") is not None:
+        out = "" if out is None else alt([out, ""])
+    if dollar:
+        out = seq(out, "(?:" + NEWLINE + ")?")
+    return out if lo == 0 and hi is None else both(out, repeat(ANY_CHAR, lo, hi))
 
 
 @contextlib.contextmanager
@@ -151,13 +174,6 @@ def _at(past: int, shift: int):
         if exc.position is not None and exc.position >= past:
             exc.position += shift
         raise
-
-
-def _parsed(pattern: str):
-    try:
-        return sp.parse(pattern)
-    except sp.PatternError as exc:
-        raise StringError("pattern", f"unsupported pattern: {exc.message}", exc.position) from None
 
 
 def pattern_superset_regex(pattern: str) -> Rx:

@@ -1,5 +1,5 @@
-"""Lookaheads after a leading ``^`` in ``pattern``: compiled exactly as intersections and complements
-(lazy backend). Oracle: Python's ``re.search`` over every string of a small alphabet, for random
+"""Lookaheads after a leading ``^`` and a lookbehind before the final ``$``/``\\Z`` in ``pattern``:
+compiled exactly as intersections and complements (lazy backend). Oracle: Python's ``re.search`` over every string of a small alphabet, for random
 patterns (hypothesis), under ``pattern``, ``not: {pattern}`` and with ``minLength``; inside an object
 too (the path where llguidance is not handed the schema)."""
 
@@ -50,32 +50,46 @@ QUANTIFIERS = ["", "", "*", "+", "?", "{1,2}"]
 piece = st.builds(lambda a, q: a + q, st.sampled_from(ATOMS), st.sampled_from(QUANTIFIERS))
 sequence = st.lists(piece, min_size=0, max_size=3).map("".join)
 look_body = st.one_of(sequence, st.builds(lambda x, y: f"{x}|{y}", sequence, sequence),
-                      sequence.map(lambda x: x + "$"))
+                      sequence.map(lambda x: x + "$"), sequence.map(lambda x: x + "|$"))
 lookahead = st.builds(lambda neg, body: ("(?!" if neg else "(?=") + body + ")", st.booleans(), look_body)
-pattern = st.builds(lambda looks, rest, end: "^" + "".join(looks) + rest + end,
-                    st.lists(lookahead, min_size=1, max_size=3), sequence, st.sampled_from(["", "$", "\\Z"]))
+lookbehind = st.builds(lambda neg, body: ("(?<!" if neg else "(?<=") + "".join(body) + ")", st.booleans(),
+                       st.lists(st.sampled_from(ATOMS), min_size=0, max_size=2))  # (one length, as Python wants)
+
+
+def _pattern(looks, rest, behind, end):
+    if behind and not end:
+        end = "$"
+    return ("^" + "".join(looks) if looks else "") + rest + behind + end
+
+
+pattern = st.one_of(
+    st.builds(_pattern, st.lists(lookahead, min_size=1, max_size=3), sequence, st.just(""),
+              st.sampled_from(["", "$", "\\Z"])),
+    st.builds(_pattern, st.lists(lookahead, max_size=2), sequence, lookbehind, st.sampled_from(["$", "\\Z"])))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(pattern=pattern, min_length=st.sampled_from([0, 0, 2]))
-def test_lookaheads_match_re_search(compiler, pattern, min_length):
-    schema = {"type": "string", "pattern": pattern, **({"minLength": min_length} if min_length else {})}
-    assert _mismatches(compiler, schema, lambda s: bool(re.search(pattern, s)) and len(s) >= min_length) == []
+@given(pattern=pattern, lengths=st.sampled_from([(0, None), (0, None), (2, None), (0, 2), (1, 3)]))
+def test_lookarounds_match_re_search(compiler, pattern, lengths):
+    lo, hi = lengths
+    schema = {"type": "string", "pattern": pattern, "minLength": lo, **({} if hi is None else {"maxLength": hi})}
+    admits = lambda s: bool(re.search(pattern, s)) and lo <= len(s) <= (hi if hi is not None else len(s))  # noqa: E731
+    assert _mismatches(compiler, schema, admits) == []
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pattern=pattern)
-def test_not_a_pattern_with_lookaheads_matches_re_search(compiler, pattern):
+def test_not_a_pattern_with_lookarounds_matches_re_search(compiler, pattern):
     schema = {"type": "string", "not": {"pattern": pattern}}
     assert _mismatches(compiler, schema, lambda s: not re.search(pattern, s)) == []
 
 
 def test_a_password_rule_inside_an_object(compiler):
-    pattern = r"^(?=.*\d)(?=.*[ab])(?!.*\n).{3,}$"
+    pattern = r"^(?=.*\d)(?=.*[ab])(?!.*\n).{3,}(?<!0)$"
     schema = {"type": "object", "properties": {"k": {"type": "string", "pattern": pattern}}, "required": ["k"],
               "additionalProperties": False}
     admitted = [s for s in STRINGS if re.search(pattern, s)]
-    assert "a01" in admitted and "ab\n0" not in admitted and "000" not in admitted
+    assert "a01" in admitted and "ab\n0" not in admitted and "000" not in admitted and "a10" not in admitted
     assert _mismatches(compiler, schema, lambda s: bool(re.search(pattern, s)), wrap=lambda s: {"k": s}) == []
 
 
@@ -83,7 +97,10 @@ def test_a_password_rule_inside_an_object(compiler):
     ("^(?=a)a|b", 6, "top-level '|'"),  # the lookahead binds to the first branch only
     ("a(?=b)", 2, "lookaround"),  # not after a leading '^': still refused
     ("^a(?=b)", 3, "lookaround"),
-    ("^(?<=a)b", 2, "lookaround"),
+    ("^(?<=a)b", 2, "lookaround"),  # a lookbehind not before the end
+    ("^a(?<=a)b$", 3, "lookaround"),
+    ("^a|b(?<=b)$", 5, "lookaround"),  # (with a top-level '|')
+    ("^a(?<!b+)$", 2, "one length"),
     ("^(?=a", 1, "missing ')'"),
     ("^(?=a)b(?=c)", 8, "lookaround"),  # in the rest: the whole pattern's position
     ("^(?=a)(?!b(?<=c))", 11, "lookaround"),  # in a lookahead's body: the same
