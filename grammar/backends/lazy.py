@@ -138,14 +138,15 @@ class LazyBackend:
         if self.uses_c_api and self._limits is None:
             # The C tokenizer is not canonical, so llguidance forces no tokens: a Lark grammar's
             # masks are those of ``no_forcing`` (appended all the same: it is the meaning).
-            if program.kind == "regex" and not program.terminals:
+            if program.kind == "regex" and not program.terminals and program.regular:
+                # (an intersection, ``&``, has no plain-regex form: such a program goes as Lark)
                 root = self.c_tokenizer().matcher("regex", program.text)
             else:
                 root = self.c_tokenizer().matcher("lark", program.lark() + "\n" + _NO_FORCING)
             if root.is_error():
                 raise _explain(program, root.get_error())
             return LazyGrammar(self, root, program)
-        if program.kind == "regex" and not program.terminals:
+        if program.kind == "regex" and not program.terminals and program.regular:
             top = json.loads(llg.LLMatcher.grammar_from_regex(program.text))
         else:
             top = {"grammars": [{"lark_grammar": program.lark()}]}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 
 from dataclasses import dataclass
 
@@ -90,7 +89,7 @@ def _pattern_body(pattern: str, lo: int, hi: int | None, intersect: bool = False
     if split is not None:
         return _lookaheads(pattern, *split, lo, hi, intersect, over)
     if behind is not None:
-        return _lookbehind(pattern, *behind, lo, hi, intersect, over)
+        return _lookbehind(*behind, lo, hi, intersect, over)
     try:
         branches = sp.branches(sp.parse(pattern, over))
     except sp.PatternError as exc:
@@ -121,17 +120,16 @@ def _pattern_body(pattern: str, lo: int, hi: int | None, intersect: bool = False
 
 def _lookaheads(pattern: str, rest: str, looks: list[tuple[bool, str, int]], lo: int, hi: int | None,
                 intersect: bool, over: bool) -> Rx:
-    """``pattern`` = ``^(?=X)(?!Y)REST`` (``sp.split_lookaheads``): ``^REST``'s non-empty strings,
-    intersected with ``^(?:X)``'s, minus ``^(?:Y)``'s; and the empty string where ``pattern``
-    matches it. Exact as the atoms are: a subset of Python's language (``over``: a superset),
-    since a complement takes away the other approximation of its part. (The empty string goes
-    apart: llguidance's ``&`` of two sides that both match it matched nothing, not even it.)"""
+    """``pattern`` = ``^(?=X)(?!Y)REST`` (``sp.split_lookaheads``): ``^REST``'s strings,
+    intersected with ``^(?:X)``'s, minus ``^(?:Y)``'s. Exact as the atoms are: a subset of
+    Python's language (``over``: a superset), since a complement takes away the other
+    approximation of its part."""
     anchor = 1 if pattern.startswith("^") else 2  # (``^`` or ``\\A``)
     if not intersect:
         raise StringError("pattern", "a lookahead is written as an intersection, which only the "
                           "lazy backend serves", anchor)
     with _at(anchor, len(pattern) - len(rest)):  # (positions in ``rest`` past its anchor)
-        out = both(_pattern_body(rest, lo, hi, True, over), repeat(ANY_CHAR, 1, None))
+        out = _pattern_body(rest, lo, hi, True, over)
     for negative, look, start in looks:
         parts = []
         for branch, offset in sp.top_branches(look):  # each anchored: ^(?:a|$) is ^a|^$
@@ -139,26 +137,21 @@ def _lookaheads(pattern: str, rest: str, looks: list[tuple[bool, str, int]], lo:
                 parts.append(_pattern_body("^" + branch, 0, None, True, over != negative))
         part = alt(parts)
         out = minus(out, part) if negative else both(out, part)
-    # (the empty string reads no atom, so Python's answer for it is the exact one)
-    empty = lo == 0 and re.search(pattern, "") is not None
-    return alt([out, ""]) if empty and out is not None else "" if empty else out
+    return out
 
 
-def _lookbehind(pattern: str, head: str, negative: bool, look: str, start: int, dollar: bool, lo: int,
-                hi: int | None, intersect: bool, over: bool) -> Rx:
-    """``pattern`` = ``HEAD(?<!X)$`` (``sp.split_lookbehind``): ``HEAD\\Z``'s non-empty strings
-    minus (``(?<=X)``: intersected with) ``.*X\\Z``'s, then for ``$`` an optional newline; and the
-    empty string, with or without that newline, where ``pattern`` matches it (as in
-    ``_lookaheads``, whose exactness argument this shares)."""
+def _lookbehind(head: str, negative: bool, look: str, start: int, dollar: bool, lo: int, hi: int | None,
+                intersect: bool, over: bool) -> Rx:
+    """A pattern ``HEAD(?<!X)$`` (``sp.split_lookbehind``): ``HEAD\\Z``'s strings minus
+    (``(?<=X)``: intersected with) ``.*X\\Z``'s, then for ``$`` an optional newline (exact as in
+    ``_lookaheads``)."""
     if not intersect:
         raise StringError("pattern", "a lookbehind is written as an intersection, which only the "
                           "lazy backend serves", start - 4)
-    out = both(_pattern_body(head + "\\Z", 0, None, True, over), repeat(ANY_CHAR, 1, None))
+    out = _pattern_body(head + "\\Z", 0, None, True, over)
     with _at(0, start - 3):
         tail = _pattern_body("(?:" + look + ")\\Z", 0, None, True, over != negative)
     out = minus(out, tail) if negative else both(out, tail)
-    if re.search(pattern, "") is not None:
-        out = "" if out is None else alt([out, ""])
     if dollar:
         out = seq(out, "(?:" + NEWLINE + ")?")
     return out if lo == 0 and hi is None else both(out, repeat(ANY_CHAR, lo, hi))

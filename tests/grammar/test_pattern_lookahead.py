@@ -119,3 +119,12 @@ def test_the_eager_backend_refuses_a_lookahead_naming_the_lazy_one(compiler):
         with pytest.raises(GrammarError, match="lazy backend") as info:
             eager.compile(GrammarSpec.json_schema({"type": "string", "pattern": "^(?=a)[ab]"}))
     assert (info.value.keyword, info.value.position) == ("pattern", 1)
+
+
+def test_an_intersection_without_named_pieces_reaches_llguidance_as_lark(compiler):
+    """A short program with ``&`` and no named terminal was handed to llguidance's regex mode,
+    its intersection marks read as characters: nothing matched, not even ``"a"`` here."""
+    schema = {"type": "string", "pattern": "^a?$", "not": {"pattern": "^$"}}
+    grammar = compiler.compile(GrammarSpec.json_schema(schema))
+    assert grammar.program.kind == "regex" and not grammar.program.terminals and not grammar.program.regular
+    assert [s for s in STRINGS if accepts(grammar, s)] == ["a", "a\n"]
