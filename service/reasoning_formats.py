@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stencil.engine.config import ConfigError
+from stencil.service.chat_formats import check_known, first_detected, has
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,27 +58,23 @@ class ReasoningFormat:
     families: str = ""
 
 
-def _has(*needles: str) -> Callable[[str], bool]:
-    return lambda template: all(n in template for n in needles)
-
-
 # Most specific first: ``detect`` returns the first entry that matches.
 FORMATS: tuple[ReasoningFormat, ...] = (
     ReasoningFormat("gpt_oss", start="<|channel|>analysis<|message|>", end="<|end|>",
                     separator="<|start|>assistant<|channel|>final<|message|>", tool_separator="<|start|>assistant",
                     effort_kwarg="reasoning_effort",
-                    detect=_has("<|channel|>analysis<|message|>", "<|channel|>final<|message|>"),
+                    detect=has("<|channel|>analysis<|message|>", "<|channel|>final<|message|>"),
                     families="gpt-oss (harmony's analysis channel)"),
     ReasoningFormat("deepseek_r1", start="<think>", end="</think>", opening="\n", separator="\n\n",
-                    switch="enable_thinking", detect=_has("<｜Assistant｜>", "</think>"),
+                    switch="enable_thinking", detect=has("<｜Assistant｜>", "</think>"),
                     families="DeepSeek-R1 and its distills (the prompt opens the region)"),
     ReasoningFormat("smollm3", start="<think>", end="</think>", opening="\n", separator="\n",
-                    switch="enable_thinking", detect=_has("<think>", "</think>", "/no_think"),
+                    switch="enable_thinking", detect=has("<think>", "</think>", "/no_think"),
                     families="SmolLM3"),
     ReasoningFormat("qwen3", start="<think>", end="</think>", opening="\n", separator="\n\n",
-                    switch="enable_thinking", detect=_has("<|im_start|>", "<think>", "</think>"),
+                    switch="enable_thinking", detect=has("<|im_start|>", "<think>", "</think>"),
                     families="Qwen3, Qwen3.5, QwQ"),
-    ReasoningFormat("mistral", start="[THINK]", end="[/THINK]", detect=_has("[THINK]", "[/THINK]"),
+    ReasoningFormat("mistral", start="[THINK]", end="[/THINK]", detect=has("[THINK]", "[/THINK]"),
                     families="Ministral 3 Reasoning, Magistral"),
 )
 
@@ -89,9 +85,7 @@ AUTO, NONE = "auto", "none"
 def detect(template: str | None) -> ReasoningFormat | None:
     """The reasoning format a chat template writes, or ``None`` (no template, or one that does
     not reason: Llama 3, Mistral Nemo, Granite 4, SmolLM2)."""
-    if not template:
-        return None
-    return next((f for f in FORMATS if f.detect(template)), None)
+    return first_detected(FORMATS, template)
 
 
 def check_name(name: str | None) -> None:
@@ -100,9 +94,7 @@ def check_name(name: str | None) -> None:
     Raises:
         ConfigError: an unknown name, listing the known ones (one line).
     """
-    if name is None or name in (AUTO, NONE) or name in BY_NAME:
-        return
-    raise ConfigError(f"reasoning_format {name!r} is not known; use auto, none or one of: {', '.join(BY_NAME)}")
+    check_known("reasoning_format", name, BY_NAME, (AUTO, NONE))
 
 
 def resolve(name: str | None, template: str | None) -> ReasoningFormat | None:

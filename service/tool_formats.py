@@ -45,7 +45,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stencil.engine.config import ConfigError
+from stencil.service.chat_formats import check_known, first_detected, has
 from stencil.grammar.call_syntax import HERMES, CallSyntax
 
 
@@ -78,10 +78,6 @@ class ToolFormat:
         return self.syntax.name
 
 
-def _has(*needles: str) -> Callable[[str], bool]:
-    return lambda template: all(n in template for n in needles)
-
-
 _MISTRAL_ID = re.compile(r"^[a-zA-Z0-9]{9}$")
 
 
@@ -96,31 +92,31 @@ def mistral_call_id(call_id: str) -> str:
 _DS_CALLS, _DS_CALL, _DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
 _DS_CALL_END, _DS_CALLS_END = "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
 
-HERMES_FORMAT = ToolFormat(HERMES, _has("<tool_call>"), families="Hermes 2 Pro / 3, Qwen2.5, Qwen3")
+HERMES_FORMAT = ToolFormat(HERMES, has("<tool_call>"), families="Hermes 2 Pro / 3, Qwen2.5, Qwen3")
 
 # Most specific first: ``detect`` returns the first entry that matches.
 FORMATS: tuple[ToolFormat, ...] = (
     ToolFormat(CallSyntax("gpt_oss", "<|channel|>commentary to=functions.", " <|constrain|>json<|message|>",
                           "<|call|>", text_prefix="<|channel|>final<|message|>", parallel=False),
-               _has("<|channel|>", "<|call|>"), families="gpt-oss (harmony)"),
+               has("<|channel|>", "<|call|>"), families="gpt-oss (harmony)"),
     ToolFormat(CallSyntax("deepseek_r1", _DS_CALL + "function" + _DS_SEP, "\n```json\n", "\n```" + _DS_CALL_END,
                           begin=_DS_CALLS, sep="\n", end=_DS_CALLS_END),
-               _has(_DS_CALLS, "```json"), families="DeepSeek R1 and its distills"),
+               has(_DS_CALLS, "```json"), families="DeepSeek R1 and its distills"),
     ToolFormat(CallSyntax("deepseek_v3_1", _DS_CALL, _DS_SEP, _DS_CALL_END, begin=_DS_CALLS, end=_DS_CALLS_END),
-               _has(_DS_CALLS, _DS_SEP), families="DeepSeek V3.1"),
+               has(_DS_CALLS, _DS_SEP), families="DeepSeek V3.1"),
     ToolFormat(CallSyntax("mistral", "[TOOL_CALLS]", "[ARGS]", ""),
-               _has("[TOOL_CALLS]", "[ARGS]"), call_id=mistral_call_id,
+               has("[TOOL_CALLS]", "[ARGS]"), call_id=mistral_call_id,
                families="Mistral Small 3.2 (2506), Devstral"),
     ToolFormat(CallSyntax("mistral_nemo", '{"name":"', '","arguments":', "}", begin="[TOOL_CALLS][", sep=",",
                           end="]", marker="[TOOL_CALLS]"),
-               _has("[TOOL_CALLS]"), call_id=mistral_call_id, families="Mistral Nemo, Mistral 7B v0.3"),
+               has("[TOOL_CALLS]"), call_id=mistral_call_id, families="Mistral Nemo, Mistral 7B v0.3"),
     ToolFormat(CallSyntax("granite", '{"name":"', '","arguments":', "}", begin="<|tool_call|>[", sep=",", end="]",
                           marker="<|tool_call|>"),
-               _has("<|tool_call|>"), native_calls=False, families="Granite 3.x"),
+               has("<|tool_call|>"), native_calls=False, families="Granite 3.x"),
     ToolFormat(CallSyntax("functionary_v3_2", "", "\n", "", sep=">>>", text_prefix="all\n"),
-               _has(">>>all"), arguments_as_text=True, families="functionary v3.2"),
+               has(">>>all"), arguments_as_text=True, families="functionary v3.2"),
     ToolFormat(CallSyntax("llama3_json", '{"name":"', '","parameters":', "}", parallel=False),
-               _has('"parameters": ', "<|start_header_id|>"), families="Llama 3.1, 3.2, 3.3"),
+               has('"parameters": ', "<|start_header_id|>"), families="Llama 3.1, 3.2, 3.3"),
     HERMES_FORMAT,
 )
 
@@ -131,9 +127,7 @@ AUTO = "auto"
 def detect(template: str | None) -> ToolFormat | None:
     """The tool-call format a chat template writes, or ``None`` (no template, or one that shows
     no tool-call syntax Stencil knows)."""
-    if not template:
-        return None
-    return next((f for f in FORMATS if f.detect(template)), None)
+    return first_detected(FORMATS, template)
 
 
 def check_name(name: str | None) -> None:
@@ -142,9 +136,7 @@ def check_name(name: str | None) -> None:
     Raises:
         ConfigError: an unknown name, listing the known ones (one line).
     """
-    if name is None or name == AUTO or name in BY_NAME:
-        return
-    raise ConfigError(f"tool_call_format {name!r} is not known; use auto or one of: {', '.join(BY_NAME)}")
+    check_known("tool_call_format", name, BY_NAME, (AUTO,))
 
 
 def resolve(name: str | None, template: str | None) -> tuple[ToolFormat, bool]:

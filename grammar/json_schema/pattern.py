@@ -354,18 +354,24 @@ def _scan(text: str, i: int = 0) -> tuple[int | None, int | None]:
     group before that opens."""
     last = None
     while i < len(text):
-        c = text[i]
+        nxt, c = _step(text, i)
         if c == "|":
             return i, last
-        if c == "\\":
-            i += 2
-            continue
-        if c == "[":
-            i = _class_end(text, i)
-        elif c == "(":
-            last, i = i, _group_end(text, i)
-        i += 1
+        if c == "(":
+            last, nxt = i, _group_end(text, i) + 1
+        i = nxt
     return None, last
+
+
+def _step(text: str, i: int) -> tuple[int, str | None]:
+    """Where the piece at ``text[i]`` ends, and its character: ``None`` for an escape or a
+    character class (a single step, where ``(``, ``)`` and ``|`` are literal)."""
+    c = text[i]
+    if c == "\\":
+        return i + 2, None
+    if c == "[":
+        return _class_end(text, i) + 1, None
+    return i + 1, c
 
 
 def _class_end(text: str, i: int) -> int:
@@ -382,22 +388,21 @@ def _class_end(text: str, i: int) -> int:
 
 def _group_end(text: str, start: int) -> int:
     """The index of the ``)`` that closes the group opened at ``text[start]``; skips escapes and
-    character classes (where ``(`` and ``)`` are literal)."""
-    depth, i, n = 0, start, len(text)
-    while i < n:
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "[":
-            i = _class_end(text, i)
-        elif c == "(":
+    character classes (where ``(`` and ``)`` are literal).
+
+    Raises:
+        PatternError: the group is not closed.
+    """
+    depth, i = 0, start
+    while i < len(text):
+        nxt, c = _step(text, i)
+        if c == "(":
             depth += 1
         elif c == ")":
             depth -= 1
             if depth == 0:
                 return i
-        i += 1
+        i = nxt
     raise PatternError("missing ')'", start)
 
 
