@@ -23,6 +23,7 @@ from stencil.grammar.backends import backend_registry
 BENCHMARKS = {
     "conformance": "JSON Schema conformance of constrained outputs over a corpus",
     "maskbench": "MaskBench's own harness (jsonschemabench) on Stencil's grammar API",
+    "first_mask": "a fresh process's first compile and first mask, with and without the compiler's warm-up",
     "throughput": "decode tokens/s and latency at several concurrencies",
     "spec": "speculative decoding on a copy-heavy extraction workload",
     "cpu_kernels": "native CPU GEMMs (int4, GGUF blocks) and paged attention against torch's, same run",
