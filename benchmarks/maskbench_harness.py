@@ -28,7 +28,7 @@ over the schemas that compiled), ``mask_us_p50/p99`` (one mask and one token com
 token the harness fed), and the ratios Stencil / llguidance.
 
 Usage: ``stencil bench maskbench --harness JSONSCHEMABENCH --corpus DIR [--limit N]
-[--engines stencil,llguidance] --json PATH``.
+[--engines stencil,llguidance] [--additional-properties schema] --json PATH``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="N schemas, evenly spaced")
     parser.add_argument("--timeout", type=float, default=10.0, help="Stencil's compile limit, s")
     parser.add_argument("--whitespace", choices=("compact", "flexible"), default="flexible")
+    parser.add_argument("--additional-properties", choices=("closed", "schema"), default="closed",
+                        help="Stencil's objects that say nothing of additionalProperties: closed (no "
+                             "undeclared key, the server's default) or schema (any, as JSON Schema says)")
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help="comma-separated: stencil, llguidance (both by default, in the same run)")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
@@ -62,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None)
 
 
-def stencil_engine(engine_base, whitespace: str, timeout_s: float):
+def stencil_engine(engine_base, whitespace: str, timeout_s: float, additional_properties: str = "closed"):
     """The harness ``Engine`` subclass over Stencil's public grammar API."""
     from stencil.grammar.base import GrammarSpec
     from stencil.grammar.bitmask import allocate_bitmask
@@ -86,7 +89,8 @@ def stencil_engine(engine_base, whitespace: str, timeout_s: float):
             self.compiler.warm_up()  # what a server pays once at start, not on the first schema's clock
 
         def compile_grammar(self, schema: dict):
-            self.grammar = self.compiler.compile(GrammarSpec.json_schema(schema, whitespace=whitespace))
+            self.grammar = self.compiler.compile(GrammarSpec.json_schema(
+                schema, whitespace=whitespace, additional_properties=additional_properties))
             self.reset()
             self.compute_mask()  # the harness's time to first mask includes the first mask
 
@@ -193,7 +197,8 @@ def _ratios(ours: dict, theirs: dict) -> dict:
 
 
 def run(harness: Path, corpus: Path, limit: int | None, timeout_s: float, whitespace: str,
-        model_dir: Path, compare: Path | None = None, engines: tuple[str, ...] = ENGINES) -> dict:
+        model_dir: Path, compare: Path | None = None, engines: tuple[str, ...] = ENGINES,
+        additional_properties: str = "closed") -> dict:
     """Both engines through the harness's ``process_file``, schema by schema; the report."""
     sys.path.insert(0, str(harness))
     from maskbench import runner  # the harness's own code
@@ -208,7 +213,7 @@ def run(harness: Path, corpus: Path, limit: int | None, timeout_s: float, whites
     live = {}
     for name in engines:
         if name == "stencil":
-            engine = stencil_engine(Engine, whitespace, timeout_s)()
+            engine = stencil_engine(Engine, whitespace, timeout_s, additional_properties)()
         else:
             from maskbench.llg_engine import LlgEngine
 
@@ -232,7 +237,8 @@ def run(harness: Path, corpus: Path, limit: int | None, timeout_s: float, whites
             statuses[name][f.stem] = runner.process_file(live[name], str(f))
     if "stencil" in live:
         live["stencil"].compiler.close()
-    report = {"schemas": len(files), "whitespace": whitespace, "cpu": cpu_model(),
+    report = {"schemas": len(files), "whitespace": whitespace, "additional_properties": additional_properties,
+              "cpu": cpu_model(),
               "harness_output": str(out_root), "engines": {name: _summary(s) for name, s in statuses.items()}}
     if "llguidance" in live:
         ms = live["llguidance"].compile_ms
@@ -321,7 +327,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     report = run(args.harness, args.corpus, args.limit, args.timeout, args.whitespace, args.model,
-                 args.compare, engines)
+                 args.compare, engines, args.additional_properties)
     report["command"] = "stencil bench maskbench " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "maskbench"]
                                                               else sys.argv[1:])
     text = json.dumps(report, indent=2)

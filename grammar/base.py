@@ -122,22 +122,27 @@ class GrammarSpec:
             (``value`` is a JSON array of strings) or "lark" (``value`` is a Lark grammar).
         whitespace: JSON only: "compact" (no free whitespace) or "flexible" (a bounded run).
         strict: JSON only: reject unenforceable keywords (True) or ignore them with a warning.
+        additional_properties: JSON only: where an object declares properties and says nothing
+            of ``additionalProperties``, "closed" admits no undeclared key (OpenAI's strict
+            outputs) and "schema" admits any, with any JSON value (the specification's default).
     """
 
     kind: GrammarKind
     value: str
     whitespace: Literal["compact", "flexible"] = "compact"
     strict: bool = True
+    additional_properties: Literal["closed", "schema"] = "closed"
 
     @classmethod
-    def json_schema(cls, schema: dict | bool, *, whitespace: str = "compact", strict: bool = True
-                    ) -> "GrammarSpec":
-        """JSON documents that ``schema`` admits (compact or bounded flexible whitespace).
+    def json_schema(cls, schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
+                    additional_properties: str = "closed") -> "GrammarSpec":
+        """JSON documents that ``schema`` admits (compact or bounded flexible whitespace; objects
+        closed or open where ``additionalProperties`` is absent, see the attributes).
 
         Raises:
             TypeError: ``schema`` holds something JSON cannot say (a set, bytes, a Decimal).
         """
-        return cls("json_schema", schema_text(schema), whitespace, strict)
+        return cls("json_schema", schema_text(schema), whitespace, strict, additional_properties)
 
     @classmethod
     def regex(cls, pattern: str) -> "GrammarSpec":
@@ -157,7 +162,8 @@ class GrammarSpec:
 
     def key(self) -> str:
         """Stable cache key of the spec and its options."""
-        return json.dumps([self.kind, self.value, self.whitespace, self.strict])
+        return json.dumps([self.kind, self.value, self.whitespace, self.strict,
+                           self.additional_properties])
 
 
 @dataclass(slots=True)

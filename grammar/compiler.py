@@ -428,7 +428,8 @@ class GrammarCompiler:
         """SHA-256 of the spec (its options, then its text) under this compiler's fixed parts
         (vocabulary, library versions, front-end format, recursion depth)."""
         h = self._key_base.copy()
-        h.update(f"{spec.kind}\0{spec.whitespace}\0{int(spec.strict)}\0".encode())
+        h.update(f"{spec.kind}\0{spec.whitespace}\0{int(spec.strict)}\0{spec.additional_properties}\0"
+                 .encode())
         h.update(spec.value.encode())
         return h.hexdigest()
 

@@ -64,11 +64,16 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         from stencil.grammar.json_schema.schema_compiler import SharedProofs, schema_to_program
 
         shared = SharedProofs()  # (what a refused handover proved, for the translation after it)
-        program = _handed_over(schema, spec, shared) if grammar and handover else None
+        # (the handover's argument is for closed objects: open ones are Stencil's own text)
+        if spec.additional_properties not in ("closed", "schema"):
+            raise GrammarError(f"unknown additional_properties mode {spec.additional_properties!r}",
+                               keyword="additional_properties")
+        closed = spec.additional_properties == "closed"
+        program = _handed_over(schema, spec, shared) if grammar and handover and closed else None
         if program is None:
             program = schema_to_program(schema, whitespace=spec.whitespace, strict=spec.strict,
                                         max_recursion_depth=max_recursion_depth, deadline=deadline,
-                                        grammar=grammar, shared=shared)
+                                        grammar=grammar, shared=shared, extra_properties=not closed)
         unknown = unknown_keywords(schema)  # served as JSON Schema says (ignored), but said
         return replace(program, warnings=(*unknown, *program.warnings)) if unknown else program
     if spec.kind == "lark":

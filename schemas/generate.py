@@ -73,6 +73,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         whitespace: JSON layout: "flexible" (line breaks and indents, or spaces, between
             the tokens of the JSON, bounded: the pretty-printed JSON models write) or "compact"
             (no free whitespace); absent: the server's ``--json-whitespace`` (flexible).
+        additional_properties: where an object of ``response_schema`` declares properties and
+            says nothing of ``additionalProperties``: "closed" (no other key, OpenAI's strict
+            semantics) or "schema" (JSON Schema's: any other key, with any JSON value nested at
+            most 3 containers deep); absent: the server's ``--additional-properties`` (closed).
         speculative: n-gram speculation on/off, or its settings; absent = server default.
         logprobs: return each output token's log-probability.
         close_on_budget: under a constraint, keep the output closable within ``max_tokens`` so it
@@ -111,6 +115,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     strict: bool = True
     whitespace: Literal["compact", "flexible"] | None = None
+    additional_properties: Literal["closed", "schema"] | None = None
     speculative: bool | dict[str, Any] | None = None
     logprobs: bool = False
     close_on_budget: bool = True

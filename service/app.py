@@ -247,6 +247,7 @@ async def generate_handler(data: GenerateRequest, service: ServiceState, request
                                     reasoning=thinking.params(service.engine.tokenizer, prompt_ids))
     spec = await inputs.checked_grammar_spec(service, response_schema=data.response_schema, regex=data.regex,
                                                  choice=data.choice, whitespace=data.whitespace, strict=data.strict,
+                                                 additional_properties=data.additional_properties,
                                                  grammar=data.grammar.lark if data.grammar is not None else None)
     with named_as({"prompt": "messages"} if messages is not None else {}):  # the engine says "prompt"
         gen = await generation.start(service, prompt_ids, params, spec, rid, arrival, data.grammar_backend,

@@ -130,6 +130,7 @@ _SAMPLING_FIELDS = frozenset(SamplingParams.__dataclass_fields__) - {"context_ro
 
 def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str | None = None,
                  choice: list[str] | None = None, whitespace: str | None = None,
+                 additional_properties: str | None = None,
                  strict: bool = True, grammar: str | None = None,
                  schemas: SchemaChecks | None = None) -> GrammarSpec | None:
     """The constraint a request asks for, checked against the service's limits.
@@ -141,6 +142,9 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
         grammar: a Lark grammar the output must be in, or ``None``.
         whitespace: JSON only: "compact" or "flexible"; ``None``: the server's
             ``json_whitespace``.
+        additional_properties: JSON only: "closed" (an object that declares properties and
+            says nothing of ``additionalProperties`` takes no other key) or "schema" (it takes
+            any, as JSON Schema says); ``None``: the server's ``additional_properties``.
         strict: JSON only: refuse keywords that cannot be enforced (True) or ignore them with a
             warning in the response (False).
         schemas: the app's record of schemas already checked (``None``: check every time).
@@ -162,10 +166,16 @@ def grammar_spec(cfg: ServiceConfig, *, response_schema: Any = None, regex: str 
         whitespace = cfg.json_whitespace
     if whitespace not in ("compact", "flexible"):
         raise InputError(f"whitespace must be 'compact' or 'flexible', got {whitespace!r}", field="whitespace")
+    if additional_properties is None:
+        additional_properties = cfg.additional_properties
+    if additional_properties not in ("closed", "schema"):
+        raise InputError(f"additional_properties must be 'closed' or 'schema', got {additional_properties!r}",
+                         field="additional_properties")
     if response_schema is not None:
         check = schemas.check if schemas is not None else check_schema
         check(response_schema, max_bytes=cfg.max_schema_bytes, max_depth=cfg.max_schema_depth)
-        return GrammarSpec.json_schema(response_schema, whitespace=whitespace, strict=strict)
+        return GrammarSpec.json_schema(response_schema, whitespace=whitespace, strict=strict,
+                                       additional_properties=additional_properties)
     if regex is not None:
         if not regex:
             raise InputError("regex is empty", field="regex")

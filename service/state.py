@@ -44,6 +44,9 @@ class ServiceConfig:
         json_whitespace: the layout JSON Schema answers may take when a request does not say:
             "flexible" (a line break and an indent, or a space, around structural characters:
             the pretty-printed JSON models write; docs/api.md, "Behaviour") or "compact".
+        additional_properties: where a JSON Schema object declares properties and says nothing
+            of ``additionalProperties``, when a request does not say: "closed" (no other key,
+            OpenAI's strict semantics) or "schema" (any other key, as JSON Schema says).
         chat_template: a Jinja chat template used instead of the model's own (vLLM's
             ``--chat-template``): for a model whose file carries none or a wrong one. ``None``: the
             model's. Checked by ``validate`` (a syntax error names its line); installed on the
@@ -81,6 +84,7 @@ class ServiceConfig:
     shutdown_grace_s: float = 30.0
     retry_after_s: int = 1
     json_whitespace: str = "flexible"
+    additional_properties: str = "closed"
     chat_template: str | None = None
     reasoning_format: str | None = "auto"
     reasoning_budget: int | None = None
@@ -106,6 +110,8 @@ class ServiceConfig:
                               f"({self.max_tokens_cap})")
         if self.json_whitespace not in ("compact", "flexible"):
             raise ConfigError(f"json_whitespace must be compact or flexible, got {self.json_whitespace!r}")
+        if self.additional_properties not in ("closed", "schema"):
+            raise ConfigError(f"additional_properties must be closed or schema, got {self.additional_properties!r}")
         if self.request_timeout_s <= 0 or self.shutdown_grace_s < 0:
             raise ConfigError("request_timeout_s must be > 0 and shutdown_grace_s >= 0")
         if self.max_queue_wait_s is not None and not 0 < self.max_queue_wait_s <= self.request_timeout_s:

@@ -839,7 +839,8 @@ class SharedProofs:
 
 def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
                       max_recursion_depth: int = 3, deadline: float | None = None,
-                      grammar: bool = True, shared: SharedProofs | None = None) -> Program:
+                      grammar: bool = True, shared: SharedProofs | None = None,
+                      extra_properties: bool = False) -> Program:
     """Compile a JSON Schema to the program a backend runs (see :func:`schema_to_regex`).
 
     With ``grammar`` (the default) a schema that refers to itself becomes a Lark grammar whose
@@ -847,6 +848,8 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
     and for every schema without recursion, a regex.
 
     ``shared``: proofs a failed handover of the same document made (``SharedProofs``).
+    ``extra_properties``: as :func:`schema_to_regex` (an object that says nothing of
+    ``additionalProperties`` takes undeclared keys with free-form values).
 
     Raises:
         GrammarError: as :func:`schema_to_regex`; GrammarTimeout past ``deadline``.
@@ -856,8 +859,10 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
     # their real maxLength (the lazy backend builds states on demand; an eager index that grows
     # too large times out in the background and the grammar stays lazy).
     opts = (SchemaOptions(whitespace, strict, max_recursion_depth, any_max_depth=GRAMMAR_ANY_DEPTH,
-                          max_string_length=MAX_MIN_LENGTH, deadline=deadline, grammar=True)
-            if grammar else SchemaOptions(whitespace, strict, max_recursion_depth, deadline=deadline))
+                          extra_properties=extra_properties, max_string_length=MAX_MIN_LENGTH,
+                          deadline=deadline, grammar=True)
+            if grammar else SchemaOptions(whitespace, strict, max_recursion_depth,
+                                          extra_properties=extra_properties, deadline=deadline))
     compiler, regex = _compile(schema, opts, **({} if shared is None else shared.for_compiler()))
     notes = tuple(compiler.warnings)
     if compiler.rules or has_refs(regex):
