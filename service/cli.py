@@ -478,6 +478,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return asyncio.run(_generate_once(args))
 
 
+def cmd_batch(args: argparse.Namespace) -> int:
+    """``stencil batch``: INPUT's lines through the app ``stencil serve`` builds, in process (or ``--url``'s)."""
+    from stencil.service import batch
+    from stencil.service.logs import configure_logging
+
+    configure_logging("warning", "text")
+
+    def app_factory():
+        from stencil.service.app import create_app
+
+        if args.model is None and args.model_name is None:
+            from stencil.engine.models.default_model import MODEL_NAME
+
+            args.model_name = MODEL_NAME  # as stencil serve: the default model's id
+        scfg = service_config_from_args(args)
+        return create_app(engine_config_from_args(args, _progress), scfg), scfg.api_key
+
+    return batch.main(args, app_factory)
+
+
 # Benchmarks whose module is not named after the command.
 BENCHMARK_MODULES = {"maskbench": "maskbench_harness", "peers": "peers.run"}
 
@@ -538,6 +558,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     _add_engine_args(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("batch", help="answer a file of OpenAI batch lines (resumable)",
+                       description="Send each line of INPUT.jsonl (OpenAI's batch format: custom_id, method, "
+                                   "url, body) through the server's routes, in process or to --url, and append "
+                                   "each answer to OUTPUT.jsonl as it comes; a rerun skips what OUTPUT holds. "
+                                   "docs/serving.md, 'Batch files'.")
+    from stencil.service.batch import add_arguments as add_batch_arguments
+
+    add_batch_arguments(p)
+    _add_engine_args(p)
+    _add_service_args(p)
+    p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("bench", help="run a benchmark",
                        description="Benchmarks: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items())
