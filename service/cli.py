@@ -137,6 +137,11 @@ def _add_service_args(p: argparse.ArgumentParser) -> None:
                         "whitespace; the OpenAI routes always): flexible lets the model pretty-print "
                         "(more fields right on small models, a few more tokens); compact has no free "
                         "whitespace")
+    g.add_argument("--additional-properties", default="closed", choices=["closed", "schema"],
+                   help="objects of a JSON Schema that declare properties and say nothing of "
+                        "additionalProperties, when a request does not choose (/generate's "
+                        "additional_properties; the OpenAI routes always): closed takes no other key "
+                        "(OpenAI's strict outputs), schema takes any (JSON Schema's default)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--log-format", default="auto", choices=["auto", "text", "json"],
                    help="logs on stderr: text (one plain line each) or json (one object a line, request ids "
@@ -258,6 +263,7 @@ def service_config_from_args(args: argparse.Namespace):
                          default_max_tokens=min(256, args.max_tokens_cap), max_body_bytes=args.max_body_bytes,
                          request_timeout_s=args.request_timeout, max_queue_wait_s=args.max_queue_wait,
                          shutdown_grace_s=args.shutdown_grace, json_whitespace=args.json_whitespace,
+                         additional_properties=args.additional_properties,
                          chat_template=template, reasoning_format=args.reasoning_format,
                          tool_call_format=args.tool_call_format,
                          reasoning_budget=args.reasoning_budget).validate()
