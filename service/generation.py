@@ -306,7 +306,7 @@ class GenerationStream:
                       cached_tokens=out.num_cached_tokens, draft_tokens=out.num_draft_tokens,
                       accepted_tokens=out.num_accepted_tokens, forced_tokens=out.num_forced_tokens,
                       reasoning_tokens=out.num_reasoning_tokens)
-        if out.reasoning_cut:
+        if out.reasoning_cut and self.params.reasoning.max_reasoning_tokens != 0:  # (0: asked for none)
             warnings.append(f"the reasoning was ended for the model ({out.num_reasoning_tokens} tokens with its "
                             "markers) to leave the answer room within max_tokens, reasoning_effort or the server's "
                             "reasoning budget")

@@ -241,24 +241,32 @@ def check_template_renders(tokenizer) -> None:
     ``stencil serve --chat-template`` checks its template this way once the model's tokenizer is
     loaded (its special tokens are template variables), so a template that parses but fails on
     every request (an attribute of a message it lacks, an unknown filter, ``raise_exception`` on
-    a user turn) is refused at start, not answered 400 on each chat.
+    a user turn), is empty, or never writes the message it is given, is refused at start, not
+    answered 400 (or with a prompt that lost the conversation) on each chat.
 
     Raises:
         stencil.engine.config.ConfigError: ``chat_template does not render: line N: ...``, the
-            line of the template where rendering failed (when Jinja says it).
+            line of the template where rendering failed (when Jinja says it); or the template is
+            empty, or its render lacks the user's message.
     """
     import traceback
 
     from stencil.engine.config import ConfigError
 
+    probe = "Hello from stencil's start-up check"
+    if not (tokenizer.chat_template or "").strip():
+        raise ConfigError("chat_template is empty: give a Jinja template that writes the messages")
     try:
-        tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True,
-                                      tokenize=False)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": probe}], add_generation_prompt=True,
+                                             tokenize=False)
     except Exception as e:  # noqa: BLE001 - Jinja raises TemplateError, UndefinedError, TypeError, ...
         lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == "<template>"]
         line = lines[-1] if lines else getattr(e, "lineno", None)
         where = f"line {line}: " if line else ""
         raise ConfigError(f"chat_template does not render: {where}{e}") from None
+    if probe not in text:
+        raise ConfigError("chat_template does not write the user's message: rendering one user message gave "
+                          f"{text[:80]!r}")
 
 
 def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None = None,

@@ -108,14 +108,21 @@ def plan_tools(functions: Sequence[FunctionDefinition], tool_choice: str | None,
             message (``syntax.parallel`` false) makes every answer a single call.
 
     Raises:
-        ToolError: duplicate or malformed function names, an unknown named function, a
-            ``tool_choice`` other than ``none`` without tools, ``max_calls`` below 1.
+        ToolError: duplicate or malformed function names, ``parameters`` of a type other than
+            ``object``, an unknown named function, a ``tool_choice`` other than ``none`` without
+            tools, ``max_calls`` below 1.
     """
     names = [fn.name for fn in functions]
     for i, n in enumerate(names):
         if not NAME_PATTERN.match(n):
             raise ToolError(f"{param}[{i}]: function name {n!r} must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
                             param)
+    for i, fn in enumerate(functions):
+        kind = fn.parameters.get("type") if isinstance(fn.parameters, dict) else None
+        if kind is not None and kind != "object" and not (isinstance(kind, list) and kind == ["object"]):
+            # OpenAI's rule: arguments are a JSON object (clients read them into a dict)
+            raise ToolError(f"{param}[{i}]: function {fn.name!r}: parameters must be the JSON Schema of an object "
+                            f"(type \"object\"), not of type {json.dumps(kind)}", param)
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ToolError(f"function names must be unique; repeated: {', '.join(dupes)}", param)

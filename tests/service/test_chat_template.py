@@ -58,6 +58,12 @@ def test_a_template_that_does_not_render_is_refused_at_start_naming_its_line(tin
         check_template_renders(tok)
     tok.chat_template = TEMPLATE
     check_template_renders(tok)
+    tok.chat_template = " \n"
+    with pytest.raises(ConfigError, match="chat_template is empty"):
+        check_template_renders(tok)
+    tok.chat_template = '{{ "hello" }}'  # renders, but every conversation would become "hello"
+    with pytest.raises(ConfigError, match="does not write the user's message"):
+        check_template_renders(tok)
     # a raise_exception on the user's turn, as real templates write their refusals
     tok.chat_template = "{% for m in messages %}{% if m.role == 'user' %}\n{{ raise_exception('no users') }}{% endif %}{% endfor %}"
     with pytest.raises(ConfigError, match=r"line 2: no users"):

@@ -57,11 +57,15 @@ def test_plan_named_function_is_one_required_call():
     ([WEATHER], None, "nope", "tool_choice"),
     ([msgspec.convert({"function": {"name": "get weather"}}, Tool)], "auto", None, "tools"),
     ([msgspec.convert({"function": {"name": "x" * 65}}, Tool)], "auto", None, "tools"),
+    ([msgspec.convert({"function": {"name": "s", "parameters": {"type": "string"}}}, Tool)], "auto", None, "tools"),
 ])
 def test_plan_errors_name_the_field(tools, choice, named, param):
     with pytest.raises(ToolError) as e:
         plan_tools(_fns(*tools), choice, named)
     assert e.value.param == param
+    if tools and (tools[0].function.parameters or {}).get("type") == "string":  # arguments are objects (OpenAI)
+        assert str(e.value) == ("tools[0]: function 's': parameters must be the JSON Schema of an object "
+                                '(type "object"), not of type "string"')
 
 
 # -- the grammar's input (the regex itself: tests/grammar/test_tool_calls.py) -------------------------
