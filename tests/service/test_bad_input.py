@@ -514,7 +514,8 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema",
                                                           "json_schema": {"name": "d", "schema": DEEP}}},
      "response_format", "response_format nests deeper than 32 levels"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]},
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": DEEP}}}}]},
      "tools[0].function.parameters", "tools[0].function.parameters nests deeper"),
     ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "(ab["}}, "structured_outputs.regex",
      "unterminated character class"),
