@@ -534,6 +534,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return int(rc or 0)
 
 
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Make ``--help`` say every option's default: appended to its help (or as its help) where the
+    text does not already name one; options whose default is None or off say nothing."""
+    for action in parser._actions:  # argparse keeps no public list of them
+        default = action.default
+        if not action.option_strings or default in (None, False, argparse.SUPPRESS):
+            continue
+        if action.help is None:
+            action.help = "default: %(default)s"
+        elif "default" not in action.help:
+            action.help += " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stencil", description="Stencil: structured-generation LLM service.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -545,6 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_service_args(p)
     _add_connection_args(p)
     _add_cluster_args(p)
+    _show_defaults(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="one constrained generation, in process",
@@ -563,6 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     _add_engine_args(p)
+    _show_defaults(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("batch", help="answer a file of OpenAI batch lines (resumable)",
@@ -575,6 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_arguments(p)
     _add_engine_args(p)
     _add_service_args(p)
+    _show_defaults(p)
     p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("bench", help="run a benchmark",
