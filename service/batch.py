@@ -106,8 +106,11 @@ def output_line(custom_id: str, *, status: int | None = None, request_id: str | 
     return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id, "response": response, "error": error}
 
 
-def recover(path: Path) -> tuple[set[str], Counter]:
+def recover(path: Path, key_of: Callable[[dict], str] | None = None) -> tuple[set[str], Counter]:
     """What OUTPUT already answers, after cutting a torn last line (no newline yet) off the file.
+
+    ``key_of`` reads a line's custom_id from its record (default: its ``custom_id``; ``stencil extract``
+    writes ``key``).
 
     Returns:
         (custom_ids answered, how many duplicate-custom_id error lines each custom_id has).
@@ -126,7 +129,7 @@ def recover(path: Path) -> tuple[set[str], Counter]:
             continue
         try:
             rec = json.loads(raw)
-            cid = rec["custom_id"]
+            cid = key_of(rec) if key_of is not None else rec["custom_id"]
         except (ValueError, TypeError, KeyError):
             raise BatchFileError(f"{path} line {number} is not a batch output line; "
                                  "pick another OUTPUT or fix that line") from None
@@ -168,8 +171,9 @@ class Writer:
     def __init__(self, path: Path):
         self.file = open(path, "ab")
 
-    def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+    def write(self, text: str) -> None:
+        """``text``: one line, without its newline."""
+        self.file.write(text.encode() + b"\n")
         self.file.flush()
         os.fsync(self.file.fileno())
 
@@ -187,6 +191,7 @@ class Tally:
     valid: int = 0        # of those: /generate's valid, or any other route's 200
     unanswered: int = 0   # no answer, or 429/503: not written, sent again by a later run
     tokens: int = 0       # completion tokens of the answers
+    name: str = "stencil batch"  # the command, in messages
     t0: float = field(default_factory=time.perf_counter)
 
     def record(self, rec: dict, url: str | None) -> None:
@@ -208,7 +213,7 @@ class Tally:
 
     def summary(self) -> str:
         more = f", {self.unanswered} unanswered (run again to send them)" if self.unanswered else ""
-        return (f"stencil batch: {self.done} lines done ({self.skipped} already in OUTPUT), {self.errors} errors"
+        return (f"{self.name}: {self.done} lines done ({self.skipped} already in OUTPUT), {self.errors} errors"
                 f"{more}, {self.tokens} tokens, {time.perf_counter() - self.t0:.1f} s")
 
 
@@ -226,20 +231,24 @@ def prepare(input_path: Path, output_path: Path) -> tuple[list[Request | Refused
 
 
 async def run_batch(todo: list[Request | Refused], output_path: Path, send: Send, concurrency: int = 8,
-                    progress: bool = True, skipped: int = 0) -> Tally:
+                    progress: bool = True, skipped: int = 0, shape: Callable[[dict], str] | None = None,
+                    name: str = "stencil batch") -> Tally:
     """Answer ``todo`` (from ``prepare``) into OUTPUT, at most ``concurrency`` requests in flight.
+
+    ``shape`` turns each ``output_line`` record into the line OUTPUT gets (default: the record as JSON);
+    ``name`` is the command named in messages.
 
     Raises:
         OSError: OUTPUT cannot be written.
     """
     from tqdm import tqdm
 
-    tally = Tally(skipped=skipped)
+    tally = Tally(skipped=skipped, name=name)
     writer = Writer(output_path)
     bar = tqdm(total=len(todo), unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True)
 
     def finish(rec: dict, url: str | None) -> None:
-        writer.write(rec)
+        writer.write(shape(rec) if shape is not None else json.dumps(rec, ensure_ascii=False))
         tally.record(rec, url)
         bar.set_postfix_str(tally.postfix(), refresh=False)
         bar.update(1)
@@ -249,7 +258,7 @@ async def run_batch(todo: list[Request | Refused], output_path: Path, send: Send
             status, rid, body = await send(req.url, req.body)
         except Exception as e:  # noqa: BLE001 - no answer at all (refused, timed out): sent again next run
             tally.unanswered += 1
-            bar.write(f"stencil batch: {req.custom_id}: no answer ({type(e).__name__}: {e})")
+            bar.write(f"{name}: {req.custom_id}: no answer ({type(e).__name__}: {e})")
             return
         if status in RETRY_STATUSES:
             tally.unanswered += 1
@@ -286,7 +295,7 @@ def http_sender(client) -> Send:
     return send
 
 
-async def run_remote(args, todo: list, skipped: int, api_key: str | None) -> Tally:
+async def run_remote(args, todo: list, skipped: int, api_key: str | None, **kw) -> Tally:
     """``stencil batch --url URL``: the lines go to a running server over HTTP."""
     import httpx
 
@@ -294,10 +303,11 @@ async def run_remote(args, todo: list, skipped: int, api_key: str | None) -> Tal
     limits = httpx.Limits(max_connections=max(1, args.concurrency))
     async with httpx.AsyncClient(base_url=args.url.rstrip("/"), headers=headers, limits=limits,
                                  timeout=args.request_timeout + 30) as client:
-        return await run_batch(todo, args.output, http_sender(client), args.concurrency, skipped=skipped)
+        return await run_batch(todo, args.output, http_sender(client), args.concurrency, skipped=skipped,
+                               **kw)
 
 
-async def run_in_process(args, todo: list, skipped: int, app, api_key: str | None) -> Tally:
+async def run_in_process(args, todo: list, skipped: int, app, api_key: str | None, **kw) -> Tally:
     """``stencil batch`` without ``--url``: the lines go through ``app``'s routes in this process (its
     lifespan loads the model and stops the engine at the end)."""
     from litestar.testing import AsyncTestClient
@@ -308,7 +318,8 @@ async def run_in_process(args, todo: list, skipped: int, app, api_key: str | Non
                                raise_server_exceptions=False) as client:
         if api_key:
             client.headers["Authorization"] = f"Bearer {api_key}"
-        return await run_batch(todo, args.output, http_sender(client), args.concurrency, skipped=skipped)
+        return await run_batch(todo, args.output, http_sender(client), args.concurrency, skipped=skipped,
+                               **kw)
 
 
 def add_arguments(p) -> None:
@@ -320,6 +331,19 @@ def add_arguments(p) -> None:
                    help="send the lines to a running server (http://127.0.0.1:8000) instead of loading the "
                         "model in this process (the engine options are then ignored)")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at most (default: %(default)s)")
+
+
+def dispatch(args, todo: list[Request | Refused], skipped: int,
+             app_factory: Callable[[], tuple[Any, str | None]], **kw) -> Tally:
+    """Run ``todo`` to ``args.url``'s server, or in process through ``app_factory()``'s app (loaded only when
+    there is something to send); ``kw`` goes to ``run_batch`` (``shape``, ``name``)."""
+    if not todo:  # nothing left: no model to load
+        return Tally(skipped=skipped, name=kw.get("name", "stencil batch"))
+    if args.url is not None:
+        api_key = args.api_key or os.environ.get("STENCIL_API_KEY") or None
+        return asyncio.run(run_remote(args, todo, skipped, api_key, **kw))
+    app, api_key = app_factory()
+    return asyncio.run(run_in_process(args, todo, skipped, app, api_key, **kw))
 
 
 def main(args, app_factory: Callable[[], tuple[Any, str | None]]) -> int:
@@ -336,14 +360,7 @@ def main(args, app_factory: Callable[[], tuple[Any, str | None]]) -> int:
         return 2
     try:
         todo, skipped = prepare(args.input, args.output)
-        if not todo:  # nothing left: no model to load
-            tally = Tally(skipped=skipped)
-        elif args.url is not None:
-            api_key = args.api_key or os.environ.get("STENCIL_API_KEY") or None
-            tally = asyncio.run(run_remote(args, todo, skipped, api_key))
-        else:
-            app, api_key = app_factory()
-            tally = asyncio.run(run_in_process(args, todo, skipped, app, api_key))
+        tally = dispatch(args, todo, skipped, app_factory)
     except (BatchFileError, OSError, UnicodeDecodeError) as e:
         print(f"stencil batch: {e}", file=sys.stderr)
         return 2

@@ -484,7 +484,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return asyncio.run(_generate_once(args))
 
 
-def cmd_batch(args: argparse.Namespace) -> int:
+def cmd_batch(args: argparse.Namespace, run=None) -> int:
     """``stencil batch``: INPUT's lines through the app ``stencil serve`` builds, in process (or ``--url``'s)."""
     from stencil.service import batch
     from stencil.service.logs import configure_logging
@@ -501,7 +501,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
         scfg = service_config_from_args(args)
         return create_app(engine_config_from_args(args, _progress), scfg), scfg.api_key
 
-    return batch.main(args, app_factory)
+    return (run or batch.main)(args, app_factory)
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    """``stencil extract``: documents to objects of a schema, through ``stencil batch``'s machinery."""
+    from stencil.service import extract_cli
+
+    return cmd_batch(args, extract_cli.main)
 
 
 # Benchmarks whose module is not named after the command.
@@ -592,6 +599,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_service_args(p)
     _show_defaults(p)
     p.set_defaults(func=cmd_batch)
+
+    p = sub.add_parser("extract", help="documents to JSON objects of a schema or type, to JSONL or CSV",
+                       description="Extract one object of --schema/--type from each document of --input (a "
+                                   "JSONL file, a folder of .txt/.md files, or stdin) into --output, through "
+                                   "stencil batch's machinery (in process or --url; resumable). "
+                                   "docs/serving.md, 'Extraction from the command line'.")
+    from stencil.service.extract_cli import add_arguments as add_extract_arguments
+
+    add_extract_arguments(p)
+    _add_engine_args(p)
+    _add_service_args(p)
+    _show_defaults(p)
+    p.set_defaults(func=cmd_extract)
 
     p = sub.add_parser("bench", help="run a benchmark",
                        description="Benchmarks: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items())

@@ -103,7 +103,7 @@ def test_every_stencil_line_parses_with_its_benchmark_options():
             module.add_arguments(parser)
             parser.parse_args(args.bench_args)
         parsed.append(args.command)
-    assert sorted(set(parsed)) == ["batch", "bench", "generate", "serve"]
+    assert sorted(set(parsed)) == ["batch", "bench", "extract", "generate", "serve"]
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
