@@ -541,6 +541,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return int(rc or 0)
 
 
+def _file_command(sub, name: str, add_arguments, func, **texts: str) -> None:
+    """A subcommand that runs a file of requests through the engine (``batch``, ``extract``): its own
+    arguments, then the engine's and the service's, every default shown."""
+    p = sub.add_parser(name, **texts)
+    add_arguments(p)
+    _add_engine_args(p)
+    _add_service_args(p)
+    _show_defaults(p)
+    p.set_defaults(func=func)
+
+
 def _show_defaults(parser: argparse.ArgumentParser) -> None:
     """Make ``--help`` say every option's default: appended to its help (or as its help) where the
     text does not already name one; options whose default is None or off say nothing."""
@@ -587,31 +598,20 @@ def build_parser() -> argparse.ArgumentParser:
     _show_defaults(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("batch", help="answer a file of OpenAI batch lines (resumable)",
-                       description="Send each line of INPUT.jsonl (OpenAI's batch format: custom_id, method, "
-                                   "url, body) through the server's routes, in process or to --url, and append "
-                                   "each answer to OUTPUT.jsonl as it comes; a rerun skips what OUTPUT holds. "
-                                   "docs/serving.md, 'Batch files'.")
-    from stencil.service.batch import add_arguments as add_batch_arguments
+    from stencil.service import batch, extract_cli
 
-    add_batch_arguments(p)
-    _add_engine_args(p)
-    _add_service_args(p)
-    _show_defaults(p)
-    p.set_defaults(func=cmd_batch)
-
-    p = sub.add_parser("extract", help="documents to JSON objects of a schema or type, to JSONL or CSV",
-                       description="Extract one object of --schema/--type from each document of --input (a "
-                                   "JSONL file, a folder of .txt/.md files, or stdin) into --output, through "
-                                   "stencil batch's machinery (in process or --url; resumable). "
-                                   "docs/serving.md, 'Extraction from the command line'.")
-    from stencil.service.extract_cli import add_arguments as add_extract_arguments
-
-    add_extract_arguments(p)
-    _add_engine_args(p)
-    _add_service_args(p)
-    _show_defaults(p)
-    p.set_defaults(func=cmd_extract)
+    _file_command(sub, "batch", batch.add_arguments, cmd_batch,
+                  help="answer a file of OpenAI batch lines (resumable)",
+                  description="Send each line of INPUT.jsonl (OpenAI's batch format: custom_id, method, url, body) "
+                              "through the server's routes, in process or to --url, and append each answer to "
+                              "OUTPUT.jsonl as it comes; a rerun skips what OUTPUT holds. docs/serving.md, "
+                              "'Batch files'.")
+    _file_command(sub, "extract", extract_cli.add_arguments, cmd_extract,
+                  help="documents to JSON objects of a schema or type, to JSONL or CSV",
+                  description="Extract one object of --schema/--type from each document of --input (a JSONL "
+                              "file, a folder of .txt/.md files, or stdin) into --output, through stencil batch's "
+                              "machinery (in process or --url; resumable). "
+                              "docs/serving.md, 'Extraction from the command line'.")
 
     p = sub.add_parser("bench", help="run a benchmark",
                        description="Benchmarks: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items())
