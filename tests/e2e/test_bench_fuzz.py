@@ -5,6 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
+# Imported here, while nothing else runs: schemathesis is a pytest plugin, so its modules are
+# assertion-rewritten (parsed to an AST) when first imported, and CPython 3.11.7's AST conversion
+# is not thread-safe (gh-106905): imported later, beside the benchmark's server thread, it raised
+# "SystemError: AST constructor recursion depth mismatch" in a test process of make test.
+import schemathesis.specs.openapi.schemas  # noqa: F401
+
 from stencil.benchmarks import fuzz
 
 
