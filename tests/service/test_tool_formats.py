@@ -317,6 +317,27 @@ def test_a_tiny_model_with_the_real_template_calls_in_its_family_syntax(template
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
         assert raw_answers[-1].startswith(syntax.opener + "get_weather")
 
+        # named, whole: the one function asked for
+        r = sdk.chat.completions.create(model=model["id"], messages=MESSAGES, tools=TOOLS, seed=4,
+                                        tool_choice={"type": "function", "function": {"name": "now"}})
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == \
+            [("now", {})]
+        assert raw_answers[-1] == syntax.calls_text([("now", "{}")])
+
+        # auto, streamed: deltas of a call in the family's syntax, or of a text answer
+        chunks = list(sdk.chat.completions.create(model=model["id"], messages=MESSAGES, tools=TOOLS, stream=True,
+                                                  tool_choice="auto", parallel_tool_calls=False, max_tokens=40,
+                                                  seed=5))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        streamed_calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+        if streamed_calls:
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+            args_text = "".join(tc.function.arguments or "" for tc in streamed_calls)
+            assert raw_answers[-1] == syntax.calls_text([(streamed_calls[0].function.name, args_text)])
+        else:
+            text = "".join(d.content or "" for d in deltas)
+            assert raw_answers[-1] == syntax.text_prefix + text
+
         # auto: a call in the family's syntax, or a text answer that does not start one
         c = sdk.chat.completions.create(model=model["id"], messages=MESSAGES, tools=TOOLS, tool_choice="auto",
                                         parallel_tool_calls=False, max_tokens=40, seed=3).choices[0]
