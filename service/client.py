@@ -3,7 +3,9 @@
 Depends only on httpx and msgspec (pydantic is used when, and only when, a pydantic model is
 passed in), and imports nothing of the server: ``pip install httpx msgspec`` and ``pip install
 --no-deps`` of this package are enough (docs/api.md, "The typed client"; ``tests/service/test_client_light.py``). ``stream_extract`` yields typed partial answers as they stream (``Partial``: the
-fields complete so far and the one being written), then the validated instance. ``Client`` is
+fields complete so far, the values complete at any depth, and the one being written), then the
+validated instance; ``extract_iter`` yields the items of one list of the answer, typed, each as soon
+as it has ended in the stream. ``Client`` is
 synchronous, ``AsyncClient`` the asyncio twin; both share the request building, schema
 derivation, retry timing and answer decoding defined here.
 
@@ -11,6 +13,8 @@ derivation, retry timing and answer decoding defined here.
     person = client.extract(Person, "Ada Lovelace, 36, London")   # -> Person instance
     for item in client.stream_extract(Person, "Ada Lovelace, 36, London"):
         ...   # Partial(done={"name": "Ada Lovelace"}, writing="age"), ..., then a Person
+    for line in client.extract_iter(Invoice, text, items="lines"):
+        ...   # each Invoice.lines[i], a Line, once its closing brace has streamed
 
 Validation and batches: ``extract(tp, text, validate=fn, max_retries=N)`` re-asks an answer that
 fails validation (the type's own checks, pydantic validators, ``fn``), telling the model the error,
@@ -26,12 +30,15 @@ waiting the server's ``Retry-After`` when it sends one, else an exponential back
 from __future__ import annotations
 
 import asyncio
+import collections.abc
+import contextlib
 import dataclasses
 import email.utils
 import json
 import sys
 import threading
 import time
+import types
 import typing
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +48,7 @@ from typing import Any, Generic, TypeVar
 import httpx
 import msgspec
 
-from stencil.service.partial_json import progress
+from stencil.service.partial_json import ItemPath, PartialDocument
 
 T = TypeVar("T")
 
@@ -123,7 +130,14 @@ def json_schema_for(tp: Any) -> dict:
         TypeError: msgspec cannot describe the type.
     """
     model_json_schema = getattr(tp, "model_json_schema", None)
-    schema = model_json_schema() if callable(model_json_schema) else msgspec.json.schema(tp)
+    if callable(model_json_schema):
+        schema = model_json_schema()
+    elif _uses_pydantic(tp):  # list[Model] and the like: msgspec does not know pydantic's models
+        from pydantic import TypeAdapter
+
+        schema = TypeAdapter(tp).json_schema()
+    else:
+        schema = msgspec.json.schema(tp)
     defs = dict(schema.pop("$defs", None) or schema.pop("definitions", None) or {})
     kept: dict[str, Any] = {}
     out = _inline(schema, defs, kept, ())
@@ -166,6 +180,11 @@ def _is_pydantic(tp: Any) -> bool:
     return callable(getattr(tp, "model_validate", None)) and callable(getattr(tp, "model_json_schema", None))
 
 
+def _uses_pydantic(tp: Any) -> bool:
+    """``tp`` is a pydantic model or holds one in its arguments (``list[Model]``, ``Model | None``)."""
+    return _is_pydantic(tp) or any(_uses_pydantic(arg) for arg in typing.get_args(tp))
+
+
 def decode_output(tp: type[T], output: Any) -> T:
     """Turn the server's parsed ``output`` into an instance of ``tp``.
 
@@ -174,7 +193,7 @@ def decode_output(tp: type[T], output: Any) -> T:
     """
     if _is_pydantic(tp):
         return tp.model_validate(output)  # type: ignore[attr-defined]
-    return msgspec.convert(output, type=tp)
+    return _converter(tp, _uses_pydantic(tp))(output)
 
 
 # -- partial answers ---------------------------------------------------------------------------------
@@ -194,12 +213,18 @@ class Partial(Generic[T]):
         writing: the path of the value being written now (``"home.city"``, ``"tags[1]"``), or
             ``None`` between fields.
         text: the JSON text so far.
+        value: the answer so far as JSON values (``PartialDocument.value``): every value complete
+            at any depth, inside the objects and arrays still open, which hold the members and
+            elements complete so far (``{"name": "Ann", "home": {}, "tags": ["red"]}`` while the
+            home's city and the second tag are written). Not typed: half an object is no
+            instance of its type. Final as ``done`` is: a later partial only adds to it.
     """
 
     type: type
     done: dict[str, Any]
     writing: str | None
     text: str
+    value: Any = None
 
 
 def field_types(tp: Any) -> dict[str, tuple[str, Any]]:
@@ -214,12 +239,18 @@ def field_types(tp: Any) -> dict[str, tuple[str, Any]]:
     return {}
 
 
-def _typed_value(tp: Any, value: Any, pydantic_model: bool) -> Any:
+def _converter(tp: Any, pydantic_model: bool) -> Callable[[Any], Any]:
+    """JSON value → ``tp``: pydantic's ``TypeAdapter`` for a type built of pydantic models, else
+    ``msgspec.convert``. Build it once per type: an adapter costs a schema build."""
     if pydantic_model:
         from pydantic import TypeAdapter
 
-        return TypeAdapter(tp).validate_python(value)
-    return msgspec.convert(value, type=tp)
+        return TypeAdapter(tp).validate_python
+    return lambda value: msgspec.convert(value, type=tp)
+
+
+def _typed_value(tp: Any, value: Any, pydantic_model: bool) -> Any:
+    return _converter(tp, pydantic_model)(value)
 
 
 class _PartialReader:
@@ -229,21 +260,131 @@ class _PartialReader:
         self.tp = tp
         self.fields = field_types(tp)
         self.pydantic = _is_pydantic(tp)
-        self.text = ""
+        self.doc = PartialDocument()
         self.done: dict[str, Any] = {}
 
+    @property
+    def text(self) -> str:
+        return self.doc.text
+
     def push(self, delta: str) -> Partial:
-        self.text += delta
-        p = progress(self.text)
-        for key, value in p.done.items():
-            if key in self.done or key not in self.fields:
+        self.doc.feed(delta)
+        for key, value in self.doc.done.items():
+            if key not in self.fields or self.fields[key][0] in self.done:
                 continue
             name, declared = self.fields[key]
             try:
                 self.done[name] = _typed_value(declared, value, self.pydantic)
             except Exception:  # noqa: BLE001 - a relaxed keyword let it through: keep the JSON value
                 self.done[name] = value
-        return Partial(self.tp, dict(self.done), p.writing, self.text)
+        return Partial(self.tp, dict(self.done), self.doc.writing, self.doc.text, self.doc.value)
+
+
+# -- items of a list, as they end (extract_iter) ----------------------------------------------------------
+
+
+def _unwrap(tp: Any) -> Any:
+    """``Annotated[X, ...]`` and ``X | None`` → ``X`` (repeatedly)."""
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is typing.Annotated:
+            tp = typing.get_args(tp)[0]
+        elif origin in (typing.Union, types.UnionType):
+            rest = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(rest) != 1:
+                return tp
+            tp = rest[0]
+        else:
+            return tp
+
+
+_LISTS = (list, set, frozenset, collections.abc.Sequence, collections.abc.MutableSequence)
+
+
+def _element_type(tp: Any) -> Any | None:
+    """The element type of a list-like type (``list[X]``, ``tuple[X, ...]``, ``set[X]``,
+    ``Sequence[X]``; ``Any`` when bare), else None."""
+    tp = _unwrap(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is tuple:
+        return args[0] if len(args) == 2 and args[1] is Ellipsis else None
+    if origin in _LISTS:
+        return args[0] if args else Any
+    return Any if tp in _LISTS else None
+
+
+def _type_name(tp: Any) -> str:
+    return str(tp) if typing.get_args(tp) else getattr(tp, "__name__", str(tp))
+
+
+def item_path(tp: Any, items: str | None = None) -> tuple[ItemPath, Any]:
+    """Where ``extract_iter``'s items stand in an answer of type ``tp``, and their declared type.
+
+    ``items=None``: ``tp`` is a list type (``list[X]``, ``tuple[X, ...]``, ``set[X]``,
+    ``Sequence[X]``, ``Annotated`` or not) and its elements are the items. ``items="a.b"``:
+    field names, dot-separated (each the JSON member name or the attribute name), leading from
+    ``tp`` to a list field, whose elements are the items; a list met before the last name is
+    walked through, each element in turn (``"sections.lines"``: the lines of every section, in
+    document order). ``X | None`` on the way is taken as ``X``.
+
+        item_path(Invoice, "lines") == (("lines", None), Line)   # Invoice.lines: list[Line]
+        item_path(list[Line]) == ((None,), Line)
+
+    Raises:
+        TypeError: a name is no field of the type it is looked up in, or the path does not end
+            at a list.
+    """
+    path: list[str | None] = []
+    at = tp
+    for name in items.split(".") if items is not None else ():
+        while (element := _element_type(at)) is not None:
+            path.append(None)
+            at = element
+        fields = field_types(_unwrap(at))
+        key = name if name in fields else next((k for k, (attr, _) in fields.items() if attr == name), None)
+        if key is None:
+            raise TypeError(f"extract_iter: {_type_name(at)} has no field {name!r} (it has: "
+                            f"{', '.join(fields) or 'no fields'})")
+        path.append(key)
+        at = fields[key][1]
+    element = _element_type(at)
+    if element is None:
+        raise TypeError(f"extract_iter: items={items!r} of {_type_name(tp)} is {_type_name(at)}, not a list"
+                        if items is not None else
+                        f"extract_iter: {_type_name(tp)} is not a list type; name a list field of it with items=")
+    return (*path, None), element
+
+
+class _ItemReader:
+    """Text deltas of a ``/generate`` stream → the items of one list of the answer, typed, each
+    as its end streams (``extract_iter``)."""
+
+    def __init__(self, tp: Any, items: str | None) -> None:
+        path, self.item_type = item_path(tp, items)
+        self.where = items or "the list"
+        self.convert = _converter(self.item_type, _uses_pydantic(tp))
+        self.doc = PartialDocument(path)
+        self.count = 0
+
+    @property
+    def text(self) -> str:
+        return self.doc.text
+
+    def push(self, delta: str) -> list[Any]:
+        """The items that ended in ``delta``, typed, in order.
+
+        Raises:
+            ExtractionError: an item does not fit its type (``response``: the text so far).
+        """
+        out = []
+        for value in self.doc.feed(delta):
+            try:
+                out.append(self.convert(value))
+            except Exception as e:  # noqa: BLE001 - msgspec or pydantic validation error, reported alike
+                raise ExtractionError(f"item {self.count} of {self.where} does not fit "
+                                      f"{_type_name(self.item_type)}: {e}", {"text": self.doc.text}) from e
+            self.count += 1
+        return out
 
 
 # -- request / answer helpers -------------------------------------------------------------------------
@@ -751,6 +892,51 @@ class Client(_Base):
             yield reader.push(delta)
         yield _extracted(tp, self.last or {"text": reader.text}, gen_kwargs.get("strict") is False)
 
+    def extract_iter(self, tp: Any, text_or_messages: str | list[dict], *, items: str | None = None,
+                     **gen_kwargs: Any) -> Iterator[Any]:
+        """Extract ``tp`` as the answer streams and yield the items of one of its lists, typed, each
+        as soon as it has ended: at the delta holding its closing bracket, brace or quote (a
+        number, ``true``, ``false`` or ``null`` at the delimiter after it), not at the answer's end.
+
+            for person in client.extract_iter(list[Person], text): ...
+            for line in client.extract_iter(Invoice, text, items="lines"): ...
+            for line in client.extract_iter(Report, text, items="sections.lines"): ...
+
+        Which list: with ``items=None`` the answer is the list (``tp`` is ``list[X]``,
+        ``tuple[X, ...]``, ``set[X]`` or ``Sequence[X]``); else ``items`` names a list field of
+        ``tp`` at any depth by dot-separated field names (``item_path`` reads it; a list on the
+        way is walked through: ``"sections.lines"`` yields every section's lines in order). The
+        model is asked for the whole ``tp`` (its schema is the ``response_schema``), so a path
+        keeps an invoice's other fields in the answer; the items are what is yielded. Each is
+        converted to the list's element type as ``extract`` converts an answer (pydantic when
+        ``tp`` is or holds a pydantic model, else msgspec: Structs, dataclasses, TypedDicts,
+        plain types). The grammar makes every prefix the start of a valid answer, so an item
+        that has ended is final.
+
+        The whole answer is validated once the stream ends, as ``stream_extract`` does, but not
+        yielded: ``self.last["output"]`` holds it as JSON; ``stream_extract`` yields it typed.
+        Hooks run as for ``stream``: ``on_request`` before the request, ``on_response`` after
+        the last item. Breaking out of the loop closes the stream.
+
+        Raises:
+            TypeError: ``tp`` is no list type and ``items`` is None, or ``items`` names no
+                list field (raised here, before any request is sent).
+            StencilError: the request failed.
+            ExtractionError: an item does not fit its type (raised in its place; ``response``
+                holds the text so far), or the finished answer is not valid (e.g. cut at
+                ``max_tokens``; raised after the items that had ended, which stand).
+        """
+        reader = _ItemReader(tp, items)
+        schema = json_schema_for(tp)
+        return self._items(reader, tp, text_or_messages, dict(gen_kwargs, response_schema=schema))
+
+    def _items(self, reader: _ItemReader, tp: Any, text_or_messages: str | list[dict],
+               gen_kwargs: dict) -> Iterator[Any]:
+        with contextlib.closing(self.stream(text_or_messages, **gen_kwargs)) as deltas:
+            for delta in deltas:
+                yield from reader.push(delta)
+        _extracted(tp, self.last or {"text": reader.text}, gen_kwargs.get("strict") is False)
+
 
 class AsyncClient(_Base):
     """asyncio twin of ``Client`` (same arguments, ``await``-able methods, ``async for`` streams)."""
@@ -869,3 +1055,19 @@ class AsyncClient(_Base):
         async for delta in self.stream(text_or_messages, response_schema=json_schema_for(tp), **gen_kwargs):
             yield reader.push(delta)
         yield _extracted(tp, self.last or {"text": reader.text}, gen_kwargs.get("strict") is False)
+
+    def extract_iter(self, tp: Any, text_or_messages: str | list[dict], *, items: str | None = None,
+                     **gen_kwargs: Any) -> AsyncIterator[Any]:
+        """See ``Client.extract_iter``: ``async for item in client.extract_iter(...)`` (a plain
+        method returning the iterator, so that a bad ``items`` raises ``TypeError`` at the call)."""
+        reader = _ItemReader(tp, items)
+        schema = json_schema_for(tp)
+        return self._items(reader, tp, text_or_messages, dict(gen_kwargs, response_schema=schema))
+
+    async def _items(self, reader: _ItemReader, tp: Any, text_or_messages: str | list[dict],
+                     gen_kwargs: dict) -> AsyncIterator[Any]:
+        async with contextlib.aclosing(self.stream(text_or_messages, **gen_kwargs)) as deltas:
+            async for delta in deltas:
+                for item in reader.push(delta):
+                    yield item
+        _extracted(tp, self.last or {"text": reader.text}, gen_kwargs.get("strict") is False)

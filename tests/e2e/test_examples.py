@@ -55,6 +55,15 @@ def test_extract_many_example(server):
     assert lines[-2].startswith("The Thirty Years' War")
 
 
+def test_extract_iter_example(server):
+    p = _run("extract_iter.py", server.url)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    items = [ln for ln in lines if ln.startswith("line ")]
+    assert 1 <= len(items) <= 4 and all(ln.startswith(f"line {n}: Line(item=") for n, ln in enumerate(items))
+    assert lines[-1].startswith("whole answer: {'number': ")
+
+
 def test_tool_call_example(server):
     out = _run_openai_example("tool_call.py", server.url)
     assert "finish_reason: tool_calls" in out

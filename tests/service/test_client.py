@@ -284,16 +284,24 @@ def test_progress_reads_every_prefix_of_a_document():
            "ok": True, "none": None}
     for text in (json.dumps(doc, separators=(",", ":")), json.dumps(doc, indent=2)):
         seen: dict = {}
+        view = None
         for i in range(len(text) + 1):
             p = progress(text[:i])
+            # the nested view holds every complete member, and only grows
+            assert all(p.value[k] == v for k, v in p.done.items())
+            assert view is None or list(p.value)[:len(view)] == list(view)
+            view = p.value
             # complete members are final: each appears once, with its final value, in order
             assert list(p.done) == list(doc)[:len(p.done)]
             assert all(p.done[k] == doc[k] for k in p.done)
             assert all(seen[k] == p.done[k] for k in seen)
             seen = dict(p.done)
             assert p.complete == (i == len(text))
-        assert seen == doc
+        assert seen == doc and view == doc
     assert progress('{"name":"Ann","home":{"city":"Os').writing == "home.city"
+    assert progress('{"name":"Ann","home":{"city":"Oslo","zip":[1,2').value == \
+        {"name": "Ann", "home": {"city": "Oslo", "zip": [1]}}  # 2 may yet become 23
+    assert progress('{"tags":["a","b').value == {"tags": ["a"]}
     assert progress('{"tags":["a","b').writing == "tags[1]"
     assert progress('{"tags":["a",').writing == "tags"
     assert progress('{"name":"Ann",').writing is None
@@ -326,12 +334,16 @@ def test_stream_extract_yields_typed_partials_then_the_instance(server):
     for before, after in zip(partials, partials[1:]):
         assert after.text.startswith(before.text)  # each a prefix of the next
         assert all(after.done[k] == v for k, v in before.done.items())  # done fields are final
+        assert all(after.value[k] == v for k, v in before.value.items() if k in before.done)
+        assert list(after.value)[:len(before.value)] == list(before.value)
     for p in partials:
         assert list(p.done) == order[:len(p.done)]
         if "home" in p.done:
             assert isinstance(p.done["home"], Home) and p.done["home"] == final.home
         assert p.writing is None or p.writing.split(".")[0].split("[")[0] in order
     assert any(p.writing == "home.city" for p in partials)
+    assert any(p.value.get("home") == {} for p in partials)  # open, its city being written
+    assert partials[-1].value == json.loads(partials[-1].text) or partials[-1].writing == "level"
     assert {k: getattr(final, k) for k in order} == partials[-1].done or partials[-1].writing == "level"
 
 
