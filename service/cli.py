@@ -43,6 +43,8 @@ BENCHMARKS = {
     "peers": "llama-server against stencil serve on the same GGUF: requests/s, validity, field accuracy, "
              "decode at one request, resident memory",
 }
+    "tools": "tool-call grammars at 10-500 functions: compile cold/warm/extended, first mask, TTFT with/without, "
+             "what fits the context, no 5xx",
 
 
 # -- arguments -------------------------------------------------------------------------------------
