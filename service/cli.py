@@ -34,6 +34,7 @@ BENCHMARKS = {
     "budget": "structured answers at 25-150% of their natural length: closed in time, valid",
     "cluster": "replicas on Ray Serve: prefix-affinity vs round-robin routing, and a replica kill",
     "serve": "the throughput workload over HTTP against one or two OpenAI-compatible servers (loopback)",
+    "batch": "stencil batch --url against bench serve's client on the same requests and server; kill and resume",
     "overhead": "CPU time around the model per decode step, by phase, at several numbers of running requests",
     "latency": "one request end to end over HTTP, phase by phase, with and without a grammar",
     "accuracy": "field-level accuracy of extractions: compact vs flexible JSON vs unconstrained, and servers",
@@ -42,9 +43,9 @@ BENCHMARKS = {
             "(test-backend-ops), GB/s, same run",
     "peers": "llama-server against stencil serve on the same GGUF: requests/s, validity, field accuracy, "
              "decode at one request, resident memory",
-}
     "tools": "tool-call grammars at 10-500 functions: compile cold/warm/extended, first mask, TTFT with/without, "
              "what fits the context, no 5xx",
+}
 
 
 # -- arguments -------------------------------------------------------------------------------------
