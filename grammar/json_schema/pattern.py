@@ -12,8 +12,9 @@ what ``re.search`` accepts and never more. With ``over=True`` each atom carries 
 (for ``not: {pattern}``, written as a complement of that superset). Python's ``$`` also matches before one final
 newline; that case is admitted. Lookaheads right after a leading ``^`` and a lookbehind right
 before a final ``$`` or ``\\Z`` are split off (``split_lookaheads``, ``split_lookbehind``) and
-written as intersections and complements by ``strings``; other lookaround, backreferences,
-word boundaries, inline flags and anchors in the middle raise ``PatternError``.
+written as intersections and complements by ``strings``; so is a lookaround anywhere else
+(``split_lookarounds``), unless it stands in a repeated group. Backreferences, word boundaries,
+inline flags and anchors in the middle raise ``PatternError``.
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ class _Parser:
                 raise self.error("unterminated group name")
             self.i = end + 1
         elif self.peek() == "?":
-            raise self.error("unsupported group construct (lookaround, flags or backreference)")
+            raise self.error("unsupported group construct (inline flags, a conditional, a named backreference "
+                             "or a lookaround inside a lookbehind)")
         node = self.alternation()
         if self.peek() != ")":
             raise self.error("missing ')'")
@@ -223,8 +225,10 @@ class _Parser:
             cp = int(digits, 16)
         elif not in_class and c in "AZ":
             return Anchor(start=(c == "A"))
+        elif c.isdigit() and c != "0" and not in_class:
+            raise PatternError(f"a backreference (\\{c}) is not regular", self.i - 2)
         elif c.isalnum():
-            raise self.error(f"unsupported escape \\{c}")
+            raise PatternError(f"unsupported escape \\{c}", self.i - 2)
         else:
             cp = ord(c)
         s = cs.charset((cp, cp))
@@ -287,10 +291,11 @@ def split_lookaheads(pattern: str) -> tuple[str, list[tuple[bool, str, int]]] | 
     After a leading ``^`` the lookaheads all look from the string's start, so the pattern
     matches (``re.search``) exactly the strings that ``^REST`` matches, that each ``^(?:X)``
     matches and that no ``^(?:Y)`` matches: an intersection and complements, which the grammar
-    can write. ``REST`` must not hold a top-level ``|`` (``^(?=X)a|b`` is ``(?:^(?=X)a)|b``).
+    can write. None too where ``REST`` holds a top-level ``|`` (``^(?=X)a|b`` is
+    ``(?:^(?=X)a)|b``: ``split_lookarounds`` reads that).
 
     Raises:
-        PatternError: an unterminated group, or a ``|`` at the top of ``REST``.
+        PatternError: an unterminated group.
     """
     i = 1 if pattern.startswith("^") else 2 if pattern.startswith("\\A") else 0
     if not i or not pattern.startswith(("(?=", "(?!"), i):
@@ -302,7 +307,9 @@ def split_lookaheads(pattern: str) -> tuple[str, list[tuple[bool, str, int]]] | 
         i = end + 1
     rest = pattern[i:]
     if _scan(rest)[0] is not None:
-        raise PatternError("a lookahead before a top-level '|'", i)
+        return None  # ``^(?=X)a|b`` is ``(?:^(?=X)a)|b``: ``split_lookarounds`` reads it
+    if rest.startswith(anchor):  # ``^(?!X)^a``: the second anchor says nothing more
+        rest = rest[len(anchor):]
     return anchor + rest, looks
 
 
@@ -487,3 +494,199 @@ def _has_anchor(node) -> bool:
     if isinstance(node, Rep):
         return _has_anchor(node.item)
     return False
+
+
+# -- lookaround anywhere ------------------------------------------------------------------------------
+
+_LOOKS = ("(?=", "(?!", "(?<=", "(?<!")
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A text rewritten from a pattern, with where each of its characters stands in the pattern
+    (``where[i]``: the pattern offset of ``text[i]``), so that an error in the rewritten text
+    names the place the user wrote."""
+
+    text: str
+    where: tuple[int, ...]
+
+    def __getitem__(self, s: slice) -> "Placed":
+        return Placed(self.text[s], self.where[s])
+
+    def __add__(self, other: "Placed") -> "Placed":
+        return Placed(self.text + other.text, self.where + other.where)
+
+    def at(self, position: int | None) -> int | None:
+        """The pattern offset of ``position`` in ``text`` (past the end: after the last one)."""
+        if position is None or not self.where:
+            return position
+        return self.where[position] if 0 <= position < len(self.where) else self.where[-1] + 1
+
+    @staticmethod
+    def put(text: str, where: int) -> "Placed":
+        """Text the rewrite adds (an anchor, a group), placed at one pattern offset."""
+        return Placed(text, (where,) * len(text))
+
+
+@dataclass(frozen=True, slots=True)
+class LookSplit:
+    """One alternative of a pattern, ``HEAD (?=LOOK) TAIL`` (or ``(?!``, ``(?<=``, ``(?<!``), at
+    its first lookaround outside every group: the strings are a ``HEAD`` match followed by a
+    ``TAIL`` match that (for ``behind``: a ``HEAD`` match that) the lookaround admits.
+
+    Attributes:
+        head: the text before the lookaround, with the alternative's leading anchor.
+        negative: ``(?!`` or ``(?<!``.
+        behind: ``(?<=`` or ``(?<!``.
+        look: the lookaround's body.
+        tail: the text after it, with the alternative's end anchor.
+        where: the pattern offset of the lookaround's ``(``.
+    """
+
+    head: Placed
+    negative: bool
+    behind: bool
+    look: Placed
+    tail: Placed
+    where: int
+
+
+def has_lookaround(text: str) -> bool:
+    """Whether a lookaround group opens anywhere in ``text`` (not in a class or an escape)."""
+    return _has_group(text, _LOOKS)
+
+
+def _has_group(text: str, openings: tuple[str, ...]) -> bool:
+    i = 0
+    while i < len(text):
+        nxt, c = _step(text, i)
+        if c == "(" and text.startswith(openings, i):
+            return True
+        i = nxt
+    return False
+
+
+def split_lookarounds(pattern: Placed) -> list[Placed | LookSplit]:
+    """``pattern``'s alternatives, each either without lookaround (a ``Placed`` text) or split at
+    its first lookaround outside every group (``LookSplit``).
+
+    A group that holds a lookaround is written out into its alternatives first (``a(b|c(?=d))e``
+    is ``abe`` or ``ac(?=d)e``), which keeps the language since the group is not repeated: then
+    each lookaround stands in the top sequence of an alternative, and what follows (or precedes)
+    it there is the rest of the string the lookaround looks at.
+
+    Raises:
+        PatternError: a lookaround in a repeated group or itself repeated, a lookbehind whose
+            strings differ in length (Python refuses it too), an unterminated group; positions
+            are the pattern's.
+    """
+    out: list[Placed | LookSplit] = []
+    for text in _written_out(pattern):
+        out.append(_split_first(text))
+    return out
+
+
+def _written_out(text: Placed) -> list[Placed]:
+    """``text``'s alternatives with every group that holds a lookaround written out."""
+    out: list[Placed] = []
+    for branch, offset in top_branches(text.text):
+        b = text[offset:offset + len(branch)]
+        out.extend(_open_groups(b))
+    return out
+
+
+def _open_groups(b: Placed) -> list[Placed]:
+    t, i = b.text, 0
+    while i < len(t):
+        nxt, c = _step(t, i)
+        if c == "(":
+            end = _group_end(t, i)
+            if not t.startswith(_LOOKS, i) and has_lookaround(t[i + 1:end]):
+                if _quantifier_end(t, end + 1) != end + 1:
+                    raise PatternError("a lookaround inside a repeated group", b.where[i])
+                body = i + 1 + _group_opening(t, i)
+                out = []
+                for sub, offset in top_branches(t[body:end]):
+                    inner = b[body + offset:body + offset + len(sub)]
+                    out.extend(_open_groups(b[:i] + inner + b[end + 1:]))
+                return out
+            nxt = end + 1
+        i = nxt
+    return [b]
+
+
+def _group_opening(t: str, i: int) -> int:
+    """How many characters after the ``(`` at ``t[i]`` open the group (``?:``, ``?P<n>``)."""
+    if t.startswith("?:", i + 1):
+        return 2
+    if t.startswith(("?P<", "?<"), i + 1):
+        close = t.find(">", i + 1)
+        return close - i if close >= 0 else 0
+    return 0
+
+
+def _quantifier_end(t: str, i: int) -> int:
+    """Where a quantifier starting at ``t[i]`` ends (``i`` itself when none starts there)."""
+    if i < len(t) and t[i] in "*+?":
+        end = i + 1
+    elif i < len(t) and t[i] == "{":
+        close = t.find("}", i)
+        lo, comma, hi = t[i + 1:close].partition(",") if close > 0 else ("x", "", "")
+        if not (lo.isdigit() or (comma and lo == "" and hi.isdigit())) or (hi and not hi.isdigit()):
+            return i
+        end = close + 1
+    else:
+        return i
+    return end + 1 if end < len(t) and t[end] in "?+" else end
+
+
+def _split_first(b: Placed) -> Placed | LookSplit:
+    """Split ``b`` at its last lookbehind, or where it has none at its first lookahead: then
+    every lookaround left in the head is a lookbehind, which looks back within the head, and
+    every one in the tail a lookahead, which looks on within the tail, so that each part reads
+    as a string of its own."""
+    t, i, found = b.text, 0, []
+    while i < len(t):
+        nxt, c = _step(t, i)
+        if c == "(":
+            end = _group_end(t, i)
+            if t.startswith(_LOOKS, i):
+                if _quantifier_end(t, end + 1) != end + 1:
+                    raise PatternError("a repeated lookaround", b.where[end + 1])
+                found.append((i, end, t[i + 2] == "<"))
+            nxt = end + 1
+        i = nxt
+    if not found:
+        return b
+    behinds = [f for f in found if f[2]]
+    first_ahead = next((f for f in found if not f[2]), None)
+    if behinds and first_ahead is not None and first_ahead[0] < behinds[-1][0]:
+        raise PatternError("a lookbehind after a lookahead (each would look into the other's part)",
+                           b.where[behinds[-1][0]])
+    i, end, behind = behinds[-1] if behinds else first_ahead
+    body = i + (4 if behind else 3)
+    look = b[body:end]
+    if behind:
+        lo, hi = length_range(_parse_placed(look))
+        if lo != hi:
+            raise PatternError("a lookbehind must match strings of one length", b.where[i])
+    elif has_lookbehind(look.text) and b.text[:i] not in ("^", "\\A"):
+        raise PatternError("a lookbehind inside a lookahead that is not at the start", b.where[i])
+    return LookSplit(b[:i], t[body - 1] == "!", behind, look, b[end + 1:], b.where[i])
+
+
+def has_lookbehind(text: str) -> bool:
+    """Whether a lookbehind group opens anywhere in ``text``."""
+    return _has_group(text, ("(?<=", "(?<!"))
+
+
+def has_lookahead(text: str) -> bool:
+    """Whether a lookahead group opens anywhere in ``text``."""
+    return _has_group(text, ("(?=", "(?!"))
+
+
+def _parse_placed(text: Placed):
+    try:
+        return parse(text.text)
+    except PatternError as exc:
+        raise PatternError(exc.message, text.at(exc.position)) from None

@@ -84,12 +84,16 @@ def _pattern_body(pattern: str, lo: int, hi: int | None, intersect: bool = False
     try:
         split = sp.split_lookaheads(pattern)
         behind = None if split is not None else sp.split_lookbehind(pattern)
+        if behind is not None and behind[4] and sp.has_lookahead(behind[0]):
+            behind = None  # a lookahead before ``$`` may see its newline: read as a whole below
     except sp.PatternError as exc:
         raise StringError("pattern", f"unsupported pattern: {exc.message}", exc.position) from None
     if split is not None:
         return _lookaheads(pattern, *split, lo, hi, intersect, over)
     if behind is not None:
         return _lookbehind(*behind, lo, hi, intersect, over)
+    if sp.has_lookaround(pattern):
+        return _lookarounds(pattern, lo, hi, intersect, over)
     try:
         branches = sp.branches(sp.parse(pattern, over))
     except sp.PatternError as exc:
@@ -133,8 +137,9 @@ def _lookaheads(pattern: str, rest: str, looks: list[tuple[bool, str, int]], lo:
     for negative, look, start in looks:
         parts = []
         for branch, offset in sp.top_branches(look):  # each anchored: ^(?:a|$) is ^a|^$
-            with _at(0, start + offset - 1):
-                parts.append(_pattern_body("^" + branch, 0, None, True, over != negative))
+            again = 1 if branch.startswith("^") else 2 if branch.startswith("\\A") else 0
+            with _at(0, start + offset + again - 1):  # (an anchor of its own holds here: dropped)
+                parts.append(_pattern_body("^" + branch[again:], 0, None, True, over != negative))
         part = alt(parts)
         out = minus(out, part) if negative else both(out, part)
     return out
@@ -155,6 +160,56 @@ def _lookbehind(head: str, negative: bool, look: str, start: int, dollar: bool, 
     if dollar:
         out = seq(out, "(?:" + NEWLINE + ")?")
     return out if lo == 0 and hi is None else both(out, repeat(ANY_CHAR, lo, hi))
+
+
+def _lookarounds(pattern: str, lo: int, hi: int | None, intersect: bool, over: bool) -> Rx:
+    """A pattern with lookarounds elsewhere than ``_lookaheads`` and ``_lookbehind`` read them:
+    each alternative ``HEAD (?=X) TAIL`` (``sp.split_lookarounds``, groups holding one written
+    out) is ``HEAD\\Z``'s strings followed by those of ``^TAIL`` that ``^(?:X)`` matches (``(?!``:
+    does not match); ``HEAD (?<=X) TAIL`` is ``HEAD\\Z``'s strings that ``(?:X)\\Z`` matches
+    followed by ``^TAIL``'s. ``HEAD`` and ``TAIL`` are read the same way in turn, so every
+    lookaround is an intersection or a complement (exact as in ``_lookaheads``)."""
+    try:
+        parts = sp.split_lookarounds(sp.Placed(pattern, tuple(range(len(pattern)))))
+    except sp.PatternError as exc:
+        raise StringError("pattern", f"unsupported pattern: {exc.message}", exc.position) from None
+    out: list[Rx] = []
+    for part in parts:
+        if isinstance(part, sp.Placed):
+            out.append(_placed_body(part, over))
+            continue
+        if not intersect:
+            raise StringError("pattern", "a lookaround is written as an intersection, which only the "
+                              "lazy backend serves", part.where)
+        put = functools.partial(sp.Placed.put, where=part.where)
+        head = _placed_body(part.head + put("\\Z"), over)
+        tail = _placed_body(put("^") + part.tail, over)
+        looks = []
+        for branch, offset in sp.top_branches(part.look.text):
+            text = part.look[offset:offset + len(branch)]
+            if part.behind:
+                text = put("(?:") + text + put(")\\Z")
+            elif branch.startswith("^") and part.head.text == "^":  # ``^(?=^a)``: the same
+                pass
+            else:
+                text = put("^") + text
+            looks.append(_placed_body(text, over != part.negative))
+        look = alt(looks)
+        if part.behind:
+            out.append(seq(minus(head, look) if part.negative else both(head, look), tail))
+        else:
+            out.append(seq(head, minus(tail, look) if part.negative else both(tail, look)))
+    body = alt(out)
+    return body if lo == 0 and hi is None else both(body, repeat(ANY_CHAR, lo, hi))
+
+
+def _placed_body(text: "sp.Placed", over: bool) -> Rx:
+    """``_pattern_body`` of a rewritten part of a pattern, its errors placed in the pattern."""
+    try:
+        return _pattern_body(text.text, 0, None, True, over)
+    except StringError as exc:
+        exc.position = text.at(exc.position)
+        raise
 
 
 @contextlib.contextmanager
