@@ -390,6 +390,14 @@ class _ItemReader:
 # -- request / answer helpers -------------------------------------------------------------------------
 
 
+def _with_schema(gen_kwargs: dict, schema: dict) -> dict:
+    """``gen_kwargs`` with the ``response_schema`` derived from the type; one given as well is a
+    ``TypeError``, as it is for ``stream_extract`` (the type says what the answer is)."""
+    if "response_schema" in gen_kwargs:
+        raise TypeError("response_schema is derived from the type; do not pass it as well")
+    return dict(gen_kwargs, response_schema=schema)
+
+
 def _body(text_or_messages: str | list[dict], **fields: Any) -> dict:
     body: dict[str, Any] = {}
     if isinstance(text_or_messages, str):
@@ -928,7 +936,7 @@ class Client(_Base):
         """
         reader = _ItemReader(tp, items)
         schema = json_schema_for(tp)
-        return self._items(reader, tp, text_or_messages, dict(gen_kwargs, response_schema=schema))
+        return self._items(reader, tp, text_or_messages, _with_schema(gen_kwargs, schema))
 
     def _items(self, reader: _ItemReader, tp: Any, text_or_messages: str | list[dict],
                gen_kwargs: dict) -> Iterator[Any]:
@@ -1062,7 +1070,7 @@ class AsyncClient(_Base):
         method returning the iterator, so that a bad ``items`` raises ``TypeError`` at the call)."""
         reader = _ItemReader(tp, items)
         schema = json_schema_for(tp)
-        return self._items(reader, tp, text_or_messages, dict(gen_kwargs, response_schema=schema))
+        return self._items(reader, tp, text_or_messages, _with_schema(gen_kwargs, schema))
 
     async def _items(self, reader: _ItemReader, tp: Any, text_or_messages: str | list[dict],
                      gen_kwargs: dict) -> AsyncIterator[Any]:

@@ -2,8 +2,8 @@
 
 Three readers of the service follow a JSON text character by character and need the same facts
 (which containers are open, which member or element is being read, where a value began and where
-it ended): a streamed answer's progress (``stencil.service.partial_json``: the complete members, the path
-being written), the JSON pointers of the values a budget cut short (``stencil.service.json_paths``), and
+it ended): a streamed answer's progress (``stencil.service.partial_json``: the values complete at any
+depth, the items of a list as each ends, the path being written), the JSON pointers of the values a budget cut short (``stencil.service.json_paths``), and
 the end of a tool call's arguments in a stream (``stencil.service.tool_parser``). ``JsonScanner`` is that
 reading, once: lexical (containers, strings and their escapes, bare scalars), fed any number of
 fragments, reporting each value's start and end to the reader's callbacks. It does not validate:

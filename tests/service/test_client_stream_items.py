@@ -315,6 +315,8 @@ def test_extract_iter_errors():
     with Client("http://x", transport=httpx.MockTransport(lambda r: calls.append(r))) as c:
         with pytest.raises(TypeError, match="no field 'lins'"):
             c.extract_iter(Invoice, "x", items="lins")  # at the call, before any request
+        with pytest.raises(TypeError, match="response_schema is derived from the type"):
+            c.extract_iter(list[Line], "x", response_schema={"type": "array"})
     assert calls == []
     # an item that breaks its type (qty >= 0, which the fake's "grammar" ignored) raises in its place
     fake = FakeStream(['[{"sku": "x", "qty": 2}, ', '{"sku": "y", "qty": -1}', "]"], None, valid=False)
