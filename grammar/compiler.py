@@ -278,6 +278,13 @@ class GrammarCompiler:
         from stencil.grammar.bitmask import allocate_bitmask  # (torch: imported where used)
 
         warm_up()
+        if self.policy != "eager":
+            # The lark library builds its own grammar-file parser once per process (~0.3-0.6 s,
+            # regex collision checks): here, not in the first Lark grammar's compile (a large
+            # tool list's answer is one: ``stencil.grammar.tool_calls``).
+            from stencil.grammar.lark_closing import lark_program
+
+            lark_program('start: "a"\n')
         first = "lazy" if self.policy == backend_registry.AUTO else self.policy  # (as a compile's)
         if first == "eager" or self._closed:
             return

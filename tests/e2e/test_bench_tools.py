@@ -63,5 +63,6 @@ def test_bench_tools_end_to_end_on_the_tiny_model(tiny_model_factory, tmp_path, 
     statuses = {r["tools"]: r["status"] for r in report["service"]}
     fit = report["fits_up_to"]
     assert statuses[fit] == 200 and statuses[fit + 1] == 400 and all(r["ok"] for r in report["service"])
-    assert "max_model_len 1024" in next(r["error"] for r in report["service"] if r["tools"] == fit + 1)
+    over = next(r for r in report["service"] if r["tools"] == fit + 1)
+    assert over["names_context"] and "max_model_len 1024" in over["error"]
     assert "cold_over_single" in printed and f"up to {fit} of these functions fit" in printed
