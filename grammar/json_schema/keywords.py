@@ -7,6 +7,7 @@ rewrite needs (``json_type``, ``enum_values``). A leaf of ``stencil.grammar.json
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 
 from stencil.grammar.json_schema.merge import json_key
@@ -117,9 +118,9 @@ def unknown_keywords(schema: object) -> list[str]:
             if key == "format" and isinstance(value, str) and value not in KNOWN_FORMATS:
                 found += 1
                 if found <= MAX_UNKNOWN_NOTES:
-                    close = difflib.get_close_matches(value, KNOWN_FORMATS, n=1, cutoff=0.75)
+                    close = _close_format(value)
                     notes.append(f"unknown format {value!r} at {path}: ignored (an annotation)"
-                                 + (f"; did you mean {close[0]!r}?" if close else ""))
+                                 + (f"; did you mean {close!r}?" if close else ""))
             if key in _ONE and isinstance(value, dict):
                 subschemas.append((value, where))
             elif key in _LIST and isinstance(value, list):
@@ -133,8 +134,23 @@ def unknown_keywords(schema: object) -> list[str]:
 
 
 def _unknown_note(key: str, path: str) -> str:
+    close = _close_keyword(key)
+    return f"unknown keyword {key!r} at {path}: ignored" + (f"; did you mean {close!r}?" if close else "")
+
+
+# A suggestion costs difflib ~0.3 ms (one key against the ~100 keywords), on the compile's path;
+# schemas of one family repeat the same unknown keys ("markdownDescription", "tsType"), so each
+# is looked up once.
+@functools.lru_cache(maxsize=4096)
+def _close_keyword(key: str) -> str | None:
     close = difflib.get_close_matches(key, KNOWN_KEYWORDS, n=1, cutoff=0.75)
-    return f"unknown keyword {key!r} at {path}: ignored" + (f"; did you mean {close[0]!r}?" if close else "")
+    return close[0] if close else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _close_format(name: str) -> str | None:
+    close = difflib.get_close_matches(name, KNOWN_FORMATS, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def _pointer(key: str) -> str:
