@@ -39,7 +39,9 @@ class CompiledGrammar:
         self.sightings = 1  # compiles that asked for this spec (auto builds eager on the second)
         self._closing: Future | None = None  # the closing automaton (stencil.grammar.closing), once asked for
         self._closing_pool = None  # an executor for building it off the caller's thread
-        self._min_bytes: int | None = None
+        self._min_bytes: int | None = None  # bytes of the shortest output, once read
+        self._upper_bytes: int | None = None  # bytes of some output (min_output_tokens), once read
+        self._bounds_lock = threading.Lock()
         self._own: Program | None = None  # Stencil's own translation of a "json" program's spec
         self._translate = None  # spec → that translation (set by the compiler: its options)
 
@@ -149,39 +151,67 @@ class CompiledGrammar:
     def min_output_tokens(self, max_tokens: int) -> int | None:
         """The fewest tokens an output needs, when that is more than ``max_tokens`` (``None``:
         ``max_tokens`` is enough, or the grammar is not modelled). Cheap when ``max_tokens`` is
-        at least the shortest output's bytes (each token spells at least one byte)."""
-        if self._min_bytes is None:
-            from stencil.grammar.program import min_bytes
-
-            try:
-                p = self.own_program()
-                if p.kind == "lark" and p.root is None:  # written by hand: read through lark
-                    from stencil.grammar.closing import ClosingUnsupported
-                    from stencil.grammar.lark_closing import lark_program
-
-                    try:
-                        p = lark_program(p.text)
-                    except ClosingUnsupported:
-                        p = Program("lark", p.text)  # (no root: no admission check)
-                if p.kind == "regex":
-                    self._min_bytes = min_bytes(p.text, p.terminals)
-                elif p.root is not None:
-                    self._min_bytes = min_bytes(p.root, p.terminals, dict(p.rules))
-                else:
-                    self._min_bytes = 0
-            except GrammarError:  # not translated (a limit): no admission check
+        at least the bytes of some output (each token spells at least one byte): first against
+        the bytes of one output read along one branch of each large alternation, then of the
+        shortest output, then the closing automaton's token distance."""
+        for upper in (True, False):
+            known = self._bytes_bound(upper)
+            if known is None:  # not translated (a limit): no admission check
                 return None
-            except RecursionError:  # rules nested too deeply to read: no admission check
-                self._min_bytes = 0
-            except ValueError:  # a user regex outside the compiler's dialect: 4 bytes a character
-                if self.program.kind != "regex":
-                    self._min_bytes = 0  # (a Lark grammar min_bytes cannot read: no check)
-                else:
-                    import re._parser as sre_parse
+            if max_tokens >= known:
+                return None
+        return self._min_tokens_beyond(max_tokens)
 
-                    self._min_bytes = 4 * sre_parse.parse(self.program.text).getwidth()[0]
-        if max_tokens >= self._min_bytes:
+    def _bytes_bound(self, upper: bool) -> int | None:
+        """Bytes of the shortest output (``upper``: of some output, :func:`min_bytes`'s ``upper``),
+        once each; ``None``: the program was not translated (a limit); 0 where it cannot be read."""
+        cached = self._upper_bytes if upper else self._min_bytes
+        if cached is not None:
+            return cached
+        with self._bounds_lock:  # (read once: a second caller waits for the first's answer)
+            return self._read_bytes_bound(upper)
+
+    def _read_bytes_bound(self, upper: bool) -> int | None:
+        cached = self._upper_bytes if upper else self._min_bytes
+        if cached is not None:
+            return cached
+        from stencil.grammar.program import min_bytes
+
+        try:
+            p = self.own_program()
+            if p.kind == "lark" and p.root is None:  # written by hand: read through lark
+                from stencil.grammar.closing import ClosingUnsupported
+                from stencil.grammar.lark_closing import lark_program
+
+                try:
+                    p = lark_program(p.text)
+                except ClosingUnsupported:
+                    p = Program("lark", p.text)  # (no root: no admission check)
+            if p.kind == "regex":
+                found = min_bytes(p.text, p.terminals, upper=upper)
+            elif p.root is not None:
+                found = min_bytes(p.root, p.terminals, dict(p.rules), upper=upper)
+            else:
+                found = 0
+        except GrammarError:
             return None
+        except RecursionError:  # rules nested too deeply to read: no admission check
+            found = 0
+        except ValueError:  # a user regex outside the compiler's dialect: 4 bytes a character
+            if self.program.kind != "regex":
+                found = 0  # (a Lark grammar min_bytes cannot read: no check)
+            else:
+                import re._parser as sre_parse
+
+                found = 4 * sre_parse.parse(self.program.text).getwidth()[0]
+        if upper:
+            self._upper_bytes = found
+        else:
+            self._min_bytes = found
+        return found
+
+    def _min_tokens_beyond(self, max_tokens: int) -> int | None:
+        """The closing automaton's count of the fewest tokens, when more than ``max_tokens``."""
         try:
             automaton = self.closing().result()
         except Exception:  # noqa: BLE001 - not modelled: no admission check

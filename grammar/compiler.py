@@ -459,9 +459,11 @@ class GrammarCompiler:
                 built = self._build(first, grammar.program, spec)
             grammar._set(first, built)
             if program.kind == "lark" and program.root is None:
-                # A hand-written grammar's shortest output is read through lark (ms for most, more
-                # for a large one): here, not on the engine thread at the request's admission.
-                grammar.min_output_tokens(1 << 30)
+                # A hand-written grammar's shortest output is read through lark (ms for most, 25 ms
+                # for a tool-call answer of 100 functions): on the closing automaton's thread while
+                # the prompt is read, not on the compile's path nor the engine thread's at the
+                # request's admission (which waits for it, CompiledGrammar._bytes_bound).
+                self._closing_pool.submit(grammar.min_output_tokens, 1 << 30)
             if grammar.program.own_warnings:  # ready before the first answer asks for them
                 self._closing_pool.submit(grammar.own_program)
             with self._lock:

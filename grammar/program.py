@@ -620,9 +620,16 @@ class _Writer:
         raise ValueError(f"unexpected node {node.kind}")
 
 
-def min_bytes(text: str, terminals=(), rules: dict[int, str] | None = None) -> int:
+def min_bytes(text: str, terminals=(), rules: dict[int, str] | None = None, *, upper: bool = False) -> int:
     """Bytes of the shortest string in the language of ``text`` (terminal and rule references
-    resolved; rules by fixpoint), counting each character by its shortest UTF-8 encoding."""
+    resolved; rules by fixpoint), counting each character by its shortest UTF-8 encoding.
+
+    ``upper``: the bytes of *some* string of the language instead, an upper bound of the
+    shortest's, read without parsing most of the grammar: an alternation takes the least of its
+    branches that refer to no terminal or rule, then of its other branches only the first with a
+    known length (a tool-call answer of 100 functions is one alternation of 100 terminals of
+    ~1.5 KB regex each: one is parsed, not 100). An intersection counts as unknown
+    (:data:`INF_LEN`) there, as :data:`INF_LEN` means no string was found."""
     import re._parser as sre_parse
 
     rules = rules or {}
@@ -661,12 +668,24 @@ def min_bytes(text: str, terminals=(), rules: dict[int, str] | None = None) -> i
         if k == "seq":
             return min(INF_LEN, sum(length(c, src) for c in node.children))
         if k == "alt":
-            return min(length(c, src) for c in node.children)
+            if not upper:
+                return min(length(c, src) for c in node.children)
+            best = min((length(c, src) for c in node.children if not (c.has_term or c.has_ref)), default=INF_LEN)
+            for c in node.children:
+                if best == 0:
+                    break
+                if c.has_term or c.has_ref:
+                    n = length(c, src)
+                    if n < INF_LEN:
+                        return min(best, n)
+            return best
         if k == "group":
             return length(node.children[0], src)
         if k == "rep":
             return min(INF_LEN, node.lo * length(node.children[0], src)) if node.lo else 0
         if k == "and":
+            if upper:  # (no string of it is known without the automata)
+                return INF_LEN
             if node.negated:  # a lower bound: the left side's
                 return length(node.children[0], src)
             return max(length(c, src) for c in node.children)  # a lower bound

@@ -162,6 +162,11 @@ def _lark_error(text: str, message: str, at: int) -> GrammarError:
                         keyword="grammar", line=line, column=column)
 
 
+# the body of a string or regex terminal after its opening quote or slash, to its closing one
+# (or the end of the line), an escape two characters (the backslash and any one after it)
+_QUOTED_BODY = {q: re.compile(r"(?:\\.|[^" + q + r"\\\n])*", re.S) for q in "\"/"}
+
+
 def check_lark_counts(text: str) -> None:
     """Refuse a Lark grammar whose counted repetitions exceed what a grammar can count, as
     :func:`check_supported` refuses a regex: an ``item ~ n`` or ``~ n..m`` above
@@ -190,9 +195,7 @@ def check_lark_counts(text: str) -> None:
             i = n if end < 0 else end
             continue
         if c in "\"/":  # a string or a regex terminal: skipped (a regex's own counts checked)
-            j = i + 1
-            while j < n and text[j] != c and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
+            j = _QUOTED_BODY[c].match(text, i + 1).end()  # (a C scan: tool answers hold 100 KB of them)
             if c == "/":
                 for m in _COUNTED.finditer(text, i + 1, j):
                     times = max((int(x) for x in m.groups() if x), default=0)
