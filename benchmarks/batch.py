@@ -239,6 +239,8 @@ def main(args: argparse.Namespace) -> int:
         from stencil.engine.models.default_model import ensure_default_model
 
         model_path = args.model or ensure_default_model(lambda line: print(line, flush=True))
+        # A SIGTERM ends the run through ``finally``, so that the server started here stops too.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         server = OwnServer(model_path, args)
         url = server.url
     else:
