@@ -356,7 +356,8 @@ def main(args, app_factory: Callable[[], tuple[Any, str | None]]) -> int:
         print("stencil batch: INPUT and OUTPUT are the same file", file=sys.stderr)
         return 2
     if not args.input.is_file():
-        print(f"stencil batch: cannot read {args.input}", file=sys.stderr)
+        why = "no such file" if not args.input.exists() else "not a file"
+        print(f"stencil batch: cannot read {args.input}: {why}", file=sys.stderr)
         return 2
     try:
         todo, skipped = prepare(args.input, args.output)

@@ -443,17 +443,25 @@ async def _generate_once(args: argparse.Namespace) -> int:
         gen = await generation.start(state, prompt_ids, params, spec, "cli-" + os.urandom(6).hex())
         _progress(f"generating (prompt {len(prompt_ids)} tokens) ...")
         result = None
+        # In a terminal the answer is written to stdout as it comes, once; piped, stdout gets only
+        # the final answer (pretty-printed JSON with --schema) and the stream goes to stderr.
+        live = sys.stdout.isatty()
+        stream = sys.stdout if live else sys.stderr
         async for item in gen:
             if isinstance(item, generation.GenerationDelta):
-                sys.stderr.write(item.text)
-                sys.stderr.flush()
+                stream.write(item.text)
+                stream.flush()
             else:
                 result = item
+        if live:
+            print(flush=True)
         _progress(f"\n{result.usage.completion_tokens} tokens in {result.timings.total_ms / 1e3:.2f} s, "
                   f"finish_reason={result.finish_reason}, valid={result.valid}")
         for w in result.warnings:
             _progress(f"warning: {w}")
-        if schema is not None and result.output is not None:
+        if live:
+            pass  # (written above, as it came)
+        elif schema is not None and result.output is not None:
             print(json.dumps(result.output, ensure_ascii=False, indent=2))
         else:
             print(result.text)

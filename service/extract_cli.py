@@ -164,6 +164,15 @@ def request_lines(docs: list[tuple[Any, str]], args, schema: dict) -> list[str]:
     return lines
 
 
+def _unless_empty(item, empty: set[str]):
+    """``item`` (a planned batch line), or an ``empty_document`` error in its place when its document
+    is empty or only whitespace: nothing is sent (a model asked to extract from nothing makes a record up)."""
+    if isinstance(item, batch.Request) and item.custom_id in empty:
+        return batch.Refused(item.custom_id, {"code": "empty_document", "message": "the document is empty (or only "
+                                              "whitespace): nothing to extract from, not sent"})
+    return item
+
+
 def result(rec: dict, keys: dict[str, Any]) -> dict:
     """An extract record from a batch output record: key, output, valid, and error when there is one."""
     key = keys.get(rec["custom_id"], rec["custom_id"])
@@ -259,6 +268,7 @@ def main(args, app_factory: Callable[[], tuple[Any, str | None]]) -> int:
         fields = flat_fields(schema) if args.csv else None
         docs = documents(args)
         keys = {str(k): k for k, _ in docs}
+        empty = {str(k) for k, text in docs if not text.strip()}
         if fields is not None:
             done, duplicates = recover_csv(args.output, ["key", *fields, "valid", "error"])
             shape = csv_shape(fields, keys)
@@ -267,7 +277,8 @@ def main(args, app_factory: Callable[[], tuple[Any, str | None]]) -> int:
 
             def shape(rec: dict) -> str:
                 return json.dumps(result(rec, keys), ensure_ascii=False)
-        todo = batch.plan(iter(request_lines(docs, args, schema)), done, duplicates)
+        todo = [_unless_empty(item, empty) for item in batch.plan(iter(request_lines(docs, args, schema)), done,
+                                                                  duplicates)]
         skipped = len(done) + sum(duplicates.values())
         tally = batch.dispatch(args, todo, skipped, app_factory, shape=shape, name=NAME)
     except (ExtractError, batch.BatchFileError, OSError, UnicodeDecodeError) as e:

@@ -138,6 +138,26 @@ def test_a_refused_request_is_an_error_line(folder, tmp_path, tiny_model_dir):
         assert r["error"]["code"] == "http_400" and "max_tokens" in r["error"]["message"], r
 
 
+def test_an_empty_document_is_an_error_line_not_a_request(folder, tmp_path, tiny_model_dir, capsys):
+    """An empty or whitespace-only file is answered by an ``empty_document`` error (a model asked to extract
+    from nothing makes a record up); the others are sent and answered as ever; a rerun sends nothing."""
+    (folder / "empty.txt").write_text("")
+    (folder / "blank.md").write_text("  \n\t\n")
+    out = tmp_path / "out.jsonl"
+    argv = ["extract", "--type", "extract_types:Person", "--input", str(folder), "--output", str(out),
+            *_engine(tiny_model_dir)]
+    assert main(argv) == 0
+    records = {r["key"]: r for r in _read(out)}
+    assert sorted(records) == sorted([*DOCS, "empty.txt", "blank.md"])
+    for key in ("empty.txt", "blank.md"):
+        assert records[key]["output"] is None and records[key]["valid"] is False
+        assert records[key]["error"]["code"] == "empty_document", records[key]
+    assert all(records[k]["valid"] is True for k in DOCS)
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert "0 lines done (5 already in OUTPUT)" in capsys.readouterr().out
+
+
 def test_url_gives_what_the_in_process_run_gives(folder, tmp_path, tiny_model_dir):
     outs = {}
     for where in ("local", "url"):
