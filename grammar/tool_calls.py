@@ -58,6 +58,7 @@ from typing import Any
 
 from stencil.grammar.base import GrammarError, GrammarSpec
 from stencil.grammar.call_syntax import CALL_CLOSE, CALL_OPEN, CALL_SEP, HERMES, CallSyntax  # noqa: F401 (re-exported)
+from stencil.grammar.json_schema.keywords import unknown_keywords
 from stencil.grammar.json_schema.schema_compiler import schema_to_regex
 from stencil.grammar.regex_tools import MAX_LARK_DEFINITIONS, MAX_TERMINAL_CHARS
 
@@ -173,9 +174,11 @@ class CallParts:
             with self._lock:
                 self.compiles += 1
         try:
-            regex, notes = schema_to_regex(arguments_schema(fn.parameters), strict=fn.strict)
+            schema = arguments_schema(fn.parameters)
+            regex, notes = schema_to_regex(schema, strict=fn.strict)
         except GrammarError as e:
             raise e.copy(field=fn.field) from None
+        notes = [*unknown_keywords(schema), *notes]  # (a typo such as "proprties" constrains nothing: said)
         part = CallPart(call_regex(fn.name, regex, syntax), tuple(f"tool {fn.name}: {n}" for n in notes))
         with self._lock:
             if key is not None and key not in self._parts and len(part.regex) <= self.max_chars:

@@ -80,6 +80,18 @@ def test_a_refused_function_is_not_kept_and_names_its_own_field():
     assert warnings == again and warnings and warnings[0].startswith("tool f: ")
 
 
+def test_a_misspelt_keyword_in_parameters_is_said_once_per_function():
+    """JSON Schema ignores an unknown key, so a typo constrains nothing: the answer's warnings say so, from
+    the cache too (as a response_schema's do)."""
+    parts = CallParts()
+    typo = {"type": "object", "proprties": {"a": {"type": "string", "maxLen": 3}}, "requird": ["a"]}
+    for _ in range(2):
+        _, warnings = tool_call_spec(_calls([WEATHER, ToolFunction("g", typo)]), parts=parts)
+        assert warnings == ["tool g: unknown keyword 'proprties' at #: ignored; did you mean 'properties'?",
+                            "tool g: unknown keyword 'requird' at #: ignored; did you mean 'required'?"], warnings
+    assert parts.compiles == 2
+
+
 def test_the_cache_is_bounded_least_recently_used_first():
     parts = CallParts(max_entries=2)
     tool_call_spec(_calls([WEATHER, CLOCK]), parts=parts)

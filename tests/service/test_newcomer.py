@@ -207,6 +207,16 @@ def test_a_schema_typo_is_served_but_warned_about(client):
     assert warning in r.json()["warnings"] and warning in r.headers["x-stencil-warnings"]
 
 
+def test_a_typo_in_tool_parameters_is_warned_about(client):
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": TYPO}}
+    r = client.post("/v1/chat/completions", json={
+        "model": _model(client), "messages": [{"role": "user", "content": "x"}], "max_tokens": 40,
+        "tools": [tool], "tool_choice": "required"})
+    assert r.status_code == 200, r.text
+    warning = "tool lookup: unknown keyword 'proprties' at #: ignored; did you mean 'properties'?"
+    assert warning in r.json()["warnings"] and warning in r.headers["x-stencil-warnings"]
+
+
 def _model(client) -> str:
     return client.get("/v1/models").json()["data"][0]["id"]
 
