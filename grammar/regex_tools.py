@@ -136,7 +136,9 @@ def check_supported(pattern: str) -> str:
         if c == "(" and core[i + 1:i + 2] == "?":
             head = core[i + 2:i + 4]
             if head[:1] in ("=", "!") or head in ("<=", "<!"):
-                raise GrammarError("lookaround assertions are not supported", position=pos)
+                raise GrammarError("lookaround assertions are not supported in a regex (a JSON Schema "
+                                   "string's \"pattern\" takes them: response_schema {\"type\": \"string\", "
+                                   "\"pattern\": ...})", position=pos)
             if head == "P=":
                 raise GrammarError("backreferences are not supported", position=pos)
             if head[:1] == ">":
