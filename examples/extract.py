@@ -37,7 +37,11 @@ def extract(url: str, text: str, api_key: str | None = None, max_tokens: int = 6
         "max_tokens": max_tokens,
     }
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.post(f"{url.rstrip('/')}/generate", json=body, headers=headers, timeout=120)
+    try:
+        r = httpx.post(f"{url.rstrip('/')}/generate", json=body, headers=headers, timeout=120)
+    except httpx.TransportError as e:  # nothing listening, or it went away
+        raise SystemExit(f"cannot reach a Stencil server at {url} ({e}); start one with `make serve`, "
+                         "or pass --url") from None
     if r.status_code != 200:
         raise SystemExit(f"server answered {r.status_code}: {r.text}")
     answer = r.json()
