@@ -413,7 +413,8 @@ class Model(Struct):
     created: int
     owned_by: str = "stencil"
     object: Literal["model"] = "model"
-    chat_format: ChatFormat = msgspec.field(default_factory=ChatFormat)
+    # null for a model without a chat template (a base model): the chat routes refuse it
+    chat_format: ChatFormat | None = msgspec.field(default_factory=ChatFormat)
 
 
 class ModelList(Struct):

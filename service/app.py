@@ -399,12 +399,18 @@ def create_app(engine: EngineConfig | AsyncEngine | Any, config: ServiceConfig |
         if freeze_heap:
             gc.collect()
             gc.freeze()
-        log.info("serving %s (reasoning format: %s%s)", model_name, fmt.name if fmt else "none",
-                 ", detected from its chat template" if cfg.reasoning_format in (None, reasoning_formats.AUTO) else "")
-        log.info("tool calls in the %s format (%s)", tool_format.name,
-                 "as configured" if cfg.tool_call_format not in (None, tool_formats.AUTO)
-                 else "detected from the chat template" if tool_format_known
-                 else "the chat template shows no tool-call syntax Stencil knows: Hermes' <tool_call> blocks")
+        if not getattr(aeng.tokenizer, "chat_template", None):
+            log.info("serving %s: a model without a chat template (a base model): prompts only (/generate's "
+                     "prompt, /v1/completions); chat requests get a 400 (give it one with --chat-template)",
+                     model_name)
+        else:
+            log.info("serving %s (reasoning format: %s%s)", model_name, fmt.name if fmt else "none",
+                     ", detected from its chat template" if cfg.reasoning_format in (None, reasoning_formats.AUTO)
+                     else "")
+            log.info("tool calls in the %s format (%s)", tool_format.name,
+                     "as configured" if cfg.tool_call_format not in (None, tool_formats.AUTO)
+                     else "detected from the chat template" if tool_format_known
+                     else "the chat template shows no tool-call syntax Stencil knows: Hermes' <tool_call> blocks")
         try:
             yield
         finally:

@@ -557,9 +557,11 @@ def _model(service: ServiceState) -> Model:
         created = int(Path(service.engine.model_path).stat().st_mtime)
     except (AttributeError, OSError):
         created = 0
-    return Model(id=service.model_name, created=created,
-                 chat_format=ChatFormat(reasoning=service.reasoning.name if service.reasoning is not None else None,
-                                        tool_calls=service.tool_format.name))
+    chat = None
+    if getattr(service.engine.tokenizer, "chat_template", None):  # (a base model: no chat format)
+        chat = ChatFormat(reasoning=service.reasoning.name if service.reasoning is not None else None,
+                          tool_calls=service.tool_format.name)
+    return Model(id=service.model_name, created=created, chat_format=chat)
 
 
 # The served model's id, as every other /v1 operation takes it (OpenAPI links: clients and

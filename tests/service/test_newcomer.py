@@ -275,3 +275,24 @@ def test_get_on_a_post_route_says_how_to_call_it(client):
     r = client.get("/v1/chat/completions")
     e = r.json()["error"]
     assert r.status_code == 405 and "use POST /v1/chat/completions" in e["message"], e
+
+
+def test_a_base_model_says_so_at_start_and_in_models(tmp_path, caplog):
+    """A model without a chat template (Gemma 3 270M, the README's second model, is one): the start log
+    says it serves prompts only, not a reasoning or tool-call format; /v1/models' chat_format is null."""
+    from stencil.engine.models.default_model import fetch_gguf
+    from gguf_testing import smol_vocab, write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "base.gguf", "gemma3", smol_vocab(fetch_gguf()), seed=3,
+                           chat_template=None)[0]
+    caplog.set_level(logging.INFO, logger="stencil")
+    app = create_app(EngineConfig(model=str(path), num_kv_blocks=64, max_num_seqs=2), ServiceConfig())
+    with TestClient(app, timeout=60) as http:
+        model = http.get("/v1/models").json()["data"][0]
+        r = http.post("/v1/chat/completions", json={"model": model["id"], "max_tokens": 4,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+    assert model["chat_format"] is None, model
+    assert r.status_code == 400 and "no chat template" in r.text, r.text
+    said = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("serving ")]
+    assert len(said) == 1 and "a model without a chat template" in said[0] and "--chat-template" in said[0], said
+    assert not any(rec.getMessage().startswith("tool calls in the") for rec in caplog.records)
