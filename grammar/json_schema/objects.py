@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from stencil.grammar import charset as cs
 from stencil.grammar.json_schema import pattern as sp
-from stencil.grammar.program import both
+from stencil.grammar.program import both, minus
 from stencil.grammar.json_schema.rx import Rx, alt, opt, seq
 from stencil.grammar.json_schema.strings import excluded_keys_regex
 
@@ -153,8 +153,11 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
                   addl: object, names_schema: object, colon: str) -> Rx:
     """Regex of one additional ``"key":value`` member, or None when none is allowed."""
     parts: list[Rx] = []
-    if addl is not False and patterns:
-        c.unsupported("patternProperties", path, "patternProperties with open additionalProperties")
+    if addl is not False and patterns and (not c.opts.grammar or names_schema is not True):
+        # The other keys are those no pattern matches: a complement, which only grammar mode
+        # (llguidance's ``&~``) writes; with propertyNames too, not written.
+        c.unsupported("patternProperties", path, "patternProperties with open additionalProperties"
+                      + ("" if c.opts.grammar else " (the lazy grammar backend serves it)"))
         return None
     if patterns:
         names = list(patterns)
@@ -164,14 +167,25 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
                           "match together (exact only for patterns with different literal "
                           "prefixes, such as ^a and ^b)")
             return None
+        matched: list[Rx] = []  # every key some pattern matches (declared or not)
         for pattern, schema in patterns.items():
             key = c.string_for({"type": "string", "pattern": pattern}, f"{path}/patternProperties")
+            if key is not None:
+                matched.append(key)
             value = c.sub(schema, f"{path}/patternProperties/{_escape(pattern)}")
             key = _without_declared(c, key, declared, "patternProperties", path,
                                     "pattern matches a declared property")
             if key is None or value is None:
                 continue
             parts.append(seq(key, colon, value))
+        if addl is not False:
+            # Keys neither declared nor matched by a pattern take additionalProperties' schema.
+            key = c._share(excluded_keys_regex(declared)) if declared else _ANY_KEY
+            if matched:
+                key = minus(key, c._share(alt(matched)))
+            value = c.sub(addl, f"{path}/additionalProperties")
+            if value is not None:
+                parts.append(seq(key, colon, value))
     elif addl is not False:
         if names_schema is not True:
             key = c.string_for(names_schema, f"{path}/propertyNames")

@@ -160,14 +160,52 @@ def test_the_two_modes_are_two_cache_entries(lazy, tokenizer):
         == (False, True)
 
 
-def test_open_objects_with_pattern_properties_are_refused_by_name():
+def test_open_objects_with_pattern_properties_need_the_grammar_backend():
+    """The keys no pattern matches are a complement (llguidance's ``&~``): written in grammar mode,
+    refused by name where a plain regex is needed (the eager backend)."""
     schema = {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {"type": "integer"}}}
     to_program(GrammarSpec.json_schema(schema))  # closed: written
+    assert to_program(GrammarSpec.json_schema(schema, additional_properties="schema")).kind in ("regex", "lark")
     with pytest.raises(GrammarError) as e:
-        to_program(GrammarSpec.json_schema(schema, additional_properties="schema"))
-    assert e.value.keyword == "patternProperties"
+        to_program(GrammarSpec.json_schema(schema, additional_properties="schema"), grammar=False)
+    assert e.value.keyword == "patternProperties" and "lazy" in str(e.value)
     with pytest.raises(GrammarError):
         to_program(GrammarSpec("json_schema", "{}", additional_properties="open"))
+
+
+PATTERNED = [
+    # open by the request's mode: keys no pattern matches take any value
+    ({"type": "object", "properties": {"a": {"type": "string"}},
+      "patternProperties": {"^x": {"type": "integer"}, "^y-": {"type": "boolean"}}}, "schema"),
+    # open by the schema's own additionalProperties, in the default (closed) mode
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
+      "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": {"type": "string"}}, "closed"),
+]
+@pytest.mark.parametrize("index, text", [
+    (0, '{"x1":1}'), (0, '{"x1":"s"}'), (0, '{"q":"s"}'), (0, '{"a":"s","q":[1]}'), (0, '{"y-k":1}'),
+    (0, '{"y-k":true,"zz":{}}'), (0, '{"a":1}'), (1, '{"a":"s","x":2,"q":"t"}'), (1, '{"a":"s","q":1}'),
+    (1, '{"a":"s","xa":"t"}')])
+def test_pattern_properties_with_open_additional_properties_by_hand(lazy, tokenizer, index, text):
+    schema, mode = PATTERNED[index]
+    assert _accepts(lazy, tokenizer, schema, text, mode) is _validator(schema).is_valid(json.loads(text)), text
+
+
+_KEYS = ["a", "x", "x1", "xa", "y-", "y-k", "y", "q", "zz", "ax"]
+_VALUES = [1, "s", True, None, [1], {}, {"x": "s"}]
+
+
+@_SETTINGS
+@given(index=st.integers(0, len(PATTERNED) - 1),
+       members=st.dictionaries(st.sampled_from(_KEYS), st.sampled_from(_VALUES), max_size=4))
+def test_pattern_properties_with_open_additional_properties_match_jsonschema(lazy, tokenizer, index, members):
+    """Both ways against jsonschema: a key a pattern matches takes the pattern's schema, a declared
+    key its own (and the pattern's), any other additionalProperties' (declared keys first, in
+    schema order: Stencil's canonical order)."""
+    schema, mode = PATTERNED[index]
+    value = {k: members[k] for k in schema["properties"] if k in members}
+    value.update((k, v) for k, v in members.items() if k not in schema["properties"])
+    text = _dumps(value)
+    assert _accepts(lazy, tokenizer, schema, text, mode) is _validator(schema).is_valid(value), text
 
 
 def test_the_server_default_and_the_request_field():
