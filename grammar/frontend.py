@@ -64,12 +64,11 @@ def to_program(spec: GrammarSpec, *, max_recursion_depth: int = 3, deadline: flo
         from stencil.grammar.json_schema.schema_compiler import SharedProofs, schema_to_program
 
         shared = SharedProofs()  # (what a refused handover proved, for the translation after it)
-        # (the handover's argument is for closed objects: open ones are Stencil's own text)
         if spec.additional_properties not in ("closed", "schema"):
             raise GrammarError(f"unknown additional_properties mode {spec.additional_properties!r}",
                                keyword="additional_properties")
         closed = spec.additional_properties == "closed"
-        program = _handed_over(schema, spec, shared) if grammar and handover and closed else None
+        program = _handed_over(schema, spec, shared) if grammar and handover else None
         if program is None:
             program = schema_to_program(schema, whitespace=spec.whitespace, strict=spec.strict,
                                         max_recursion_depth=max_recursion_depth, deadline=deadline,
@@ -101,7 +100,8 @@ def _handed_over(schema: object, spec: GrammarSpec, shared=None) -> Program | No
     if library() is None:
         return None
     capped: list = []
-    out = llguidance_schema(schema, spec.whitespace, spec.value, capped, shared)
+    out = llguidance_schema(schema, spec.whitespace, spec.value, capped, shared,
+                            open_objects=spec.additional_properties == "schema")
     return None if out is None else Program("json", dumps(out), own_warnings=bool(capped))
 
 

@@ -151,7 +151,8 @@ class _Refused(Exception):
 
 
 def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
-                      capped: list | None = None, shared: SharedProofs | None = None) -> dict | None:
+                      capped: list | None = None, shared: SharedProofs | None = None,
+                      open_objects: bool = False) -> dict | None:
     """The schema to hand llguidance's JSON front end for ``schema``, or None (see the module).
 
     Args:
@@ -165,6 +166,10 @@ def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
             alone knows their paths).
         shared: where the rewrite's ``oneOf`` proofs go, for Stencil's own translation of the
             same document when the handover is refused (``SharedProofs``).
+        open_objects: the request's ``additional_properties`` is "schema": an object without
+            ``additionalProperties`` takes undeclared keys with any value (handed over as
+            Stencil's free-form value, ``_Writer.any_value``), and ``oneOf`` is proved disjoint
+            under that reading; with ``patternProperties`` such an object is not handed over.
     """
 
     if not isinstance(schema, dict) or whitespace not in ("compact", "flexible"):
@@ -181,7 +186,7 @@ def llguidance_schema(schema: object, whitespace: str, text: str | None = None,
             return None
         if shared is not None:
             shared.ids_below = ids
-        writer = _Writer(schema, ids, shared)
+        writer = _Writer(schema, ids, shared, open_objects)
         body, defs = writer.write()
         if writer.count >= SHARE_MIN_NODES:
             body, defs = share_repeats(body, defs)
@@ -246,7 +251,8 @@ def _ids_below(root: dict) -> bool:
 class _Writer:
     """One rewrite: schemas in, llguidance schemas out; referenced definitions under ``$defs``."""
 
-    def __init__(self, root: dict, ids: bool = False, shared: SharedProofs | None = None):
+    def __init__(self, root: dict, ids: bool = False, shared: SharedProofs | None = None,
+                 open_objects: bool = False):
 
         self.root = root
         self.ids = ids  # the document has identifiers below its root: the compiler's resolver
@@ -261,6 +267,7 @@ class _Writer:
         self.count = 0  # ``node`` calls: the size of the rewrite (``SHARE_MIN_NODES``)
         self.memo: dict[int, tuple] = {}  # id(schema) → (schema, its llguidance schema)
         self.capped = False  # a maxLength above MAX_MIN_LENGTH was written as Stencil writes it
+        self.open_objects = open_objects  # (llguidance_schema's argument)
 
     def write(self) -> tuple[dict, dict]:
         body = self.node(self.root)
@@ -340,7 +347,8 @@ class _Writer:
 
         if self._compiler is None:
             state = {} if self.shared is None else self.shared.for_compiler()
-            self._compiler = SchemaCompiler(self.root, SchemaOptions(grammar=True), **state)
+            self._compiler = SchemaCompiler(self.root, SchemaOptions(grammar=True, extra_properties=self.open_objects),
+                                            **state)
         return self._compiler
 
     def finite(self, s: dict) -> dict | None:
@@ -502,7 +510,7 @@ class _Writer:
             raise _Refused("required")
         addl = s.get("additionalProperties")
         if addl is None:  # Stencil's default: closed when anything is declared, else free-form
-            addl_out: object = False if props or patterns else self.any_value()
+            addl_out: object = False if (props or patterns) and not self.open_objects else self.any_value()
         elif addl is False:
             addl_out = False
         else:
@@ -534,7 +542,8 @@ class _Writer:
             raise _Refused("optional properties")
         out = {"type": "object", "properties": out_props, "additionalProperties": addl_out}
         if patterns:
-            out["patternProperties"] = self.patterns(patterns, list(props), addl)
+            out["patternProperties"] = self.patterns(patterns, list(props),
+                                                     True if addl is None and self.open_objects else addl)
         if required:
             out["required"] = list(required)
         self.counts(s, out, sum(1 for v in out_props.values() if v is not False), len(required))

@@ -141,17 +141,31 @@ def _validator(schema):
     return cls(schema, format_checker=cls.FORMAT_CHECKER)
 
 
+@pytest.mark.parametrize("objects", ["closed", "schema"])
 @pytest.mark.parametrize("share", [False, True])
 @pytest.mark.parametrize("whitespace", ["compact", "flexible"])
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))
-def test_the_handed_over_grammar_has_the_masks_of_stencils_own(backend, index, whitespace, share, monkeypatch):
-    """``share``: repeated parts written once as definitions (``share_repeats``), as for a long schema."""
+def test_the_handed_over_grammar_has_the_masks_of_stencils_own(backend, index, whitespace, share, objects,
+                                                                monkeypatch):
+    """``share``: repeated parts written once as definitions (``share_repeats``), as for a long schema;
+    ``objects``: the request's ``additional_properties`` (open objects handed over too, but for
+    ``patternProperties``, whose other keys Stencil writes as a complement)."""
     from stencil.grammar.json_schema import handover
 
     monkeypatch.setattr(handover, "SHARE_MIN_NODES", 0 if share else 10 ** 9)
     schema = SCHEMAS[index]
-    spec = GrammarSpec.json_schema(schema, whitespace=whitespace)
-    handed, own = to_program(spec), to_program(spec, handover=False)
+    spec = GrammarSpec.json_schema(schema, whitespace=whitespace, additional_properties=objects)
+    try:
+        own = to_program(spec, handover=False)
+    except GrammarError:  # (open, some schemas are refused: maxProperties of an open object)
+        assert objects == "schema"
+        with pytest.raises(GrammarError):
+            to_program(spec)
+        return
+    handed = to_program(spec)
+    if objects == "schema" and "patternProperties" in json.dumps(schema):
+        assert handed.kind != "json"
+        return
     assert handed.kind == "json" and own.kind in ("regex", "lark")
     ours, theirs = backend.build(own), backend.build(handed)
     validator = _validator(schema)
@@ -327,7 +341,8 @@ MASKBENCH = Path(__file__).resolve().parents[3] / "shared" / "corpora" / "maskbe
 
 
 @pytest.mark.skipif(not MASKBENCH.exists(), reason="../shared/corpora/maskbench-dev is absent")
-def test_maskbench_instances_get_the_same_masks_handed_over_or_not(tokenizer):
+@pytest.mark.parametrize("objects", ["closed", "schema"])
+def test_maskbench_instances_get_the_same_masks_handed_over_or_not(tokenizer, objects):
     """Every token of every instance of the first handed-over schemas of an evenly spaced sample."""
     from stencil.grammar.vocab import build_vocabulary
 
@@ -339,7 +354,7 @@ def test_maskbench_instances_get_the_same_masks_handed_over_or_not(tokenizer):
     compared = 0
     for f in files:
         d = json.loads(f.read_text())
-        spec = GrammarSpec.json_schema(d["schema"], whitespace="flexible")
+        spec = GrammarSpec.json_schema(d["schema"], whitespace="flexible", additional_properties=objects)
         handed = to_program(spec)
         if handed.kind != "json":
             continue
