@@ -200,35 +200,61 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
     return alt(parts)
 
 
-def _literal_prefixes(pattern: str) -> list[str] | None:
-    """For each top-level alternative of ``pattern``, the characters every string it matches
-    (``re.search``) starts with; None unless every alternative is anchored by ``^``, or when
-    the pattern is outside what ``stencil.grammar.json_schema.pattern`` reads. Read from that module's
-    parse with over-approximated atoms, so a one-character atom is exactly that character."""
+def _literal_ends(pattern: str) -> list[tuple[str | None, tuple[str, ...] | None]] | None:
+    """For each top-level alternative of ``pattern``: the characters every string it matches
+    (``re.search``) starts with (None unless anchored by ``^``), and the endings one of which
+    every such string ends with (None unless anchored by ``$`` or ``\\Z``: its literal tail, and
+    that tail with a newline where ``$`` lets one follow). None when the pattern is outside what
+    ``stencil.grammar.json_schema.pattern`` reads. Read from that module's parse with
+    over-approximated atoms, so a one-character atom is exactly that character."""
     try:
         alternatives = sp.branches(sp.parse(pattern, over=True))
     except sp.PatternError:
         return None
-    out = []
-    for branch in alternatives:
-        if not branch.start:
-            return None
-        prefix = []
-        for item in branch.body.items:
+
+    def literal(items) -> str:
+        out = []
+        for item in items:
             if not (isinstance(item, sp.Atom) and cs.size(item.chars) == 1):
                 break
-            prefix.append(chr(item.chars[0][0]))
-        out.append("".join(prefix))
+            out.append(chr(item.chars[0][0]))
+        return "".join(out)
+
+    out = []
+    for branch in alternatives:
+        items = list(branch.body.items) if isinstance(branch.body, sp.Seq) else [branch.body]
+        prefix = literal(items) if branch.start else None
+        ends = None
+        if branch.end:
+            tail = literal(reversed(items))[::-1]
+            ends = (tail, tail + "\n") if branch.newline_ok else (tail,)
+        out.append((prefix, ends))
     return out
 
 
+def _apart(x: str, y: str) -> bool:
+    """Whether no string starts (or ends) with both ``x`` and ``y``: neither is the other's
+    prefix (or suffix), the check given both ways round by the caller's reading."""
+    return bool(x) and bool(y) and not x.startswith(y) and not y.startswith(x)
+
+
 def _disjoint_patterns(a: str, b: str) -> bool:
-    """True only if no string matches both patterns: every alternative of each anchored, with
-    literal prefixes that differ from every one of the other's (neither a prefix of the other)."""
-    pa, pb = _literal_prefixes(a), _literal_prefixes(b)
-    if not pa or not pb:
+    """True only if no string matches both patterns: every alternative of one is kept apart from
+    every alternative of the other by their literal prefixes (both anchored at the start, neither
+    prefix a prefix of the other) or by their literal endings (both anchored at the end, no ending
+    of one a suffix of an ending of the other: a string ending with both would make one so)."""
+    ea, eb = _literal_ends(a), _literal_ends(b)
+    if not ea or not eb:
         return False
-    return all(x and y and not x.startswith(y) and not y.startswith(x) for x in pa for y in pb)
+
+    def apart(x, y) -> bool:
+        (pa, ta), (pb, tb) = x, y
+        if pa is not None and pb is not None and _apart(pa, pb):
+            return True
+        return ta is not None and tb is not None and all(
+            _apart(u[::-1], v[::-1]) for u in ta for v in tb)
+
+    return all(apart(x, y) for x in ea for y in eb)
 
 
 def _without_declared(c: "SchemaCompiler", key: Rx, declared: list[str], keyword: str, path: str,

@@ -593,14 +593,38 @@ def test_flexible_whitespace_admits_pretty_printed_json_up_to_a_bounded_indent()
     ("^a|^b", "^b", False), ("abc", "^x", False),  # unanchored: matches anywhere
     ("^ab?c", "^ac", False),  # the "b" may be absent: "ac" matches both
     (r"^\d", "^a", False),  # no literal prefix
+    # told apart by their literal endings (anchored at the end)
+    ("^c:[0-3]:sur$", "^c:[0-3]:given$", True), ("xa$", "yba$", True), (r"a\Z", "b$", True),
+    ("ab$", "b$", False), (r"ab$", r"b\Z", False), ("a$", "[ab]$", False), ("ca$|^b", "^x|da$", False), ("^yca$|^b$", "^x|da$", True),
 ])
-def test_pattern_properties_are_disjoint_only_with_distinct_literal_prefixes(a, b, disjoint):
+def test_pattern_properties_are_disjoint_only_with_distinct_literal_ends(a, b, disjoint):
     from stencil.grammar.json_schema.objects import _disjoint_patterns
 
     assert _disjoint_patterns(a, b) is disjoint and _disjoint_patterns(b, a) is disjoint
     if disjoint:  # no key that Python's re matches with both
-        probes = ["a", "ab", "ac", "b", "c", "x-1", "y_1", "foo", "bar", "baz"]
+        probes = ["a", "ab", "ac", "b", "c", "x-1", "y_1", "foo", "bar", "baz", "c:1:sur", "xa", "yba", "a\n"]
         assert not any(re.search(a, k) and re.search(b, k) for k in probes)
+
+
+_PIECES = ["a", "b", "ab", "[ab]", "a?", "b*", "(a|b)", "\\.", "."]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.sampled_from(_PIECES), max_size=3),
+                          st.sampled_from(["", "$", "\\Z"])), min_size=2, max_size=3))
+def test_patterns_said_disjoint_share_no_key(parts):
+    """Soundness against Python's re.search: when two patterns are said disjoint, no string over
+    their alphabet (to 5 characters, a final newline too) matches both."""
+    import itertools
+
+    from stencil.grammar.json_schema.objects import _disjoint_patterns
+
+    patterns = [("^" if start else "") + "".join(body) + end for start, body, end in parts]
+    words = ["".join(w) for n in range(6) for w in itertools.product("ab.", repeat=n)]
+    words += [w + "\n" for w in words]
+    for a, b in itertools.combinations(patterns, 2):
+        if _disjoint_patterns(a, b):
+            assert not any(re.search(a, w) and re.search(b, w) for w in words), (a, b)
 
 
 def test_one_of_told_apart_by_a_required_discriminator_is_proved_in_one_pass():
