@@ -67,7 +67,7 @@ both is dropped. For each whitelisted construct, Stencil's text (``compiler``, `
 * **allOf** as Stencil compiles it: its members merged (``merge.merge``, references inlined)
   and the merged schema handed over by these same rules; **anyOf** as the union of its
   branches, each merged with the sibling keywords when there are any (``compiler._sub``).
-* **patternProperties** of a closed object, with pairwise different literal prefixes (what
+* **patternProperties** of a closed object, with pairwise different literal prefixes or endings (what
   Stencil writes, ``objects._disjoint_patterns``) and matching no declared name: the key
   patterns as Stencil reads them (below, **pattern**); llguidance proves them disjoint itself
   or refuses (then Stencil's own translation serves the schema).
@@ -569,7 +569,7 @@ class _Writer:
 
     def patterns(self, patterns: object, declared: list[str], addl: object) -> dict:
         """``patternProperties`` where Stencil writes them (closed object, patterns with
-        different literal prefixes: ``objects._disjoint_patterns``) and no declared name matches
+        different literal prefixes or endings: ``objects._disjoint_patterns``) and no declared name matches
         a pattern (whose schema Stencil would merge into the name's); each key pattern as
         Stencil reads it (``_string_pattern``). llguidance takes the strings of the pattern
         minus the declared names it matches (none), as Stencil does."""

@@ -165,7 +165,7 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
             # A key matching two patterns takes both schemas: not written without complements.
             c.unsupported("patternProperties", path, "several patternProperties that a key may "
                           "match together (exact only for patterns with different literal "
-                          "prefixes, such as ^a and ^b)")
+                          "prefixes or endings, such as ^a and ^b, or a$ and b$)")
             return None
         matched: list[Rx] = []  # every key some pattern matches (declared or not)
         for pattern, schema in patterns.items():
