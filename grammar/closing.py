@@ -29,6 +29,7 @@ long ``maxLength``) the grammar is not modelled (``ClosingUnsupported``), nor ab
 
 from __future__ import annotations
 
+import functools
 import heapq
 import re
 import re._constants as sre_c
@@ -57,6 +58,14 @@ class ClosingUnsupported(ValueError):
 
 
 # -- UTF-8 -----------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4096)
+def _utf8_paths(ranges: tuple[tuple[int, int], ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The byte-range sequences of every code point range of ``ranges`` (:func:`_utf8_ranges`), once
+    per distinct class: a schema's regex repeats its few classes (a JSON string's character)
+    thousands of times."""
+    return tuple(tuple(seq) for lo, hi in ranges for seq in _utf8_ranges(lo, hi))
+
 
 def _utf8_ranges(lo: int, hi: int) -> list[list[tuple[int, int]]]:
     """Byte-range sequences whose concatenations are exactly the UTF-8 encodings of [lo, hi]."""
@@ -203,13 +212,13 @@ class _Builder:
     def _chars(self, ranges: list[tuple[int, int]]) -> tuple[int, int]:
         net = self.net
         start, end = net.state(), net.state()
-        for lo, hi in ranges:
-            for seq in _utf8_ranges(lo, hi):
-                cur = start
-                for i, (blo, bhi) in enumerate(seq):
-                    nxt = end if i == len(seq) - 1 else net.state()
-                    net.byte_edges[cur].append((blo, bhi, nxt))
-                    cur = nxt
+        for seq in _utf8_paths(tuple(ranges)):
+            cur = start
+            last = len(seq) - 1
+            for i, (blo, bhi) in enumerate(seq):
+                nxt = end if i == last else net.state()
+                net.byte_edges[cur].append((blo, bhi, nxt))
+                cur = nxt
         return start, end
 
     def _item(self, op, av, groups, names) -> tuple[int, int]:
