@@ -125,8 +125,28 @@ def check_schema(schema: Any, *, max_bytes: int, max_depth: int) -> None:
         cls.check_schema(schema)
     except jsonschema.SchemaError as e:
         where = _pointer(e.path)
-        raise InputError(f"invalid JSON Schema at {where}: {e.message}", field="response_schema",
+        raise InputError(f"invalid JSON Schema at {where}: {e.message}{_type_hint(e)}", field="response_schema",
                          keyword=str(e.path[-1]) if e.path else e.validator, path=where) from None
+
+
+_TYPE_NAMES = ("array", "boolean", "integer", "null", "number", "object", "string")
+
+
+def _type_hint(e: "jsonschema.SchemaError") -> str:
+    """"; did you mean 'object'?" where a ``type`` names no JSON type but is close to one (a typo
+    such as "objekt" or "String"), else ""."""
+    import difflib
+
+    at_type = bool(e.path) and (e.path[-1] == "type" or (len(e.path) > 1 and e.path[-2] == "type"))
+    if not at_type:
+        return ""
+    values = e.instance if isinstance(e.instance, list) else [e.instance]
+    for v in values:
+        if isinstance(v, str) and v not in _TYPE_NAMES:
+            close = difflib.get_close_matches(v.lower(), _TYPE_NAMES, n=1, cutoff=0.6)
+            if close:
+                return f"; did you mean {close[0]!r} for {v!r}?"
+    return ""
 
 
 @dataclass(slots=True)

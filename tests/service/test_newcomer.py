@@ -207,6 +207,19 @@ def test_a_schema_typo_is_served_but_warned_about(client):
     assert warning in r.json()["warnings"] and warning in r.headers["x-stencil-warnings"]
 
 
+@pytest.mark.parametrize("schema, hint", [
+    ({"type": "objekt"}, "did you mean 'object' for 'objekt'?"),
+    ({"properties": {"a": {"type": ["string", "nul"]}}}, "did you mean 'null' for 'nul'?"),
+    ({"type": "String"}, "did you mean 'string' for 'String'?"),
+    ({"type": "zzz"}, None),
+])
+def test_a_type_typo_is_a_400_with_the_nearest_type(client, schema, hint):
+    r = client.post("/generate", json={"prompt": "x", "response_schema": schema, "max_tokens": 8})
+    assert r.status_code == 400, r.text
+    detail = r.json()["detail"]
+    assert "invalid JSON Schema at" in detail and (hint in detail if hint else "did you mean" not in detail), detail
+
+
 def test_a_typo_in_tool_parameters_is_warned_about(client):
     tool = {"type": "function", "function": {"name": "lookup", "parameters": TYPO}}
     r = client.post("/v1/chat/completions", json={
