@@ -101,6 +101,8 @@ def unknown_keywords(schema: object) -> list[str]:
     """
     notes: list[str] = []
     found = 0
+    if isinstance(schema, dict) and isinstance(schema.get("$schema"), str) and not _known_dialect(schema["$schema"]):
+        notes.append(f"unknown $schema {schema['$schema']!r}: read as JSON Schema 2020-12")
     stack: list[tuple[object, str]] = [(schema, "#")]
     while stack:
         node, path = stack.pop()
@@ -131,6 +133,15 @@ def unknown_keywords(schema: object) -> list[str]:
     if found > MAX_UNKNOWN_NOTES:
         notes.append(f"{found - MAX_UNKNOWN_NOTES} more unknown keywords (ignored)")
     return notes
+
+
+@functools.lru_cache(maxsize=256)
+def _known_dialect(uri: str) -> bool:
+    """Whether ``$schema`` ``uri`` names a draft jsonschema knows (draft 3 to 2020-12, its reading of
+    the URI: trailing "#" and the scheme as it normalizes them)."""
+    from jsonschema import validators
+
+    return validators.validator_for({"$schema": uri}, default=None) is not None
 
 
 def _unknown_note(key: str, path: str) -> str:

@@ -191,6 +191,9 @@ def test_unknown_keywords_are_named_with_the_nearest_known_one():
                                             "n": {"format": "zip-code"}}}) == [
         "unknown format 'emial' at #/properties/m: ignored (an annotation); did you mean 'email'?",
         "unknown format 'zip-code' at #/properties/n: ignored (an annotation)"]
+    assert unknown_keywords({"$schema": "http://json-schema.org/draft-07/schema#", "type": "string"}) == []
+    assert unknown_keywords({"$schema": "https://example.com/mine", "type": "string"}) == [
+        "unknown $schema 'https://example.com/mine': read as JSON Schema 2020-12"]
     many = unknown_keywords({f"k{i}": 1 for i in range(MAX_UNKNOWN_NOTES + 3)})
     assert len(many) == MAX_UNKNOWN_NOTES + 1 and many[-1] == "3 more unknown keywords (ignored)"
 
