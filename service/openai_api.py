@@ -102,15 +102,20 @@ def format_schema(fmt: ResponseFormat | None) -> tuple[Any, bool]:
 
 
 def check_contents(messages: list[ChatMessage]) -> None:
-    """Every message has ``content``, except an assistant message with ``tool_calls`` (OpenAI's rule).
+    """Every message has ``content``, except an assistant message with ``tool_calls``, and every
+    ``tool`` message its ``tool_call_id`` (OpenAI's rules).
 
     Raises:
-        InputError: naming ``messages[i].content`` of the first message without it.
+        InputError: naming ``messages[i].content`` or ``messages[i].tool_call_id`` of the first
+            message without it.
     """
     for i, m in enumerate(messages):
         if m.content is None and not (m.role == "assistant" and m.tool_calls):
             raise InputError(f"messages[{i}].content is required (only an assistant message with tool_calls "
                              "may omit it)", field=f"messages[{i}].content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise InputError(f"messages[{i}].tool_call_id is required: a tool message answers the assistant's "
+                             "call with that id", field=f"messages[{i}].tool_call_id")
 
 
 def chat_names(data: ChatCompletionRequest) -> dict[str, str]:

@@ -491,6 +491,8 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content", "messages[0].content is required"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]},
      "messages[1].content", "is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "42"}]},
+     "messages[1].tool_call_id", "messages[1].tool_call_id is required"),
     ("/v1/responses", {"input": [{"role": "user"}]}, "input[0].content", "needs content"),
     ("/v1/chat/completions", {}, "messages", "missing required field `messages`"),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role", "missing required field `role`"),
