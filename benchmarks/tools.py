@@ -41,7 +41,8 @@ counting the system message the tools are written into); any other status fails 
 
 Each compile measurement starts once the compiler's background thread has run what the last one
 queued there (``GrammarCompiler.settle``: a Lark answer's shortest output, read for the budget's
-admission check off the compile's path, ~25 ms at 100 functions). Every measurement runs with the heap frozen (``gc.freeze``), as ``stencil serve``'s is once loaded.
+admission check off the compile's path, ~25 ms at 100 functions). Every measurement runs with the
+heap frozen (``gc.freeze``), as ``stencil serve``'s is once loaded.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ class CompiledGrammar:
         self._min_bytes: int | None = None  # bytes of the shortest output, once read
         self._upper_bytes: int | None = None  # bytes of some output (min_output_tokens), once read
         self._bounds_lock = threading.Lock()
+        self._bounds_program: Program | None = None  # what min_bytes reads (a Lark text read once)
         self._own: Program | None = None  # Stencil's own translation of a "json" program's spec
         self._translate = None  # spec → that translation (set by the compiler: its options)
 
@@ -178,15 +179,18 @@ class CompiledGrammar:
         from stencil.grammar.program import min_bytes
 
         try:
-            p = self.own_program()
-            if p.kind == "lark" and p.root is None:  # written by hand: read through lark
-                from stencil.grammar.closing import ClosingUnsupported
-                from stencil.grammar.lark_closing import lark_program
+            p = self._bounds_program
+            if p is None:
+                p = self.own_program()
+                if p.kind == "lark" and p.root is None:  # written by hand: read through lark
+                    from stencil.grammar.closing import ClosingUnsupported
+                    from stencil.grammar.lark_closing import lark_program
 
-                try:
-                    p = lark_program(p.text)
-                except ClosingUnsupported:
-                    p = Program("lark", p.text)  # (no root: no admission check)
+                    try:
+                        p = lark_program(p.text)
+                    except ClosingUnsupported:
+                        p = Program("lark", p.text)  # (no root: no admission check)
+                self._bounds_program = p  # (both bounds read it: the Lark text is parsed once)
             if p.kind == "regex":
                 found = min_bytes(p.text, p.terminals, upper=upper)
             elif p.root is not None:

@@ -459,12 +459,9 @@ async def _generate_once(args: argparse.Namespace) -> int:
                   f"finish_reason={result.finish_reason}, valid={result.valid}")
         for w in result.warnings:
             _progress(f"warning: {w}")
-        if live:
-            pass  # (written above, as it came)
-        elif schema is not None and result.output is not None:
-            print(json.dumps(result.output, ensure_ascii=False, indent=2))
-        else:
-            print(result.text)
+        if not live:  # (in a terminal it was written above, as it came)
+            print(json.dumps(result.output, ensure_ascii=False, indent=2)
+                  if schema is not None and result.output is not None else result.text)
         return 0 if result.valid else 1
     except Exception as e:  # noqa: BLE001 - one-shot tool: report and exit non-zero
         problem, _ = to_problem(e)

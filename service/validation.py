@@ -22,6 +22,7 @@ from jsonschema.validators import validator_for
 from referencing import Registry
 
 from stencil.grammar.base import GrammarSpec
+from stencil.grammar.json_schema.keywords import close_type
 from stencil.service.errors import InputError
 
 
@@ -129,23 +130,17 @@ def check_schema(schema: Any, *, max_bytes: int, max_depth: int) -> None:
                          keyword=str(e.path[-1]) if e.path else e.validator, path=where) from None
 
 
-_TYPE_NAMES = ("array", "boolean", "integer", "null", "number", "object", "string")
-
-
 def _type_hint(e: "jsonschema.SchemaError") -> str:
     """"; did you mean 'object'?" where a ``type`` names no JSON type but is close to one (a typo
-    such as "objekt" or "String"), else ""."""
-    import difflib
-
+    such as "objekt" or "String": ``stencil.grammar.json_schema.keywords.close_type``), else ""."""
     at_type = bool(e.path) and (e.path[-1] == "type" or (len(e.path) > 1 and e.path[-2] == "type"))
     if not at_type:
         return ""
     values = e.instance if isinstance(e.instance, list) else [e.instance]
     for v in values:
-        if isinstance(v, str) and v not in _TYPE_NAMES:
-            close = difflib.get_close_matches(v.lower(), _TYPE_NAMES, n=1, cutoff=0.6)
-            if close:
-                return f"; did you mean {close[0]!r} for {v!r}?"
+        close = close_type(v) if isinstance(v, str) else None
+        if close:
+            return f"; did you mean {close!r} for {v!r}?"
     return ""
 
 

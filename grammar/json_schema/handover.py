@@ -109,7 +109,7 @@ from stencil.grammar.json_schema.schema_compiler import (FLEXIBLE_WS, GRAMMAR_AN
                                                  SchemaOptions, SharedProofs, _normalize)
 from stencil.grammar.json_schema.formats import format_pattern
 from stencil.grammar.json_schema.interning import ContentIds
-from stencil.grammar.json_schema.keywords import ANNOTATIONS, ASCII_ESCAPE, ASSERTIONS, TYPE_KEYWORDS
+from stencil.grammar.json_schema.keywords import ANNOTATIONS, ASCII_ESCAPE, ASSERTIONS, JSON_TYPES, TYPE_KEYWORDS
 from stencil.grammar.json_schema.merge import MergeError, json_key, merge
 from stencil.grammar.json_schema.numbers import bounds, integer_range
 from stencil.grammar.json_schema.objects import _disjoint_patterns
@@ -131,7 +131,7 @@ _HANDLED = {"type", "properties", "required", "additionalProperties", "items", "
             "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
             "enum", "const", "anyOf", "$ref", "pattern", "format", "allOf", "patternProperties", "oneOf",
             "minProperties", "maxProperties", "prefixItems", "additionalItems"}
-_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_TYPES = JSON_TYPES
 # The keys of a leaf per scalar type (``_Writer.node`` writes it at once): annotations, "type",
 # and a string's lengths (bounds and patterns, formats, enums take ``_node``'s way).
 _LEAVES = {t: frozenset(ANNOTATIONS | {"type"} | ({"minLength", "maxLength"} if t == "string" else set()))

@@ -144,6 +144,18 @@ def _known_dialect(uri: str) -> bool:
     return validators.validator_for({"$schema": uri}, default=None) is not None
 
 
+JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")  # ``type``'s names
+
+
+@functools.lru_cache(maxsize=256)
+def close_type(name: str) -> str | None:
+    """The JSON type ``name`` most likely meant when it names none ("objekt", "String", "nul"), or None."""
+    if name in JSON_TYPES:
+        return None
+    close = difflib.get_close_matches(name.lower(), JSON_TYPES, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _unknown_note(key: str, path: str) -> str:
     close = _close_keyword(key)
     return f"unknown keyword {key!r} at {path}: ignored" + (f"; did you mean {close!r}?" if close else "")

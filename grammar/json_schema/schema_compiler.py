@@ -42,7 +42,8 @@ from stencil.grammar.json_schema.arrays import compile_array
 from stencil.grammar.json_schema.canonical import canonical_json
 from stencil.grammar.json_schema.complement import NOT_PATTERNS, NOT_STRINGS, ComplementError, complement
 from stencil.grammar.json_schema.interning import ContentIds
-from stencil.grammar.json_schema.keywords import ANNOTATIONS, ASSERTIONS, TYPE_KEYWORDS, enum_values, json_type
+from stencil.grammar.json_schema.keywords import (ANNOTATIONS, ASSERTIONS, JSON_TYPES, TYPE_KEYWORDS, enum_values,
+                                                  json_type)
 from stencil.grammar.json_schema.merge import MergeError, json_key, merge
 from stencil.grammar.json_schema.numbers import compile_number
 from stencil.grammar.json_schema.objects import compile_object
@@ -67,7 +68,7 @@ GRAMMAR_ANY_DEPTH = 3  # container nesting of free-form values in served program
 FLEXIBLE_WS = "(?:[ \\t\\n\\r]{0,2}|\\r?\\n[ \\t]{0,20})"
 ANY_CHAR_GROUP = ANY_CHAR if ANY_CHAR.startswith("(?:") else "(?:" + ANY_CHAR + ")"
 
-_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_TYPES = JSON_TYPES
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
 
 
