@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from decimal import Decimal
 
 from stencil.grammar.json_schema.complement import NOT_PATTERNS
@@ -78,33 +79,58 @@ def _tighter(a: dict, b: dict, key: str, pick) -> object:
 
 
 def _key_schema(schema: dict, name: str) -> object:
-    """What ``schema`` demands of property ``name`` (``True`` when nothing)."""
+    """What ``schema``'s ``properties`` / ``additionalProperties`` demand of property ``name``
+    (``True`` when nothing). Its ``patternProperties`` that match ``name`` are not included: they
+    stay in the merged schema's ``patternProperties``, which apply to every key, declared or
+    not; and where one matches, ``additionalProperties`` does not apply."""
     if name in schema.get("properties", {}):
         return schema["properties"][name]
-    if schema.get("patternProperties"):
-        raise MergeError("patternProperties", "cannot merge patternProperties with other properties")
+    if any(re.search(p, name) for p in schema.get("patternProperties") or {}):
+        return True
     return schema.get("additionalProperties", True)
 
 
 def _merge_objects(a: dict, b: dict, out: dict) -> None:
+    """The object keywords of ``allOf: [a, b]`` as one object's, exactly.
+
+    A key declared by either side takes both sides' demands (``_key_schema``); the patterns of
+    both apply to every key, as ``patternProperties`` always do (one pattern on both sides takes
+    both schemas); a key that is neither declared nor matched by a pattern takes both
+    ``additionalProperties``. One case has no single-object form: an undeclared key that only
+    the other side's patterns match, where this side's ``additionalProperties`` is not ``true``
+    (it would apply in ``a`` and not in the merge): refused, unless the other side's patterns are
+    among this side's own.
+
+    Raises:
+        MergeError: ``patternProperties`` in that case (a pattern that is not valid Python
+            ``re`` is named the same way).
+    """
     props_a, props_b = a.get("properties", {}), b.get("properties", {})
-    if props_a or props_b or "additionalProperties" in a or "additionalProperties" in b:
-        if (a.get("patternProperties") or b.get("patternProperties")) and a.get(
-                "patternProperties") != b.get("patternProperties"):
-            raise MergeError("patternProperties", "cannot merge differing patternProperties")
+    pats_a, pats_b = a.get("patternProperties") or {}, b.get("patternProperties") or {}
+    addl_a, addl_b = a.get("additionalProperties", True), b.get("additionalProperties", True)
+    for own, other, addl in ((pats_a, pats_b, addl_a), (pats_b, pats_a, addl_b)):
+        if addl is not True and addl != {} and not set(other) <= set(own):
+            raise MergeError("patternProperties", "cannot merge differing patternProperties beside an "
+                             "additionalProperties that is not true")
+    if props_a or props_b:
         names = list(props_a) + [n for n in props_b if n not in props_a]
-        if names:
+        try:
             out["properties"] = {n: _both(_key_schema(a, n), _key_schema(b, n)) for n in names}
-        addl = _both(a.get("additionalProperties", True), b.get("additionalProperties", True))
+        except re.error:
+            raise MergeError("patternProperties", "cannot merge patternProperties whose pattern Python's "
+                             "re cannot read") from None
+    if "additionalProperties" in a or "additionalProperties" in b:
+        addl = _both(addl_a, addl_b)
         if addl is not True:
             out["additionalProperties"] = addl
-    if "patternProperties" in a or "patternProperties" in b:
-        out["patternProperties"] = a.get("patternProperties") or b.get("patternProperties")
+    if pats_a or pats_b:
+        out["patternProperties"] = {p: _both(pats_a[p], pats_b[p]) if p in pats_b else pats_a[p] for p in pats_a}
+        out["patternProperties"].update((p, pats_b[p]) for p in pats_b if p not in pats_a)
     required = list(a.get("required", [])) + [r for r in b.get("required", []) if r not in a.get("required", [])]
     if required:
         out["required"] = required
-    if "propertyNames" in a and "propertyNames" in b:
-        out["propertyNames"] = _both(a["propertyNames"], b["propertyNames"])
+    if "propertyNames" in a or "propertyNames" in b:
+        out["propertyNames"] = _both(a.get("propertyNames", True), b.get("propertyNames", True))
 
 
 def _merge_arrays(a: dict, b: dict, out: dict) -> None:
