@@ -47,13 +47,14 @@ from stencil.grammar.json_schema.keywords import (ANNOTATIONS, ASSERTIONS, JSON_
 from stencil.grammar.json_schema.merge import MergeError, json_key, merge
 from stencil.grammar.json_schema.numbers import compile_number
 from stencil.grammar.json_schema.objects import compile_object
-from stencil.grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required,
+from stencil.grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required, possible_types,
                                        promote_discriminators, without_empty_object)
 from stencil.grammar.json_schema.refs import RefResolver
 from stencil.grammar.program import REF_OPEN, expand, has_refs, is_empty, minus, ref, term_ref, to_lark
 from stencil.grammar.json_schema.rx import Rx, alt, opt, repeat, seq
-from stencil.grammar.json_schema.strings import (ANY_CHAR, StringError, StringSpec, excluded_keys_regex,
-                                        pattern_superset_regex, string_regex)
+from stencil.grammar.json_schema.strings import (ANY_CHAR, STRING_SUPERSET_KEYWORDS, StringError, StringSpec,
+                                        excluded_keys_regex, pattern_superset_regex, string_regex,
+                                        string_superset_regex)
 
 MAX_MIN_LENGTH = MAX_REPEAT_COUNT  # most characters minLength may require (each is an automaton state)
 GRAMMAR_ANY_DEPTH = 3  # container nesting of free-form values in served programs
@@ -555,18 +556,21 @@ class SchemaCompiler:
         # disjoint; each is written without the finite values (decided above).
         index = [i for i, f in enumerate(finite) if f is None]
         infinite = without_empty_object(self, [branches[i] for i in index])
+        taken: dict[int, list[Rx]] = {}  # branch (place in ``infinite``) → what others take away
         if not by_discriminator(self, infinite):  # else all disjoint, in one pass
             infinite = promote_discriminators(self, infinite)
             for a in range(len(infinite)):
                 for b in range(a + 1, len(infinite)):
                     if not disjoint(self, infinite[a], infinite[b]):
-                        self.unsupported("oneOf", f"{path}/oneOf",
-                                         f"branches {index[a]} and {index[b]} may both match")
+                        self._take_apart(infinite, a, b, index, taken, path)
         parts = [self._enum({}, path, only_types, kept)] if kept else []
-        for i, b in zip(index, infinite):
+        for k, (i, b) in enumerate(zip(index, infinite)):
             inside = [v for v in values if self.value_valid(v, b)]
             if inside:
                 b = {"allOf": [b, {"not": {"enum": inside}}]}
+            if k in taken:
+                parts.append(minus(self.sub(b, f"{path}/oneOf/{i}", only_types), alt(taken[k])))
+                continue
             raw = schema["oneOf"][i]
             if b is branches[i] and isinstance(raw, dict) and isinstance(raw.get("$ref"), str):
                 # Unchanged: compile the reference as a reference (merging inlined it, and a
@@ -576,6 +580,35 @@ class SchemaCompiler:
                 continue
             parts.append(self.sub(b, f"{path}/oneOf/{i}", only_types))
         return alt(parts)
+
+    def _take_apart(self, branches: list, a: int, b: int, index: list[int], taken: dict[int, list[Rx]],
+                    path: str) -> None:
+        """Make ``oneOf`` branches ``a`` and ``b`` (which may both match) exact where both are
+        strings: each is written minus a superset of the strings valid against the other
+        (``strings.string_superset_regex``: patterns over-approximated, lengths exact), so no
+        written string validates against both, and one valid against one branch alone is
+        written (but where an over-approximated atom takes away more: then a subset, never an
+        invalid string). Grammar mode only (llguidance's ``& ~``); ``taken`` gathers, per
+        branch, the regexes to take away.
+
+        Raises:
+            GrammarError: (through ``unsupported``) "may both match", where a branch may be
+                other than a string, or says more of its strings than a superset can hold
+                (``format``, ``enum``...).
+        """
+        pair = (branches[a], branches[b])
+        if self.opts.grammar and all(
+                isinstance(x, dict) and possible_types(x, self) == {"string"}
+                and set(x) - ANNOTATIONS <= STRING_SUPERSET_KEYWORDS for x in pair):
+            try:
+                supersets = [string_superset_regex(x) for x in pair]
+            except StringError:
+                pass
+            else:
+                taken.setdefault(a, []).append(supersets[1])
+                taken.setdefault(b, []).append(supersets[0])
+                return
+        self.unsupported("oneOf", f"{path}/oneOf", f"branches {index[a]} and {index[b]} may both match")
 
     def _not(self, schema: dict, path: str) -> dict | None:
         neg = self._deref(schema["not"], f"{path}/not")

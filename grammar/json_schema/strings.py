@@ -234,6 +234,30 @@ def pattern_superset_regex(pattern: str) -> Rx:
     return seq('"', _pattern_body(pattern, 0, None, intersect=True, over=True), '"')  # (in a ``minus``: lazy only)
 
 
+STRING_SUPERSET_KEYWORDS = frozenset({"type", "pattern", "minLength", "maxLength"})
+
+
+def string_superset_regex(schema: dict) -> Rx:
+    """Regex of JSON string literals (with quotes) that includes every string valid against
+    ``schema``, a string schema of ``STRING_SUPERSET_KEYWORDS`` (and annotations) alone: its
+    pattern's atoms over-approximated (as :func:`pattern_superset_regex`), its lengths exact.
+    What an overlapping ``oneOf`` branch takes away from the others (in a ``minus``: lazy only).
+
+    Raises:
+        StringError: a pattern we cannot translate, or a length that is not a count.
+    """
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    for key, v in (("minLength", lo), ("maxLength", hi)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0):
+            raise StringError(key, f"{key} {v!r} is not a count")
+    lo, hi = int(lo), None if hi is None else int(hi)
+    pattern = schema.get("pattern")
+    body = ANY_CHAR + "*" if pattern is None else _pattern_body(pattern, 0, None, intersect=True, over=True)
+    if lo or hi is not None:
+        body = both(body, repeat(ANY_CHAR, lo, hi))
+    return seq('"', body, '"')
+
+
 @functools.lru_cache(maxsize=1024)
 def string_regex(spec: StringSpec) -> Rx:
     """Regex of the JSON string literals (with quotes) that satisfy ``spec``; None if none.
