@@ -49,3 +49,22 @@ def test_conformance_reports_verdicts_reasons_and_the_steady_state_of_auto(corpu
     assert auto["first_mask_ms_p50"] == report["backends"]["lazy"]["first_mask_ms_p50"]
     lines = [json.loads(x) for x in failures.read_text().splitlines() if x.strip()]
     assert [(x["name"], x["reason"]) for x in lines] == [("unique", "error:uniqueItems")]
+
+
+def test_maskbench_pairs_masks_over_the_schemas_both_engines_compiled():
+    """The harness report's paired block leaves out the schemas only one engine compiled, for
+    time to first mask and for masks alike (its per-engine columns keep them)."""
+    from stencil.benchmarks.maskbench_harness import _paired, format_table
+
+    ours = {"a": {"ttfm_us": 1000, "all_mask_us": [4, 6]}, "b": {"ttfm_us": 3000, "all_mask_us": [10]},
+            "hard": {"ttfm_us": 9000, "all_mask_us": [400, 500]}, "bad": {"compile_error": "x"}}
+    theirs = {"a": {"ttfm_us": 2000, "all_mask_us": [8, 12]}, "b": {"ttfm_us": 1000, "all_mask_us": [20]},
+              "hard": {"compile_error": "y"}, "bad": {"ttfm_us": 5, "all_mask_us": [1]}}
+    p = _paired(ours, theirs)
+    assert p["schemas"] == 2
+    assert (p["stencil_ttfm_ms_p99"], p["llguidance_ttfm_ms_p99"]) == (3.0, 2.0)  # "hard" and "bad" left out
+    assert (p["stencil_mask_us_p50"], p["stencil_mask_us_p99"]) == (6, 10)
+    assert (p["llguidance_mask_us_p50"], p["llguidance_mask_us_p99"]) == (12, 20)
+    assert (p["mask_ratio_p50"], p["mask_ratio_p99"]) == (0.5, 0.5)
+    table = format_table({"engines": {}, "both_compiled": p, "schemas": 4, "whitespace": "flexible", "cpu": "x"})
+    assert "mask p50 / p99: Stencil 6 / 10 us, llguidance 12 / 20 us (0.50x / 0.50x)" in table
