@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+from collections import deque
 import re
 import re._constants as sre_c
 import re._parser as sre_parse
@@ -132,6 +133,35 @@ class _Net:
         self.starts.append(-1)
         self.finals.append(-1)
         return len(self.starts) - 1
+
+
+def _callees_first(net: _Net) -> list[int] | None:
+    """The machines of ``net`` ordered so that each comes after every machine it calls, or None
+    when some machine calls itself, directly or through others (recursion)."""
+    callees: list[set[int]] = [set() for _ in net.starts]
+    for s, calls in enumerate(net.calls):
+        for callee, _ in calls:
+            callees[net.machine_of[s]].add(callee)
+    order: list[int] = []
+    state = [0] * len(net.starts)  # 0 unseen, 1 on the path, 2 placed
+    for root in range(len(net.starts)):
+        if state[root]:
+            continue
+        stack = [(root, iter(callees[root]))]
+        state[root] = 1
+        while stack:
+            m, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                stack.pop()
+                state[m] = 2
+                order.append(m)
+            elif state[nxt] == 1:
+                return None
+            elif state[nxt] == 0:
+                state[nxt] = 1
+                stack.append((nxt, iter(callees[nxt])))
+    return order
 
 
 class _Builder:
@@ -393,20 +423,110 @@ class ClosingAutomaton:
 
     # -- static distances ---------------------------------------------------------------------
     def _distances(self) -> None:
+        """Each state's distance in bytes to its machine's final state (``_d``), each machine's
+        shortest output (``_callee_len``), the bound over configurations, and the successor that
+        realises each distance (``_best``, for witnesses).
+
+        Shortest paths backwards from the finals: a byte edge costs 1, an epsilon edge 0, a call
+        its callee's shortest output. Where no machine calls itself, even through others, the
+        machines are solved callees first, one Dijkstra each over their own states, with every
+        call's cost already known (one pass over the net); otherwise all machines at once,
+        again until the callees' lengths stop falling (``_distances_fixpoint``). The same
+        distances either way (``tests/grammar/test_budget.py`` compares them).
+        """
         net = self.net
+        order = _callees_first(net)
+        if order is None:
+            dist, callee_len = self._distances_fixpoint()
+        else:
+            dist, callee_len = self._distances_by_machine(order)
+        self._d = dist
+        self._callee_len = callee_len
+        self.max_distance = self._max_distance()
+        # Successor that realises each state's distance, for witnesses.
         n = len(net.eps)
-        callee_len = [INF] * len(net.starts)
-        rev: list[list[tuple[int, int | None, int]]] = [[] for _ in range(n)]  # (source, callee, ret)
+        best: list[tuple | None] = [None] * n
         for s in range(n):
+            if dist[s] >= INF:
+                continue
+            for lo, hi, t in net.byte_edges[s]:
+                if dist[t] + 1 == dist[s]:
+                    best[s] = ("byte", lo, hi, t)  # (the byte is picked when a witness is written)
+                    break
+            if best[s] is None:
+                for t in net.eps[s]:
+                    if dist[t] == dist[s]:
+                        best[s] = ("eps", t)
+                        break
+            if best[s] is None:
+                for callee, ret in net.calls[s]:
+                    if callee_len[callee] + dist[ret] == dist[s]:
+                        best[s] = ("call", callee, ret)
+                        break
+        self._best = best
+
+    def _reverse_edges(self) -> list[list[tuple[int, int | None, int]]]:
+        """Per state ``t``, the edges into it: ``(source, callee or None, weight)``."""
+        net = self.net
+        rev: list[list[tuple[int, int | None, int]]] = [[] for _ in range(len(net.eps))]
+        for s in range(len(net.eps)):
             for _, _, t in net.byte_edges[s]:
                 rev[t].append((s, None, 1))
             for t in net.eps[s]:
                 rev[t].append((s, None, 0))
             for callee, ret in net.calls[s]:
                 rev[ret].append((s, callee, 0))
-        dist = [INF] * n
-        for _ in range(64):  # fixpoint over call costs (recursion), decreasing
-            dist = [INF] * n
+        return rev
+
+    def _distances_by_machine(self, order: list[int]) -> tuple[list[int], list[int]]:
+        """Distances with the machines solved in ``order`` (every callee before its callers)."""
+        net = self.net
+        rev = self._reverse_edges()
+        dist = [INF] * len(net.eps)
+        callee_len = [INF] * len(net.starts)
+        calling = {net.machine_of[s] for s, calls in enumerate(net.calls) if calls}
+        for m in order:
+            final = net.finals[m]
+            dist[final] = 0
+            if m not in calling:
+                # Weights 0 and 1 only: a double-ended queue in place of the heap (0-1 BFS).
+                queue = deque([(0, final)])
+                while queue:
+                    d, t = queue.popleft()
+                    if d > dist[t]:
+                        continue
+                    for s, _, w in rev[t]:
+                        cost = d + w
+                        if cost < dist[s]:
+                            dist[s] = cost
+                            if w:
+                                queue.append((cost, s))
+                            else:
+                                queue.appendleft((cost, s))
+                callee_len[m] = dist[net.starts[m]]
+                continue
+            heap = [(0, final)]
+            while heap:
+                d, t = heapq.heappop(heap)
+                if d > dist[t]:
+                    continue
+                for s, callee, w in rev[t]:  # (edges stay inside a machine: s is in m)
+                    cost = d + (w if callee is None else callee_len[callee])
+                    if cost < dist[s]:
+                        dist[s] = cost
+                        heapq.heappush(heap, (cost, s))
+            callee_len[m] = dist[net.starts[m]]
+        return dist, callee_len
+
+    def _distances_fixpoint(self) -> tuple[list[int], list[int]]:
+        """Distances of all machines at once, repeated while the callees' lengths fall (a
+        recursive grammar; at most 64 rounds)."""
+        net = self.net
+        rev = self._reverse_edges()
+        callee_len = [INF] * len(net.starts)
+        dist = [INF] * len(net.eps)
+        for _ in range(64):
+            dist = [INF] * len(net.eps)
             heap = [(0, f) for f in net.finals]
             for f in net.finals:
                 dist[f] = 0
@@ -424,29 +544,7 @@ class ClosingAutomaton:
             if new == callee_len:
                 break
             callee_len = new
-        self._d = dist
-        self._callee_len = callee_len
-        self.max_distance = self._max_distance()
-        # Successor that realises each state's distance, for witnesses.
-        best: list[tuple | None] = [None] * n
-        for s in range(n):
-            if dist[s] >= INF:
-                continue
-            for lo, hi, t in net.byte_edges[s]:
-                if dist[t] + 1 == dist[s]:
-                    best[s] = ("byte", _pick_byte(lo, hi), t)
-                    break
-            if best[s] is None:
-                for t in net.eps[s]:
-                    if dist[t] == dist[s]:
-                        best[s] = ("eps", t)
-                        break
-            if best[s] is None:
-                for callee, ret in net.calls[s]:
-                    if callee_len[callee] + dist[ret] == dist[s]:
-                        best[s] = ("call", callee, ret)
-                        break
-        self._best = best
+        return dist, callee_len
 
     def _max_distance(self) -> int:
         """An upper bound of every configuration's distance in bytes (``INF`` with recursion): a
@@ -598,8 +696,8 @@ class ClosingAutomaton:
             if step is None or guard > 1_000_000:
                 raise RuntimeError("closing automaton: no path to the final state")
             if step[0] == "byte":
-                out.append(step[1])
-                state = step[2]
+                out.append(_pick_byte(step[1], step[2]))
+                state = step[3]
             elif step[0] == "eps":
                 state = step[1]
             else:

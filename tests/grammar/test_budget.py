@@ -436,3 +436,30 @@ def test_a_pattern_with_length_bounds_closes_within_the_budget(engine):
                            [g] * 3)
     for r in outs:
         assert r["finish_reason"] == "stop" and _validate(schema, r["text"]), r["text"]
+
+
+@pytest.mark.parametrize("schema", [
+    # shared terminals: machines that call others (the strings, the whitespace)
+    {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {"type": "string"}}},
+     "required": ["a"]},
+    # recursion: a machine that calls itself (only the fixpoint serves it)
+    {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}, "v": {"type": "integer"}}}},
+     "$ref": "#/$defs/n"},
+    {"type": "string", "pattern": "^(ab|xyz){2,4}-1$"},
+])
+def test_distances_by_machine_are_the_fixpoints(vocab, schema):
+    """Machines solved callees first, one pass each, give the distances of the all-machines
+    fixpoint; a recursive grammar is solved by the fixpoint."""
+    import stencil.grammar.closing as closing
+
+    program = to_program(GrammarSpec.json_schema(schema, whitespace="flexible"), handover=False)
+    ca = ClosingAutomaton(program, vocab)
+    order = closing._callees_first(ca.net)
+    recursive = "$defs" in schema
+    assert (order is None) == recursive
+    if order is not None:
+        assert sorted(order) == list(range(len(ca.net.starts)))
+        assert any(ca.net.calls) == (len(ca.net.starts) > 1)
+        assert ca._distances_by_machine(order) == ca._distances_fixpoint()
+    assert (ca._d, ca._callee_len) == ca._distances_fixpoint()
+    assert ca._callee_len[0] < INF
