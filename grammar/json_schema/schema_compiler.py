@@ -140,7 +140,20 @@ class SchemaCompiler:
 
     # -- helpers for the type modules ----------------------------------------------------------
     def value_valid(self, value: object, schema: object) -> bool:
-        """Whether ``value`` validates against ``schema`` (a subschema of the root)."""
+        """Whether ``value`` validates against ``schema`` (a subschema of the root).
+
+        A schema of ``type`` alone (what ``value_check`` leaves of most enums) is checked with
+        the validator's own type checker, the same verdict in ~1 us where a validator evolved
+        for it takes ~15 us (a tool list's enums: a fifth of its translation)."""
+        if type(schema) is dict and len(schema) == 1 and "type" in schema:
+            types = schema["type"]
+            try:
+                if isinstance(types, str):
+                    return self.validator.is_type(value, types)
+                if isinstance(types, list):
+                    return any(self.validator.is_type(value, t) for t in types)
+            except Exception:  # an unknown type name: admits nothing, as below
+                return False
         try:
             return self.validator.evolve(schema=schema).is_valid(value)
         except Exception:  # an invalid subschema counts as admitting nothing

@@ -759,3 +759,26 @@ def test_a_count_that_is_no_non_negative_integer_is_a_grammar_error_naming_it(ke
         assert (info.value.keyword, info.value.path) == (key, "#/properties/a")
     ok = {"type": "object", "properties": {key: {"type": "string", "maxLength": 2.0}}, "required": [key]}
     assert to_program(GrammarSpec.json_schema(ok)).kind in ("json", "regex")
+
+
+_DRAFTS = ["http://json-schema.org/draft-03/schema#", "http://json-schema.org/draft-04/schema#",
+           "http://json-schema.org/draft-07/schema#", "https://json-schema.org/draft/2020-12/schema"]
+_TYPE_VALUES = [None, True, False, 0, 1, -3, 1.0, 2.5, -0.0, 1e300, "", "1", [], [1], {}, {"a": 1}]
+
+
+@pytest.mark.parametrize("draft", _DRAFTS)
+def test_a_type_only_check_agrees_with_the_validator(draft):
+    """``value_valid`` reads a schema of ``type`` alone with the validator's type checker: the
+    same verdict as the validator itself, in every draft (1.0 is an integer from draft 6 on,
+    not before; a boolean is no number; an unknown type name admits nothing)."""
+    from stencil.grammar.json_schema.schema_compiler import SchemaCompiler, SchemaOptions
+
+    c = SchemaCompiler({"$schema": draft}, SchemaOptions())
+    for t in ["null", "boolean", "integer", "number", "string", "array", "object",
+              ["integer", "string"], ["null", "number"], "objekt", ["integer", "objekt"]]:
+        for v in _TYPE_VALUES:
+            try:
+                expected = c.validator.evolve(schema={"type": t}).is_valid(v)
+            except Exception:  # noqa: BLE001 - what value_valid's slow path reads as "admits nothing"
+                expected = False
+            assert c.value_valid(v, {"type": t}) == expected, (draft, t, v)
