@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from stencil.grammar import charset as cs
 from stencil.grammar.json_schema import pattern as sp
-from stencil.grammar.program import both, minus
+from stencil.grammar.program import both, is_regular_text, minus
 from stencil.grammar.json_schema.rx import Rx, alt, opt, seq
 from stencil.grammar.json_schema.strings import excluded_keys_regex
 
@@ -287,8 +287,12 @@ def _without_declared(c: "SchemaCompiler", key: Rx, declared: list[str], keyword
     """The key regex of additional members, minus the declared names (those take their own
     schema): unchanged when it matches none of them; otherwise, in grammar mode, its
     intersection with "any key but these" (llguidance's ``&``: lazy backend only), else a
-    refusal naming ``keyword``."""
-    if key is None or not any(re.fullmatch(key, _key_literal_text(n)) for n in declared):
+    refusal naming ``keyword``. A key that is itself an intersection or complement (grammar
+    mode: a pattern with a lookaround, a pattern with a length) is not tested with Python's
+    ``re``, which cannot read it: the names are taken away."""
+    if key is None or not declared:
+        return key
+    if is_regular_text(key, c.terminals) and not any(re.fullmatch(key, _key_literal_text(n)) for n in declared):
         return key
     if c.opts.grammar:
         return both(key, c._share(excluded_keys_regex(declared)))

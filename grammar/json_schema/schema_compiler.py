@@ -50,7 +50,8 @@ from stencil.grammar.json_schema.objects import compile_object
 from stencil.grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required, possible_types,
                                        promote_discriminators, without_empty_object)
 from stencil.grammar.json_schema.refs import RefResolver
-from stencil.grammar.program import REF_OPEN, expand, has_refs, is_empty, minus, ref, term_ref, to_lark
+from stencil.grammar.program import (REF_OPEN, expand, has_refs, is_empty, is_regular_text, minus, ref, term_ref,
+                                     to_lark)
 from stencil.grammar.json_schema.rx import Rx, alt, opt, repeat, seq
 from stencil.grammar.json_schema.strings import (ANY_CHAR, STRING_SUPERSET_KEYWORDS, StringError, StringSpec,
                                         excluded_keys_regex, pattern_superset_regex, string_regex,
@@ -176,7 +177,9 @@ class SchemaCompiler:
     def string_for(self, schema: object, path: str) -> Rx:
         """Regex of the string literals ``schema`` admits (used for keys), written out."""
         r = self.sub(schema, path, only_types=("string",))
-        return expand(r, self.terminals) if r is not None and self.terminals else r
+        if r is not None and self.terminals and is_regular_text(r, self.terminals):
+            return expand(r, self.terminals)
+        return r  # (an intersection or complement, grammar mode: it keeps its terminal references)
 
     def term(self, rx: str) -> str:
         """``rx`` as a terminal reference when it is long enough to be worth sharing (grammar
@@ -648,8 +651,9 @@ class SchemaCompiler:
             for v in values:
                 excluded.setdefault(json_type(v), []).append(v)
             try:
+                # (grammar mode: strings under other keywords too, written minus the values' literals)
                 parts = complement(_admitted_types(rest), excluded,
-                                   plain_strings=not set(rest) & set(TYPE_KEYWORDS["string"]))
+                                   plain_strings=self.opts.grammar or not set(rest) & set(TYPE_KEYWORDS["string"]))
             except ComplementError as exc:
                 reason = exc.message
             else:
@@ -762,7 +766,15 @@ class SchemaCompiler:
 
     def _string(self, schema: dict, path: str) -> Rx:
         if NOT_STRINGS in schema:
-            return excluded_keys_regex(schema[NOT_STRINGS])
+            others = {k: v for k, v in schema.items() if k != NOT_STRINGS}
+            if not set(others) & set(TYPE_KEYWORDS["string"]):
+                return excluded_keys_regex(schema[NOT_STRINGS])
+            # The strings the other keywords admit, but these values (grammar mode: llguidance's
+            # ``& ~``; a string has one encoding here, so its literal is every way to write it).
+            from stencil.grammar import charset as cs
+
+            literals = alt(['"' + cs.literal(cs.json_escape_text(v)) + '"' for v in schema[NOT_STRINGS]])
+            return minus(self._string(others, path), literals)
         if NOT_PATTERNS in schema:
             out = self._string({k: v for k, v in schema.items() if k != NOT_PATTERNS}, path)
             for pattern in schema[NOT_PATTERNS]:

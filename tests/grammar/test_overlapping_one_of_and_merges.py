@@ -152,3 +152,30 @@ def test_merge_refuses_patterns_beside_a_closed_other_side():
 def test_spelled_pattern_keys_beside_open_additional_properties(compiler, schema):
     objects = [o for o in OBJECTS if _in_written_order(o, list(schema.get("properties", {})))]
     assert _mismatches(compiler, schema, objects, mode="schema") == []
+
+
+@pytest.mark.parametrize("schema", [
+    # A key schema that is an intersection in grammar mode (a pattern with a length; before, a 400
+    # "invalid schema: an intersection (&) has no plain-regex form"), beside a declared key.
+    {"type": "object", "properties": {"ab": {"type": "integer"}}, "propertyNames": {"maxLength": 2, "pattern": "^a"}},
+    # two propertyNames, one per allOf member: both apply
+    {"type": "object", "allOf": [{"propertyNames": {"maxLength": 1}}, {"propertyNames": {"pattern": "^[ab]"}}]},
+    # a pattern key with a lookahead, beside a declared key it matches
+    {"type": "object", "properties": {"ab": {"type": "string"}},
+     "patternProperties": {"^(?!ab$)a": {"type": "integer"}}, "additionalProperties": False},
+])
+def test_key_schemas_that_are_intersections(compiler, schema):
+    declared = list(schema.get("properties", {}))
+    objects = [o for o in OBJECTS if _in_written_order(o, declared)]
+    assert _mismatches(compiler, schema, objects, mode="schema") == []
+
+
+@pytest.mark.parametrize("schema", [
+    # a finite branch inside an infinite one (before, a 400 at #/oneOf/1/not: a path the user never wrote)
+    {"oneOf": [{"const": "a"}, {"type": "string", "maxLength": 2}]},
+    {"oneOf": [{"enum": ["a", "b0", 1]}, {"type": "string", "pattern": "^[ab]"}]},
+    # strings under a length and a pattern, but some values
+    {"type": "string", "maxLength": 3, "pattern": "0|1", "not": {"enum": ["01", "a1"]}},
+])
+def test_strings_but_some_values_under_other_keywords(compiler, schema):
+    assert _mismatches(compiler, schema, STRINGS + [1, 0]) == []
