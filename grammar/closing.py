@@ -276,7 +276,9 @@ class _Builder:
                 if kind == "and":
                     return self._product(*number)
                 if kind == "minus":  # a complement would need the right side determinized
-                    raise ClosingUnsupported("a complement (not: pattern) is not modelled")
+                    raise ClosingUnsupported("a complement is not modelled (not: pattern, string oneOf "
+                                             "branches that may overlap, patternProperties beside other "
+                                             "open keys, a pattern with a negative lookaround)")
                 callee = self.refs.get((kind, number))
                 if callee is None:
                     raise ClosingUnsupported(f"unknown {kind} {number}")
