@@ -13,35 +13,29 @@ text of a small alphabet:
 from __future__ import annotations
 
 import itertools
-import json
 
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from char_vocab import accepts, char_compiler
 from stencil.grammar.base import GrammarError, GrammarSpec
-from stencil.grammar.compiler import GrammarCompiler
 from stencil.grammar.json_schema.merge import MergeError, merge
-from stencil.grammar.vocab import TokenVocabulary
 
 ALPHABET = "ab01"
 CHARS = 'ab01"\\{}:,n'  # the JSON texts of those strings, and of objects with such keys
-ID = {c: i for i, c in enumerate(CHARS)}
-EOS = 20
 STRINGS = ["".join(t) for n in range(5) for t in itertools.product(ALPHABET, repeat=n)]
 
 
 @pytest.fixture(scope="module")
 def compiler():
-    vocab = TokenVocabulary.from_token_bytes({i: c.encode() for i, c in enumerate(CHARS)}, EOS, 32)
-    with GrammarCompiler(vocab, 32, max_workers=1, backend="lazy", cache_size=0) as c:
+    with char_compiler(CHARS) as c:
         yield c
 
 
 def _accepts(grammar, value) -> bool:
-    m = grammar.matcher()
-    return m.accept_tokens([ID[ch] for ch in json.dumps(value, separators=(",", ":"))]) and m.accept_tokens([EOS])
+    return accepts(grammar, value, CHARS)
 
 
 def _mismatches(compiler, schema: dict, values, mode: str = "closed") -> list:

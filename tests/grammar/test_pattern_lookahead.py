@@ -6,34 +6,30 @@ too (the path where llguidance is not handed the schema)."""
 from __future__ import annotations
 
 import itertools
-import json
 import re
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from char_vocab import accepts as char_accepts
+from char_vocab import char_compiler
 from stencil.grammar.base import GrammarError, GrammarSpec
 from stencil.grammar.compiler import GrammarCompiler
-from stencil.grammar.vocab import TokenVocabulary
 
 ALPHABET = "ab01\n"
 CHARS = 'ab01n"\\{}:,k'  # what the JSON text of those strings (and a one-key object) spells
-ID = {c: i for i, c in enumerate(CHARS)}
-EOS = 20
 STRINGS = ["".join(t) for n in range(5) for t in itertools.product(ALPHABET, repeat=n)]
 
 
 @pytest.fixture(scope="module")
 def compiler():
-    vocab = TokenVocabulary.from_token_bytes({i: c.encode() for i, c in enumerate(CHARS)}, EOS, 32)
-    with GrammarCompiler(vocab, 32, max_workers=1, backend="lazy", cache_size=0) as c:
+    with char_compiler(CHARS) as c:
         yield c
 
 
 def accepts(grammar, value) -> bool:
-    m = grammar.matcher()
-    return m.accept_tokens([ID[ch] for ch in json.dumps(value, separators=(",", ":"))]) and m.accept_tokens([EOS])
+    return char_accepts(grammar, value, CHARS)
 
 
 def _mismatches(compiler, schema: dict, admits, wrap=lambda s: s) -> list[str]:
