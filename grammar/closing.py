@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import functools
 import heapq
-from collections import deque
 import re
 import re._constants as sre_c
 import re._parser as sre_parse
 import threading
+from collections import deque
 
 import numpy as np
 

@@ -769,6 +769,10 @@ class SchemaCompiler:
             others = {k: v for k, v in schema.items() if k != NOT_STRINGS}
             if not set(others) & set(TYPE_KEYWORDS["string"]):
                 return excluded_keys_regex(schema[NOT_STRINGS])
+            if not self.opts.grammar:  # (a plain regex has no complement of these strings)
+                self.unsupported("not", f"{path}/not", "keyword 'not' cannot be enforced exactly (strings but "
+                                 "some values, where a pattern, length or format keyword also applies)")
+                return self._string(others, path)
             # The strings the other keywords admit, but these values (grammar mode: llguidance's
             # ``& ~``; a string has one encoding here, so its literal is every way to write it).
             from stencil.grammar import charset as cs
