@@ -782,3 +782,14 @@ def test_a_type_only_check_agrees_with_the_validator(draft):
             except Exception:  # noqa: BLE001 - what value_valid's slow path reads as "admits nothing"
                 expected = False
             assert c.value_valid(v, {"type": t}) == expected, (draft, t, v)
+
+
+def test_strings_but_some_values_beside_a_length_are_refused_in_a_plain_regex():
+    """A plain regex has no complement of some strings under a length (the lazy backend's grammar
+    writes one: tests/grammar/test_overlapping_one_of_and_merges.py); the length is never dropped."""
+    with pytest.raises(GrammarError) as e:
+        schema_to_regex({"type": "string", "allOf": [{"maxLength": 2}], "not": {"enum": ["ab"]}})
+    assert e.value.keyword == "not"
+    regex, notes = schema_to_regex({"type": "string", "allOf": [{"maxLength": 2}], "not": {"enum": ["ab"]}},
+                                   strict=False)
+    assert not re.fullmatch(regex, '"abc"') and re.fullmatch(regex, '"ab"') and notes  # relaxed: said
