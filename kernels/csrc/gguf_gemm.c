@@ -71,7 +71,11 @@
  * prefetched PREFETCH_SPANS ahead (the hardware prefetcher alone kept a 1B model's Q4_K / Q6_K
  * matrices at 18 GB/s on a 2-core AMD EPYC whose DRAM streams 34; with it 24-25 GB/s), the
  * 32-weight types' spans BLOCK_SPANS_AHEAD ahead (Q8_0 from DRAM at one thread 5-6 -> 9-10 GB/s,
- * Q5_0 4 -> 6-8: `stencil bench rows`), Q6_K's
+ * Q5_0 4 -> 6-8: `stencil bench rows`). Both distances are 40 spans (5.6-8.4 KB for the k-quants,
+ * 7-11 KB for the 32-weight types): on a 2-core AMD EPYC whose one thread streams 25-28 GB/s
+ * (llama.cpp's own kernels), 16 k-quant and 8 block spans left one row at 15-20 GB/s (Q4_K, Q6_K)
+ * and 12-16 (Q5_0, Q8_0); at 40, 18-27 and 15-24, two exact terms (`stencil bench rows`, 2026-12-07;
+ * 32 and 64 measured too, 64 a little slower). Q6_K's
  * integer sums run in four independent chains per term and a sub-block's scale reaches every
  * lane by one byte shuffle; Q4_K / Q5_K merge the two terms before their unit's scale (one
  * VPMULLD a unit) and read the 12 scale bytes with vector shifts. Many rows (a prompt, a batch)
@@ -110,7 +114,7 @@ static const int BLOCK_WEIGHTS[NTYPES] = {32, 32, 32, 32, 32, 256, 256, 256};
 #define SPAN 256
 #define TILE_ROWS 4
 #ifndef PREFETCH_SPANS
-#define PREFETCH_SPANS 16
+#define PREFETCH_SPANS 40
 #endif
 #define ROW_BLOCK 32 /* rows whose activations stay in cache while the columns stream past */
 
@@ -457,7 +461,7 @@ static inline void prefetch_ahead_in_row(const int type, const uint8_t *w, int s
 }
 
 #ifndef BLOCK_SPANS_AHEAD
-#define BLOCK_SPANS_AHEAD 8
+#define BLOCK_SPANS_AHEAD 40
 #endif
 /* For the 32-weight types, whose span is eight blocks: span s + BLOCK_SPANS_AHEAD of the row at w
  * on its way into the cache (past the row's end: the next row's, where the rows are adjacent).
