@@ -92,7 +92,7 @@ def expanded_size(text: str, terminals: list[str] | tuple[str, ...]) -> int:
         for m in _TERM.finditer(t):
             n = int(m.group(1))
             if n not in sizes:
-                sizes[n] = size(terminals[n]) + 4  # "(?:" + ")"
+                sizes[n] = size(terminals[n]) + (0 if _one_group(terminals[n]) else 4)  # "(?:" + ")"
             total += m.start() - last + sizes[n]
             last = m.end()
         return total + len(t) - last
@@ -100,14 +100,41 @@ def expanded_size(text: str, terminals: list[str] | tuple[str, ...]) -> int:
     return size(text)
 
 
+def _one_group(rx: str) -> bool:
+    """Whether ``rx`` is one group, ``(...)`` from its first character to its last."""
+    if not rx.startswith("(") or not rx.endswith(")"):
+        return False
+    depth, i, n = 0, 0, len(rx)
+    while i < n:
+        c = rx[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":  # a class: to its closing bracket (one right after the opening is a member)
+            i += 2 if rx.startswith("[^", i) else 1
+            i += 1 if i < n and rx[i] == "]" else 0
+            while i < n and rx[i] != "]":
+                i += 2 if rx[i] == "\\" else 1
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                return i == n - 1
+        i += 1
+    return False
+
+
 def expand(text: str, terminals: list[str] | tuple[str, ...]) -> str:
-    """``text`` with every terminal reference replaced by its regex, grouped (a plain regex)."""
+    """``text`` with every terminal reference replaced by its regex, grouped unless it is one
+    group already (a plain regex)."""
     done: dict[int, str] = {}
 
     def sub(m: re.Match) -> str:
         n = int(m.group(1))
         if n not in done:
-            done[n] = "(?:" + _TERM.sub(sub, terminals[n]) + ")"
+            body = _TERM.sub(sub, terminals[n])
+            done[n] = body if _one_group(body) else "(?:" + body + ")"
         return done[n]
 
     out = _TERM.sub(sub, text)
@@ -350,6 +377,30 @@ def to_lark(root: str, rules: dict[int, str], terminals: list[str] | tuple[str, 
         lines = [f"start: {w.rule(root)}"]
         lines += [f"r{n}: {w.rule(rules[n])}" for n in sorted(rules)]
     return "\n".join(lines + w.defs) + "\n"
+
+
+def lark_terminals(texts: list[str], terminals: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """Lark terminal syntax for each rule-free regex text of ``texts`` (references to
+    ``terminals`` written as their names, ``T<n>``), and the definitions those names need (lines
+    ``T<n>: ...``, each once). A text without references is one ``/regex/``.
+
+    Raises:
+        ValueError: a rule reference, or text outside the compiler's regex dialect.
+    """
+    w = _Writer(terminals, {})
+    bodies = []
+    for text in texts:
+        if REF_OPEN in text:
+            raise ValueError("a terminal cannot hold a rule reference")
+        bodies.append(w.terminal_text(text))
+    return bodies, w.defs
+
+
+def renumbered(text: str, numbers: dict[int, int] | list[int]) -> str:
+    """``text`` with terminal reference ``n`` written as ``numbers[n]``."""
+    if TERM_OPEN not in text:
+        return text
+    return _TERM.sub(lambda m: term_ref(numbers[int(m.group(1))]), text)
 
 
 _WORD_END = frozenset("0123456789_ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")

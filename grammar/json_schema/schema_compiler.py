@@ -91,6 +91,10 @@ class SchemaOptions:
     # Grammar mode: a subschema's regex of at least this many characters is written once, as a
     # terminal (rules.term_ref), however often it is used.
     term_min_chars: int = 48
+    # Regex mode: free-form values' pieces (``any_value``) become terminal references all the
+    # same, which the caller writes out (``program.expand``) or names in Lark (tool-call answers:
+    # ``stencil.grammar.tool_calls``). The language is regex mode's.
+    share_terminals: bool = False
 
 
 @dataclass(slots=True)
@@ -241,15 +245,20 @@ class SchemaCompiler:
         depth = self.opts.any_max_depth if depth is None else depth
         scalar = alt(['"' + self._any_char() + '*"', nr.NUMBER, "true", "false", "null"])
         if depth <= 0:
-            return self._share(scalar)
-        inner = self._share(self.any_value(depth - 1))
+            return self._share_any(scalar)
+        inner = self._share_any(self.any_value(depth - 1))
         comma, colon = self.ws + "," + self.ws, self.ws + ":" + self.ws
         n = self.opts.any_max_length
         more = None if n is None else max(n - 1, 0)
         array = self.bracket("\\[", "\\]", seq(inner, repeat(seq(comma, inner), 0, more)), True)
         member = seq('"' + self._any_char() + '*"', colon, inner)
         obj = self.bracket("\\{", "\\}", seq(member, repeat(seq(comma, member), 0, more)), True)
-        return self._share(alt([self._share(scalar), array, obj]))  # type: ignore[list-item]
+        return self._share_any(alt([self._share_any(scalar), array, obj]))  # type: ignore[list-item]
+
+    def _share_any(self, rx: Rx) -> Rx:
+        """A free-form value's piece as a shared terminal in grammar mode or where
+        ``share_terminals`` asks for them (itself otherwise)."""
+        return self.term(rx) if (self.opts.grammar or self.opts.share_terminals) and rx is not None else rx
 
     def bracket(self, open_: str, close: str, body: Rx, empty_ok: bool) -> Rx:
         """An object or array: ``open_``, then ``body`` (its non-empty member lists; None: none),
@@ -903,7 +912,7 @@ class SharedProofs:
 def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
                       max_recursion_depth: int = 3, deadline: float | None = None,
                       grammar: bool = True, shared: SharedProofs | None = None,
-                      extra_properties: bool = False) -> Program:
+                      extra_properties: bool = False, share_terminals: bool = False) -> Program:
     """Compile a JSON Schema to the program a backend runs (see :func:`schema_to_regex`).
 
     With ``grammar`` (the default) a schema that refers to itself becomes a Lark grammar whose
@@ -913,6 +922,8 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
     ``shared``: proofs a failed handover of the same document made (``SharedProofs``).
     ``extra_properties``: as :func:`schema_to_regex` (an object that says nothing of
     ``additionalProperties`` takes undeclared keys with free-form values).
+    ``share_terminals`` (without ``grammar``): :func:`schema_to_regex`'s language, its free-form
+    values' pieces kept as terminals (``Program.regex()`` writes them out).
 
     Raises:
         GrammarError: as :func:`schema_to_regex`; GrammarTimeout past ``deadline``.
@@ -925,7 +936,8 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
                           extra_properties=extra_properties, max_string_length=MAX_MIN_LENGTH,
                           deadline=deadline, grammar=True)
             if grammar else SchemaOptions(whitespace, strict, max_recursion_depth,
-                                          extra_properties=extra_properties, deadline=deadline))
+                                          extra_properties=extra_properties, deadline=deadline,
+                                          share_terminals=share_terminals))
     compiler, regex = _compile(schema, opts, **({} if shared is None else shared.for_compiler()))
     notes = tuple(compiler.warnings)
     if compiler.rules or has_refs(regex):

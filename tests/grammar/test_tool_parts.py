@@ -14,7 +14,9 @@ import pytest
 from stencil.grammar.base import GrammarError
 from stencil.grammar.call_syntax import HERMES
 from stencil.grammar.compiler import GrammarCompiler
-from stencil.grammar.tool_calls import LARK_FROM_CHARS, CallParts, ToolCalls, ToolFunction, tool_call_spec
+from stencil.grammar.json_schema.schema_compiler import schema_to_regex
+from stencil.grammar.tool_calls import (LARK_FROM_CHARS, CallParts, ToolCalls, ToolFunction, arguments_schema, call_regex,
+                                         tool_call_spec)
 from stencil.service.tool_formats import FORMATS
 
 WEATHER = ToolFunction("get_weather", {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
@@ -201,3 +203,38 @@ def test_a_large_list_is_a_lark_grammar_and_a_repeated_one_is_the_same_spec(lazy
     assert _accepts(g, tokenizer, HERMES.calls_text([("tool_59", '{"q":"x","n59":3}'), ("tool_0", '{"q":"y"}')]))
     assert not _accepts(g, tokenizer, HERMES.calls_text([("tool_59", '{"q":"x","n58":3}')]))
     assert lazy.compile(tool_call_spec(_calls(fns), parts=parts)[0]) is g  # the compiler's cache hits
+
+
+FREE = ToolFunction("log_event", {"type": "object", "properties": {"payload": {}, "meta": {"type": "object"},
+                                                                  "tags": {"type": "array"}},
+                                  "required": ["payload"]})
+ALSO_FREE = ToolFunction("store", {"type": "object", "properties": {"value": {}, "key": {"type": "string"}},
+                                   "required": ["key", "value"]})
+
+
+def test_free_form_values_are_written_once_for_the_whole_lark_answer(lazy, tokenizer):
+    calls = _calls([FREE, ALSO_FREE, WEATHER])
+    as_regex, _ = tool_call_spec(calls, lark_from_chars=1 << 30)
+    as_lark, _ = tool_call_spec(calls, lark_from_chars=0)
+    assert as_lark.kind == "lark"
+    defs = [line for line in as_lark.value.splitlines() if line.startswith("T")]
+    free = schema_to_regex({})[0]  # a free-form value's regex, written out in the regex form
+    assert as_regex.value.count(free) >= 3 and free not in as_lark.value
+    assert defs and len({line.split(":", 1)[0] for line in defs}) == len(defs)  # each piece defined once
+    assert len(as_lark.value) < len(as_regex.value) / 2
+    forms = [lazy.compile(as_regex), lazy.compile(as_lark)]
+    for args, expected in (('{"payload":{"a":1,"b":"x"},"tags":[true,null]}', True),
+                           ('{"payload":[1,"x"]}', True), ('{"payload":[[1]]}', False),  # (one level deep)
+                           ('{"meta":{}}', False), ('{"payload":1,"meta":[]}', False)):
+        text = HERMES.calls_text([("log_event", args)])
+        assert [_accepts(g, tokenizer, text) for g in forms] == [expected, expected], args
+    text = HERMES.calls_text([("store", '{"value":{"deep":2},"key":"k"}'), ("get_weather", '{"city":"Rome"}')])
+    assert [_accepts(g, tokenizer, text) for g in forms] == [True, True]
+
+
+def test_a_call_regex_with_shared_pieces_is_the_plain_compile_written_out():
+    parts = CallParts()
+    for fn in (FREE, ALSO_FREE, WEATHER, NOTE):
+        part = parts.call(fn, HERMES)
+        plain = call_regex(fn.name, schema_to_regex(arguments_schema(fn.parameters), strict=False)[0])
+        assert part.regex == plain and (part.terminals != ()) == (fn in (FREE, ALSO_FREE))
