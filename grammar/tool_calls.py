@@ -72,6 +72,7 @@ NO_ARGUMENTS: dict = {"type": "object", "properties": {}, "additionalProperties"
 PARTS_MAX_ENTRIES = 4096  # call regexes kept by the default CallParts (functions x syntaxes)
 PARTS_MAX_CHARS = 32 << 20  # ... and at most this many regex characters in all (≈ 32-64 MB)
 LARK_FROM_CHARS = 16_000  # answers whose call regexes sum to more are written as Lark (module docstring)
+ANSWERS_KEPT = 32  # Lark answers a CallParts keeps (CallParts.lark_answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +154,9 @@ class CallParts:
         max_entries: most calls kept.
         max_chars: most regex characters kept, all calls together.
 
+    Also keeps the last :data:`ANSWERS_KEPT` Lark answers written from its calls
+    (:meth:`lark_answer`), so a repeated list skips the writing too.
+
     Attributes:
         compiles: calls compiled (cache misses, refused ones included), since construction.
         hits: calls served from the cache.
@@ -165,6 +169,7 @@ class CallParts:
         self.hits = 0
         self._parts: OrderedDict[tuple, CallPart] = OrderedDict()
         self._chars = 0
+        self._answers: OrderedDict[tuple, str | None] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -208,9 +213,29 @@ class CallParts:
                     self._chars -= old.size
         return part
 
+    def lark_answer(self, calls: ToolCalls, compiled: list[CallPart], text_regex: str | None) -> str | None:
+        """:func:`answer_lark` of ``compiled`` (the parts of ``calls.functions``, in order) with
+        the pieces they share written once (:func:`_shared_terminals`); ``None`` where that would
+        define more than ``MAX_LARK_DEFINITIONS`` names. Kept for a repeated list: the key holds
+        the parts themselves (equal parts: the same call regexes) and the answer's shape."""
+        key = (tuple(compiled), calls.required, calls.parallel, calls.max_calls, calls.syntax, text_regex)
+        with self._lock:
+            if key in self._answers:
+                self._answers.move_to_end(key)
+                return self._answers[key]
+        shared, terminals = _shared_terminals(compiled)
+        lark = (answer_lark(calls, shared, text_regex, terminals)
+                if len(compiled) + len(terminals) + 4 <= MAX_LARK_DEFINITIONS else None)
+        with self._lock:
+            self._answers[key] = lark
+            while len(self._answers) > ANSWERS_KEPT:
+                self._answers.popitem(last=False)
+        return lark
+
     def clear(self) -> None:
         with self._lock:
             self._parts.clear()
+            self._answers.clear()
             self._chars = 0
 
 
@@ -269,9 +294,9 @@ def tool_call_spec(calls: ToolCalls, text_schema: Any = None, *, text_strict: bo
         warnings.extend(part.notes)
     branches = [part.regex for part in compiled]
     if _as_lark(calls, branches, lark_from_chars):
-        shared, terminals = _shared_terminals(compiled)
-        if len(branches) + len(terminals) + 4 <= MAX_LARK_DEFINITIONS:
-            return GrammarSpec("lark", answer_lark(calls, shared, text, terminals)), warnings
+        lark = parts.lark_answer(calls, compiled, text)
+        if lark is not None:
+            return GrammarSpec("lark", lark), warnings
     return GrammarSpec("regex", answer_regex(calls, branches, text)), warnings
 
 

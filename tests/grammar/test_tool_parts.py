@@ -238,3 +238,14 @@ def test_a_call_regex_with_shared_pieces_is_the_plain_compile_written_out():
         part = parts.call(fn, HERMES)
         plain = call_regex(fn.name, schema_to_regex(arguments_schema(fn.parameters), strict=False)[0])
         assert part.regex == plain and (part.terminals != ()) == (fn in (FREE, ALSO_FREE))
+
+
+def test_a_repeated_list_reuses_its_written_lark_answer_and_a_new_shape_writes_its_own():
+    parts = CallParts()
+    auto, _ = tool_call_spec(_calls([FREE, ALSO_FREE, WEATHER]), parts=parts, lark_from_chars=0)
+    again, _ = tool_call_spec(_calls([FREE, ALSO_FREE, WEATHER]), parts=parts, lark_from_chars=0)
+    required, _ = tool_call_spec(_calls([FREE, ALSO_FREE, WEATHER], required=True), parts=parts, lark_from_chars=0)
+    assert again.value is auto.value and required.value != auto.value
+    assert "TEXT" in auto.value and "TEXT" not in required.value
+    parts.clear()
+    assert tool_call_spec(_calls([FREE, ALSO_FREE, WEATHER]), parts=parts, lark_from_chars=0)[0].value == auto.value
