@@ -267,6 +267,17 @@ static inline i32x8 sums32(i32x8 b0, i32x8 b1) {
            __builtin_shuffle(b0, b1, (i32x8){1, 3, 5, 7, 9, 11, 13, 15});
 }
 
+/* The eight bytes of v as int32 lanes (zero-extended). */
+static inline i32x8 widen8(uint64_t v) {
+#if defined(__AVX2__)
+    return (i32x8)_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v));
+#else
+    i32x8 out;
+    for (int l = 0; l < 8; ++l) out[l] = (int32_t)((v >> (8 * l)) & 0xff);
+    return out;
+#endif
+}
+
 static inline f32x8 load8f(const float *p) {
     f32x8 v;
     memcpy(&v, p, 32);
@@ -303,6 +314,7 @@ typedef struct {
     i16x16 sc[8];   /* Q6_K: the integer sub-block scale of each pair of weights of a unit */
     i32x8 sc32;     /* Q4_K, Q5_K: lane u the integer scale of unit u */
     i32x8 m32;      /* Q4_K, Q5_K: lane u the integer min of unit u */
+    uint64_t m8;    /* Q4_K, Q5_K: byte u the integer min of unit u */
     float dmin;     /* Q4_K, Q5_K: the super-block's dmin */
     f32x8 d;        /* k-quants: lane 0 the super-block's d; 32-blocks: each block's d */
     f32x8 z[2];     /* offsets of the span's 16 groups of 16 weights (32-blocks: 0 past the row's end) */
@@ -404,6 +416,7 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
         const __m128i smv = _mm_or_si128(lo, hi);
         sp->sc32 = (i32x8)_mm256_cvtepu8_epi32(smv);
         sp->m32 = (i32x8)_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8));
+        sp->m8 = (uint64_t)_mm_extract_epi64(smv, 1);
 #else
         uint8_t sm[16];
         scale_min_k4(b + 4, sm);
@@ -411,6 +424,8 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
             sp->sc32[j] = sm[j];
             sp->m32[j] = sm[8 + j];
         }
+        sp->m8 = 0;
+        for (int j = 0; j < 8; ++j) sp->m8 |= (uint64_t)sm[8 + j] << (8 * j);
 #endif
         sp->dmin = dmin;
         return;
@@ -511,11 +526,15 @@ static inline void transpose8(const i32x8 *in, i32x8 *out) {
 #endif
 }
 
+/* S itself (kquant_span's p[0] 65536 + p[1]). */
+__attribute__((always_inline)) static inline i32x8 kquant_span_sum(const int TERMS, const span_t *sp,
+                                                                   const int8_t *q1, const int8_t *q2);
+
 /* One activation row against one decoded Q4_K / Q5_K span: S's lanes, the scaled integer sums of
  * four weights of each unit (header), as their high and low 16 bits (p[0], p[1]: the lane sums of
  * each fit int32; S's lanes sum to W, or W / 256 with one term). */
-__attribute__((always_inline)) static inline void kquant_span(const int TERMS, const span_t *sp, const int8_t *q1,
-                                                              const int8_t *q2, i32x8 *p) {
+__attribute__((always_inline)) static inline i32x8 kquant_span_sum(const int TERMS, const span_t *sp,
+                                                                   const int8_t *q1, const int8_t *q2) {
     /* t[u]'s lanes: 256 (c . q1) + (c . q2) over four weights each; their sum times the unit's
      * scale is exact in int32 (|.| <= 32 31 127 257 63 < 2^31) */
     i32x8 t[8];
@@ -527,6 +546,12 @@ __attribute__((always_inline)) static inline void kquant_span(const int TERMS, c
     memcpy(sc, &sp->sc32, 32);
     i32x8 S = t[0] * sc[0]; /* |lane| <= 8 4 31 127 257 63 < 2^31 */
     for (int u = 1; u < 8; ++u) S += t[u] * sc[u];
+    return S;
+}
+
+__attribute__((always_inline)) static inline void kquant_span(const int TERMS, const span_t *sp, const int8_t *q1,
+                                                              const int8_t *q2, i32x8 *p) {
+    const i32x8 S = kquant_span_sum(TERMS, sp, q1, q2);
     p[0] = S >> 16; /* S = 65536 p0 + p1 */
     p[1] = S & 0xffff;
 }
@@ -545,13 +570,21 @@ static inline int32_t span_m(const span_t *sp, const int32_t *b16) {
  * lane sums of the eight columns' at once (lane_sums8), their M (the mins transposed, a lane per
  * column) and the eight span values. At one row, against one column at a time with lane-wise
  * float sums (the arithmetic before W and M): as fast on rows of 2048 weights, ~15% slower on
- * rows of 8192 in cache, the 1B model's decode step unchanged (2-core AMD EPYC). Tried and
- * dropped: passes of eight spans with M lane-summed like S (its decode step 7-15% slower). */
+ * rows of 8192 in cache, the 1B model's decode step unchanged (2-core AMD EPYC). The arrays kept
+ * between the two loops hold S whole (its halves taken for the lane sums) and the mins as bytes,
+ * 40 bytes a span and column, not 96: with the activations of a long row they fit L1 together
+ * (one row through 4096 x 14336 Q4_K at one thread, two terms, 17.5 -> 19.5 GB/s; 2048-weight rows
+ * 20.2 -> 21.5). Tried and dropped: passes of eight spans with M lane-summed like S (its decode
+ * step 7-15% slower); passes of 4-28 spans over the eight rows with M as now, to keep a pass's
+ * activations in L1 (eight weight streams at once: 15-20 GB/s on long rows, slower on short ones);
+ * M per column at decode (its horizontal sum: 5-10% slower). */
 __attribute__((always_inline)) static inline void kquant_cols8_few(const int type, const int TERMS,
                                                                    const uint8_t *const *wrow, const acts_t *a,
                                                                    int r0, const int R, float *y, size_t ldy) {
     const int spans = a->spans;
-    i32x8 p[R][spans][2][8], mins[spans][8]; /* [row][span][half][column]; [span][column] */
+    i32x8 p[R][spans][8]; /* S: [row][span][column] */
+    uint64_t mins[spans][8]; /* the mins' bytes: [span][column] (the arrays stay small: L1 holds them with
+                              * the activations on rows of 14336) */
     float d[spans][8], dmin[spans][8];
     span_t sp;
     for (int j = 0; j < 8; ++j)
@@ -560,26 +593,29 @@ __attribute__((always_inline)) static inline void kquant_cols8_few(const int typ
             decode_span(type, wrow[j], a->k, s, &sp);
             d[s][j] = sp.d[0];
             dmin[s][j] = sp.dmin;
-            mins[s][j] = sp.m32;
+            mins[s][j] = sp.m8;
             for (int r = 0; r < R; ++r) {
                 const size_t at = (size_t)(r0 + r) * a->k + (size_t)s * SPAN;
-                i32x8 v[2];
-                kquant_span(TERMS, &sp, a->q1 + at, a->q2 + at, v);
-                p[r][s][0][j] = v[0];
-                p[r][s][1][j] = v[1];
+                p[r][s][j] = kquant_span_sum(TERMS, &sp, a->q1 + at, a->q2 + at);
             }
         }
     f32x8 acc[3];
     for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
     for (int s = 0; s < spans; ++s) { /* each row's spans in order */
-        i32x8 mn[8];
-        transpose8(mins[s], mn); /* once for the rows */
+        i32x8 mw[8], mn[8];
+        for (int j = 0; j < 8; ++j) mw[j] = widen8(mins[s][j]);
+        transpose8(mw, mn); /* once for the rows */
         for (int r = 0; r < R; ++r) {
             const size_t rs = (size_t)(r0 + r) * spans + s;
             const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
             i32x8 M = mn[0] * (b16[0] + b16[1]);
             for (int u = 1; u < 8; ++u) M += mn[u] * (b16[2 * u] + b16[2 * u + 1]);
-            acc[r] = acc[r] + span_values(span_w(TERMS, lane_sums8(p[r][s][0]), lane_sums8(p[r][s][1])), M,
+            i32x8 hi[8], lo[8]; /* S = 65536 hi + lo: lane sums that fit int32 */
+            for (int j = 0; j < 8; ++j) {
+                hi[j] = p[r][s][j] >> 16;
+                lo[j] = p[r][s][j] & 0xffff;
+            }
+            acc[r] = acc[r] + span_values(span_w(TERMS, lane_sums8(hi), lane_sums8(lo)), M,
                                           load8f(d[s]), load8f(dmin[s]), splat(a->dx[rs * 8]));
         }
     }
