@@ -42,8 +42,9 @@ second regex engine. Free-form values (``{}``, an object without properties) are
 in every function that has one: each call keeps them as terminal references
 (``CallPart.text``), and the Lark form writes each such piece once, as a terminal the calls
 name (``T<n>``), which llguidance reads once: it reads ~0.2 us a character of regex, so the
-duplicated text was half its build time at 100 BFCL functions. Each call terminal ends where its JSON arguments close, so no call is a
-prefix of another and llguidance's greedy lexer reads the same calls the regex does. Small
+duplicated text was half its build time at 100 BFCL functions. Each call terminal ends where
+its JSON arguments close, so no call is a prefix of another and llguidance's greedy lexer reads
+the same calls the regex does. Small
 answers stay regexes: those alone get an eager index (outlines-core) under the ``auto`` policy.
 
 The service turns OpenAI's ``tools`` / ``tool_choice`` into :class:`ToolCalls`
