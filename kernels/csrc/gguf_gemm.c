@@ -526,13 +526,8 @@ static inline void transpose8(const i32x8 *in, i32x8 *out) {
 #endif
 }
 
-/* S itself (kquant_span's p[0] 65536 + p[1]). */
-__attribute__((always_inline)) static inline i32x8 kquant_span_sum(const int TERMS, const span_t *sp,
-                                                                   const int8_t *q1, const int8_t *q2);
-
 /* One activation row against one decoded Q4_K / Q5_K span: S's lanes, the scaled integer sums of
- * four weights of each unit (header), as their high and low 16 bits (p[0], p[1]: the lane sums of
- * each fit int32; S's lanes sum to W, or W / 256 with one term). */
+ * four weights of each unit (header; S's lanes sum to W, or W / 256 with one term). */
 __attribute__((always_inline)) static inline i32x8 kquant_span_sum(const int TERMS, const span_t *sp,
                                                                    const int8_t *q1, const int8_t *q2) {
     /* t[u]'s lanes: 256 (c . q1) + (c . q2) over four weights each; their sum times the unit's
@@ -549,6 +544,7 @@ __attribute__((always_inline)) static inline i32x8 kquant_span_sum(const int TER
     return S;
 }
 
+/* kquant_span_sum's S as its high and low 16 bits (p[0], p[1]: the lane sums of each fit int32). */
 __attribute__((always_inline)) static inline void kquant_span(const int TERMS, const span_t *sp, const int8_t *q1,
                                                               const int8_t *q2, i32x8 *p) {
     const i32x8 S = kquant_span_sum(TERMS, sp, q1, q2);
