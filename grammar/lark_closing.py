@@ -10,9 +10,34 @@ budget rule.
 
 from __future__ import annotations
 
+import re
+
 from stencil.grammar.base import Program
 from stencil.grammar.closing import ClosingUnsupported
 from stencil.grammar.program import ref, term_ref
+from stencil.grammar.regex_tools import lark_regex_bodies
+
+# an escape pair in a regex body, or an escaped backslash with the quote after it
+_PAIR = re.compile(r'\\(\\"|.)', re.S)
+
+
+def as_lark_reads(text: str) -> str:
+    """``text`` with each ``/regex/`` body's escaped backslash before a quote (``\\\\"``: a
+    backslash, then a quote) written ``\\\\\\x22``: the same regex, which the ``lark``
+    library reads as llguidance does. ``lark`` unescapes ``\\"`` in a regex literal to a bare
+    quote (its ``_fix_escaping``), so ``\\\\"`` became ``\\"``, a quote alone: every JSON string
+    pattern (``(?:[^"\\\\]|\\\\"|...)*``) then took a bare quote inside, and the closing
+    automaton planned ends the served grammar refused (the budget turned itself off)."""
+    spans = list(lark_regex_bodies(text))
+    if not spans or "\\\\\"" not in text:
+        return text
+    out, last = [], 0
+    for start, end in spans:
+        out.append(text[last:start])
+        out.append(_PAIR.sub(lambda m: "\\\\\\x22" if m.group(1) == '\\"' else m.group(0), text[start:end]))
+        last = end
+    out.append(text[last:])
+    return "".join(out)
 
 
 def lark_program(text: str) -> Program:
@@ -24,7 +49,7 @@ def lark_program(text: str) -> Program:
     try:
         from lark.load_grammar import load_grammar
 
-        grammar, _ = load_grammar(text, "<request>", [], False)
+        grammar, _ = load_grammar(as_lark_reads(text), "<request>", [], False)
         terminals, rules, ignore = grammar.compile(["start"], set())
     except Exception as e:  # noqa: BLE001 - any Lark error: no budget for this grammar
         raise ClosingUnsupported(f"the grammar does not load in lark: {type(e).__name__}") from None

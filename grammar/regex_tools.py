@@ -171,6 +171,25 @@ def _lark_error(text: str, message: str, at: int) -> GrammarError:
 _QUOTED_BODY = {q: re.compile(r"[^" + q + r"\\\n]*(?:\\.[^" + q + r"\\\n]*)*", re.S) for q in "\"/"}
 
 
+def lark_regex_bodies(text: str):
+    """``(start, end)`` of each ``/regex/`` body in Lark text ``text`` (after its opening slash,
+    before its closing one), in order; strings and ``//`` comments are skipped."""
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "/" and text[i + 1:i + 2] == "/":  # a comment, to the end of the line
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        if c in "\"/":
+            j = _QUOTED_BODY[c].match(text, i + 1).end()
+            if c == "/":
+                yield i + 1, j
+            i = j + 1
+            continue
+        i += 1
+
+
 def check_lark_counts(text: str) -> None:
     """Refuse a Lark grammar whose counted repetitions exceed what a grammar can count, as
     :func:`check_supported` refuses a regex: an ``item ~ n`` or ``~ n..m`` above

@@ -463,3 +463,45 @@ def test_distances_by_machine_are_the_fixpoints(vocab, schema):
         assert ca._distances_by_machine(order) == ca._distances_fixpoint()
     assert (ca._d, ca._callee_len) == ca._distances_fixpoint()
     assert ca._callee_len[0] < INF
+
+
+def test_an_escaped_backslash_before_a_quote_in_a_lark_regex_keeps_its_meaning_in_the_closing_automaton(engine):
+    """``\\\\"`` in a Lark regex is a backslash, then a quote (llguidance's reading). The ``lark``
+    library unescapes ``\\"`` inside regex literals to a bare quote, which had let the closing
+    automaton read a JSON string's escape as its end and plan ends the grammar refused."""
+    g = engine.grammar.compile(GrammarSpec.grammar('start: S ";"\nS: /"(?:[^"\\\\]|\\\\"|\\\\\\\\)*"/\n'))
+    a = g.closing().result()
+    assert a.accepting(a.step(a.start, b'"a\\"b";')) and not a.accepting(a.step(a.start, b'"a"b";'))
+    s = a.step(a.start, b'"a')
+    assert a.witness(s) == b'";'
+
+
+def test_a_large_tool_answer_closes_within_the_budget_at_every_prefix(engine):
+    """A tool-call answer past the Lark threshold (required, parallel calls; arguments with
+    free-form values and strings): from every prefix of a valid answer the closing automaton's
+    plan is accepted by the served grammar, so the budget stays on."""
+    from stencil.grammar.call_syntax import HERMES
+    from stencil.grammar.tool_calls import CallParts, ToolCalls, ToolFunction, tool_call_spec
+
+    free = ToolFunction("log_event", {"type": "object", "properties": {"payload": {}, "note": {"type": "string"},
+                                                                      "tags": {"type": "array"}},
+                                      "required": ["payload"]})
+    other = ToolFunction("store", {"type": "object", "properties": {"key": {"type": "string"}, "value": {}},
+                                   "required": ["key"]})
+    spec, _ = tool_call_spec(ToolCalls((free, other), required=True, parallel=True), parts=CallParts(),
+                             lark_from_chars=0)
+    assert spec.kind == "lark"
+    g = engine.grammar.compile(spec)
+    a = g.closing().result()
+    text = HERMES.calls_text([("log_event", '{"payload":{"a":"x\\"y"},"note":"q\\\\","tags":[1,"s"]}'),
+                              ("store", '{"key":"k"}')])
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    eos = g.vocab.eos_token_id
+    s = a.start
+    for i, t in enumerate(ids):
+        plan = a.plan(s, limit=200)
+        m = g.matcher()
+        assert m.accept_tokens(ids[:i]) and plan is not None
+        assert m.validate_tokens(plan + [eos]) == len(plan) + 1, (i, text[:40])
+        s = a.step(s, g.vocab.token_bytes.get(t, b""))
+    assert a.accepting(s)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stencil.grammar.regex_tools import _QUOTED_BODY, _TERMINAL_REFS
+from stencil.grammar.regex_tools import _QUOTED_BODY, _TERMINAL_REFS, lark_regex_bodies
 
 TEXTS = st.lists(st.sampled_from(['"', "/", "\\", "\n", "a", "B", "X_1", " ", "i", "{", "~"]), max_size=16).map("".join)
 
@@ -86,3 +86,8 @@ def test_scanners_on_written_examples():
     assert _QUOTED_BODY["/"].match(r"/a\/b/ x", 1).end() == 5
     assert _QUOTED_BODY['"'].match('"a\\"b" x', 1).end() == 5
     assert [r for r in _TERMINAL_REFS.findall('"A B" /C|D/i E _F g') if r] == ["E", "_F"]
+
+
+def test_regex_bodies_skip_strings_and_comments():
+    text = 'A: /a\\/b/ "x/y" // c /z/\nB: /q/i\n'
+    assert [text[s:e] for s, e in lark_regex_bodies(text)] == ["a\\/b", "q"]
