@@ -27,12 +27,14 @@ KV block free). Exit status 1 if one fails.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -95,6 +97,27 @@ class SoakThread:
         """Let the round in progress finish (its clients finish their requests), then return."""
         self._stop.set()
         self._thread.join()
+
+
+@contextmanager
+def _one_ast_parse_at_a_time():
+    """Every ``ast.parse`` of this process under one lock while the fuzzing runs. CPython 3.11's
+    AST object construction is not thread-safe (gh-106905, "SystemError: AST constructor recursion
+    depth mismatch"): Hypothesis parses a lambda's source to describe a strategy on the fuzzing
+    thread, and another thread of the same process may parse too (a module imported there that
+    pytest rewrites, ``ast.literal_eval``); under ``make test`` on a loaded machine it failed a run."""
+    lock = threading.RLock()
+    original = ast.parse
+
+    def parse(*args, **kwargs):
+        with lock:
+            return original(*args, **kwargs)
+
+    ast.parse = parse
+    try:
+        yield
+    finally:
+        ast.parse = original
 
 
 def fuzz_all(url: str, args, seed: int, log=print) -> list:
@@ -160,7 +183,8 @@ def main(args: argparse.Namespace) -> int:
         url = server.url if server is not None else args.url.rstrip("/")
         load = SoakThread(url, args.soak_concurrency, args.soak_round_s).start() if args.under_soak else None
         try:
-            tallies = fuzz_all(url, args, seed, log=lambda m: print(m, file=sys.stderr))
+            with _one_ast_parse_at_a_time():
+                tallies = fuzz_all(url, args, seed, log=lambda m: print(m, file=sys.stderr))
         finally:
             if load is not None:
                 load.stop()
