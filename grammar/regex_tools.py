@@ -171,23 +171,34 @@ def _lark_error(text: str, message: str, at: int) -> GrammarError:
 _QUOTED_BODY = {q: re.compile(r"[^" + q + r"\\\n]*(?:\\.[^" + q + r"\\\n]*)*", re.S) for q in "\"/"}
 
 
+def _quoted_at(text: str, i: int) -> tuple[str, int, int] | None:
+    """What starts at ``text[i]`` of a Lark text: a ``//`` comment (``("comment", e, e)``, ``e`` its
+    line's end), a string or a regex (``('"' or "/", its body's end, the index after its closing
+    delimiter)``), or None."""
+    c = text[i]
+    if c == "/" and text[i + 1:i + 2] == "/":
+        end = text.find("\n", i)
+        end = len(text) if end < 0 else end
+        return "comment", end, end
+    if c in "\"/":
+        j = _QUOTED_BODY[c].match(text, i + 1).end()  # (a C scan: tool answers hold 100 KB of them)
+        return c, j, j + 1
+    return None
+
+
 def lark_regex_bodies(text: str):
     """``(start, end)`` of each ``/regex/`` body in Lark text ``text`` (after its opening slash,
     before its closing one), in order; strings and ``//`` comments are skipped."""
     i, n = 0, len(text)
     while i < n:
-        c = text[i]
-        if c == "/" and text[i + 1:i + 2] == "/":  # a comment, to the end of the line
-            end = text.find("\n", i)
-            i = n if end < 0 else end
+        quoted = _quoted_at(text, i)
+        if quoted is None:
+            i += 1
             continue
-        if c in "\"/":
-            j = _QUOTED_BODY[c].match(text, i + 1).end()
-            if c == "/":
-                yield i + 1, j
-            i = j + 1
-            continue
-        i += 1
+        kind, body_end, i_next = quoted
+        if kind == "/":
+            yield i + 1, body_end
+        i = i_next
 
 
 def check_lark_counts(text: str) -> None:
@@ -212,22 +223,20 @@ def check_lark_counts(text: str) -> None:
     total = 0  # the copies of every count so far
     i, n = 0, len(text)
     while i < n:
-        c = text[i]
-        if c == "/" and text[i + 1:i + 2] == "/":  # a comment, to the end of the line
-            end = text.find("\n", i)
-            i = n if end < 0 else end
-            continue
-        if c in "\"/":  # a string or a regex terminal: skipped (a regex's own counts checked)
-            j = _QUOTED_BODY[c].match(text, i + 1).end()  # (a C scan: tool answers hold 100 KB of them)
-            if c == "/":
+        quoted = _quoted_at(text, i)
+        if quoted is not None:  # a comment, string or regex terminal: skipped (a regex's own counts checked)
+            kind, j, i_next = quoted
+            if kind == "/":
                 for m in _COUNTED.finditer(text, i + 1, j):
                     times = max((int(x) for x in m.groups() if x), default=0)
                     if times > MAX_REPEAT_COUNT:
                         raise _lark_error(text, f"repetition count {times} is above the {MAX_REPEAT_COUNT} a "
                                                 "grammar can count", m.start())
-            frames[-1][1] = 1
-            i = j + 1
+            if kind != "comment":
+                frames[-1][1] = 1
+            i = i_next
             continue
+        c = text[i]
         if c == "~" and (m := _LARK_COUNT.match(text, i)) is not None:
             times = max(int(x) for x in m.groups() if x)
             if times > MAX_REPEAT_COUNT:
