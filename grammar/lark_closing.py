@@ -28,11 +28,10 @@ def as_lark_reads(text: str) -> str:
     quote (its ``_fix_escaping``), so ``\\\\"`` became ``\\"``, a quote alone: every JSON string
     pattern (``(?:[^"\\\\]|\\\\"|...)*``) then took a bare quote inside, and the closing
     automaton planned ends the served grammar refused (the budget turned itself off)."""
-    spans = list(lark_regex_bodies(text))
-    if not spans or "\\\\\"" not in text:
+    if "\\\\\"" not in text:  # (most grammars: no scan)
         return text
     out, last = [], 0
-    for start, end in spans:
+    for start, end in lark_regex_bodies(text):
         out.append(text[last:start])
         out.append(_PAIR.sub(lambda m: "\\\\\\x22" if m.group(1) == '\\"' else m.group(0), text[start:end]))
         last = end
