@@ -174,7 +174,7 @@ def test_other_isa_builds_give_the_same_bits_as_this_build(isa, tmp_path, monkey
     for rows in (1, 6):
         x = torch.randn(rows, 512)
         for qtype, terms in (("Q4_K", 2), ("Q5_K", 2), ("Q6_K", 2), ("Q5_0", 2), ("Q8_0", 2), ("Q4_1", 2),
-                             ("Q4_K", 1), ("Q8_0", 1)):
+                             ("Q5_1", 2), ("Q4_K", 1), ("Q8_0", 1), ("Q4_0", 1)):
             raw = torch.from_numpy(random_blocks(qtype, 20, 512, seed=11))  # 20: eight-column groups and a rest
             group = ggml_blocks.BLOCKS[qtype][1]
             a = ggml_blocks.quantize(x, group, terms=terms)
