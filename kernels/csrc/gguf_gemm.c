@@ -131,6 +131,11 @@ static const int BLOCK_WEIGHTS[NTYPES] = {32, 32, 32, 32, 32, 256, 256, 256};
 #define DOT_BYTES 1
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* Q4_K / Q5_K at a few rows: two units' codes in one 512-bit register (kquant_span_sum). */
+#define WIDE_SPANS 1
+#endif
+
 static inline u8x32 load32(const void *p) {
     u8x32 v;
     memcpy(&v, p, 32);
@@ -323,6 +328,9 @@ static inline f32x8 span_values(i64x8 W, i32x8 M, f32x8 d, f32x8 dmin, f32x8 dx)
 /* One span of one weight row, decoded. */
 typedef struct {
     u8x32 c[8];     /* codes of units 0..7 */
+#ifdef WIDE_SPANS
+    __m512i c2[4];  /* Q4_K, Q5_K decoded wide: the codes of units 2i (low half) and 2i + 1 */
+#endif
     i8x32 neg[8];   /* Q8_0: -1 where the weight is negative, else 0 */
     i16x16 sc[8];   /* Q6_K: the integer sub-block scale of each pair of weights of a unit */
     i32x8 sc32;     /* Q4_K, Q5_K: lane u the integer scale of unit u */
@@ -364,9 +372,10 @@ static inline f32x8 halves8(const uint8_t *p, size_t stride, int n) {
 
 static const i32x8 PAIRS_LO = {0, 0, 1, 1, 2, 2, 3, 3}, PAIRS_HI = {4, 4, 5, 5, 6, 6, 7, 7};
 
-/* Decode span `span` of row `row` (K weights) into sp. */
+/* Decode span `span` of row `row` (K weights) into sp; Q4_K / Q5_K's codes into c2 where `wide`
+ * (and WIDE_SPANS), else into c. */
 __attribute__((always_inline)) static inline void decode_span(const int type, const uint8_t *row, int k, int span,
-                                                              span_t *sp) {
+                                                              span_t *sp, const int wide) {
     if (type >= Q4_K) {
         const uint8_t *b = row + (size_t)span * BLOCK_BYTES[type];
         sp->units = 8;
@@ -409,6 +418,30 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
         const float d = h2f(b), dmin = h2f(b + 2);
         sp->d = splat(d);
         const uint8_t *qs = b + (type == Q4_K ? 16 : 48);
+#ifdef WIDE_SPANS
+        if (wide) {
+            /* 32 bytes of nibbles in both halves, the high half's 16-bit words shifted by 4: units
+             * 2i and 2i + 1 (the 5th bits likewise, each half by its unit's shift) */
+            const __m512i nib = _mm512_set1_epi8(15);
+            const __m512i by4 = _mm512_mask_blend_epi64(0xf0, _mm512_setzero_si512(), _mm512_set1_epi16(4));
+            __m512i h5 = _mm512_setzero_si512();
+            if (type == Q5_K) h5 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+            for (int i = 0; i < 4; ++i) {
+                const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * i)));
+                __m512i c = _mm512_and_si512(_mm512_srlv_epi16(v, by4), nib);
+                if (type == Q5_K) {
+                    /* unit j's bit j moves to bit 4: left by 4 - j (j <= 4), right by j - 4 */
+                    const __m512i lo = _mm512_set1_epi16((short)(2 * i)), hi = _mm512_set1_epi16((short)(2 * i + 1));
+                    const __m512i j = _mm512_mask_blend_epi64(0xf0, lo, hi);
+                    const __m512i up = _mm512_sllv_epi16(h5, _mm512_sub_epi16(_mm512_set1_epi16(4), j));
+                    const __m512i down = _mm512_srlv_epi16(h5, _mm512_sub_epi16(j, _mm512_set1_epi16(4)));
+                    const __m512i bit = i < 2 ? up : (i == 2 ? _mm512_mask_blend_epi64(0xf0, up, down) : down);
+                    c = _mm512_or_si512(c, _mm512_and_si512(bit, _mm512_set1_epi8(16)));
+                }
+                sp->c2[i] = c;
+            }
+        } else
+#endif
         for (int i = 0; i < 4; ++i) {
             const u8x32 v = load32(qs + 32 * i);
             sp->c[2 * i] = v & 15;
@@ -505,6 +538,12 @@ static inline void prefetch_blocks_ahead(const int type, const uint8_t *w, int s
     for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + l, 0, 0);
 }
 
+#ifndef GAP_MIN_SPANS
+#define GAP_MIN_SPANS 16
+#endif
+#ifndef GAP_AHEAD
+#define GAP_AHEAD 8 /* spans of the next eight rows requested per span of kquant_cols8_few's second loop */
+#endif
 #ifndef GROUP_AHEAD
 #define GROUP_AHEAD 2
 #endif
@@ -550,6 +589,19 @@ __attribute__((always_inline)) static inline i32x8 kquant_span_sum(const int TER
                                                                    const int8_t *q1, const int8_t *q2) {
     /* t[u]'s lanes: 256 (c . q1) + (c . q2) over four weights each; their sum times the unit's
      * scale is exact in int32 (|.| <= 32 31 127 257 63 < 2^31) */
+#ifdef WIDE_SPANS
+    /* two units a register (decode_span's c2): lane l of S gets the same products as below */
+    const __m512i sc = _mm512_castsi256_si512((__m256i)sp->sc32);
+    __m512i S2 = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), sp->c2[i], _mm512_loadu_si512(q1 + 64 * i));
+        if (TERMS == 2) t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), sp->c2[i], _mm512_loadu_si512(q2 + 64 * i));
+        const __m512i unit_sc = _mm512_permutexvar_epi32(
+            _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(2 * i), _mm512_set1_epi32(2 * i + 1)), sc);
+        S2 = _mm512_add_epi32(S2, _mm512_mullo_epi32(t, unit_sc));
+    }
+    return (i32x8)_mm256_add_epi32(_mm512_castsi512_si256(S2), _mm512_extracti64x4_epi64(S2, 1));
+#else
     i32x8 t[8];
     for (int u = 0; u < 8; ++u) {
         t[u] = dot4_acc((i32x8){0}, sp->c[u], (i8x32)load32(q1 + 32 * u));
@@ -560,6 +612,7 @@ __attribute__((always_inline)) static inline i32x8 kquant_span_sum(const int TER
     i32x8 S = t[0] * sc[0]; /* |lane| <= 8 4 31 127 257 63 < 2^31 */
     for (int u = 1; u < 8; ++u) S += t[u] * sc[u];
     return S;
+#endif
 }
 
 /* kquant_span_sum's S as its high and low 16 bits (p[0], p[1]: the lane sums of each fit int32). */
@@ -591,9 +644,17 @@ static inline int32_t span_m(const span_t *sp, const int32_t *b16) {
  * 20.2 -> 21.5). Tried and dropped: passes of eight spans with M lane-summed like S (its decode
  * step 7-15% slower); passes of 4-28 spans over the eight rows with M as now, to keep a pass's
  * activations in L1 (eight weight streams at once: 15-20 GB/s on long rows, slower on short ones);
- * M per column at decode (its horizontal sum: 5-10% slower). */
+ * M per column at decode (its horizontal sum: 5-10% slower). With 512-bit registers (WIDE_SPANS)
+ * two units' codes share one register and a span's S takes four VPDPBUSD a term (one row, one
+ * thread, Q4_K 2048 x 2048 .. 14336 x 4096: 20-21 -> 25-27 GB/s, 2-core AMD EPYC with 48 KB L1).
+ * The second loop reads no weights; on rows longer than GAP_MIN_SPANS spans the first loop's
+ * lead ran out while it ran (Q4_K 4096 x 14336 from DRAM: 19 GB/s against 25-27 on shorter rows),
+ * so it requests GAP_AHEAD spans of the next eight rows an iteration (19.5 -> 23.8 GB/s; 8192 x
+ * 8192 23.5 -> 24.4). Q5_K, bound by its decoding, gained nothing from it and does not. Tried and
+ * dropped: passes of 8-32 spans over the eight rows with prefetches in reading order (no faster). */
 __attribute__((always_inline)) static inline void kquant_cols8_few(const int type, const int TERMS,
-                                                                   const uint8_t *const *wrow, const acts_t *a,
+                                                                   const uint8_t *const *wrow,
+                                                                   const uint8_t *const *wnext, const acts_t *a,
                                                                    int r0, const int R, float *y, size_t ldy) {
     const int spans = a->spans;
     i32x8 p[R][spans][8]; /* S: [row][span][column] */
@@ -604,7 +665,7 @@ __attribute__((always_inline)) static inline void kquant_cols8_few(const int typ
     for (int j = 0; j < 8; ++j)
         for (int s = 0; s < spans; ++s) {
             prefetch_ahead_in_row(type, wrow[j], s);
-            decode_span(type, wrow[j], a->k, s, &sp);
+            decode_span(type, wrow[j], a->k, s, &sp, 1);
             d[s][j] = sp.d[0];
             dmin[s][j] = sp.dmin;
             mins[s][j] = sp.m8;
@@ -616,6 +677,16 @@ __attribute__((always_inline)) static inline void kquant_cols8_few(const int typ
     f32x8 acc[3];
     for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
     for (int s = 0; s < spans; ++s) { /* each row's spans in order */
+        /* No weights are read here: the next eight rows' spans past the first loop's lead are
+         * requested, two an iteration, so that memory stays busy (on rows of 14336, 56 spans, the
+         * lead alone ran out: 18 GB/s from DRAM against 25 on rows of 4096) */
+        for (int e = GAP_AHEAD * s + PREFETCH_SPANS; type == Q4_K && spans > GAP_MIN_SPANS && e < GAP_AHEAD * (s + 1) + PREFETCH_SPANS; ++e) {
+            const int jn = e / spans;
+            if (jn < 8 && wnext[jn]) {
+                const char *q = (const char *)wnext[jn] + (size_t)(e % spans) * BLOCK_BYTES[type];
+                for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(q + l, 0, 0);
+            }
+        }
         i32x8 mw[8], mn[8];
         for (int j = 0; j < 8; ++j) mw[j] = widen8(mins[s][j]);
         transpose8(mw, mn); /* once for the rows */
@@ -646,7 +717,7 @@ __attribute__((always_inline)) static inline void kquant_column(const int type, 
     span_t sp;
     for (int s = 0; s < a->spans; ++s) {
         prefetch_ahead_in_row(type, row, s);
-        decode_span(type, row, a->k, s, &sp);
+        decode_span(type, row, a->k, s, &sp, 1);
         for (int r = 0; r < R; ++r) {
             const size_t rs = (size_t)(r0 + r) * a->spans + s;
             i32x8 v[2];
@@ -677,7 +748,7 @@ __attribute__((always_inline)) static inline void column_tile(const int type, co
     for (int s = 0; s < a->spans; ++s) {
         if (type == Q6_K) prefetch_ahead_in_row(type, row, s);
         else prefetch_blocks_ahead(type, row, s);
-        decode_span(type, row, a->k, s, &sp);
+        decode_span(type, row, a->k, s, &sp, 0);
         for (int r = 0; r < R; ++r) {
             const size_t rr = (size_t)(r0 + r);
             const int8_t *q1 = a->q1 + rr * a->k + (size_t)s * SPAN, *q2 = a->q2 + rr * a->k + (size_t)s * SPAN;
@@ -764,10 +835,11 @@ static const tile_fn TILES_OF[NTYPES][2][TILE_ROWS] = {ROW(Q4_0), ROW(Q4_1), ROW
                                                        ROW(Q8_0), ROW(Q4_K), ROW(Q5_K), ROW(Q6_K)};
 
 /* Eight Q4_K / Q5_K columns of up to three activation rows (kquant_cols8_few), one function each. */
-typedef void (*few_fn)(const uint8_t *const *, const acts_t *, int, float *, size_t);
+typedef void (*few_fn)(const uint8_t *const *, const uint8_t *const *, const acts_t *, int, float *, size_t);
 #define FEW(T, N, R)                                                                                   \
-    static void few_##T##_##N##_##R(const uint8_t *const *w, const acts_t *a, int r0, float *y, size_t ldy) { \
-        kquant_cols8_few(T, N, w, a, r0, R, y, ldy);                                                     \
+    static void few_##T##_##N##_##R(const uint8_t *const *w, const uint8_t *const *wn, const acts_t *a, int r0, \
+                                    float *y, size_t ldy) {                                              \
+        kquant_cols8_few(T, N, w, wn, a, r0, R, y, ldy);                                                 \
     }
 #define FEWS(T) FEW(T, 1, 1) FEW(T, 1, 2) FEW(T, 1, 3) FEW(T, 2, 1) FEW(T, 2, 2) FEW(T, 2, 3)
 FEWS(Q4_K) FEWS(Q5_K)
@@ -815,7 +887,7 @@ __attribute__((always_inline)) static inline void cols8(const int type, const in
         span_t sp;
         for (int j = 0; j < 8; ++j) {
             prefetch_ahead(type, wrow[j], wnext[j], s, a->spans);
-            decode_span(type, wrow[j], a->k, s, &sp);
+            decode_span(type, wrow[j], a->k, s, &sp, 0);
             for (int u = 0; u < 8; ++u) cod[u][j] = (i32x8)sp.c[u];
             sca[j] = sp.sc32;
             scb[j] = sp.m32;
@@ -1030,19 +1102,19 @@ int stencil_gguf_gemm(int type, const uint8_t *w, long row_bytes, int k, const i
             for (; (type == Q4_K || type == Q5_K) && c + 8 <= c1; c += 8) {
                 const uint8_t *wrow[8];
                 for (int j = 0; j < 8; ++j) wrow[j] = w + (size_t)(cols ? cols[c + j] : c + j) * row_bytes;
+                /* the next eight rows, for the prefetches (NULL past the thread's columns) */
+                const uint8_t *wnext[8];
+                for (int j = 0; j < 8; ++j)
+                    wnext[j] = c + 8 + j < c1 ? w + (size_t)(cols ? cols[c + 8 + j] : c + 8 + j) * row_bytes : NULL;
 #ifdef COLS8
                 if (rows >= COLS8_MIN_ROWS) {
-                    /* the next eight rows, for the prefetches (NULL past the thread's columns) */
-                    const uint8_t *wnext[8];
-                    for (int j = 0; j < 8; ++j)
-                        wnext[j] = c + 8 + j < c1 ? w + (size_t)(cols ? cols[c + 8 + j] : c + 8 + j) * row_bytes : NULL;
                     COLS8_OF[type - Q4_K][a.terms - 1](wrow, wnext, &a, r0, rows, y + c, (size_t)ldy);
                     continue;
                 }
 #endif
                 for (int r = r0; r < r0 + rows; r += 3) {
                     const int R = r0 + rows - r < 3 ? r0 + rows - r : 3;
-                    FEW_OF[type - Q4_K][a.terms - 1][R - 1](wrow, &a, r, y + (size_t)r * ldy + c, (size_t)ldy);
+                    FEW_OF[type - Q4_K][a.terms - 1][R - 1](wrow, wnext, &a, r, y + (size_t)r * ldy + c, (size_t)ldy);
                 }
             }
             for (; c < c1; ++c) {
