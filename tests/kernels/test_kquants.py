@@ -138,9 +138,10 @@ def test_each_row_gets_the_same_bits_at_any_row_count_columns_and_threads(qtype,
     for rows in ([0], [40], [3, 4, 5], list(range(9)), list(range(33))):
         part = ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x[rows], group, terms=terms), threads=1)
         assert torch.equal(part, whole[rows])
-    cols = torch.tensor([69, 2, 2, 31])
-    assert torch.equal(ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, group, terms=terms), cols),
-                       whole[:, cols])
+    # one at a time, eight at once, sixteen and eight (the k-quants' column paths at many rows)
+    for cols in (torch.tensor([69, 2, 2, 31]), torch.arange(8) + 3, torch.arange(24).flip(0)):
+        assert torch.equal(ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, group, terms=terms), cols),
+                           whole[:, cols])
 
 
 def _cpu_flags() -> set[str]:
