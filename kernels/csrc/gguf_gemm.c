@@ -14,7 +14,7 @@
  *   Q5_0  c = q (0..31)         s = d        z = -16 d         Q5_1  s = d, z = m
  *   Q8_0  c = |q|, sign(q)      s = d        z = 0   (byte dot products: c = q, see ISAs)
  *   Q4_K  c = q (0..15), Q5_K c = q (0..31): s = d sc_j, z = -(dmin m_j), j the sub-block of 32
- *   Q6_K  c = q (0..63)         s = d sc_j   z = -32 s, j the sub-block of 16
+ *   Q6_K  c = q (0..63)         s = d sc_j   z = -32 s, j the sub-block of 16 (in W and M, below)
  *
  * Activations (per row and group, the two int8 terms of vnni_gemm.c; a group is 32 inputs for
  * the 32-weight types and a whole super-block of 256 for the k-quants, whose sub-block scales
@@ -43,18 +43,18 @@
  *             one term: 256 sum_u sc_u c_u . q1_u) and M = sum_j m_j B32_j (int32, B32_j =
  *             B16[2j] + B16[2j + 1], the sums of sub-block j's inputs), sc_u, m_j the 6-bit
  *             scales and mins; the span's value v = float(W) (d dx) - float(M) (dmin dx), and
- *             y = ((0 + v_0) + v_1) + ... in span order. W and M being exact, the integer work
- *             may be organised in any way that fits the rows at hand, with the same bits: one
- *             column at a time (kquant_column), eight columns whose lane sums are taken together
- *             (kquant_cols8_few: a decode step's rows), or eight columns transposed so that a
- *             vector lane holds a column and an activation word is broadcast (cols8, AVX512:
- *             from COLS8_MIN_ROWS rows, prompts and large batches).
- *   Q6_K and the 32-blocks, acc and zacc 8 fp32 lanes from 0, y = hsum(acc) + hsum(zacc) (hsum in
- *   a fixed order):
- *   Q6_K:     T1 = sum_u pairs(c_u, q1_u) . sc_u, T2 likewise with q2 (int32 lanes, exact:
- *             pairs() are i16 sums of two products, sc_u the sub-block's integer scale)
- *             acc = acc + (float(T1) * 256 + float(T2)) * (d dx)
- *             zacc = zacc + (z[0:8] float(B16[0:8]) + z[8:16] float(B16[8:16])) * dx
+ *             y = ((0 + v_0) + v_1) + ... in span order.
+ *   Q6_K:     likewise W = sum_j sc_j (256 c_j . q1_j + c_j . q2_j) over its 16 sub-blocks j of 16
+ *             weights (int64; sc_j the signed 8-bit scales), M = sum_j sc_j B16_j (int32), and
+ *             v = float(W - 32 M) (d dx): the weights d sc_j (c - 32), exactly.
+ *             W and M being exact, the integer work of the k-quants may be organised in any way
+ *             that fits the rows at hand, with the same bits: one column at a time
+ *             (kquant_column, column_tile), eight columns whose lane sums are taken together
+ *             (kquant_cols8_few, q6k_cols8_few: a decode step's rows), or sixteen columns
+ *             transposed so that a vector lane holds a column and an activation word is broadcast
+ *             (cols16, AVX512: from COLS16_MIN_ROWS rows, prompts and large batches).
+ *   The 32-blocks, acc and zacc 8 fp32 lanes from 0, y = hsum(acc) + hsum(zacc) (hsum in a
+ *   fixed order):
  *   32-blocks: per unit u, S = 256 dot(c_u, q1_u) + dot(c_u, q2_u) (exact, |S| < 2^24)
  *             acc = acc + float(S) * (d_u dx_u)
  *             zacc = (zacc + z[0:8] X16[0:8]) + z[8:16] X16[8:16]
@@ -332,11 +332,13 @@ static inline f32x8 span_values(i64x8 W, i32x8 M, f32x8 d, f32x8 dmin, f32x8 dx)
 typedef struct {
     u8x32 c[8];     /* codes of units 0..7 */
 #ifdef WIDE_SPANS
-    __m512i c2[4];  /* Q4_K, Q5_K decoded wide: the codes of units 2i (low half) and 2i + 1 */
+    __m512i c2[4];  /* k-quants decoded wide: the codes of units 2i (low half) and 2i + 1 */
+    __m512i sc2[4]; /* Q6_K decoded wide: sc[2i] and sc[2i + 1] (its pairs' scales) in one register */
 #endif
     i8x32 neg[8];   /* Q8_0: -1 where the weight is negative, else 0 */
     i16x16 sc[8];   /* Q6_K: the integer sub-block scale of each pair of weights of a unit */
     i32x8 sc32;     /* Q4_K, Q5_K: lane u the integer scale of unit u */
+    const int8_t *sc16; /* Q6_K: the 16 sub-blocks' integer scales (in the block) */
     i32x8 m32;      /* Q4_K, Q5_K: lane u the integer min of unit u */
     uint64_t m8;    /* Q4_K, Q5_K: byte u the integer min of unit u */
     float dmin;     /* Q4_K, Q5_K: the super-block's dmin */
@@ -386,6 +388,33 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
             const uint8_t *ql = b, *qh = b + 128;
             const float d = h2f(b + 208);
             sp->d = splat(d);
+            sp->sc16 = (const int8_t *)(b + 192);
+#ifdef WIDE_SPANS
+            if (wide) {
+                /* units 4n, 4n + 1 (ql's 64 bytes from 64n, low nibbles) and 4n + 2, 4n + 3 (high
+                 * nibbles), the two high bits from qh's 32 bytes in both halves, shifted per half */
+                const __m512i low4 = _mm512_set1_epi8(15), top2 = _mm512_set1_epi8(0x30);
+                const __m512i up = _mm512_mask_blend_epi64(0xf0, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
+                const __m512i down = _mm512_mask_blend_epi64(0xf0, _mm512_setzero_si512(), _mm512_set1_epi16(2));
+                for (int n = 0; n < 2; ++n) {
+                    const __m512i L = _mm512_loadu_si512(ql + 64 * n);
+                    const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qh + 32 * n)));
+                    sp->c2[2 * n] = _mm512_or_si512(_mm512_and_si512(L, low4),
+                                                    _mm512_and_si512(_mm512_sllv_epi16(H, up), top2));
+                    sp->c2[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), low4),
+                                                        _mm512_and_si512(_mm512_srlv_epi16(H, down), top2));
+                }
+                /* i16 lane l of sc2[i]: the scale of weights 2l, 2l + 1 of units 2i, 2i + 1 */
+                const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192))));
+                for (int i = 0; i < 4; ++i) {
+                    const __m512i at = _mm512_add_epi16(_mm512_set1_epi16((short)(4 * i)),
+                                                        _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                                                                           15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
+                    sp->sc2[i] = _mm512_permutexvar_epi16(at, sc16);
+                }
+                return;
+            }
+#endif
             /* Shifts by 16-bit lanes, then masks: the bits a lane's neighbour pushes in are masked
              * off (x86 has no byte shift; one emulated by additions cost 32 instructions a span). */
             for (int n = 0; n < 2; ++n) {
@@ -405,17 +434,6 @@ __attribute__((always_inline)) static inline void decode_span(const int type, co
             sp->sc[3] = UNIT_SCALES(3); sp->sc[4] = UNIT_SCALES(4); sp->sc[5] = UNIT_SCALES(5);
             sp->sc[6] = UNIT_SCALES(6); sp->sc[7] = UNIT_SCALES(7);
 #undef UNIT_SCALES
-            const f32x8 d32 = splat(-32.0f) * splat(d); /* exact */
-            for (int h = 0; h < 2; ++h) {
-#if defined(__AVX2__)
-                const i32x8 sc = (i32x8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)));
-#else
-                i8x8 part;
-                memcpy(&part, b + 192 + 8 * h, 8);
-                const i32x8 sc = __builtin_convertvector(part, i32x8);
-#endif
-                sp->z[h] = d32 * __builtin_convertvector(sc, f32x8); /* -32 d sc, exact */
-            }
             return;
         }
         const float d = h2f(b), dmin = h2f(b + 2);
@@ -560,6 +578,19 @@ static inline void prefetch_ahead(const int type, const uint8_t *w, const uint8_
     for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(p + l, 0, 0);
 }
 
+/* In the second loop of the few-row paths, which reads no weights: the next eight rows' spans past
+ * the first loop's lead, GAP_AHEAD an iteration, so that memory stays busy while it runs (rows of
+ * more than GAP_MIN_SPANS spans; on shorter ones the lead lasts). */
+static inline void prefetch_in_gap(const int type, const uint8_t *const *wnext, int s, int spans) {
+    for (int e = GAP_AHEAD * s + PREFETCH_SPANS; spans > GAP_MIN_SPANS && e < GAP_AHEAD * (s + 1) + PREFETCH_SPANS; ++e) {
+        const int jn = e / spans;
+        if (jn < 8 && wnext[jn]) {
+            const char *q = (const char *)wnext[jn] + (size_t)(e % spans) * BLOCK_BYTES[type];
+            for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(q + l, 0, 0);
+        }
+    }
+}
+
 /* out[l] lane j = in[j] lane l (32-bit lanes). */
 static inline void transpose8(const i32x8 *in, i32x8 *out) {
 #if defined(__AVX2__)
@@ -680,16 +711,7 @@ __attribute__((always_inline)) static inline void kquant_cols8_few(const int typ
     f32x8 acc[3];
     for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
     for (int s = 0; s < spans; ++s) { /* each row's spans in order */
-        /* No weights are read here: the next eight rows' spans past the first loop's lead are
-         * requested, two an iteration, so that memory stays busy (on rows of 14336, 56 spans, the
-         * lead alone ran out: 18 GB/s from DRAM against 25 on rows of 4096) */
-        for (int e = GAP_AHEAD * s + PREFETCH_SPANS; type == Q4_K && spans > GAP_MIN_SPANS && e < GAP_AHEAD * (s + 1) + PREFETCH_SPANS; ++e) {
-            const int jn = e / spans;
-            if (jn < 8 && wnext[jn]) {
-                const char *q = (const char *)wnext[jn] + (size_t)(e % spans) * BLOCK_BYTES[type];
-                for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(q + l, 0, 0);
-            }
-        }
+        if (type == Q4_K) prefetch_in_gap(type, wnext, s, spans);
         i32x8 mw[8], mn[8];
         for (int j = 0; j < 8; ++j) mw[j] = widen8(mins[s][j]);
         transpose8(mw, mn); /* once for the rows */
@@ -705,6 +727,129 @@ __attribute__((always_inline)) static inline void kquant_cols8_few(const int typ
             }
             acc[r] = acc[r] + span_values(span_w(TERMS, lane_sums8(hi), lane_sums8(lo)), M,
                                           load8f(d[s]), load8f(dmin[s]), splat(a->dx[rs * 8]));
+        }
+    }
+    for (int r = 0; r < R; ++r) memcpy(y + (size_t)r * ldy, &acc[r], 32);
+}
+
+/* Q6_K's integer sums of one span against one activation row, as lanes (their lane sums are W's
+ * two terms: W = 256 sum(T[0]) + sum(T[1]), header): per unit, the pairs' products times their
+ * sub-block's scale, in four independent chains per term (one chain of eight dependent VPDPWSSD
+ * would bound a one-row step by its latency; integers: the same sums). Lanes |.| <= 32 63 127 128
+ * (2^25), a column's lane sum <= 2^28. */
+__attribute__((always_inline)) static inline void q6k_span(const int TERMS, const span_t *sp, const int8_t *q1,
+                                                           const int8_t *q2, i32x8 *T, const int wide) {
+#ifdef WIDE_SPANS
+    if (wide) { /* decode_span's c2 and sc2: two units a register, two chains a term */
+        __m512i w1[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, w2[2] = {w1[0], w1[1]};
+        for (int i = 0; i < 4; ++i) {
+            w1[i & 1] = _mm512_dpwssd_epi32(w1[i & 1], _mm512_maddubs_epi16(sp->c2[i], _mm512_loadu_si512(q1 + 64 * i)),
+                                            sp->sc2[i]);
+            if (TERMS == 2)
+                w2[i & 1] = _mm512_dpwssd_epi32(w2[i & 1], _mm512_maddubs_epi16(sp->c2[i], _mm512_loadu_si512(q2 + 64 * i)),
+                                                sp->sc2[i]);
+        }
+        const __m512i s1 = _mm512_add_epi32(w1[0], w1[1]), s2 = _mm512_add_epi32(w2[0], w2[1]);
+        T[0] = (i32x8)_mm256_add_epi32(_mm512_castsi512_si256(s1), _mm512_extracti64x4_epi64(s1, 1));
+        T[1] = (i32x8)_mm256_add_epi32(_mm512_castsi512_si256(s2), _mm512_extracti64x4_epi64(s2, 1));
+        return;
+    }
+#endif
+    (void)wide;
+    i32x8 t1[4] = {{0}}, t2[4] = {{0}};
+    for (int u = 0; u < 8; ++u) {
+        t1[u & 3] = madd_acc(t1[u & 3], pairs(sp->c[u], (i8x32)load32(q1 + 32 * u)), sp->sc[u]);
+        if (TERMS == 2) t2[u & 3] = madd_acc(t2[u & 3], pairs(sp->c[u], (i8x32)load32(q2 + 32 * u)), sp->sc[u]);
+    }
+    T[0] = (t1[0] + t1[1]) + (t1[2] + t1[3]);
+    T[1] = (t2[0] + t2[1]) + (t2[2] + t2[3]);
+}
+
+/* Lanes a0 + a1, a2 + a3, b0 + b1, b2 + b3, a4 + a5, a6 + a7, b4 + b5, b6 + b7 (VPHADDD): a's lanes
+ * are where FIRST_PAIRS is set. */
+static const i32x8 FIRST_PAIRS = {-1, -1, 0, 0, -1, -1, 0, 0};
+static inline i32x8 pair_sums(i32x8 a, i32x8 b) {
+#if defined(__AVX2__)
+    return (i32x8)_mm256_hadd_epi32((__m256i)a, (__m256i)b);
+#else
+    return __builtin_shuffle(a, b, (i32x8){0, 2, 8, 10, 4, 6, 12, 14}) +
+           __builtin_shuffle(a, b, (i32x8){1, 3, 9, 11, 5, 7, 13, 15});
+#endif
+}
+
+/* The sixteen scale bytes at sc as two int32 vectors (sub-blocks 0-7, 8-15). */
+static inline void q6k_scales(const int8_t *sc, i32x8 *out) {
+#if defined(__AVX2__)
+    out[0] = (i32x8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+    out[1] = (i32x8)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+#else
+    i8x8 lo, hi;
+    memcpy(&lo, sc, 8);
+    memcpy(&hi, sc + 8, 8);
+    out[0] = __builtin_convertvector(lo, i32x8);
+    out[1] = __builtin_convertvector(hi, i32x8);
+#endif
+}
+
+/* A Q6_K span's value for one column (header): float(W - 32 M) (d dx). */
+static inline float q6k_value(int64_t W, int32_t M, float d, float dx) {
+    return (float)(W - 32 * (int64_t)M) * (d * dx);
+}
+
+/* y[j + r ldy] for eight Q6_K weight rows wrow[j] and activation rows r0 .. r0 + R - 1 (R <= 3, a
+ * decode step), as kquant_cols8_few does for Q4_K: each column's lanes span by span, then per span
+ * the eight columns' lane sums at once and M with the scales transposed, a lane per column. With
+ * WIDE_SPANS two units a register (one row, one thread, 2-core AMD EPYC: 16384 x 2048 25 -> 34-37
+ * GB/s, 8192 x 8192 26.6 -> 27.7; 4096 x 14336 26.6 -> 24.3, its second loop's gap as for Q4_K,
+ * against the lane-wise float sums Q6_K had before its exact W and M). */
+__attribute__((always_inline)) static inline void q6k_cols8_few(const int TERMS, const uint8_t *const *wrow,
+                                                                const uint8_t *const *wnext, const acts_t *a, int r0,
+                                                                const int R, float *y, size_t ldy) {
+    const int spans = a->spans;
+    i32x8 p[R][spans][8]; /* [row][span][column]: pair_sums of the two terms' lanes (half the bytes:
+                            * with a long row's activations, L1 holds them) */
+    const int8_t *scs[spans][8];
+    float d[spans][8];
+    span_t sp;
+    for (int j = 0; j < 8; ++j)
+        for (int s = 0; s < spans; ++s) {
+            prefetch_ahead_in_row(Q6_K, wrow[j], s);
+            decode_span(Q6_K, wrow[j], a->k, s, &sp, 1);
+            d[s][j] = sp.d[0];
+            scs[s][j] = sp.sc16;
+            for (int r = 0; r < R; ++r) {
+                const size_t at = (size_t)(r0 + r) * a->k + (size_t)s * SPAN;
+                i32x8 T[2];
+                q6k_span(TERMS, &sp, a->q1 + at, a->q2 + at, T, 1);
+                p[r][s][j] = pair_sums(T[0], T[1]);
+            }
+        }
+    f32x8 acc[3];
+    for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
+    for (int s = 0; s < spans; ++s) {
+        prefetch_in_gap(Q6_K, wnext, s, spans);
+        i32x8 lo[8], hi[8], sct[16]; /* sct[i]: lane j = column j's scale of sub-block i */
+        for (int j = 0; j < 8; ++j) {
+            i32x8 two[2];
+            q6k_scales(scs[s][j], two);
+            lo[j] = two[0];
+            hi[j] = two[1];
+        }
+        transpose8(lo, sct);
+        transpose8(hi, sct + 8);
+        for (int r = 0; r < R; ++r) {
+            const size_t rs = (size_t)(r0 + r) * spans + s;
+            const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
+            i32x8 M = sct[0] * b16[0];
+            for (int i = 1; i < 16; ++i) M += sct[i] * b16[i];
+            i32x8 t0[8], t1[8];
+            for (int j = 0; j < 8; ++j) {
+                t0[j] = p[r][s][j] & FIRST_PAIRS;
+                t1[j] = p[r][s][j] & ~FIRST_PAIRS;
+            }
+            const i64x8 W = (wide(lane_sums8(t0)) << 8) + wide(lane_sums8(t1));
+            const i64x8 V = W - (wide(M) << 5);
+            acc[r] = acc[r] + __builtin_convertvector(V, f32x8) * (load8f(d[s]) * splat(a->dx[rs * 8]));
         }
     }
     for (int r = 0; r < R; ++r) memcpy(y + (size_t)r * ldy, &acc[r], 32);
@@ -736,7 +881,7 @@ __attribute__((always_inline)) static inline void kquant_column(const int type, 
 }
 
 /* y[r * ldy] for rows r0 .. r0 + R - 1 of one weight row: Q4_K / Q5_K through kquant_column, Q6_K
- * and the 32-weight types with lane-wise float sums (header). */
+ * through its W and M, the 32-weight types with lane-wise float sums (header). */
 __attribute__((always_inline)) static inline void column_tile(const int type, const int TERMS, const uint8_t *row,
                                                               const acts_t *a, int r0, const int R, float *y,
                                                               size_t ldy) {
@@ -755,27 +900,14 @@ __attribute__((always_inline)) static inline void column_tile(const int type, co
         for (int r = 0; r < R; ++r) {
             const size_t rr = (size_t)(r0 + r);
             const int8_t *q1 = a->q1 + rr * a->k + (size_t)s * SPAN, *q2 = a->q2 + rr * a->k + (size_t)s * SPAN;
-            if (type == Q6_K) { /* one activation scale per span: sub-block scales in integer */
-                /* Four independent sums per term, added at the end: one chain of eight dependent
-                 * VPDPWSSD would bound a one-row step by its latency (integer: the same bits). */
-                i32x8 t1[4] = {{0}}, t2[4] = {{0}};
-                for (int u = 0; u < 8; ++u) {
-                    t1[u & 3] = madd_acc(t1[u & 3], pairs(sp.c[u], (i8x32)load32(q1 + 32 * u)), sp.sc[u]);
-                    if (TERMS == 2)
-                        t2[u & 3] = madd_acc(t2[u & 3], pairs(sp.c[u], (i8x32)load32(q2 + 32 * u)), sp.sc[u]);
-                }
-                const i32x8 T1 = (t1[0] + t1[1]) + (t1[2] + t1[3]), T2 = (t2[0] + t2[1]) + (t2[2] + t2[3]);
-                i32x8 b0, b1;
-                memcpy(&b0, (const int32_t *)a->x16 + (rr * a->spans + s) * 16, 32);
-                memcpy(&b1, (const int32_t *)a->x16 + (rr * a->spans + s) * 16 + 8, 32);
-                const float scale = sp.d[0] * a->dx[(rr * a->spans + s) * 8];
-                acc[r] = acc[r] + (__builtin_convertvector(T1, f32x8) * 256.0f + __builtin_convertvector(T2, f32x8)) *
-                                      splat(scale);
-                /* the offsets z = -32 d sc_j of the sub-blocks j = l and l + 8 in lane l, times their
-                 * activations' sums (dx B16, B16 exact in fp32: |B16| < 2^20) */
-                zacc[r] = zacc[r] + (sp.z[0] * __builtin_convertvector(b0, f32x8) +
-                                     sp.z[1] * __builtin_convertvector(b1, f32x8)) *
-                                        splat(a->dx[(rr * a->spans + s) * 8]);
+            if (type == Q6_K) { /* W and M (header), one lane of acc used */
+                i32x8 T[2], sc[2], b[2];
+                q6k_span(TERMS, &sp, q1, q2, T, 0);
+                q6k_scales(sp.sc16, sc);
+                memcpy(b, (const int32_t *)a->x16 + (rr * a->spans + s) * 16, 64);
+                const int64_t W = ((int64_t)hsum_i32(T[0]) << 8) + hsum_i32(T[1]);
+                acc[r][0] = acc[r][0] + q6k_value(W, hsum_i32(sc[0] * b[0] + sc[1] * b[1]), sp.d[0],
+                                                  a->dx[(rr * a->spans + s) * 8]);
                 continue;
             }
             /* one activation scale per block of 32, as the weights */
@@ -819,7 +951,7 @@ __attribute__((always_inline)) static inline void column_tile(const int type, co
             zacc[r] = (zacc[r] + sp.z[0] * x0) + sp.z[1] * x1;
         }
     }
-    for (int r = 0; r < R; ++r) y[(size_t)r * ldy] = hsum(acc[r]) + hsum(zacc[r]);
+    for (int r = 0; r < R; ++r) y[(size_t)r * ldy] = type == Q6_K ? acc[r][0] : hsum(acc[r]) + hsum(zacc[r]);
 }
 
 /* One function per (type, rows of the tile): the type's branches and the tile's loops resolve at
@@ -837,7 +969,8 @@ TILES(Q4_0) TILES(Q4_1) TILES(Q5_0) TILES(Q5_1) TILES(Q8_0) TILES(Q4_K) TILES(Q5
 static const tile_fn TILES_OF[NTYPES][2][TILE_ROWS] = {ROW(Q4_0), ROW(Q4_1), ROW(Q5_0), ROW(Q5_1),
                                                        ROW(Q8_0), ROW(Q4_K), ROW(Q5_K), ROW(Q6_K)};
 
-/* Eight Q4_K / Q5_K columns of up to three activation rows (kquant_cols8_few), one function each. */
+/* Eight k-quant columns of up to three activation rows (kquant_cols8_few, q6k_cols8_few), one
+ * function each. */
 typedef void (*few_fn)(const uint8_t *const *, const uint8_t *const *, const acts_t *, int, float *, size_t);
 #define FEW(T, N, R)                                                                                   \
     static void few_##T##_##N##_##R(const uint8_t *const *w, const uint8_t *const *wn, const acts_t *a, int r0, \
@@ -846,8 +979,14 @@ typedef void (*few_fn)(const uint8_t *const *, const uint8_t *const *, const act
     }
 #define FEWS(T) FEW(T, 1, 1) FEW(T, 1, 2) FEW(T, 1, 3) FEW(T, 2, 1) FEW(T, 2, 2) FEW(T, 2, 3)
 FEWS(Q4_K) FEWS(Q5_K)
+#define FEW6(N, R)                                                                                     \
+    static void few_Q6_K_##N##_##R(const uint8_t *const *w, const uint8_t *const *wn, const acts_t *a, int r0, \
+                                   float *y, size_t ldy) {                                               \
+        q6k_cols8_few(N, w, wn, a, r0, R, y, ldy);                                                         \
+    }
+FEW6(1, 1) FEW6(1, 2) FEW6(1, 3) FEW6(2, 1) FEW6(2, 2) FEW6(2, 3)
 #define FEW_ROW(T) {{few_##T##_1_1, few_##T##_1_2, few_##T##_1_3}, {few_##T##_2_1, few_##T##_2_2, few_##T##_2_3}}
-static const few_fn FEW_OF[2][2][3] = {FEW_ROW(Q4_K), FEW_ROW(Q5_K)};
+static const few_fn FEW_OF[3][2][3] = {FEW_ROW(Q4_K), FEW_ROW(Q5_K), FEW_ROW(Q6_K)};
 
 static void column(int type, const uint8_t *row, const acts_t *a, int r0, int rows, float *y, size_t ldy) {
     for (int r = r0; r < r0 + rows; r += TILE_ROWS) {
@@ -856,84 +995,13 @@ static void column(int type, const uint8_t *row, const acts_t *a, int r0, int ro
     }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__AVX512BW__)
-#define COLS8 1
-/* Rows (of a row block) from which eight columns at once beat one column at a time: each span's
- * codes are transposed once for all the rows (measured: `stencil bench cpu_kernels`). */
-#define COLS8_MIN_ROWS 4
+#if defined(WIDE_SPANS) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define COLS16 1
+/* Rows (of a row block) from which sixteen transposed columns beat eight read a column at a time
+ * (kquant_cols8_few): each span's codes are transposed once for all the rows (measured, one row
+ * through `stencil bench rows`-style runs: at 2 rows the few-row path is faster, at 4 this one). */
+#define COLS16_MIN_ROWS 4
 
-/* Four int8 activations at p in every lane. */
-static inline __m256i bcast4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-
-/* Lanes: the eight columns' four products of weights 4l..4l+3 with activations p[0..3], added
- * for l = l0 .. l0 + n - 1. */
-#define DOTS(acc, w, p, l0, n)                                                                  \
-    for (int l = l0; l < l0 + n; ++l) acc = _mm256_dpbusd_epi32(acc, w[l], bcast4((p) + 4 * l))
-
-/* y[r * ldy + j] for rows r0 .. r0 + nrows - 1 (nrows <= ROW_BLOCK) and the eight Q4_K / Q5_K
- * weight rows wrow[j]: the same integers W, M and the same float operations, span by span, as
- * kquant_column (header), with a lane per column: each span's codes are decoded and transposed once
- * (lane j of Wt[u][l] = column j's codes 4l..4l+3 of unit u), each activation word broadcast. */
-__attribute__((always_inline)) static inline void cols8(const int type, const int TERMS, const uint8_t *const *wrow,
-                                                        const uint8_t *const *wnext, const acts_t *a, int r0,
-                                                        int nrows, float *y, size_t ldy) {
-    f32x8 acc[ROW_BLOCK];
-    __m256i T1[ROW_BLOCK], T2[ROW_BLOCK];
-    for (int r = 0; r < nrows; ++r) acc[r] = splat(0.0f);
-    for (int s = 0; s < a->spans; ++s) {
-        i32x8 cod[8][8], sca[8], scb[8], Wt[8][8], SC[8], MN[8];
-        float dcol[8], dmcol[8];
-        span_t sp;
-        for (int j = 0; j < 8; ++j) {
-            prefetch_ahead(type, wrow[j], wnext[j], s, a->spans);
-            decode_span(type, wrow[j], a->k, s, &sp, 0);
-            for (int u = 0; u < 8; ++u) cod[u][j] = (i32x8)sp.c[u];
-            sca[j] = sp.sc32;
-            scb[j] = sp.m32;
-            dcol[j] = sp.d[0];
-            dmcol[j] = sp.dmin;
-        }
-        for (int u = 0; u < 8; ++u) transpose8(cod[u], Wt[u]);
-        transpose8(sca, SC);
-        transpose8(scb, MN);
-        const f32x8 dv = load8f(dcol), dmv = load8f(dmcol);
-        for (int r = 0; r < nrows; ++r) T1[r] = T2[r] = _mm256_setzero_si256();
-        for (int u = 0; u < 8; ++u) {
-            __m256i w[8];
-            for (int l = 0; l < 8; ++l) w[l] = (__m256i)Wt[u][l];
-            for (int r = 0; r < nrows; ++r) {
-                const size_t at = (size_t)(r0 + r) * a->k + (size_t)s * SPAN + 32 * u;
-                for (int term = 0; term < TERMS; ++term) {
-                    const int8_t *p = (term ? a->q2 : a->q1) + at;
-                    __m256i *T = term ? T2 : T1;
-                    __m256i t = _mm256_setzero_si256(), t2 = _mm256_setzero_si256();
-                    DOTS(t, w, p, 0, 4); /* two chains of four (integer: the same sums) */
-                    DOTS(t2, w, p, 4, 4);
-                    /* |T| <= 8 32 31 127 63 */
-                    T[r] = _mm256_add_epi32(T[r], _mm256_mullo_epi32(_mm256_add_epi32(t, t2), (__m256i)SC[u]));
-                }
-            }
-        }
-        for (int r = 0; r < nrows; ++r) {
-            const size_t rs = (size_t)(r0 + r) * a->spans + s;
-            const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
-            __m256i M = _mm256_setzero_si256();
-            for (int j = 0; j < 8; ++j)
-                M = _mm256_add_epi32(M, _mm256_mullo_epi32((__m256i)MN[j], _mm256_set1_epi32(b16[2 * j] + b16[2 * j + 1])));
-            /* W = 256 T1 + T2: the integer of span_w */
-            const i64x8 W = (wide((i32x8)T1[r]) << 8) + wide((i32x8)T2[r]);
-            acc[r] = acc[r] + span_values(W, (i32x8)M, dv, dmv, splat(a->dx[rs * 8]));
-        }
-    }
-    for (int r = 0; r < nrows; ++r) memcpy(y + (size_t)(r0 + r) * ldy, &acc[r], 32);
-}
-#undef DOTS
-
-#ifdef WIDE_SPANS
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int64_t i64x16 __attribute__((vector_size(128)));
 
@@ -946,46 +1014,61 @@ typedef int64_t i64x16 __attribute__((vector_size(128)));
         acc = _mm512_dpbusd_epi32(acc, w[l], _mm512_set1_epi32(word_));                          \
     }
 
-/* cols8 for sixteen weight rows wrow[0..15] at once, lane j of a 512-bit register column j (with
- * 512-bit datapaths, half the instructions a product): each half's codes transposed as cols8
- * does, then joined; the same integers W, M and the same float operations lane by lane, so each
- * column's bits are cols8's. */
+/* y[r * ldy + j] for rows r0 .. r0 + nrows - 1 (nrows <= ROW_BLOCK) and the k-quant weight rows
+ * wrow[j], j < n <= 16 (fewer than sixteen: the last row repeated, its lanes not stored): the same
+ * integers W, M and float operations, span by span, as one column at a time (header), with a lane
+ * of a 512-bit register per column: each span's codes are decoded and transposed once for all the
+ * rows (lane j of Wt[u][l] = column j's codes 4l..4l+3 of unit u), each activation word broadcast,
+ * 16 VPDPBUSD a row and unit for sixteen columns. Q4_K / Q5_K scale a unit's sum by its scale, Q6_K
+ * each half unit's (its 16-weight sub-blocks). */
 __attribute__((always_inline)) static inline void cols16(const int type, const int TERMS, const uint8_t *const *wrow,
                                                          const uint8_t *const *wnext, const acts_t *a, int r0,
-                                                         int nrows, float *y, size_t ldy) {
+                                                         int nrows, int n, float *y, size_t ldy) {
     f32x16 acc[ROW_BLOCK];
     __m512i T1[ROW_BLOCK], T2[ROW_BLOCK];
+    const uint8_t *rows[16], *nexts[16];
+    for (int j = 0; j < 16; ++j) {
+        rows[j] = wrow[j < n ? j : n - 1];
+        nexts[j] = j < n ? wnext[j] : NULL;
+    }
     for (int r = 0; r < nrows; ++r) acc[r] = (f32x16){0};
     for (int s = 0; s < a->spans; ++s) {
-        __m512i Wt[8][8], SC[8], MN[8];
+        __m512i Wt[8][8], SC[16], MN[8]; /* SC: Q4_K / Q5_K units 0-7; Q6_K sub-blocks 0-15 */
         float dcol[16], dmcol[16];
         for (int h = 0; h < 2; ++h) {
-            i32x8 cod[8][8], sca[8], scb[8], wt[8][8], sc[8], mn[8];
+            i32x8 cod[8][8], sca[8], scb[8], wt[8][8], sc[16], mn[8];
             span_t sp;
             for (int j = 0; j < 8; ++j) {
-                prefetch_ahead(type, wrow[8 * h + j], wnext[8 * h + j], s, a->spans);
-                decode_span(type, wrow[8 * h + j], a->k, s, &sp, 0);
+                prefetch_ahead(type, rows[8 * h + j], nexts[8 * h + j], s, a->spans);
+                decode_span(type, rows[8 * h + j], a->k, s, &sp, 0);
                 for (int u = 0; u < 8; ++u) cod[u][j] = (i32x8)sp.c[u];
-                sca[j] = sp.sc32;
-                scb[j] = sp.m32;
+                if (type == Q6_K) {
+                    i32x8 two[2];
+                    q6k_scales(sp.sc16, two);
+                    sca[j] = two[0];
+                    scb[j] = two[1];
+                } else {
+                    sca[j] = sp.sc32;
+                    scb[j] = sp.m32;
+                    dmcol[8 * h + j] = sp.dmin;
+                }
                 dcol[8 * h + j] = sp.d[0];
-                dmcol[8 * h + j] = sp.dmin;
             }
             for (int u = 0; u < 8; ++u) transpose8(cod[u], wt[u]);
             transpose8(sca, sc);
-            transpose8(scb, mn);
+            transpose8(scb, type == Q6_K ? sc + 8 : mn);
             for (int u = 0; u < 8; ++u)
                 for (int l = 0; l < 8; ++l)
                     Wt[u][l] = h ? _mm512_inserti64x4(Wt[u][l], (__m256i)wt[u][l], 1)
                                  : _mm512_castsi256_si512((__m256i)wt[u][l]);
-            for (int u = 0; u < 8; ++u) {
-                SC[u] = h ? _mm512_inserti64x4(SC[u], (__m256i)sc[u], 1) : _mm512_castsi256_si512((__m256i)sc[u]);
+            for (int i = 0; i < (type == Q6_K ? 16 : 8); ++i)
+                SC[i] = h ? _mm512_inserti64x4(SC[i], (__m256i)sc[i], 1) : _mm512_castsi256_si512((__m256i)sc[i]);
+            for (int u = 0; type != Q6_K && u < 8; ++u)
                 MN[u] = h ? _mm512_inserti64x4(MN[u], (__m256i)mn[u], 1) : _mm512_castsi256_si512((__m256i)mn[u]);
-            }
         }
-        f32x16 dv, dmv;
+        f32x16 dv, dmv = (f32x16){0};
         memcpy(&dv, dcol, 64);
-        memcpy(&dmv, dmcol, 64);
+        if (type != Q6_K) memcpy(&dmv, dmcol, 64);
         for (int r = 0; r < nrows; ++r) T1[r] = T2[r] = _mm512_setzero_si512();
         for (int u = 0; u < 8; ++u) {
             const __m512i *w = Wt[u];
@@ -995,9 +1078,13 @@ __attribute__((always_inline)) static inline void cols16(const int type, const i
                     const int8_t *p = (term ? a->q2 : a->q1) + at;
                     __m512i *T = term ? T2 : T1;
                     __m512i t = _mm512_setzero_si512(), t2 = _mm512_setzero_si512();
-                    DOTS16(t, w, p, 0, 4);
-                    DOTS16(t2, w, p, 4, 4);
-                    T[r] = _mm512_add_epi32(T[r], _mm512_mullo_epi32(_mm512_add_epi32(t, t2), SC[u]));
+                    DOTS16(t, w, p, 0, 4); /* weights 0-15 of the unit */
+                    DOTS16(t2, w, p, 4, 4); /* 16-31 */
+                    if (type == Q6_K) /* |T| <= 16 16 63 127 128 */
+                        T[r] = _mm512_add_epi32(T[r], _mm512_add_epi32(_mm512_mullo_epi32(t, SC[2 * u]),
+                                                                       _mm512_mullo_epi32(t2, SC[2 * u + 1])));
+                    else /* |T| <= 8 32 31 127 63 */
+                        T[r] = _mm512_add_epi32(T[r], _mm512_mullo_epi32(_mm512_add_epi32(t, t2), SC[u]));
                 }
             }
         }
@@ -1005,38 +1092,38 @@ __attribute__((always_inline)) static inline void cols16(const int type, const i
             const size_t rs = (size_t)(r0 + r) * a->spans + s;
             const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
             __m512i M = _mm512_setzero_si512();
-            for (int j = 0; j < 8; ++j)
-                M = _mm512_add_epi32(M, _mm512_mullo_epi32(MN[j], _mm512_set1_epi32(b16[2 * j] + b16[2 * j + 1])));
-            /* cols8's span_values, sixteen lanes */
+            if (type == Q6_K)
+                for (int i = 0; i < 16; ++i) M = _mm512_add_epi32(M, _mm512_mullo_epi32(SC[i], _mm512_set1_epi32(b16[i])));
+            else
+                for (int j = 0; j < 8; ++j)
+                    M = _mm512_add_epi32(M, _mm512_mullo_epi32(MN[j], _mm512_set1_epi32(b16[2 * j] + b16[2 * j + 1])));
+            /* W = 256 T1 + T2, exact */
             const i64x16 W = (__builtin_convertvector((i32x16)T1[r], i64x16) << 8) +
                              __builtin_convertvector((i32x16)T2[r], i64x16);
             const f32x16 dx = (f32x16){0} + a->dx[rs * 8];
-            acc[r] = acc[r] + (__builtin_convertvector(W, f32x16) * (dv * dx) -
-                               __builtin_convertvector((i32x16)M, f32x16) * (dmv * dx));
+            if (type == Q6_K) /* q6k_value's operations, lane by lane */
+                acc[r] = acc[r] + __builtin_convertvector(W - (__builtin_convertvector((i32x16)M, i64x16) << 5), f32x16) *
+                                      (dv * dx);
+            else /* span_values' */
+                acc[r] = acc[r] + (__builtin_convertvector(W, f32x16) * (dv * dx) -
+                                   __builtin_convertvector((i32x16)M, f32x16) * (dmv * dx));
         }
     }
-    for (int r = 0; r < nrows; ++r) memcpy(y + (size_t)(r0 + r) * ldy, &acc[r], 64);
+    for (int r = 0; r < nrows; ++r) memcpy(y + (size_t)(r0 + r) * ldy, &acc[r], 4 * (size_t)n);
 }
 #undef DOTS16
-#endif
 
-typedef void (*cols8_fn)(const uint8_t *const *, const uint8_t *const *, const acts_t *, int, int, float *,
-                         size_t);
-#define COLS8_FN(T, N)                                                                                  \
-    static void cols8_##T##_##N(const uint8_t *const *w, const uint8_t *const *wn, const acts_t *a, int r0, int n, \
-                                float *y, size_t ldy) {                                                 \
-        cols8(T, N, w, wn, a, r0, n, y, ldy);                                                          \
-    }
-COLS8_FN(Q4_K, 1) COLS8_FN(Q4_K, 2) COLS8_FN(Q5_K, 1) COLS8_FN(Q5_K, 2)
-static const cols8_fn COLS8_OF[2][2] = {{cols8_Q4_K_1, cols8_Q4_K_2}, {cols8_Q5_K_1, cols8_Q5_K_2}};
+typedef void (*cols16_fn)(const uint8_t *const *, const uint8_t *const *, const acts_t *, int, int, int, float *,
+                          size_t);
 #ifdef WIDE_SPANS
 #define COLS16_FN(T, N)                                                                                 \
-    static void cols16_##T##_##N(const uint8_t *const *w, const uint8_t *const *wn, const acts_t *a, int r0, int n, \
-                                 float *y, size_t ldy) {                                                \
-        cols16(T, N, w, wn, a, r0, n, y, ldy);                                                         \
+    static void cols16_##T##_##N(const uint8_t *const *w, const uint8_t *const *wn, const acts_t *a, int r0, int rows, \
+                                 int n, float *y, size_t ldy) {                                         \
+        cols16(T, N, w, wn, a, r0, rows, n, y, ldy);                                                   \
     }
-COLS16_FN(Q4_K, 1) COLS16_FN(Q4_K, 2) COLS16_FN(Q5_K, 1) COLS16_FN(Q5_K, 2)
-static const cols8_fn COLS16_OF[2][2] = {{cols16_Q4_K_1, cols16_Q4_K_2}, {cols16_Q5_K_1, cols16_Q5_K_2}};
+COLS16_FN(Q4_K, 1) COLS16_FN(Q4_K, 2) COLS16_FN(Q5_K, 1) COLS16_FN(Q5_K, 2) COLS16_FN(Q6_K, 1) COLS16_FN(Q6_K, 2)
+static const cols16_fn COLS16_OF[3][2] = {{cols16_Q4_K_1, cols16_Q4_K_2}, {cols16_Q5_K_1, cols16_Q5_K_2},
+                                          {cols16_Q6_K_1, cols16_Q6_K_2}};
 #endif
 #endif
 
@@ -1197,31 +1284,27 @@ int stencil_gguf_gemm(int type, const uint8_t *w, long row_bytes, int k, const i
         for (int r0 = 0; r0 < m; r0 += ROW_BLOCK) {
             const int rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
             int c = c0;
-#if defined(COLS8) && defined(WIDE_SPANS)
-            /* k-quants at many rows: sixteen columns at once where registers hold them */
-            for (; (type == Q4_K || type == Q5_K) && rows >= COLS8_MIN_ROWS && c + 16 <= c1; c += 16) {
+            const int kquant = type >= Q4_K;
+#ifdef COLS16
+            /* k-quants at many rows: sixteen columns at once (the last group may hold fewer) */
+            for (; kquant && rows >= COLS16_MIN_ROWS && c < c1; c += 16) {
+                const int n = c1 - c < 16 ? c1 - c : 16;
                 const uint8_t *wrow[16], *wnext[16];
-                for (int j = 0; j < 16; ++j) {
+                for (int j = 0; j < n; ++j) {
                     wrow[j] = w + (size_t)(cols ? cols[c + j] : c + j) * row_bytes;
                     wnext[j] = c + 16 + j < c1 ? w + (size_t)(cols ? cols[c + 16 + j] : c + 16 + j) * row_bytes : NULL;
                 }
-                COLS16_OF[type - Q4_K][a.terms - 1](wrow, wnext, &a, r0, rows, y + c, (size_t)ldy);
+                COLS16_OF[type - Q4_K][a.terms - 1](wrow, wnext, &a, r0, rows, n, y + c, (size_t)ldy);
             }
 #endif
-            /* k-quants: eight columns at once (the same bits as one at a time, header) */
-            for (; (type == Q4_K || type == Q5_K) && c + 8 <= c1; c += 8) {
+            /* k-quants at a few rows: eight columns at once (the same bits as one at a time, header) */
+            for (; kquant && c + 8 <= c1; c += 8) {
                 const uint8_t *wrow[8];
                 for (int j = 0; j < 8; ++j) wrow[j] = w + (size_t)(cols ? cols[c + j] : c + j) * row_bytes;
                 /* the next eight rows, for the prefetches (NULL past the thread's columns) */
                 const uint8_t *wnext[8];
                 for (int j = 0; j < 8; ++j)
                     wnext[j] = c + 8 + j < c1 ? w + (size_t)(cols ? cols[c + 8 + j] : c + 8 + j) * row_bytes : NULL;
-#ifdef COLS8
-                if (rows >= COLS8_MIN_ROWS) {
-                    COLS8_OF[type - Q4_K][a.terms - 1](wrow, wnext, &a, r0, rows, y + c, (size_t)ldy);
-                    continue;
-                }
-#endif
                 for (int r = r0; r < r0 + rows; r += 3) {
                     const int R = r0 + rows - r < 3 ? r0 + rows - r : 3;
                     FEW_OF[type - Q4_K][a.terms - 1][R - 1](wrow, wnext, &a, r, y + (size_t)r * ldy + c, (size_t)ldy);
