@@ -559,11 +559,11 @@ static inline void prefetch_blocks_ahead(const int type, const uint8_t *w, int s
     for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + l, 0, 0);
 }
 
-#ifndef GAP_MIN_SPANS
-#define GAP_MIN_SPANS 16
+#ifndef LONG_ROW_SPANS
+#define LONG_ROW_SPANS 16 /* rows of more spans take the few-row paths span by span (*_cols8_spans) */
 #endif
-#ifndef GAP_AHEAD
-#define GAP_AHEAD 8 /* spans of the next eight rows requested per span of kquant_cols8_few's second loop */
+#ifndef SIDE_AHEAD
+#define SIDE_AHEAD 8 /* spans ahead in each of the eight rows read side by side (*_cols8_spans) */
 #endif
 #ifndef GROUP_AHEAD
 #define GROUP_AHEAD 2
@@ -578,17 +578,15 @@ static inline void prefetch_ahead(const int type, const uint8_t *w, const uint8_
     for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(p + l, 0, 0);
 }
 
-/* In the second loop of the few-row paths, which reads no weights: the next eight rows' spans past
- * the first loop's lead, GAP_AHEAD an iteration, so that memory stays busy while it runs (rows of
- * more than GAP_MIN_SPANS spans; on shorter ones the lead lasts). */
-static inline void prefetch_in_gap(const int type, const uint8_t *const *wnext, int s, int spans) {
-    for (int e = GAP_AHEAD * s + PREFETCH_SPANS; spans > GAP_MIN_SPANS && e < GAP_AHEAD * (s + 1) + PREFETCH_SPANS; ++e) {
-        const int jn = e / spans;
-        if (jn < 8 && wnext[jn]) {
-            const char *q = (const char *)wnext[jn] + (size_t)(e % spans) * BLOCK_BYTES[type];
-            for (int l = 0; l < BLOCK_BYTES[type]; l += 64) __builtin_prefetch(q + l, 0, 0);
-        }
-    }
+/* Span s + SIDE_AHEAD of weight row j of eight read side by side (past the row's end: the next
+ * eight rows' first spans, none when wnext[j] is NULL) on its way into the cache. */
+static inline void prefetch_side(const int type, const uint8_t *const *wrow, const uint8_t *const *wnext, int j, int s,
+                                 int spans) {
+    const int t = s + SIDE_AHEAD, bb = BLOCK_BYTES[type];
+    const uint8_t *row = t < spans ? wrow[j] : wnext[j];
+    if (!row) return;
+    const char *q = (const char *)row + (size_t)(t < spans ? t : t - spans) * bb;
+    for (int l = 0; l < bb; l += 64) __builtin_prefetch(q + l, 0, 0);
 }
 
 /* out[l] lane j = in[j] lane l (32-bit lanes). */
@@ -665,6 +663,50 @@ static inline int32_t span_m(const span_t *sp, const int32_t *b16) {
     return hsum_i32(sp->m32 * sums32(b0, b1)); /* |.| summed <= 8 63 32 127 257 < 2^31 */
 }
 
+/* kquant_cols8_few's sums span by span, for rows of more than LONG_ROW_SPANS spans: the eight
+ * rows stream side by side (prefetch_side), each span's S of the eight columns summed at once, and
+ * nothing waits between two loops (one row, one thread, 2-core AMD EPYC: Q4_K 4096 x 14336 23.7 ->
+ * 25.3 GB/s, Q5_K 21.7 -> 23.2). */
+__attribute__((always_inline)) static inline void kquant_cols8_spans(const int type, const int TERMS,
+                                                                     const uint8_t *const *wrow,
+                                                                     const uint8_t *const *wnext, const acts_t *a,
+                                                                     int r0, const int R, float *y, size_t ldy) {
+    const int spans = a->spans;
+    f32x8 acc[3];
+    for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
+    for (int s = 0; s < spans; ++s) {
+        i32x8 p[R][8], mw[8], mn[8];
+        float d[8], dmin[8];
+        span_t sp;
+        for (int j = 0; j < 8; ++j) {
+            prefetch_side(type, wrow, wnext, j, s, spans);
+            decode_span(type, wrow[j], a->k, s, &sp, 1);
+            d[j] = sp.d[0];
+            dmin[j] = sp.dmin;
+            mw[j] = widen8(sp.m8);
+            for (int r = 0; r < R; ++r) {
+                const size_t at = (size_t)(r0 + r) * a->k + (size_t)s * SPAN;
+                p[r][j] = kquant_span_sum(TERMS, &sp, a->q1 + at, a->q2 + at);
+            }
+        }
+        transpose8(mw, mn);
+        for (int r = 0; r < R; ++r) {
+            const size_t rs = (size_t)(r0 + r) * spans + s;
+            const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
+            i32x8 M = mn[0] * (b16[0] + b16[1]);
+            for (int u = 1; u < 8; ++u) M += mn[u] * (b16[2 * u] + b16[2 * u + 1]);
+            i32x8 hi[8], lo[8];
+            for (int j = 0; j < 8; ++j) {
+                hi[j] = p[r][j] >> 16;
+                lo[j] = p[r][j] & 0xffff;
+            }
+            acc[r] = acc[r] + span_values(span_w(TERMS, lane_sums8(hi), lane_sums8(lo)), M, load8f(d), load8f(dmin),
+                                          splat(a->dx[rs * 8]));
+        }
+    }
+    for (int r = 0; r < R; ++r) memcpy(y + (size_t)r * ldy, &acc[r], 32);
+}
+
 /* y[j + r ldy] for eight Q4_K / Q5_K weight rows wrow[j] and activation rows r0 .. r0 + R - 1
  * (R <= 3, few rows: a decode step): each column's S span by span (kquant_span; the weights
  * stream one row after the other, as one column at a time would read them), then per span the
@@ -681,16 +723,20 @@ static inline int32_t span_m(const span_t *sp, const int32_t *b16) {
  * M per column at decode (its horizontal sum: 5-10% slower). With 512-bit registers (WIDE_SPANS)
  * two units' codes share one register and a span's S takes four VPDPBUSD a term (one row, one
  * thread, Q4_K 2048 x 2048 .. 14336 x 4096: 20-21 -> 25-27 GB/s, 2-core AMD EPYC with 48 KB L1).
- * The second loop reads no weights; on rows longer than GAP_MIN_SPANS spans the first loop's
- * lead ran out while it ran (Q4_K 4096 x 14336 from DRAM: 19 GB/s against 25-27 on shorter rows),
- * so it requests GAP_AHEAD spans of the next eight rows an iteration (19.5 -> 23.8 GB/s; 8192 x
- * 8192 23.5 -> 24.4). Q5_K, bound by its decoding, gained nothing from it and does not. Tried and
- * dropped: passes of 8-32 spans over the eight rows with prefetches in reading order (no faster). */
+ * The second loop reads no weights, and on rows of more than LONG_ROW_SPANS spans the first
+ * loop's prefetch lead ran out while it ran (Q4_K 4096 x 14336 from DRAM: 19 GB/s against 25-27 on
+ * shorter rows): those rows go span by span instead (kquant_cols8_spans). Tried and dropped for
+ * them: requesting the next rows' spans during the second loop (23.8 GB/s), passes of 8-32 spans
+ * over the eight rows with prefetches in reading order (no faster). */
 __attribute__((always_inline)) static inline void kquant_cols8_few(const int type, const int TERMS,
                                                                    const uint8_t *const *wrow,
                                                                    const uint8_t *const *wnext, const acts_t *a,
                                                                    int r0, const int R, float *y, size_t ldy) {
     const int spans = a->spans;
+    if (spans > LONG_ROW_SPANS) {
+        kquant_cols8_spans(type, TERMS, wrow, wnext, a, r0, R, y, ldy);
+        return;
+    }
     i32x8 p[R][spans][8]; /* S: [row][span][column] */
     uint64_t mins[spans][8]; /* the mins' bytes: [span][column] (the arrays stay small: L1 holds them with
                               * the activations on rows of 14336) */
@@ -711,7 +757,6 @@ __attribute__((always_inline)) static inline void kquant_cols8_few(const int typ
     f32x8 acc[3];
     for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
     for (int s = 0; s < spans; ++s) { /* each row's spans in order */
-        if (type == Q4_K) prefetch_in_gap(type, wnext, s, spans);
         i32x8 mw[8], mn[8];
         for (int j = 0; j < 8; ++j) mw[j] = widen8(mins[s][j]);
         transpose8(mw, mn); /* once for the rows */
@@ -796,16 +841,71 @@ static inline float q6k_value(int64_t W, int32_t M, float d, float dx) {
     return (float)(W - 32 * (int64_t)M) * (d * dx);
 }
 
+/* q6k_cols8_few's sums (below) with the loops the other way round, for long rows (more than LONG_ROW_SPANS
+ * spans): span by span, the eight columns' spans decoded and summed, then their lane sums at once;
+ * the eight rows stream side by side, each prefetched SIDE_AHEAD spans ahead (the next eight rows'
+ * first spans past the end). No array between two loops, so no pause in the weights' stream (one
+ * row, one thread, 2-core AMD EPYC: 4096 x 14336 23-24 -> 31-33 GB/s, 8192 x 8192 26 -> 32-33); on
+ * short rows the column order stays faster (16384 x 2048: 35 against 31). */
+__attribute__((always_inline)) static inline void q6k_cols8_spans(const int TERMS, const uint8_t *const *wrow,
+                                                                const uint8_t *const *wnext, const acts_t *a, int r0,
+                                                                const int R, float *y, size_t ldy) {
+    const int spans = a->spans;
+    f32x8 acc[3];
+    for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
+    for (int s = 0; s < spans; ++s) {
+        i32x8 p[R][8], lo[8], hi[8], sct[16];
+        float d[8];
+        span_t sp;
+        for (int j = 0; j < 8; ++j) {
+            prefetch_side(Q6_K, wrow, wnext, j, s, spans);
+            decode_span(Q6_K, wrow[j], a->k, s, &sp, 1);
+            d[j] = sp.d[0];
+            i32x8 two[2];
+            q6k_scales(sp.sc16, two);
+            lo[j] = two[0];
+            hi[j] = two[1];
+            for (int r = 0; r < R; ++r) {
+                const size_t at = (size_t)(r0 + r) * a->k + (size_t)s * SPAN;
+                i32x8 T[2];
+                q6k_span(TERMS, &sp, a->q1 + at, a->q2 + at, T, 1);
+                p[r][j] = pair_sums(T[0], T[1]);
+            }
+        }
+        transpose8(lo, sct);
+        transpose8(hi, sct + 8);
+        for (int r = 0; r < R; ++r) {
+            const size_t rs = (size_t)(r0 + r) * spans + s;
+            const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
+            i32x8 M = sct[0] * b16[0];
+            for (int i = 1; i < 16; ++i) M += sct[i] * b16[i];
+            i32x8 t0[8], t1[8];
+            for (int j = 0; j < 8; ++j) {
+                t0[j] = p[r][j] & FIRST_PAIRS;
+                t1[j] = p[r][j] & ~FIRST_PAIRS;
+            }
+            const i64x8 W = (wide(lane_sums8(t0)) << 8) + wide(lane_sums8(t1));
+            const i64x8 V = W - (wide(M) << 5);
+            acc[r] = acc[r] + __builtin_convertvector(V, f32x8) * (load8f(d) * splat(a->dx[rs * 8]));
+        }
+    }
+    for (int r = 0; r < R; ++r) memcpy(y + (size_t)r * ldy, &acc[r], 32);
+}
+
 /* y[j + r ldy] for eight Q6_K weight rows wrow[j] and activation rows r0 .. r0 + R - 1 (R <= 3, a
  * decode step), as kquant_cols8_few does for Q4_K: each column's lanes span by span, then per span
  * the eight columns' lane sums at once and M with the scales transposed, a lane per column. With
  * WIDE_SPANS two units a register (one row, one thread, 2-core AMD EPYC: 16384 x 2048 25 -> 34-37
- * GB/s, 8192 x 8192 26.6 -> 27.7; 4096 x 14336 26.6 -> 24.3, its second loop's gap as for Q4_K,
- * against the lane-wise float sums Q6_K had before its exact W and M). */
+ * GB/s; against the lane-wise float sums Q6_K had before its exact W and M). Rows of more than
+ * LONG_ROW_SPANS spans go span by span (q6k_cols8_spans). */
 __attribute__((always_inline)) static inline void q6k_cols8_few(const int TERMS, const uint8_t *const *wrow,
                                                                 const uint8_t *const *wnext, const acts_t *a, int r0,
                                                                 const int R, float *y, size_t ldy) {
     const int spans = a->spans;
+    if (spans > LONG_ROW_SPANS) {
+        q6k_cols8_spans(TERMS, wrow, wnext, a, r0, R, y, ldy);
+        return;
+    }
     i32x8 p[R][spans][8]; /* [row][span][column]: pair_sums of the two terms' lanes (half the bytes:
                             * with a long row's activations, L1 holds them) */
     const int8_t *scs[spans][8];
@@ -827,7 +927,6 @@ __attribute__((always_inline)) static inline void q6k_cols8_few(const int TERMS,
     f32x8 acc[3];
     for (int r = 0; r < R; ++r) acc[r] = splat(0.0f);
     for (int s = 0; s < spans; ++s) {
-        prefetch_in_gap(Q6_K, wnext, s, spans);
         i32x8 lo[8], hi[8], sct[16]; /* sct[i]: lane j = column j's scale of sub-block i */
         for (int j = 0; j < 8; ++j) {
             i32x8 two[2];

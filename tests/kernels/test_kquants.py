@@ -144,6 +144,22 @@ def test_each_row_gets_the_same_bits_at_any_row_count_columns_and_threads(qtype,
                            whole[:, cols])
 
 
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_long_rows_get_the_same_bits_from_every_path(qtype):
+    """Rows of more than 16 spans (4,096 weights) take their own few-row order (Q6_K's span by span,
+    Q4_K's prefetches between its loops): a decode row's bits must still be those of the same row in
+    a batch (the sixteen-column path) and of one column at a time."""
+    k = 18 * 256
+    raw = torch.from_numpy(random_blocks(qtype, 27, k, seed=3))  # 27: sixteen, eight and three columns
+    x = torch.randn(6, k)
+    whole = ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, 256))
+    for r in range(6):
+        assert torch.equal(ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x[r:r + 1], 256)), whole[r:r + 1])
+    cols = torch.tensor([26, 5, 9])
+    assert torch.equal(ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x[:1], 256), cols), whole[:1, cols])
+
+
 def _cpu_flags() -> set[str]:
     try:
         for line in open("/proc/cpuinfo"):
