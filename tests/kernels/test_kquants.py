@@ -188,18 +188,20 @@ def test_other_isa_builds_give_the_same_bits_as_this_build(isa, tmp_path, monkey
     assert other.stencil_gguf_isa() == (0 if isa == "plain" else 1)
     lib = ggml_blocks.library()
     other.stencil_gguf_gemm.argtypes = lib.stencil_gguf_gemm.argtypes
+    cases = [(512, q, t) for q, t in (("Q4_K", 2), ("Q5_K", 2), ("Q6_K", 2), ("Q5_0", 2), ("Q8_0", 2), ("Q4_1", 2),
+                                      ("Q5_1", 2), ("Q4_K", 1), ("Q8_0", 1), ("Q4_0", 1))]
+    cases += [(18 * 256, "Q4_K", 2), (18 * 256, "Q6_K", 2)]  # long rows: the few-row paths span by span
     for rows in (1, 6):
-        x = torch.randn(rows, 512)
-        for qtype, terms in (("Q4_K", 2), ("Q5_K", 2), ("Q6_K", 2), ("Q5_0", 2), ("Q8_0", 2), ("Q4_1", 2),
-                             ("Q5_1", 2), ("Q4_K", 1), ("Q8_0", 1), ("Q4_0", 1)):
-            raw = torch.from_numpy(random_blocks(qtype, 20, 512, seed=11))  # 20: eight-column groups and a rest
+        for k, qtype, terms in cases:
+            x = torch.randn(rows, k)
+            raw = torch.from_numpy(random_blocks(qtype, 20, k, seed=11))  # 20: eight-column groups and a rest
             group = ggml_blocks.BLOCKS[qtype][1]
             a = ggml_blocks.quantize(x, group, terms=terms)
             want = ggml_blocks.gemm(qtype, raw, a)
             y = torch.empty_like(want)
-            assert other.stencil_gguf_gemm(ggml_blocks.BLOCKS[qtype][0], raw.data_ptr(), raw.shape[1], 512, None, 20,
+            assert other.stencil_gguf_gemm(ggml_blocks.BLOCKS[qtype][0], raw.data_ptr(), raw.shape[1], k, None, 20,
                                            group, *a.pointers(), rows, y.data_ptr(), 20, 1) == 0
-            assert torch.equal(y, want), (qtype, terms, rows)
+            assert torch.equal(y, want), (qtype, terms, rows, k)
 
 
 @needs_kernel
