@@ -33,7 +33,7 @@ from stencil.engine.request import ReasoningParams, SamplingParams
 from stencil.schemas.openai import ChatMessage, FunctionDefinition
 from stencil.service import generation as gen
 from stencil.service import inputs
-from stencil.service.errors import named_as
+from stencil.service.errors import InputError, named_as
 from stencil.service.openai_common import (SSE_HEADERS, Constraint, openai_temperature, relaxed, run_all, start_all,
                                    warnings_header)
 from stencil.service.state import ServiceState
@@ -150,8 +150,11 @@ async def chat_prompt(service: ServiceState, messages: list[ChatMessage], functi
 
     Raises:
         stencil.service.tools.ToolError: tools and ``tool_choice`` that do not fit (``plan_tools``).
-        stencil.service.errors.InputError: the prompt over the limits.
+        stencil.service.errors.InputError: no messages (with tools too: OpenAI answers 400), the prompt over
+            the limits.
     """
+    if not messages:  # before the tools' system message could make it look like a conversation
+        raise InputError("messages is empty", field="messages", lead=True)
     fmt = service.tool_format  # the family's call syntax (stencil.service.tool_formats)
     plan = plan_tools(functions, choice, named, parallel, max_calls, syntax=fmt.syntax)
     template = getattr(service.engine.tokenizer, "chat_template", None)

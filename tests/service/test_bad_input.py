@@ -180,6 +180,14 @@ def test_json_that_is_not_an_object(client):
 
 # -- prompts and lengths -------------------------------------------------------------------------------
 
+def test_empty_messages_with_tools_are_refused(client):
+    """The tools' system message must not make an empty conversation look like one."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = client.post("/v1/chat/completions", json={"messages": [], "tools": [tool], "max_tokens": 4})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and "messages is empty" in r.json()["error"]["message"], r.text
+
+
 @pytest.mark.parametrize("body, status, needle, field", [
     ({"prompt": ""}, 400, "prompt is empty", "prompt"),
     ({"messages": []}, 400, "messages is empty", "messages"),
