@@ -663,6 +663,21 @@ static inline int32_t span_m(const span_t *sp, const int32_t *b16) {
     return hsum_i32(sp->m32 * sums32(b0, b1)); /* |.| summed <= 8 63 32 127 257 < 2^31 */
 }
 
+/* The span values of eight Q4_K / Q5_K columns (lanes) for one activation row: each column's S
+ * (kquant_span_sum) in p[j], the mins transposed (mn[u] lane j: column j's min of unit u), d and
+ * dmin per column, the row's B16 and dx (header). */
+static inline f32x8 kquant_values8(const int TERMS, const i32x8 *mn, const i32x8 *p, f32x8 d, f32x8 dmin,
+                                   const int32_t *b16, float dx) {
+    i32x8 M = mn[0] * (b16[0] + b16[1]);
+    for (int u = 1; u < 8; ++u) M += mn[u] * (b16[2 * u] + b16[2 * u + 1]);
+    i32x8 hi[8], lo[8]; /* S = 65536 hi + lo: lane sums that fit int32 */
+    for (int j = 0; j < 8; ++j) {
+        hi[j] = p[j] >> 16;
+        lo[j] = p[j] & 0xffff;
+    }
+    return span_values(span_w(TERMS, lane_sums8(hi), lane_sums8(lo)), M, d, dmin, splat(dx));
+}
+
 /* kquant_cols8_few's sums span by span, for rows of more than LONG_ROW_SPANS spans: the eight
  * rows stream side by side (prefetch_side), each span's S of the eight columns summed at once, and
  * nothing waits between two loops (one row, one thread, 2-core AMD EPYC: Q4_K 4096 x 14336 23.7 ->
@@ -692,16 +707,8 @@ __attribute__((always_inline)) static inline void kquant_cols8_spans(const int t
         transpose8(mw, mn);
         for (int r = 0; r < R; ++r) {
             const size_t rs = (size_t)(r0 + r) * spans + s;
-            const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
-            i32x8 M = mn[0] * (b16[0] + b16[1]);
-            for (int u = 1; u < 8; ++u) M += mn[u] * (b16[2 * u] + b16[2 * u + 1]);
-            i32x8 hi[8], lo[8];
-            for (int j = 0; j < 8; ++j) {
-                hi[j] = p[r][j] >> 16;
-                lo[j] = p[r][j] & 0xffff;
-            }
-            acc[r] = acc[r] + span_values(span_w(TERMS, lane_sums8(hi), lane_sums8(lo)), M, load8f(d), load8f(dmin),
-                                          splat(a->dx[rs * 8]));
+            acc[r] = acc[r] + kquant_values8(TERMS, mn, p[r], load8f(d), load8f(dmin), (const int32_t *)a->x16 + rs * 16,
+                                             a->dx[rs * 8]);
         }
     }
     for (int r = 0; r < R; ++r) memcpy(y + (size_t)r * ldy, &acc[r], 32);
@@ -762,16 +769,8 @@ __attribute__((always_inline)) static inline void kquant_cols8_few(const int typ
         transpose8(mw, mn); /* once for the rows */
         for (int r = 0; r < R; ++r) {
             const size_t rs = (size_t)(r0 + r) * spans + s;
-            const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
-            i32x8 M = mn[0] * (b16[0] + b16[1]);
-            for (int u = 1; u < 8; ++u) M += mn[u] * (b16[2 * u] + b16[2 * u + 1]);
-            i32x8 hi[8], lo[8]; /* S = 65536 hi + lo: lane sums that fit int32 */
-            for (int j = 0; j < 8; ++j) {
-                hi[j] = p[r][s][j] >> 16;
-                lo[j] = p[r][s][j] & 0xffff;
-            }
-            acc[r] = acc[r] + span_values(span_w(TERMS, lane_sums8(hi), lane_sums8(lo)), M,
-                                          load8f(d[s]), load8f(dmin[s]), splat(a->dx[rs * 8]));
+            acc[r] = acc[r] + kquant_values8(TERMS, mn, p[r][s], load8f(d[s]), load8f(dmin[s]),
+                                             (const int32_t *)a->x16 + rs * 16, a->dx[rs * 8]);
         }
     }
     for (int r = 0; r < R; ++r) memcpy(y + (size_t)r * ldy, &acc[r], 32);
@@ -841,6 +840,21 @@ static inline float q6k_value(int64_t W, int32_t M, float d, float dx) {
     return (float)(W - 32 * (int64_t)M) * (d * dx);
 }
 
+/* The span values of eight Q6_K columns (lanes) for one activation row: their lanes' pair_sums p[j],
+ * the scales transposed (sct[i] lane j: column j's scale of sub-block i), d per column, the row's
+ * B16 and dx: float(W - 32 M) (d dx), lane by lane (header). */
+static inline f32x8 q6k_values8(const i32x8 *sct, const i32x8 *p, f32x8 d, const int32_t *b16, float dx) {
+    i32x8 M = sct[0] * b16[0];
+    for (int i = 1; i < 16; ++i) M += sct[i] * b16[i];
+    i32x8 t0[8], t1[8];
+    for (int j = 0; j < 8; ++j) {
+        t0[j] = p[j] & FIRST_PAIRS;
+        t1[j] = p[j] & ~FIRST_PAIRS;
+    }
+    const i64x8 W = (wide(lane_sums8(t0)) << 8) + wide(lane_sums8(t1));
+    return __builtin_convertvector(W - (wide(M) << 5), f32x8) * (d * splat(dx));
+}
+
 /* q6k_cols8_few's sums (below) with the loops the other way round, for long rows (more than LONG_ROW_SPANS
  * spans): span by span, the eight columns' spans decoded and summed, then their lane sums at once;
  * the eight rows stream side by side, each prefetched SIDE_AHEAD spans ahead (the next eight rows'
@@ -876,17 +890,7 @@ __attribute__((always_inline)) static inline void q6k_cols8_spans(const int TERM
         transpose8(hi, sct + 8);
         for (int r = 0; r < R; ++r) {
             const size_t rs = (size_t)(r0 + r) * spans + s;
-            const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
-            i32x8 M = sct[0] * b16[0];
-            for (int i = 1; i < 16; ++i) M += sct[i] * b16[i];
-            i32x8 t0[8], t1[8];
-            for (int j = 0; j < 8; ++j) {
-                t0[j] = p[r][j] & FIRST_PAIRS;
-                t1[j] = p[r][j] & ~FIRST_PAIRS;
-            }
-            const i64x8 W = (wide(lane_sums8(t0)) << 8) + wide(lane_sums8(t1));
-            const i64x8 V = W - (wide(M) << 5);
-            acc[r] = acc[r] + __builtin_convertvector(V, f32x8) * (load8f(d) * splat(a->dx[rs * 8]));
+            acc[r] = acc[r] + q6k_values8(sct, p[r], load8f(d), (const int32_t *)a->x16 + rs * 16, a->dx[rs * 8]);
         }
     }
     for (int r = 0; r < R; ++r) memcpy(y + (size_t)r * ldy, &acc[r], 32);
@@ -938,17 +942,7 @@ __attribute__((always_inline)) static inline void q6k_cols8_few(const int TERMS,
         transpose8(hi, sct + 8);
         for (int r = 0; r < R; ++r) {
             const size_t rs = (size_t)(r0 + r) * spans + s;
-            const int32_t *b16 = (const int32_t *)a->x16 + rs * 16;
-            i32x8 M = sct[0] * b16[0];
-            for (int i = 1; i < 16; ++i) M += sct[i] * b16[i];
-            i32x8 t0[8], t1[8];
-            for (int j = 0; j < 8; ++j) {
-                t0[j] = p[r][s][j] & FIRST_PAIRS;
-                t1[j] = p[r][s][j] & ~FIRST_PAIRS;
-            }
-            const i64x8 W = (wide(lane_sums8(t0)) << 8) + wide(lane_sums8(t1));
-            const i64x8 V = W - (wide(M) << 5);
-            acc[r] = acc[r] + __builtin_convertvector(V, f32x8) * (load8f(d[s]) * splat(a->dx[rs * 8]));
+            acc[r] = acc[r] + q6k_values8(sct, p[r][s], load8f(d[s]), (const int32_t *)a->x16 + rs * 16, a->dx[rs * 8]);
         }
     }
     for (int r = 0; r < R; ++r) memcpy(y + (size_t)r * ldy, &acc[r], 32);
