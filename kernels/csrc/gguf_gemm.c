@@ -72,7 +72,8 @@
  * four pairs of bytes and accumulates in one instruction; VPDPWSSD applies Q6_K's integer scales
  * likewise), AVX2 (VPMADDUBSW + VPMADDWD; no saturation: c <= 63 with |q| <= 127, or c = |q8| <=
  * 128, keeps each i16 pair below 32767), or plain C (tests/test_kquants.py checks that it gives
- * this build's bits). GCC vector extensions carry the rest, on 256-bit vectors.
+ * this build's bits). GCC vector extensions carry the rest, on 256-bit vectors, but for the
+ * 512-bit paths of AVX512 builds (WIDE_SPANS, cols16).
  *
  * One row (a decode step) is bound by how fast the weights arrive: the k-quant spans are
  * prefetched PREFETCH_SPANS ahead (the hardware prefetcher alone kept a 1B model's Q4_K / Q6_K
@@ -135,7 +136,8 @@ static const int BLOCK_WEIGHTS[NTYPES] = {32, 32, 32, 32, 32, 256, 256, 256};
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* Q4_K / Q5_K at a few rows: two units' codes in one 512-bit register (kquant_span_sum). */
+/* The k-quants at a few rows: two units' codes in one 512-bit register (kquant_span_sum,
+ * q6k_span); at many rows sixteen columns in one (cols16). */
 #define WIDE_SPANS 1
 #endif
 
@@ -377,8 +379,8 @@ static inline f32x8 halves8(const uint8_t *p, size_t stride, int n) {
 
 static const i32x8 PAIRS_LO = {0, 0, 1, 1, 2, 2, 3, 3}, PAIRS_HI = {4, 4, 5, 5, 6, 6, 7, 7};
 
-/* Decode span `span` of row `row` (K weights) into sp; Q4_K / Q5_K's codes into c2 where `wide`
- * (and WIDE_SPANS), else into c. */
+/* Decode span `span` of row `row` (K weights) into sp; a k-quant's codes into c2 (Q6_K's pair
+ * scales into sc2) where `wide` (and WIDE_SPANS), else into c (and sc). */
 __attribute__((always_inline)) static inline void decode_span(const int type, const uint8_t *row, int k, int span,
                                                               span_t *sp, const int wide) {
     if (type >= Q4_K) {
@@ -1208,7 +1210,6 @@ __attribute__((always_inline)) static inline void cols16(const int type, const i
 
 typedef void (*cols16_fn)(const uint8_t *const *, const uint8_t *const *, const acts_t *, int, int, int, float *,
                           size_t);
-#ifdef WIDE_SPANS
 #define COLS16_FN(T, N)                                                                                 \
     static void cols16_##T##_##N(const uint8_t *const *w, const uint8_t *const *wn, const acts_t *a, int r0, int rows, \
                                  int n, float *y, size_t ldy) {                                         \
@@ -1217,7 +1218,6 @@ typedef void (*cols16_fn)(const uint8_t *const *, const uint8_t *const *, const 
 COLS16_FN(Q4_K, 1) COLS16_FN(Q4_K, 2) COLS16_FN(Q5_K, 1) COLS16_FN(Q5_K, 2) COLS16_FN(Q6_K, 1) COLS16_FN(Q6_K, 2)
 static const cols16_fn COLS16_OF[3][2] = {{cols16_Q4_K_1, cols16_Q4_K_2}, {cols16_Q5_K_1, cols16_Q5_K_2},
                                           {cols16_Q6_K_1, cols16_Q6_K_2}};
-#endif
 #endif
 
 static int valid(int type, int k, long row_bytes) {
