@@ -69,10 +69,11 @@ OTHER_KEYWORDS = {"$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveA
 KNOWN_KEYWORDS = frozenset(ANNOTATIONS | ASSERTIONS | OTHER_KEYWORDS
                            | {k for kws in TYPE_KEYWORDS.values() for k in kws})
 # Where a schema holds schemas: one, a list of them, or a map of names to them.
-_ONE = ("additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
-        "unevaluatedItems", "unevaluatedProperties", "contentSchema", "items")
-_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_ONE = frozenset({"additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then",
+                  "else", "unevaluatedItems", "unevaluatedProperties", "contentSchema", "items"})
+_LIST = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_MAP = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"})
+_HOLDERS = _ONE | _LIST | _MAP
 MAX_UNKNOWN_NOTES = 8  # a schema written for another tool may carry dozens: name a few, count the rest
 # The formats the drafts (04 to 2020-12) define, and OpenAPI's data-type formats (int32, double, ... common
 # in schemas written from OpenAPI documents). Any other name is an annotation JSON Schema ignores, so a
@@ -103,32 +104,39 @@ def unknown_keywords(schema: object) -> list[str]:
     found = 0
     if isinstance(schema, dict) and isinstance(schema.get("$schema"), str) and not _known_dialect(schema["$schema"]):
         notes.append(f"unknown $schema {schema['$schema']!r}: read as JSON Schema 2020-12")
-    stack: list[tuple[object, str]] = [(schema, "#")]
+    # Each stacked subschema carries where it is as a chain of (parent's place, segment); the
+    # JSON pointer is written only for a note (most schemas have none to write, and the walk is
+    # on every compile's path to the first mask).
+    stack: list[tuple[object, tuple | None]] = [(schema, None)]
     while stack:
-        node, path = stack.pop()
-        if not isinstance(node, dict):
+        node, where = stack.pop()
+        if type(node) is not dict and not isinstance(node, dict):
             continue
-        subschemas: list[tuple[object, str]] = []
+        subschemas: list[tuple[object, tuple]] = []
         for key, value in node.items():
             if key not in KNOWN_KEYWORDS:
                 if isinstance(key, str) and not key.startswith("x-"):
                     found += 1
                     if found <= MAX_UNKNOWN_NOTES:
-                        notes.append(_unknown_note(key, path))
+                        notes.append(_unknown_note(key, _path(where)))
                 continue
-            where = f"{path}/{_pointer(key)}"
-            if key == "format" and isinstance(value, str) and value not in KNOWN_FORMATS:
-                found += 1
-                if found <= MAX_UNKNOWN_NOTES:
-                    close = _close_format(value)
-                    notes.append(f"unknown format {value!r} at {path}: ignored (an annotation)"
-                                 + (f"; did you mean {close!r}?" if close else ""))
-            if key in _ONE and isinstance(value, dict):
-                subschemas.append((value, where))
+            if key not in _HOLDERS:
+                if key == "format" and isinstance(value, str) and value not in KNOWN_FORMATS:
+                    found += 1
+                    if found <= MAX_UNKNOWN_NOTES:
+                        close = _close_format(value)
+                        notes.append(f"unknown format {value!r} at {_path(where)}: ignored (an annotation)"
+                                     + (f"; did you mean {close!r}?" if close else ""))
+                continue
+            if isinstance(value, dict):
+                if key in _ONE:
+                    subschemas.append((value, (where, key)))
+                elif key in _MAP:
+                    place = (where, key)
+                    subschemas += [(v, (place, str(k))) for k, v in value.items() if isinstance(v, dict)]
             elif key in _LIST and isinstance(value, list):
-                subschemas += [(v, f"{where}/{i}") for i, v in enumerate(value)]
-            elif key in _MAP and isinstance(value, dict):
-                subschemas += [(v, f"{where}/{_pointer(str(k))}") for k, v in value.items()]
+                place = (where, key)
+                subschemas += [(v, (place, i)) for i, v in enumerate(value) if isinstance(v, dict)]
         stack += reversed(subschemas)  # (depth first, in the document's order)
     if found > MAX_UNKNOWN_NOTES:
         notes.append(f"{found - MAX_UNKNOWN_NOTES} more unknown keywords (ignored)")
@@ -174,6 +182,16 @@ def _close_keyword(key: str) -> str | None:
 def _close_format(name: str) -> str | None:
     close = difflib.get_close_matches(name, KNOWN_FORMATS, n=1, cutoff=0.75)
     return close[0] if close else None
+
+
+def _path(where: tuple | None) -> str:
+    """The JSON pointer (``#/properties/a~1b/0``) of a place ``unknown_keywords`` stacked: a chain
+    of ``(parent's place, segment)``, None at the root."""
+    parts = []
+    while where is not None:
+        where, segment = where
+        parts.append(_pointer(segment) if isinstance(segment, str) else str(segment))
+    return "/".join(["#", *reversed(parts)])
 
 
 def _pointer(key: str) -> str:
