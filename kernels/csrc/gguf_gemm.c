@@ -1229,6 +1229,136 @@ typedef void (*cols16_fn)(const uint8_t *const *, const uint8_t *const *, const 
 COLS16_FN(Q4_K, 1) COLS16_FN(Q4_K, 2) COLS16_FN(Q5_K, 1) COLS16_FN(Q5_K, 2) COLS16_FN(Q6_K, 1) COLS16_FN(Q6_K, 2)
 static const cols16_fn COLS16_OF[3][2] = {{cols16_Q4_K_1, cols16_Q4_K_2}, {cols16_Q5_K_1, cols16_Q5_K_2},
                                           {cols16_Q6_K_1, cols16_Q6_K_2}};
+
+/* The 32-weight types at many rows, sixteen columns a 512-bit register: the same integers and float
+ * operations as column_tile, lane by lane (header), so the same bits. A lane of column_tile's acc
+ * and zacc (the products of one group of four weights of each unit, the offsets of two groups of
+ * 16) becomes a register of sixteen columns: acc[l], zacc[l]. The columns' codes are decoded and
+ * transposed once into `wt` (blocks16_fill) and read by every row: lane j of wt[8 g + l] holds
+ * column j's codes 4l..4l+3 of unit g (units counted along the row), d[g] and z[8 s + u] their
+ * scale and offset (z: the span's eight slots, 0 past the row's end as decode_span writes them),
+ * and for Q8_0 nz[8 g + l] the sums that turn its biased activations back (-(256 or 257) 128
+ * sum(q)). Each activation word is broadcast against sixteen columns: per row, unit and term
+ * eight VPDPBUSD for 512 products, against 16 a 32-wide column_tile row. */
+typedef struct {
+    __m512i *wt, *nz;
+    f32x16 *d, *z;
+} blocks16_t;
+
+__attribute__((always_inline)) static inline void blocks16_fill(const int type, const int TERMS, const uint8_t *const *wrow,
+                                                                const uint8_t *const *wnext, const acts_t *a, int n,
+                                                                const blocks16_t *b) {
+    const uint8_t *rows[16], *nexts[16];
+    for (int j = 0; j < 16; ++j) {
+        rows[j] = wrow[j < n ? j : n - 1];
+        nexts[j] = j < n ? wnext[j] : NULL;
+    }
+    const int units = a->k / 32;
+    /* the next sixteen rows on their way into the cache while these are decoded (the rows are
+     * short against DRAM's latency: Gemma 3's 640 inputs are 2.5 spans) */
+    const long row_bytes = (long)units * BLOCK_BYTES[type];
+    for (int j = 0; j < 16; ++j)
+        for (long o = 0; nexts[j] && o < row_bytes; o += 64) __builtin_prefetch((const char *)nexts[j] + o, 0, 0);
+    for (int s = 0; s < a->spans; ++s) {
+        const int here = units - 8 * s < 8 ? units - 8 * s : 8;
+        float dcol[8][16], zcol[8][16];
+        for (int h = 0; h < 2; ++h) {
+            i32x8 cod[8][8], wt[8];
+            span_t sp;
+            for (int j = 0; j < 8; ++j) {
+                decode_span(type, rows[8 * h + j], a->k, s, &sp, 0);
+                for (int u = 0; u < here; ++u) cod[u][j] = (i32x8)sp.c[u];
+                for (int u = 0; u < 8; ++u) {
+                    dcol[u][8 * h + j] = sp.d[u];
+                    zcol[u][8 * h + j] = u < 4 ? sp.z[0][2 * u] : sp.z[1][2 * u - 8];
+                }
+            }
+            for (int u = 0; u < here; ++u) {
+                __m512i *dst = b->wt + (size_t)(8 * s + u) * 8;
+                transpose8(cod[u], wt);
+                for (int l = 0; l < 8; ++l)
+                    dst[l] = h ? _mm512_inserti64x4(dst[l], (__m256i)wt[l], 1) : _mm512_castsi256_si512((__m256i)wt[l]);
+            }
+        }
+        for (int u = 0; u < 8; ++u) {
+            if (u < here) memcpy(b->d + 8 * s + u, dcol[u], 64);
+            memcpy(b->z + 8 * s + u, zcol[u], 64);
+        }
+        if (type == Q8_0) /* sum(q) 128 of each group of four, from one VPDPBUSD against 128s */
+            for (int g = 8 * s; g < 8 * s + here; ++g)
+                for (int l = 0; l < 8; ++l)
+                    b->nz[8 * g + l] = _mm512_mullo_epi32(
+                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), b->wt[8 * g + l]),
+                        _mm512_set1_epi32(TERMS == 2 ? -257 : -256));
+    }
+}
+
+/* The activation word of inputs 4l..4l+3 at p, in every 32-bit lane. */
+static inline __m512i word16(const void *p, int l) {
+    int32_t w;
+    memcpy(&w, (const char *)p + 4 * l, 4);
+    return _mm512_set1_epi32(w);
+}
+
+/* y[r * ldy + j] for rows r0 .. r0 + nrows - 1 and the 32-weight rows wrow[j], j < n <= 16 (the last
+ * repeated, its lanes not stored), from blocks16_fill's b. */
+__attribute__((always_inline)) static inline void blocks16(const int type, const int TERMS, const uint8_t *const *wrow,
+                                                           const uint8_t *const *wnext, const acts_t *a, int r0,
+                                                           int nrows, int n, float *y, size_t ldy, const blocks16_t *b) {
+    blocks16_fill(type, TERMS, wrow, wnext, a, n, b);
+    const int units = a->k / 32;
+    for (int r = 0; r < nrows; ++r) {
+        const size_t rr = (size_t)(r0 + r);
+        f32x16 acc[8], zacc[8];
+        for (int l = 0; l < 8; ++l) acc[l] = zacc[l] = (f32x16){0};
+        for (int s = 0; s < a->spans; ++s) {
+            const int here = units - 8 * s < 8 ? units - 8 * s : 8;
+            const float *dx = a->dx + (rr * a->spans + s) * 8, *x16 = a->x16 + (rr * a->spans + s) * 16;
+            for (int u = 0; u < here; ++u) {
+                const int g = 8 * s + u;
+                const __m512i *w = b->wt + (size_t)g * 8;
+                const f32x16 p = b->d[g] * ((f32x16){0} + dx[u]); /* d dx, as column_tile's p */
+                const size_t at = rr * a->k + (size_t)32 * g;
+                for (int l = 0; l < 8; ++l) {
+                    __m512i S;
+                    if (type == Q8_0) { /* the activations unsigned (plus 128), the codes signed */
+                        S = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), word16(a->u1 + at, l), w[l]), 8);
+                        if (TERMS == 2) S = _mm512_dpbusd_epi32(S, word16(a->u2 + at, l), w[l]);
+                        S = _mm512_add_epi32(S, b->nz[8 * g + l]);
+                    } else {
+                        S = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[l], word16(a->q1 + at, l)), 8);
+                        if (TERMS == 2) S = _mm512_dpbusd_epi32(S, w[l], word16(a->q2 + at, l));
+                    }
+                    acc[l] = acc[l] + __builtin_convertvector((i32x16)S, f32x16) * p;
+                }
+            }
+            const f32x16 *z = b->z + 8 * s;
+            for (int l = 0; l < 8; ++l)
+                zacc[l] = (zacc[l] + z[l / 2] * ((f32x16){0} + x16[l])) + z[4 + l / 2] * ((f32x16){0} + x16[8 + l]);
+        }
+        /* hsum's order, lane by lane */
+        const f32x16 ya = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+        const f32x16 yz = ((zacc[0] + zacc[4]) + (zacc[2] + zacc[6])) + ((zacc[1] + zacc[5]) + (zacc[3] + zacc[7]));
+        const f32x16 out = ya + yz;
+        memcpy(y + rr * ldy, &out, 4 * (size_t)n);
+    }
+}
+
+typedef void (*blocks16_fn)(const uint8_t *const *, const uint8_t *const *, const acts_t *, int, int, int, float *,
+                            size_t, const blocks16_t *);
+#define BLOCKS16_FN(T, N)                                                                               \
+    static void blocks16_##T##_##N(const uint8_t *const *w, const uint8_t *const *wn, const acts_t *a, int r0,  \
+                                   int rows, int n, float *y, size_t ldy, const blocks16_t *b) {        \
+        blocks16(T, N, w, wn, a, r0, rows, n, y, ldy, b);                                              \
+    }
+BLOCKS16_FN(Q4_0, 1) BLOCKS16_FN(Q4_0, 2) BLOCKS16_FN(Q4_1, 1) BLOCKS16_FN(Q4_1, 2) BLOCKS16_FN(Q5_0, 1)
+BLOCKS16_FN(Q5_0, 2) BLOCKS16_FN(Q5_1, 1) BLOCKS16_FN(Q5_1, 2) BLOCKS16_FN(Q8_0, 1) BLOCKS16_FN(Q8_0, 2)
+static const blocks16_fn BLOCKS16_OF[5][2] = {{blocks16_Q4_0_1, blocks16_Q4_0_2}, {blocks16_Q4_1_1, blocks16_Q4_1_2},
+                                              {blocks16_Q5_0_1, blocks16_Q5_0_2}, {blocks16_Q5_1_1, blocks16_Q5_1_2},
+                                              {blocks16_Q8_0_1, blocks16_Q8_0_2}};
+#ifndef BLOCKS16_MIN_ROWS
+#define BLOCKS16_MIN_ROWS 4
+#endif
 #endif
 
 static int valid(int type, int k, long row_bytes) {
@@ -1385,6 +1515,21 @@ int stencil_gguf_gemm(int type, const uint8_t *w, long row_bytes, int k, const i
         n = omp_get_num_threads();
 #endif
         const int c0 = (int)((long)ncols * t / n), c1 = (int)((long)ncols * (t + 1) / n);
+#ifdef COLS16
+        /* blocks16's buffer (NULL where not needed or not allocated: then column_tile, the same bits) */
+        blocks16_t scratch = {NULL, NULL, NULL, NULL};
+        void *held = NULL;
+        if (type < Q4_K && m >= BLOCKS16_MIN_ROWS && c1 > c0) {
+            const size_t units = (size_t)k / 32, slots = (size_t)a.spans * 8;
+            held = aligned_alloc(64, 64 * (units * (type == Q8_0 ? 16 : 8) + units + slots));
+            if (held) {
+                scratch.wt = held;
+                scratch.nz = type == Q8_0 ? scratch.wt + units * 8 : NULL;
+                scratch.d = (f32x16 *)(scratch.wt + units * (type == Q8_0 ? 16 : 8));
+                scratch.z = scratch.d + units;
+            }
+        }
+#endif
         for (int r0 = 0; r0 < m; r0 += ROW_BLOCK) {
             const int rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;
             int c = c0;
@@ -1414,11 +1559,26 @@ int stencil_gguf_gemm(int type, const uint8_t *w, long row_bytes, int k, const i
                     FEW_OF[type - Q4_K][a.terms - 1][R - 1](wrow, wnext, &a, r, y + (size_t)r * ldy + c, (size_t)ldy);
                 }
             }
+#ifdef COLS16
+            /* the 32-weight types at many rows: sixteen columns at once, through this thread's buffer */
+            for (; !kquant && rows >= BLOCKS16_MIN_ROWS && scratch.wt && c < c1; c += 16) {
+                const int n = c1 - c < 16 ? c1 - c : 16;
+                const uint8_t *wrow[16], *wnext[16];
+                for (int j = 0; j < n; ++j) {
+                    wrow[j] = w + (size_t)(cols ? cols[c + j] : c + j) * row_bytes;
+                    wnext[j] = c + 16 + j < c1 ? w + (size_t)(cols ? cols[c + 16 + j] : c + 16 + j) * row_bytes : NULL;
+                }
+                BLOCKS16_OF[type][a.terms - 1](wrow, wnext, &a, r0, rows, n, y + c, (size_t)ldy, &scratch);
+            }
+#endif
             for (; c < c1; ++c) {
                 const int wr = cols ? cols[c] : c;
                 column(type, w + (size_t)wr * row_bytes, &a, r0, rows, y + c, (size_t)ldy);
             }
         }
+#ifdef COLS16
+        free(held);
+#endif
     }
     free(biased);
     return 0;

@@ -145,6 +145,28 @@ def test_each_row_gets_the_same_bits_at_any_row_count_columns_and_threads(qtype,
 
 
 @needs_kernel
+@pytest.mark.parametrize("terms", [2, 1])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_block_types_at_many_rows_get_the_bits_of_one_row(qtype, terms):
+    """The 32-weight types from four rows on read sixteen transposed columns at once (blocks16,
+    AVX512-VNNI builds): Gemma 3's 640 inputs (two spans and a half: the last span's missing units),
+    37 columns (two groups of sixteen and five), row counts on both sides of the threshold and two
+    threads must give every output the bits of its row alone, one column at a time."""
+    k = 640
+    raw = torch.from_numpy(random_blocks(qtype, 37, k, seed=5))
+    x = torch.randn(35, k) * 4
+    whole = ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, 32, terms=terms), threads=2)
+    for r in (0, 17, 34):
+        one = ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x[r:r + 1], 32, terms=terms), threads=1)
+        assert torch.equal(one, whole[r:r + 1])
+    for rows in (range(3), range(4), range(5, 14)):
+        part = ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x[list(rows)], 32, terms=terms), threads=1)
+        assert torch.equal(part, whole[list(rows)])
+    cols = torch.tensor([36, 0, 0, 19, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 30])  # sixteen and one
+    assert torch.equal(ggml_blocks.gemm(qtype, raw, ggml_blocks.quantize(x, 32, terms=terms), cols), whole[:, cols])
+
+
+@needs_kernel
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_long_rows_get_the_same_bits_from_every_path(qtype):
     """Rows of more than 16 spans (4,096 weights) take their own few-row order (Q6_K's span by span,
