@@ -7,7 +7,7 @@
 * paged attention (``stencil.kernels.cpu``) against the torch reference backend (``stencil.kernels.torch_ref``)
   and against torch SDPA over dense, unpaged K/V, for decode rows, draft rows and a prefill;
 * the GGUF block GEMM (``stencil.kernels.ggml_blocks``: k-quants and the 32-weight types read in place)
-  on random valid blocks of SmolLM2's and a Llama-3.2-1B-shaped model's projections (``--block-shapes``),
+  on random valid blocks of SmolLM2's, a Llama-3.2-1B-shaped model's and Gemma 3 270M's projections (``--block-shapes``),
   1-256 rows, against a dense fp32 ``F.linear`` of the same dequantized weight and, for Q4_K,
   torch's int4 kernel on the same weight (Q4_K is exactly int4 with group 32); at 1 row it reports
   the weight bytes streamed per second beside a ``memcpy`` of as many bytes timed in the same run.
@@ -44,6 +44,9 @@ BLOCK_SHAPES = {
                 ("head 576->49152", 576, 49152)],
     "1b": [("attn 2048->2048", 2048, 2048), ("up 2048->8192", 2048, 8192), ("down 8192->2048", 8192, 2048),
            ("head 2048->128256", 2048, 128256)],
+    # Gemma 3 270M: its Q5_0 / Q8_0 projections and the tied Q8_0 head of 262,144 tokens
+    "gemma3": [("q 640->1024", 640, 1024), ("gate_up 640->2048", 640, 2048), ("down 2048->640", 2048, 640),
+               ("head 640->262144", 640, 262144)],
 }
 BLOCK_ROWS = [1, 4, 16, 64, 256]
 
@@ -54,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--block-types", default="Q4_K,Q5_K,Q6_K,Q5_0,Q8_0",
                    help="GGUF types of the block GEMM section (comma-separated; empty: skip it)")
-    p.add_argument("--block-shapes", default="smollm2,1b", help="shape sets: smollm2, 1b (comma-separated)")
+    p.add_argument("--block-shapes", default="smollm2,1b", help="shape sets: smollm2, 1b, gemma3 (comma-separated)")
     p.add_argument("--block-rows", default=",".join(map(str, BLOCK_ROWS)))
     p.add_argument("--block-terms", default="2,1", help="int8 terms per activation to time (2, 1 or both)")
 

@@ -58,6 +58,11 @@
  *   32-blocks: per unit u, S = 256 dot(c_u, q1_u) + dot(c_u, q2_u) (exact, |S| < 2^24)
  *             acc = acc + float(S) * (d_u dx_u)
  *             zacc = (zacc + z[0:8] X16[0:8]) + z[8:16] X16[8:16]
+ *             Lane l of S holds the products of the unit's weights 4l..4l+3, so these float sums
+ *             depend on that lane layout; a lane may still live elsewhere with its operations
+ *             unchanged: one column at a time keeps acc in a 256-bit register (column_tile), and
+ *             from BLOCKS16_MIN_ROWS rows (AVX512) each of the eight lanes becomes a register of
+ *             sixteen columns (blocks16), which saves the decode and the lane shuffles per row.
  * The file is compiled with -ffp-contract=off: no multiply-add is fused, so every ISA below gives
  * the same bits (the integer sums are exact whichever instruction computes them).
  *
