@@ -1241,10 +1241,13 @@ static const cols16_fn COLS16_OF[3][2] = {{cols16_Q4_K_1, cols16_Q4_K_2}, {cols1
  * 16) becomes a register of sixteen columns: acc[l], zacc[l]. The columns' codes are decoded and
  * transposed once into `wt` (blocks16_fill) and read by every row: lane j of wt[8 g + l] holds
  * column j's codes 4l..4l+3 of unit g (units counted along the row), d[g] and z[8 s + u] their
- * scale and offset (z: the span's eight slots, 0 past the row's end as decode_span writes them),
- * and for Q8_0 nz[8 g + l] the sums that turn its biased activations back (-(256 or 257) 128
- * sum(q)). Each activation word is broadcast against sixteen columns: per row, unit and term
- * eight VPDPBUSD for 512 products, against 16 a 32-wide column_tile row. */
+ * scale and offset (z: all eight slots of each span, past the row's end what decode_span writes
+ * there), and for Q8_0 nz[8 g + l] the sums that turn its biased activations back (-(256 or 257)
+ * 128 sum(q)). Each activation word is broadcast against sixteen columns: per row, unit and term
+ * eight 512-bit VPDPBUSD for sixteen columns' 512 products, where column_tile takes sixteen 256-bit
+ * ones (one a column) and decodes each column again every TILE_ROWS rows. The buffer is each
+ * thread's own, 64 (8 or 16 units + units + 8 spans) bytes (stencil_gguf_gemm allocates it; without
+ * it the columns go through column_tile, with the same bits). */
 typedef struct {
     __m512i *wt, *nz;
     f32x16 *d, *z;
