@@ -316,9 +316,7 @@ class GenerationStream:
 
             shortened = shortened_paths(text, out.budget_cuts)
         if out.closed_by_budget:
-            warnings.append("max_tokens narrowed the answer: near the end only continuations that close "
-                            "in time were allowed"
-                            + (f" (at: {', '.join(p or 'the root' for p in shortened)})" if shortened else ""))
+            warnings.append(narrowed_note(shortened))
         if out.budget_unenforced and out.finish_reason == "length":
             warnings.append(f"max_tokens could not be kept by closing the answer in time "
                             f"({out.budget_unenforced}): it was cut; a larger max_tokens lets it end")
@@ -356,6 +354,15 @@ async def close_streams(streams: Sequence[GenerationStream]) -> None:
             await stream.aclose()
         except Exception:  # noqa: BLE001 - one stream's failure must not keep the others running
             log.exception("closing the stream of request %s failed", stream.request_id)
+
+
+def narrowed_note(paths: list[str]) -> str:
+    """The warning of an answer that ``max_tokens`` closed early (``closed_by_budget``): where, as
+    the JSON pointers of the values it shortened (``""``: the whole answer), each written as a JSON
+    string, since a generated key may hold the commas and spaces that separate them."""
+    where = ", ".join(msgspec.json.encode(p).decode() if p else "the root" for p in paths)
+    return ("max_tokens narrowed the answer: near the end only continuations that close in time were allowed"
+            + (f" (at: {where})" if where else ""))
 
 
 def client_id(headers, peer) -> str:

@@ -368,6 +368,11 @@ class ChatCompletions:
         _check_common(n, bool(data.stream), data.stream_options)
         if data.top_logprobs and not data.logprobs:
             raise InputError("top_logprobs needs logprobs: true", field="top_logprobs")
+        if data.max_tokens is not None and data.max_completion_tokens not in (None, data.max_tokens):
+            # (one is the other's older name: two different limits would leave one ignored)
+            raise InputError(f"max_tokens ({data.max_tokens}) and max_completion_tokens "
+                             f"({data.max_completion_tokens}) differ: give one (max_tokens is the older name "
+                             "of max_completion_tokens)", field="max_completion_tokens")
         named = data.tool_choice.function.name if isinstance(data.tool_choice, ToolChoiceFunction) else None
         choice = None if isinstance(data.tool_choice, ToolChoiceFunction) else data.tool_choice
         thinking = reasoning.plan(service, data.reasoning_effort, data.chat_template_kwargs)

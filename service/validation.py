@@ -104,7 +104,8 @@ def check_schema(schema: Any, *, max_bytes: int, max_depth: int) -> None:
     while stack:
         node, path, depth = stack.pop()
         if depth > max_depth:
-            raise InputError(f"response_schema nests deeper than {max_depth} levels",
+            raise InputError(f"response_schema nests deeper than {max_depth} levels of JSON (each object or array "
+                             "counts: a property's schema is two below its object's, under 'properties')",
                              field="response_schema", path=_pointer(path), lead=True)
         if isinstance(node, dict):
             ref = node.get("$ref")

@@ -511,6 +511,8 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 10**9}, "max_completion_tokens",
      "max_completion_tokens is 1000000000; this server allows at most 64"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 10**9}, "max_tokens", "max_tokens is 1000000000"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 64, "max_completion_tokens": 10}, "max_completion_tokens",
+     "max_tokens (64) and max_completion_tokens (10) differ"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 2, "structured_outputs": {"regex": "[ab]{20}"}},
      "max_completion_tokens", "max_completion_tokens 2 is below the shortest output"),
     ("/v1/responses", {"input": "x", "max_output_tokens": 10**9}, "max_output_tokens",
@@ -729,6 +731,15 @@ def test_failed_grammar_and_stop_string_in_one_step_are_both_reported(tiny_model
         assert not eng.has_unfinished() and eng.kv.num_free_blocks == eng.kv.num_blocks
     finally:
         eng.grammar.close()
+
+
+def test_the_narrowed_answer_note_quotes_each_place():
+    """A generated key may hold commas and spaces: each shortened place is a JSON string."""
+    from stencil.service.generation import narrowed_note
+
+    head = "max_tokens narrowed the answer: near the end only continuations that close in time were allowed"
+    assert narrowed_note([]) == head
+    assert narrowed_note(["", "/it has, commas/0"]) == head + ' (at: the root, "/it has, commas/0")'
 
 
 def test_a_budget_that_cannot_be_kept_is_a_warning_on_the_cut_answer(client):
