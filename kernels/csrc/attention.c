@@ -47,6 +47,7 @@ static inline __m512 exp_nonpositive(__m512 x) {
 
 #define MAX_DV 16  /* head_dim up to 256 */
 #define MAX_ACC 24 /* group * head_dim / 16 accumulators held in registers for P @ V */
+#define ROW_RUN 8 /* new rows of a sequence a thread takes at a time (stencil_paged_attention) */
 
 /* 16 vectors -> one: lane i = sum of t[i]'s 16 lanes (fixed shuffle tree). */
 static inline __m512 sum16(const __m512 *t) {
@@ -187,13 +188,22 @@ int stencil_paged_attention(const float *q, int heads, int kv_heads, int d, cons
     int longest = 0;
     for (int i = 0; i < num_seqs; ++i) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
     const int items = num_seqs * kv_heads;
+    /* Work units: a sequence's kv head and a run of up to ROW_RUN of its new rows, so that one long
+     * prompt (one sequence; Gemma 3 has one kv head) is shared among the threads too. Each row is
+     * computed alone, so how rows are shared never changes a bit. */
+    int longest_new = 0;
+    for (int i = 0; i < num_seqs; ++i) {
+        const int q_len = query_start_loc[i + 1] - query_start_loc[i];
+        longest_new = q_len > longest_new ? q_len : longest_new;
+    }
+    const int runs = (longest_new + ROW_RUN - 1) / ROW_RUN, units = items * (runs > 0 ? runs : 1);
     const attend_fn attend =
         cache_kind == 2 ? (d == 64 ? attend_64_fp16 : d == 128 ? attend_128_fp16 : attend_any_fp16)
         : cache_kind ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)
                      : (d == 64 ? attend_64 : d == 128 ? attend_128 : attend_any);
     int failed = 0;
     (void)threads;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1) if (threads > 1 && items > 1)
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) if (threads > 1 && units > 1)
     {
         float *scores = malloc(sizeof(float) * (size_t)group * ((size_t)longest + 16));
         if (!scores) {
@@ -201,13 +211,16 @@ int stencil_paged_attention(const float *q, int heads, int kv_heads, int d, cons
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int it = 0; it < items; ++it) {
+        for (int u = 0; u < units; ++u) {
             if (!scores) continue;
+            /* the last runs first: later rows see more keys, so the long units start early */
+            const int it = u % items, run = runs - 1 - u / items;
             const int i = it / kv_heads, hk = it % kv_heads;
             const int start = query_start_loc[i], q_len = query_start_loc[i + 1] - start;
             const int first = seq_lens[i] - q_len + 1; /* keys seen by the sequence's first new row */
             const int *table = block_tables + (size_t)i * max_blocks;
-            for (int j = 0; j < q_len; ++j) {
+            const int j_end = (run + 1) * ROW_RUN < q_len ? (run + 1) * ROW_RUN : q_len;
+            for (int j = run * ROW_RUN; j < j_end; ++j) {
                 const size_t row = ((size_t)(start + j) * heads + (size_t)hk * group) * d;
                 const int n = first + j, lo = window > 0 && n > window ? n - window : 0;
                 attend(q + row, group, d, lo, n, k_cache, v_cache, block_size, kv_stride, hk * d, table, scale,

@@ -74,6 +74,27 @@ def test_threads_do_not_change_bits():
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("half", [False, True])
+def test_one_long_prompt_of_one_kv_head_is_shared_by_the_threads_with_the_same_bits(half):
+    """A single sequence's prompt under one kv head (Gemma 3's shape: four query heads of 256) is
+    split into runs of rows among the threads: every row, with or without a window, fp32 or
+    fp16 cache, is the bits of the same row computed alone on one thread."""
+    seqs = [(5, 45)]
+    backend, q, k_cache, v_cache, meta, _ = _run(seqs, 4, 1, 256, seed=2)
+    if half:
+        k_cache, v_cache = k_cache.half(), v_cache.half()
+    before = torch.get_num_threads()
+    try:
+        for window in (None, 12):
+            torch.set_num_threads(1)
+            one = backend.forward(q, k_cache, v_cache, meta, 0.125, window=window)
+            torch.set_num_threads(2)
+            assert torch.equal(backend.forward(q, k_cache, v_cache, meta, 0.125, window=window), one)
+            assert_each_row_alone_is_the_same_bits(backend, q, k_cache, v_cache, meta, seqs, window=window)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_unsupported_inputs_fall_back_to_the_reference():
     seqs = [(20, 1), (0, 9)]
     q, k, v, k_cache, v_cache, meta, dense = paged_case(seqs, 4, 2, 12, seed=3)  # head_dim 12: no kernel's
