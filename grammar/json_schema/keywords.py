@@ -110,7 +110,7 @@ def unknown_keywords(schema: object) -> list[str]:
     stack: list[tuple[object, tuple | None]] = [(schema, None)]
     while stack:
         node, where = stack.pop()
-        if type(node) is not dict and not isinstance(node, dict):
+        if not isinstance(node, dict):
             continue
         subschemas: list[tuple[object, tuple]] = []
         for key, value in node.items():

@@ -196,7 +196,7 @@ int stencil_paged_attention(const float *q, int heads, int kv_heads, int d, cons
         const int q_len = query_start_loc[i + 1] - query_start_loc[i];
         longest_new = q_len > longest_new ? q_len : longest_new;
     }
-    const int runs = (longest_new + ROW_RUN - 1) / ROW_RUN, units = items * (runs > 0 ? runs : 1);
+    const int runs = longest_new > ROW_RUN ? (longest_new + ROW_RUN - 1) / ROW_RUN : 1, units = items * runs;
     const attend_fn attend =
         cache_kind == 2 ? (d == 64 ? attend_64_fp16 : d == 128 ? attend_128_fp16 : attend_any_fp16)
         : cache_kind ? (d == 64 ? attend_64_bf16 : d == 128 ? attend_128_bf16 : attend_any_bf16)

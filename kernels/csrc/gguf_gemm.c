@@ -1543,15 +1543,20 @@ int stencil_gguf_gemm(int type, const uint8_t *w, long row_bytes, int k, const i
             int c = c0;
             const int kquant = type >= Q4_K;
 #ifdef COLS16
-            /* k-quants at many rows: sixteen columns at once (the last group may hold fewer) */
-            for (; kquant && rows >= COLS16_MIN_ROWS && c < c1; c += 16) {
+            /* many rows: sixteen columns at once (the last group may hold fewer), the k-quants through
+             * cols16, the 32-weight types through blocks16 and this thread's buffer */
+            const int wide = kquant ? rows >= COLS16_MIN_ROWS : rows >= BLOCKS16_MIN_ROWS && scratch.wt;
+            for (; wide && c < c1; c += 16) {
                 const int n = c1 - c < 16 ? c1 - c : 16;
                 const uint8_t *wrow[16], *wnext[16];
                 for (int j = 0; j < n; ++j) {
                     wrow[j] = w + (size_t)(cols ? cols[c + j] : c + j) * row_bytes;
                     wnext[j] = c + 16 + j < c1 ? w + (size_t)(cols ? cols[c + 16 + j] : c + 16 + j) * row_bytes : NULL;
                 }
-                COLS16_OF[type - Q4_K][a.terms - 1](wrow, wnext, &a, r0, rows, n, y + c, (size_t)ldy);
+                if (kquant)
+                    COLS16_OF[type - Q4_K][a.terms - 1](wrow, wnext, &a, r0, rows, n, y + c, (size_t)ldy);
+                else
+                    BLOCKS16_OF[type][a.terms - 1](wrow, wnext, &a, r0, rows, n, y + c, (size_t)ldy, &scratch);
             }
 #endif
             /* k-quants at a few rows: eight columns at once (the same bits as one at a time, header) */
@@ -1567,18 +1572,6 @@ int stencil_gguf_gemm(int type, const uint8_t *w, long row_bytes, int k, const i
                     FEW_OF[type - Q4_K][a.terms - 1][R - 1](wrow, wnext, &a, r, y + (size_t)r * ldy + c, (size_t)ldy);
                 }
             }
-#ifdef COLS16
-            /* the 32-weight types at many rows: sixteen columns at once, through this thread's buffer */
-            for (; !kquant && rows >= BLOCKS16_MIN_ROWS && scratch.wt && c < c1; c += 16) {
-                const int n = c1 - c < 16 ? c1 - c : 16;
-                const uint8_t *wrow[16], *wnext[16];
-                for (int j = 0; j < n; ++j) {
-                    wrow[j] = w + (size_t)(cols ? cols[c + j] : c + j) * row_bytes;
-                    wnext[j] = c + 16 + j < c1 ? w + (size_t)(cols ? cols[c + 16 + j] : c + 16 + j) * row_bytes : NULL;
-                }
-                BLOCKS16_OF[type][a.terms - 1](wrow, wnext, &a, r0, rows, n, y + c, (size_t)ldy, &scratch);
-            }
-#endif
             for (; c < c1; ++c) {
                 const int wr = cols ? cols[c] : c;
                 column(type, w + (size_t)wr * row_bytes, &a, r0, rows, y + c, (size_t)ldy);
