@@ -43,18 +43,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DEFAULT_MODEL = Path.home() / ".cache/stencil/models/SmolLM2-135M-Instruct"
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", type=Path, required=True,
                         help="MaskBench-format directory, or the JSON-Schema-Test-Suite root")
     parser.add_argument("--limit", type=int, default=None, help="N schemas, evenly spaced over the sorted files")
     parser.add_argument("--timeout", type=float, default=10.0, help="per-schema compile limit, s")
     parser.add_argument("--mode", choices=("maskbench", "test-suite"), default="maskbench")
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+    parser.add_argument("--model", type=Path, default=None,
                         help="model whose tokenizer (and, for --step-share, forward) to use: a .gguf file, a "
-                             "directory with one, or an HF directory")
+                             "directory with one, or an HF directory (default: the default model's GGUF)")
     parser.add_argument("--backends", default="eager,lazy,auto",
                         help="comma-separated: eager, lazy, auto (auto needs lazy; eager adds its masks)")
     parser.add_argument("--whitespace", choices=("compact", "flexible"), default="flexible",
@@ -216,7 +213,7 @@ def _reason(e) -> str:
 
 
 def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 10.0,
-                    mode: str = "maskbench", model_dir: Path = DEFAULT_MODEL,
+                    mode: str = "maskbench", model_dir: Path | None = None,
                     failures_path: Path | None = None, backends: tuple[str, ...] = ("eager", "lazy", "auto"),
                     whitespace: str = "flexible", step_share: bool = False) -> dict:
     """Run the benchmark; returns the report (keys in the module docstring)."""
@@ -231,8 +228,11 @@ def run_conformance(corpus: Path, limit: int | None = None, timeout_s: float = 1
     from stencil.grammar.json_schema.canonical import canonical_json, order_keys
     from stencil.grammar.vocab import build_vocabulary
 
+    from stencil.benchmarks.maskbench_harness import default_model
+
     if "auto" in backends and "lazy" not in backends:
         backends = ("lazy", *backends)
+    model_dir = model_dir or default_model()
     tokenizer = load_tokenizer(model_dir)
     vocab = build_vocabulary(tokenizer, len(tokenizer))
     built = {}

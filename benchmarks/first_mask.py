@@ -23,13 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-from stencil.benchmarks.maskbench_harness import DEFAULT_MODEL, cpu_model
+from stencil.benchmarks.maskbench_harness import cpu_model, default_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", type=Path, required=True, help="MaskBench-format schema files")
     parser.add_argument("--limit", type=int, default=6, help="N schemas, evenly spaced (each costs two processes)")
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="model directory whose tokenizer to use")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model whose tokenizer to use (default: the default model's GGUF)")
     parser.add_argument("--json", type=Path, default=None)
 
 
@@ -82,7 +83,7 @@ def run(corpus: Path, limit: int, model: Path) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run(args.corpus, args.limit, args.model)
+    report = run(args.corpus, args.limit, args.model or default_model())
     print(f"CPU: {report['cpu']}")
     cols = ("cold_first", "cold_again", "warm_first", "warm_again", "warm_up_ms")
     print(f"{'schema':44s} " + " ".join(f"{c:>11s}" for c in cols))

@@ -43,7 +43,14 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DEFAULT_MODEL = Path.home() / ".cache/stencil/models/SmolLM2-135M-Instruct"
+
+
+def default_model() -> Path:
+    """The default model's GGUF file (``make setup`` fetches it; fetched here if missing): whose
+    tokenizer the grammar benchmarks use when no ``--model`` is given."""
+    from stencil.engine.models.default_model import ensure_default_model
+
+    return ensure_default_model(lambda line: print(line, file=sys.stderr, flush=True))
 ENGINES = ("stencil", "llguidance")
 
 
@@ -58,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "undeclared key, the server's default) or schema (any, as JSON Schema says)")
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help="comma-separated: stencil, llguidance (both by default, in the same run)")
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                        help="model whose tokenizer to use: a .gguf file, a directory with one, or an HF directory")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model whose tokenizer to use: a .gguf file, a directory with one, or an HF directory "
+                             "(default: the default model's GGUF)")
     parser.add_argument("--compare", type=Path, default=None,
                         help="a `stencil bench conformance --failures` file to compare Stencil's verdicts with")
     parser.add_argument("--json", type=Path, default=None)
@@ -197,7 +205,7 @@ def _ratios(ours: dict, theirs: dict) -> dict:
 
 
 def run(harness: Path, corpus: Path, limit: int | None, timeout_s: float, whitespace: str,
-        model_dir: Path, compare: Path | None = None, engines: tuple[str, ...] = ENGINES,
+        model_dir: Path | None, compare: Path | None = None, engines: tuple[str, ...] = ENGINES,
         additional_properties: str = "closed") -> dict:
     """Both engines through the harness's ``process_file``, schema by schema; the report."""
     sys.path.insert(0, str(harness))
@@ -209,7 +217,7 @@ def run(harness: Path, corpus: Path, limit: int | None, timeout_s: float, whites
     unknown = set(engines) - set(ENGINES)
     if unknown:
         raise ValueError(f"unknown engines {sorted(unknown)}; known: {ENGINES}")
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir or default_model())
     live = {}
     for name in engines:
         if name == "stencil":
