@@ -16,7 +16,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING
 
 from stencil.grammar.base import GrammarError
-from stencil.grammar.json_schema.multiples import multiple_rules
+from stencil.grammar.json_schema.multiples import AutomatonTooLarge, Multiples
 from stencil.grammar.json_schema.rx import Rx, alt, repeat, seq
 
 if TYPE_CHECKING:
@@ -198,29 +198,33 @@ def compile_number(c: "SchemaCompiler", schema: dict, path: str, integer: bool) 
         return _int_multiple(c, int(Decimal(str(mult))) if mult is not None else 1, ilo, ihi, path)
     if mult is not None:
         step = _dyadic_step(mult)
-        if step is not None and c.opts.grammar and (lo is None or (lo == 0 and not lo_x)) and hi is None:
-            out = _multiple_rules(c, *step, negative=lo is None)
-            if out is not None:
-                return out
-        c.unsupported("multipleOf", path, "multipleOf is enforced exactly for integer steps, "
-                      "and for decimal steps a float represents exactly (0.5, 0.25, 2.5), without "
-                      "bounds or with minimum 0: jsonschema divides floats, and refuses most "
-                      "multiples of 0.1 or 0.01")
+        if step is not None and c.opts.grammar:
+            a, n = step
+            scaled = integer_range(None if lo is None else lo.scaleb(n), lo_x,
+                                   None if hi is None else hi.scaleb(n), hi_x)
+            try:
+                return _multiples(c, a, n).text(*scaled)
+            except AutomatonTooLarge:
+                pass
+        c.unsupported("multipleOf", path, "multipleOf is enforced exactly for integer steps, and for "
+                      "decimal steps a float represents exactly (0.5, 0.25, 2.5): jsonschema divides "
+                      "floats, and refuses most multiples of 0.1 or 0.01")
     return number_range(lo, lo_x, hi, hi_x)
 
 
-def _multiple_rules(c: "SchemaCompiler", a: int, n: int, negative: bool) -> Rx:
-    """Grammar mode: the remainder automaton (``multiples.multiple_rules``) as rules."""
-    def new_rules(count: int) -> list[int]:
-        start = len(c.rule_ids)
-        for i in range(count):
-            c.rule_ids[f"multiple:{a}:{n}:{start + i}"] = start + i
-        return list(range(start, start + count))
+def _multiples(c: "SchemaCompiler", a: int, n: int) -> Multiples:
+    """Grammar mode: this compile's remainder automaton of the step ``a * 10**-n``
+    (``multiples.Multiples``), its rules numbered among the compiler's."""
+    key = ("multiple", a, n)
+    automaton = c.bodies.get(key)
+    if automaton is None:
+        def new_rule() -> int:
+            number = len(c.rule_ids)
+            c.rule_ids[f"multiple:{a}:{n}:{number}"] = number
+            return number
 
-    key = ("multiple", a, n, negative)
-    if key not in c.bodies:
-        c.bodies[key] = multiple_rules(a, n, new_rules, c.rules.__setitem__, negative)
-    return c.bodies[key]
+        automaton = c.bodies[key] = Multiples(a, n, new_rule, c.rules.__setitem__)
+    return automaton
 
 
 def _int_fraction_multiple(c: "SchemaCompiler", mult, lo, hi, path) -> Rx:
@@ -242,10 +246,11 @@ def _int_multiple(c: "SchemaCompiler", k: int, lo: int | None, hi: int | None, p
         return alt([str(v) for v in range(first, hi + 1, k)])
     if lo is None and hi is None and k in (2, 5, 10):
         return "(?:" + _multiple_tail(k) + ")"
-    if c.opts.grammar and (lo is None or lo == 0) and hi is None:
-        out = _multiple_rules(c, k, 0, negative=lo is None)
-        if out is not None:
-            return out
+    if c.opts.grammar:
+        try:
+            return _multiples(c, k, 0).text(lo, hi)
+        except AutomatonTooLarge:
+            pass
     c.unsupported("multipleOf", path)
     return int_range(lo, hi)
 

@@ -110,7 +110,8 @@ class SchemaCompiler:
     rule_ids: dict[str, int] = field(default_factory=dict)  # (target, siblings, types) → number
     in_progress: set[str] = field(default_factory=set)  # rule keys being compiled on this path
     recursive: set[str] = field(default_factory=set)  # rule keys found to refer to themselves
-    bodies: dict[str, Rx] = field(default_factory=dict)  # rule key → compiled body (grammar mode)
+    # rule key → compiled body (grammar mode); ("multiple", a, n) → that step's ``Multiples``
+    bodies: dict = field(default_factory=dict)
     terminals: list[str] = field(default_factory=list)  # terminal number → regex (grammar mode)
     term_ids: dict[str, int] = field(default_factory=dict)  # regex → terminal number
     memo: dict = field(default_factory=dict)  # (keyword, schema text, types) → regex (grammar mode)
