@@ -35,6 +35,7 @@ from stencil.grammar.program import ref
 
 MAX_STATES = 4096  # rules of one step's automaton: beyond it the step is refused
 MAX_LISTED = 4096  # values listed on a bound's integer part
+MAX_BOUND_DIGITS = 40  # a bound's scaled magnitude past 10**40 is refused (1e300: seconds, 100s of KB)
 
 
 class AutomatonTooLarge(Exception):
@@ -149,8 +150,11 @@ class Multiples:
         unbounded on that side) as canonical numbers; None when there is none.
 
         Raises:
-            AutomatonTooLarge: the automaton or a bound's list would be too large.
+            AutomatonTooLarge: the automaton or a bound's list would be too large, or a bound
+                has more than ``MAX_BOUND_DIGITS`` digits.
         """
+        if any(b is not None and abs(b) >= 10 ** MAX_BOUND_DIGITS for b in (lo, hi)):
+            raise AutomatonTooLarge(f"multipleOf with a bound of more than {MAX_BOUND_DIGITS} digits")
         before = set(self._rules)
         try:
             pieces = []

@@ -133,3 +133,13 @@ def test_a_step_too_large_for_the_automaton_is_refused_and_leaves_no_rule():
     with pytest.raises(GrammarError) as e:
         to_program(GrammarSpec.json_schema({"type": "integer", "minimum": 1, "multipleOf": MAX_STATES + 1}))
     assert e.value.keyword == "multipleOf"
+
+
+def test_a_bound_past_forty_digits_is_refused_by_keyword_not_compiled_for_seconds():
+    with pytest.raises(GrammarError) as e:
+        to_program(GrammarSpec.json_schema({"type": "integer", "multipleOf": 3, "maximum": 1e300}))
+    assert e.value.keyword == "multipleOf"
+    # an int64 range is far inside the limit
+    program = to_program(GrammarSpec.json_schema({"type": "integer", "multipleOf": 7,
+                                                  "minimum": -2 ** 63, "maximum": 2 ** 63 - 1}))
+    assert program.kind == "lark"
