@@ -16,7 +16,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING
 
 from stencil.grammar.base import GrammarError
-from stencil.grammar.json_schema.multiples import AutomatonTooLarge, Multiples
+from stencil.grammar.json_schema.multiples import MAX_BOUND_DIGITS, AutomatonTooLarge, Multiples
 from stencil.grammar.json_schema.rx import Rx, alt, repeat, seq
 
 if TYPE_CHECKING:
@@ -189,6 +189,13 @@ def compile_number(c: "SchemaCompiler", schema: dict, path: str, integer: bool) 
     Raises:
         GrammarError: ``multipleOf`` not positive, or (strict) not enforceable exactly.
     """
+    long = [k for k in _BOUND_KEYS if _too_long(_dec(schema.get(k)))]
+    if long:  # (their digit-by-digit regex would nest a group a digit: past any regex engine's limit)
+        for key in long:
+            c.unsupported(key, path, f"{key} {schema[key]!r} has more than {MAX_BOUND_DIGITS} decimal digits "
+                                     f"before or after the point: bounds are compiled from 1e-{MAX_BOUND_DIGITS} "
+                                     f"to below 1e{MAX_BOUND_DIGITS}")
+        schema = {k: v for k, v in schema.items() if k not in long}
     lo, lo_x, hi, hi_x = bounds(schema)
     mult = schema.get("multipleOf")
     if integer or (mult is not None and _is_int(mult)):
@@ -228,10 +235,17 @@ def _multiples(c: "SchemaCompiler", a: int, n: int) -> Multiples:
 
 
 def _int_fraction_multiple(c: "SchemaCompiler", mult, lo, hi, path) -> Rx:
+    """Integers that are multiples of a step that is not an integer."""
     # Every integer is a multiple of 1/k for integer k.
     inv = Decimal(1) / Decimal(str(mult))
     if inv == inv.to_integral_value():
         return int_range(lo, hi)
+    # A binary-fraction step a * 10**-n (2.5, 0.75): v * 10**n is divisible by a exactly when v is
+    # by a / gcd(a, 10**n) (2.5: 5), and jsonschema's float division is exact on these.
+    step = _dyadic_step(mult)
+    if step is not None:
+        a, n = step
+        return _int_multiple(c, a // math.gcd(a, 10 ** n), lo, hi, path)
     c.unsupported("multipleOf", path)
     return int_range(lo, hi)
 
@@ -281,6 +295,15 @@ def _multiple_tail(k: int) -> str:
 
 
 _BOUND_KEYS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+
+
+def _too_long(d: Decimal | None) -> bool:
+    """Whether bound ``d`` has more than ``MAX_BOUND_DIGITS`` digits before the point (1e300) or
+    after it (1.5e-300), as ``bounds`` reads it (a float past 2**53 by its exact value)."""
+    if d is None or not d.is_finite() or d == 0:
+        return False
+    d = d.normalize()
+    return d.adjusted() >= MAX_BOUND_DIGITS or -d.as_tuple().exponent > MAX_BOUND_DIGITS
 
 
 def _is_int(x: object) -> bool:

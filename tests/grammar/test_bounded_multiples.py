@@ -42,7 +42,8 @@ def _canonical(m: int, n: int) -> str:
 def _random_schema(rng: random.Random) -> tuple[dict, int]:
     """A bounded multipleOf schema and the fraction digits its candidates need."""
     if rng.random() < 0.5:
-        schema, n = {"type": "integer", "multipleOf": rng.choice([2, 3, 7, 10, 12, 25, 1000])}, 0
+        # (an integer with a binary-fraction step, 2.5 or 0.75, takes the integer multiples: of 5, of 3)
+        schema, n = {"type": "integer", "multipleOf": rng.choice([2, 3, 7, 10, 12, 25, 1000, 2.5, 0.75])}, 0
     else:
         schema, n = {"type": "number", "multipleOf": rng.choice([0.5, 0.25, 2.5, 0.75, 0.125, 0.0625, 5])}, 6
     for low in (True, False):
@@ -83,6 +84,7 @@ def test_bounded_multiples_agree_with_jsonschema_on_every_number_near_the_bounds
 @pytest.mark.parametrize("schema,valid,invalid", [
     ({"type": "integer", "minimum": 1, "multipleOf": 5}, ["5", "10", "1555", "100000"], ["0", "-5", "3", "1556"]),
     ({"type": "integer", "exclusiveMinimum": 0, "multipleOf": 5}, ["5", "50", "505"], ["0", "-5"]),
+    ({"type": "integer", "minimum": 0, "maximum": 20, "multipleOf": 2.5}, ["0", "5", "20"], ["2", "2.5", "25"]),
     ({"type": "integer", "maximum": -153, "multipleOf": 5}, ["-155", "-1555", "-1550", "-100000"], ["-150", "0"]),
     ({"type": "number", "minimum": 0, "maximum": 100, "multipleOf": 0.25}, ["0", "0.25", "99.75", "100", "50.5"],
      ["100.25", "-0.25", "0.3", "1.0"]),
@@ -135,11 +137,26 @@ def test_a_step_too_large_for_the_automaton_is_refused_and_leaves_no_rule():
     assert e.value.keyword == "multipleOf"
 
 
-def test_a_bound_past_forty_digits_is_refused_by_keyword_not_compiled_for_seconds():
+def test_a_step_with_a_bound_near_forty_digits_is_refused_by_the_step_not_compiled_for_seconds():
+    # 0.25 with a 39-digit bound: 41 digits once scaled (the automaton's own limit)
     with pytest.raises(GrammarError) as e:
-        to_program(GrammarSpec.json_schema({"type": "integer", "multipleOf": 3, "maximum": 1e300}))
+        to_program(GrammarSpec.json_schema({"type": "number", "multipleOf": 0.25, "maximum": 10 ** 39}))
     assert e.value.keyword == "multipleOf"
     # an int64 range is far inside the limit
     program = to_program(GrammarSpec.json_schema({"type": "integer", "multipleOf": 7,
                                                   "minimum": -2 ** 63, "maximum": 2 ** 63 - 1}))
     assert program.kind == "lark"
+
+
+@pytest.mark.parametrize("key,bound", [("maximum", 1e300), ("exclusiveMinimum", -1.7976931348623157e308),
+                                       ("maximum", 1.5e-300)])
+def test_a_bound_past_forty_digits_is_refused_by_its_keyword(key, bound):
+    """Its digit-by-digit regex would nest past any regex engine's limit: a 400 naming the
+    bound (strict), or the bound dropped with a warning (not strict)."""
+    schema = {"type": "number", key: bound}
+    with pytest.raises(GrammarError, match="40 decimal digits") as e:
+        to_program(GrammarSpec.json_schema(schema))
+    assert e.value.keyword == key
+    program = to_program(GrammarSpec.json_schema({**schema, "minimum": 0}, strict=False))
+    assert any(w.startswith(f"{key} at #:") for w in program.warnings)
+    assert to_program(GrammarSpec.json_schema({"type": "number", key: 1e39})).kind in ("regex", "json")
