@@ -68,7 +68,8 @@ class Multiples:
         number = self._rules.get(key)
         if number is None:
             if len(self._rules) >= MAX_STATES:
-                raise AutomatonTooLarge(f"multipleOf needs more than {MAX_STATES} grammar rules")
+                raise AutomatonTooLarge(f"its remainder automaton needs more than {MAX_STATES} grammar rules "
+                                        "(a step's digits times the bounds' digits, about)")
             number = self._rules[key] = self._new_rule()
             # (its body is written later, by ``text``: a chain of remainders would otherwise
             # recurse once per state)
@@ -154,7 +155,8 @@ class Multiples:
                 has more than ``MAX_BOUND_DIGITS`` digits.
         """
         if any(b is not None and abs(b) >= 10 ** MAX_BOUND_DIGITS for b in (lo, hi)):
-            raise AutomatonTooLarge(f"multipleOf with a bound of more than {MAX_BOUND_DIGITS} digits")
+            raise AutomatonTooLarge(f"a bound, counted in steps of 10**-{self.n}, has more than "
+                                    f"{MAX_BOUND_DIGITS} digits")
         before = set(self._rules)
         try:
             pieces = []
@@ -252,7 +254,7 @@ class Multiples:
         first = base + f_lo + (-(base + f_lo)) % a
         values = range(first, base + f_hi + 1, a)
         if len(values) > MAX_LISTED:
-            raise AutomatonTooLarge(f"multipleOf would list more than {MAX_LISTED} values at a bound")
+            raise AutomatonTooLarge(f"it would list more than {MAX_LISTED} values at a bound")
         out = []
         for m in values:
             frac = str(m - base).rjust(self.n, "0").rstrip("0") if self.n else ""

@@ -205,18 +205,26 @@ def compile_number(c: "SchemaCompiler", schema: dict, path: str, integer: bool) 
         return _int_multiple(c, int(Decimal(str(mult))) if mult is not None else 1, ilo, ihi, path)
     if mult is not None:
         step = _dyadic_step(mult)
-        if step is not None and c.opts.grammar:
+        if step is None:
+            c.unsupported("multipleOf", path, f"multipleOf {mult!r}: decimal steps are enforced where a float "
+                          "represents them exactly (0.5, 0.25, 2.5); jsonschema divides floats, and refuses "
+                          "most multiples of 0.1 or 0.01")
+        elif not c.opts.grammar:
+            c.unsupported("multipleOf", path, _NEEDS_RULES.format(mult=mult))
+        else:
             a, n = step
             scaled = integer_range(None if lo is None else lo.scaleb(n), lo_x,
                                    None if hi is None else hi.scaleb(n), hi_x)
             try:
                 return _multiples(c, a, n).text(*scaled)
-            except AutomatonTooLarge:
-                pass
-        c.unsupported("multipleOf", path, "multipleOf is enforced exactly for integer steps, and for "
-                      "decimal steps a float represents exactly (0.5, 0.25, 2.5): jsonschema divides "
-                      "floats, and refuses most multiples of 0.1 or 0.01")
+            except AutomatonTooLarge as e:
+                c.unsupported("multipleOf", path, f"multipleOf {mult!r}: {e}")
     return number_range(lo, lo_x, hi, hi_x)
+
+
+_NEEDS_RULES = ("multipleOf {mult!r} with these bounds is enforced by grammar rules (a remainder automaton), "
+                "which a translation to one regex cannot hold: the eager backend's index, a tool call's "
+                "arguments; the lazy backend serves it in a response format (grammar_backend \"lazy\" or \"auto\")")
 
 
 def _multiples(c: "SchemaCompiler", a: int, n: int) -> Multiples:
@@ -260,12 +268,13 @@ def _int_multiple(c: "SchemaCompiler", k: int, lo: int | None, hi: int | None, p
         return alt([str(v) for v in range(first, hi + 1, k)])
     if lo is None and hi is None and k in (2, 5, 10):
         return "(?:" + _multiple_tail(k) + ")"
-    if c.opts.grammar:
-        try:
-            return _multiples(c, k, 0).text(lo, hi)
-        except AutomatonTooLarge:
-            pass
-    c.unsupported("multipleOf", path)
+    if not c.opts.grammar:
+        c.unsupported("multipleOf", path, _NEEDS_RULES.format(mult=k))
+        return int_range(lo, hi)
+    try:
+        return _multiples(c, k, 0).text(lo, hi)
+    except AutomatonTooLarge as e:
+        c.unsupported("multipleOf", path, f"multipleOf {k}: {e}")
     return int_range(lo, hi)
 
 

@@ -160,3 +160,17 @@ def test_a_bound_past_forty_digits_is_refused_by_its_keyword(key, bound):
     program = to_program(GrammarSpec.json_schema({**schema, "minimum": 0}, strict=False))
     assert any(w.startswith(f"{key} at #:") for w in program.warnings)
     assert to_program(GrammarSpec.json_schema({"type": "number", key: 1e39})).kind in ("regex", "json")
+
+
+def test_each_refusal_of_a_step_says_why():
+    def error(schema, **kw):
+        with pytest.raises(GrammarError) as e:
+            to_program(GrammarSpec.json_schema(schema), **kw)
+        assert e.value.keyword == "multipleOf"
+        return str(e.value)
+
+    assert "grammar rules" in error({"type": "integer", "minimum": 1, "multipleOf": 7}, grammar=False)
+    assert "grammar rules" in error({"type": "number", "minimum": 1, "multipleOf": 0.25}, grammar=False)
+    assert f"more than {MAX_STATES} grammar rules" in error({"type": "integer", "minimum": 1,
+                                                             "multipleOf": MAX_STATES + 1})
+    assert "float represents them exactly" in error({"type": "number", "multipleOf": 0.01})
