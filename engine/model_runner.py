@@ -195,7 +195,9 @@ def masked_logits(head, rows: torch.Tensor, bitmask: torch.Tensor, vocab_size: i
     sparse = (counts > 0) & (counts <= SPARSE_BLOCKS)
     if not bool(sparse.any()):
         return head(rows).float()
-    logits = torch.full((n_rows, vocab_size), float("-inf"), dtype=torch.float32, device=rows.device)
+    # (uninitialized: the dense rows are written whole, only the sparse rows start at -inf; a
+    # full -inf fill of 32 rows of Gemma 3's 262,144 tokens cost 9-14 ms a step)
+    logits = torch.empty((n_rows, vocab_size), dtype=torch.float32, device=rows.device)
     dense = (~sparse).nonzero().flatten()
     if dense.numel():
         logits[dense] = head(rows[dense]).float()[:, :vocab_size]
@@ -203,5 +205,6 @@ def masked_logits(head, rows: torch.Tensor, bitmask: torch.Tensor, vocab_size: i
         blocks = live[r].nonzero().flatten()
         cols = block_columns(blocks)
         keep = cols < vocab_size
+        logits[r].fill_(float("-inf"))
         logits[r, cols[keep]] = head.forward_columns(rows[r:r + 1], blocks)[0, keep]
     return logits
