@@ -14,7 +14,6 @@ and ``close()``.
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version
 
 _BACKENDS = {
     "eager": ("stencil.grammar.backends.eager", "EagerBackend", frozenset({"regex"})),
@@ -48,11 +47,3 @@ def create(name: str, vocab, **options):
     except KeyError:
         raise ValueError(f"unknown grammar backend {name!r}; known: {sorted(_BACKENDS)}") from None
     return getattr(importlib.import_module(module), cls)(vocab, **options)
-
-
-def lazy_version() -> str:
-    """llguidance's version (part of the cache key), or "none"."""
-    try:
-        return version("llguidance")
-    except PackageNotFoundError:
-        return "none"
