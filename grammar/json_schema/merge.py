@@ -28,16 +28,37 @@ _TYPE_ORDER = ("null", "boolean", "object", "array", "number", "integer", "strin
 
 
 def json_key(value: object) -> str:
-    """A key that tells JSON values apart the way JSON Schema equality does (1 == 1.0, 1 != true)."""
+    """A key that tells JSON values apart the way JSON Schema equality does, as jsonschema
+    decides it (1 == 1.0 == 1e0, 10 == 10.0, 0 == -0.0, 1e20 == 10**20, 1 != true; 1e300 !=
+    10**300, the float's exact value being another integer)."""
     def norm(v):
         if isinstance(v, bool) or v is None or isinstance(v, str):
             return v
         if isinstance(v, (int, float)):
-            return ["#num", str(Decimal(repr(v)).normalize()) if isinstance(v, float) else str(v)]
+            return ["#num", _number_key(v)]
         if isinstance(v, list):
             return [norm(x) for x in v]
         return {k: norm(x) for k, x in v.items()}
     return json.dumps(norm(value), sort_keys=True)
+
+
+def _number_key(v: int | float) -> str:
+    """The number's value as digits and a power of ten, trailing zeros taken off (exact: no
+    decimal context rounds it). A float is read as its shortest decimal below 2**53, where it
+    equals an integer only when that decimal does, and as its exact value from there on (as
+    Python compares a float with an integer)."""
+    if v == 0:
+        return "0"
+    if isinstance(v, float) and math.isfinite(v):
+        d = Decimal(repr(v)) if abs(v) < 2 ** 53 else Decimal(v)
+    else:
+        d = Decimal(v) if isinstance(v, int) else Decimal(repr(v))
+    sign, digits, exp = d.as_tuple()
+    if not isinstance(exp, int):  # NaN, infinity (a Python schema may hold them)
+        return repr(v)
+    text = "".join(map(str, digits))
+    stripped = text.rstrip("0")
+    return f"{'-' if sign else ''}{stripped}e{exp + len(text) - len(stripped)}"
 
 
 def types_of(schema: dict) -> set[str] | None:
