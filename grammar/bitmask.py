@@ -89,7 +89,7 @@ def _apply_cpu_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     index operation over every such row at once: a few passes over the int32 words instead of
     several over every logit (≈ 10x less on a 256-row step of a 49k vocabulary). Each index
     costs ~8 ns against ~0.5 ns a logit for a whole-row pass, so a row where the fewer side
-    still spans more than ``DENSE_WORDS`` of its words (text inside a string of Llama 3's
+    still spans more than 1/``DENSE_WORDS`` of its words (text inside a string of Llama 3's
     128k vocabulary, whose reserved tokens are all forbidden there) is unpacked whole and
     written with one masked copy: 0.6 -> 0.07 ms a row.
     """
