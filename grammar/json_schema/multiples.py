@@ -11,7 +11,7 @@ Bounds (``minimum`` and the rest, on either side or both) are a range ``[lo, hi]
 integers ``m``. Each sign's magnitudes are split by their integer part ``I = |m| div 10**n``:
 
 * the integer parts strictly inside the range take every fraction the automaton allows. They are
-  the classic digit-range split (``_int_parts``): a fixed prefix, one digit from a range, then a
+  the classic digit-range split (``int_pieces``): a fixed prefix, one digit from a range, then a
   number of free digits, exactly that many or (above an unbounded side) at least that many. The
   remainder after the prefix and the digit is known, so each piece is that text followed by the
   rule "exactly (or at least) k more digits from remainder r, then the end";
@@ -234,7 +234,7 @@ class Multiples:
         if i_hi is not None and f_hi < scale - 1:  # and the upper one's those below f_hi
             last -= 1
         if last is None or first <= last:
-            for prefix, d_lo, d_hi, free, tail in _int_parts(first, last):
+            for prefix, d_lo, d_hi, free, tail in int_pieces(first, last):
                 r0 = int(prefix) % self.a if prefix else 0
                 for d in range(d_lo, d_hi + 1):
                     r = (10 * r0 + d) % self.a
@@ -262,10 +262,12 @@ class Multiples:
         return out
 
 
-def _int_parts(lo: int, hi: int | None) -> list[tuple[str, int, int, int, bool]]:
+def int_pieces(lo: int, hi: int | None) -> list[tuple[str, int, int, int, bool]]:
     """The canonical decimal texts of the integers in ``[lo, hi]`` (``0 <= lo``; ``hi`` None:
     unbounded) as disjoint pieces ``(prefix, first digit, last digit, free, tail)``: the prefix,
-    one digit in that range, then exactly ``free`` digits (``tail``: at least ``free``)."""
+    one digit in that range, then exactly ``free`` digits (``tail``: at least ``free``). The
+    classic digit-range split, flat (no piece inside another): ``numbers.nonneg_int_range``
+    writes each piece as a regex, ``Multiples`` follows each with its remainder rule."""
     if hi is not None and hi < lo:
         return []
     width = len(str(lo))

@@ -2,7 +2,8 @@
 
 Integers are written canonically (RFC 8259 §6 ``int``: no leading zeros, never ``-0``).
 Bounded numbers are written without exponent: ``-?int(\\.[0-9]+)?``. The construction is the
-classic digit-range split (numbers of one length at a time, then the first differing digit),
+classic digit-range split (numbers of one length at a time, then the first differing digit;
+``multiples.int_pieces``),
 extended to fractions by comparing the fraction digits left to right. Bounds are
 ``decimal.Decimal`` values so that 0.1 means one tenth exactly. ``compile_number`` is the
 compiler's ``number``/``integer`` type: a schema's bounds and ``multipleOf`` to one of these
@@ -16,7 +17,7 @@ from decimal import Decimal
 from typing import TYPE_CHECKING
 
 from stencil.grammar.base import GrammarError
-from stencil.grammar.json_schema.multiples import MAX_BOUND_DIGITS, AutomatonTooLarge, Multiples
+from stencil.grammar.json_schema.multiples import MAX_BOUND_DIGITS, AutomatonTooLarge, Multiples, int_pieces
 from stencil.grammar.json_schema.rx import Rx, alt, repeat, seq
 
 if TYPE_CHECKING:
@@ -38,37 +39,11 @@ def _digit_class(lo: int, hi: int) -> Rx:
     return f"[{lo}-{hi}]"
 
 
-def _same_length(x: str, y: str) -> Rx:
-    """Digit strings of ``len(x)`` between ``x`` and ``y`` inclusive (``x <= y``, same length)."""
-    if x == y:
-        return x
-    if set(x[1:]) <= {"0"} and set(y[1:]) <= {"9"}:
-        return seq(_digit_class(int(x[0]), int(y[0])), repeat(DIGIT, len(x) - 1, len(x) - 1))
-    if x[0] == y[0]:
-        return seq(x[0], _same_length(x[1:], y[1:]))
-    n = len(x) - 1
-    return alt([
-        seq(x[0], _same_length(x[1:], "9" * n)),
-        seq(_digit_class(int(x[0]) + 1, int(y[0]) - 1), repeat(DIGIT, n, n)),
-        seq(y[0], _same_length("0" * n, y[1:])),
-    ])
-
-
 def nonneg_int_range(lo: int, hi: int | None) -> Rx:
-    """Canonical decimal integers in ``[lo, hi]`` with ``0 <= lo`` (``hi=None``: unbounded)."""
-    if hi is not None and hi < lo:
-        return None
-    parts: list[Rx] = []
-    top = len(str(hi)) if hi is not None else len(str(lo))
-    for length in range(len(str(lo)), top + 1):
-        first = 0 if length == 1 else 10 ** (length - 1)
-        last = 10 ** length - 1
-        a, b = max(lo, first), (last if hi is None else min(hi, last))
-        if a <= b:
-            parts.append(_same_length(str(a), str(b)))
-    if hi is None:
-        parts.append("[1-9]" + repeat(DIGIT, top, None))
-    return alt(parts)
+    """Canonical decimal integers in ``[lo, hi]`` with ``0 <= lo`` (``hi=None``: unbounded): the
+    pieces of ``multiples.int_pieces``, each a regex, side by side."""
+    return alt([prefix + _digit_class(d_lo, d_hi) + repeat(DIGIT, free, None if tail else free)
+                for prefix, d_lo, d_hi, free, tail in int_pieces(lo, hi)])
 
 
 def int_range(lo: int | None, hi: int | None) -> Rx:

@@ -16,7 +16,7 @@ import pytest
 from char_vocab import EOS, char_compiler
 from stencil.grammar.base import GrammarError, GrammarSpec
 from stencil.grammar.frontend import to_program
-from stencil.grammar.json_schema.multiples import MAX_STATES, AutomatonTooLarge, Multiples, _int_parts
+from stencil.grammar.json_schema.multiples import MAX_STATES, AutomatonTooLarge, Multiples, int_pieces
 
 CHARS = "0123456789-."
 
@@ -108,12 +108,12 @@ def test_an_empty_bounded_range_of_multiples_is_unsatisfiable():
                                             "multipleOf": 0.5}))
 
 
-def test_int_parts_cover_each_integer_of_the_range_once():
+def testint_pieces_cover_each_integer_of_the_range_once():
     rng = random.Random(0)
     for _ in range(200):
         lo = rng.choice([0, 1, rng.randint(0, 99), rng.randint(0, 10 ** 5)])
         hi = None if rng.random() < 0.3 else lo + rng.choice([0, 1, rng.randint(0, 50), rng.randint(0, 10 ** 5)])
-        parts = _int_parts(lo, hi)
+        parts = int_pieces(lo, hi)
         top = (hi if hi is not None else lo) + 2000
         for v in range(max(0, lo - 50), top):
             text = str(v)
