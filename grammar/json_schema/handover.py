@@ -114,7 +114,7 @@ from stencil.grammar.json_schema.merge import MergeError, json_key, merge
 from stencil.grammar.json_schema.numbers import bounds, integer_range
 from stencil.grammar.json_schema.objects import _disjoint_patterns
 from stencil.grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required, promote_discriminators,
-                                       without_empty_object)
+                                       without_empty_object, written_apart)
 from stencil.grammar.json_schema.rx import alt, repeat, seq
 
 MAX_EXACT_INT = 2 ** 53
@@ -419,10 +419,10 @@ class _Writer:
         index = [i for i, f in enumerate(finite) if f is None]
         infinite = without_empty_object(c, [branches[i] for i in index])
         if not by_discriminator(c, infinite):  # as Stencil's _one_of
-            infinite = promote_discriminators(c, infinite)
+            schema_branches, infinite = infinite, promote_discriminators(c, infinite)
             for x in range(len(infinite)):
                 for y in range(x + 1, len(infinite)):
-                    if not disjoint(c, infinite[x], infinite[y]):
+                    if not written_apart(c, infinite, schema_branches, x, y):
                         raise _Refused("oneOf not disjoint")
         self.keep.append(infinite)
         parts = [{"enum": kept}] if kept else []

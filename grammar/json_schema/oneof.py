@@ -198,7 +198,10 @@ def promote_discriminators(c: "SchemaCompiler", branches: list) -> list:
     out = list(branches)  # a branch is copied only when it changes (callers compare identity)
     for i in range(len(out)):
         for j in range(i + 1, len(out)):
-            a, b = out[i], out[j]
+            # The schema's own branches: an object without the discriminator matches those, not
+            # the promoted ones (once one branch requires it, it no longer overlaps a third one
+            # that does not, which must require it all the same).
+            a, b = branches[i], branches[j]
             if not isinstance(a, dict) or not isinstance(b, dict) or disjoint(c, a, b):
                 continue
             pa, pb = a.get("properties", {}), b.get("properties", {})
@@ -210,6 +213,16 @@ def promote_discriminators(c: "SchemaCompiler", branches: list) -> list:
                             out[k] = {**out[k], "required": req + [name]}
                     break
     return out
+
+
+def written_apart(c: "SchemaCompiler", written: list, branches: list, a: int, b: int) -> bool:
+    """Whether no instance written for branch ``a`` validates branch ``b`` and the other way
+    round, where ``written`` are the branches as the grammar writes them
+    (``promote_discriminators`` of ``branches``): a written instance must match its own branch
+    alone among the schema's, not only among the written ones."""
+    if written[a] is branches[a] and written[b] is branches[b]:
+        return disjoint(c, branches[a], branches[b])
+    return disjoint(c, written[a], branches[b]) and disjoint(c, branches[a], written[b])
 
 
 def by_discriminator(c: "SchemaCompiler", branches: list) -> bool:

@@ -48,7 +48,7 @@ from stencil.grammar.json_schema.merge import MergeError, json_key, merge
 from stencil.grammar.json_schema.numbers import compile_number
 from stencil.grammar.json_schema.objects import compile_object
 from stencil.grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required, possible_types,
-                                       promote_discriminators, without_empty_object)
+                                       promote_discriminators, without_empty_object, written_apart)
 from stencil.grammar.json_schema.refs import RefResolver
 from stencil.grammar.program import (REF_OPEN, expand, has_refs, is_empty, is_regular_text, minus, ref, term_ref,
                                      to_lark)
@@ -597,10 +597,10 @@ class SchemaCompiler:
         infinite = without_empty_object(self, [branches[i] for i in index])
         taken: dict[int, list[Rx]] = {}  # branch (place in ``infinite``) → what others take away
         if not by_discriminator(self, infinite):  # else all disjoint, in one pass
-            infinite = promote_discriminators(self, infinite)
+            schema_branches, infinite = infinite, promote_discriminators(self, infinite)
             for a in range(len(infinite)):
                 for b in range(a + 1, len(infinite)):
-                    if not disjoint(self, infinite[a], infinite[b]):
+                    if not written_apart(self, infinite, schema_branches, a, b):
                         self._take_apart(infinite, a, b, index, taken, path)
         parts = [self._enum({}, path, only_types, kept)] if kept else []
         for k, (i, b) in enumerate(zip(index, infinite)):

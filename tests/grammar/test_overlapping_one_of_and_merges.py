@@ -173,3 +173,32 @@ def test_key_schemas_that_are_intersections(compiler, schema):
 ])
 def test_strings_but_some_values_under_other_keywords(compiler, schema):
     assert _mismatches(compiler, schema, STRINGS + [1, 0]) == []
+
+
+def test_a_discriminator_is_required_of_every_branch_it_tells_apart():
+    """``promote_discriminators`` compared branches it had already promoted: once ``t`` required
+    ``kind`` (against ``e``), it no longer overlapped ``r``, so ``r`` kept ``kind`` optional and
+    ``{"label":"x"}`` was written for ``r``, though it matches ``t`` and ``e`` as well (invalid for
+    ``oneOf``). Every object of these keys and values, in the schema's key order: none is written
+    that jsonschema rejects, and each branch's own objects with ``kind`` are."""
+    import json
+    import re
+
+    from stencil.grammar.json_schema.schema_compiler import schema_to_program
+
+    def branch(kind: str, **extra) -> dict:
+        return {"type": "object", "properties": {"kind": {"const": kind}, "label": {"type": "string"}, **extra},
+                "required": ["label"], "additionalProperties": False}
+
+    schema = {"oneOf": [branch("t"), branch("e"), branch("r", extra={"type": "boolean"})]}
+    rx = re.compile(schema_to_program(schema, whitespace="compact").regex())
+    validator = jsonschema.Draft202012Validator(schema)
+    written = []
+    for kind, label, extra in itertools.product([None, "t", "e", "r"], [None, "x"], [None, True]):
+        doc = {k: v for k, v in (("kind", kind), ("label", label), ("extra", extra)) if v is not None}
+        text = json.dumps(doc, separators=(",", ":"))
+        if rx.fullmatch(text):
+            assert validator.is_valid(doc), text
+            written.append(text)
+    assert sorted(written) == sorted(['{"kind":"t","label":"x"}', '{"kind":"e","label":"x"}',
+                                      '{"kind":"r","label":"x"}', '{"kind":"r","label":"x","extra":true}'])
