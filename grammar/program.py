@@ -363,20 +363,58 @@ def is_empty(root: str, rules: dict[int, str], cache: dict | None = None) -> boo
 
 
 def to_lark(root: str, rules: dict[int, str], terminals: list[str] | tuple[str, ...] = (),
-            cache: dict | None = None) -> str:
+            cache: dict | None = None, values: frozenset[int] | set[int] = frozenset()) -> str:
     """A Lark grammar whose ``start`` is ``root``; rule ``n`` is named ``r<n>``, terminal ``n``
-    ``T<n>``. Without rules it is one terminal (``start: MAIN``): the regex's language exactly.
+    ``T<n>``. ``values``: terminals of whole JSON values (``SchemaCompiler.value_terms``), where
+    one lexeme ends and the next begins: each is its own lexeme ``T<n>``, or a rule ``v<n>`` when
+    values are inside it, and what lies between them (brackets, commas, colons, whitespace) is
+    one lexeme a run (see ``cuttable`` for when that is exact, and why the masks are faster:
+    llguidance builds lexer states per lexeme, shared by every string of one kind, instead of
+    states of one lexeme spelling the whole document). Without rules or value terminals it is
+    one terminal (``start: MAIN``): the regex's language exactly.
 
     Raises:
         ValueError: text outside the compiler's regex dialect (a bug, not a user error).
     """
-    w = _Writer(terminals, {} if cache is None else cache)
-    if not rules and not has_refs(root):
+    w = _Writer(terminals, {} if cache is None else cache, values)
+    if not rules and not has_refs(root) and not values:
         lines = ["start: MAIN", f"MAIN: {w.terminal_text(root)}"]
     else:
         lines = [f"start: {w.rule(root)}"]
         lines += [f"r{n}: {w.rule(rules[n])}" for n in sorted(rules)]
     return "\n".join(lines + w.defs) + "\n"
+
+
+# An empty object or array, ``\{`` and ``\}`` with at most the whitespace terminal between.
+_EMPTY_CONTAINER = re.compile(r"\\[\[{](?:" + TERM_OPEN + r"\d+" + TERM_CLOSE + r")?\\[\]}]")
+
+
+def cuttable(values, terminals) -> bool:
+    """Whether cutting lexemes at ``values`` (value terminals) is exact.
+
+    llguidance's lexer takes the longest match and never backs up: where two lexemes are allowed
+    at one place, a string that one of them may still continue is not ended as the other.
+    Lexemes cut at whole values are JSON's own tokens (strings, numbers, literals) and the
+    punctuation and whitespace between them, the same in every branch of an alternation: none
+    is a proper prefix of what another allowed one continues with, but a number, and a number
+    is followed by none of its own characters. A container written as one lexeme breaks that:
+    ``{"a":1}`` of an enum beside an object whose structure is cut (``{`` then ``"a"``), where
+    the literal lexeme would swallow ``{"a":2`` and die. So nothing is cut when some value
+    terminal is a container's literal text (brackets, no value terminal inside; an empty one is
+    harmless: it ends where the cut ``{`` does), or a container sits inside an intersection or
+    in a terminal that is not a value's. The test reads texts: a string whose pattern holds a
+    bracket counts as a container too (what is lost is speed, not strings).
+    """
+    for n, text in enumerate(terminals):
+        if "\\{" not in text and "\\[" not in text:
+            continue
+        inner = any(int(m.group(1)) in values for m in _TERM.finditer(text)) if TERM_OPEN in text else False
+        if n in values:
+            if not inner and _EMPTY_CONTAINER.fullmatch(text) is None or AND_OPEN in text:
+                return False
+        elif inner or AND_OPEN in text:
+            return False
+    return True
 
 
 def lark_terminals(texts: list[str], terminals: list[str] | tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -411,12 +449,12 @@ def _join(pieces: list[str]) -> str:
     (``/a/ /b/``: never a ``//`` comment to a reader that misses the first regex's end): llguidance
     reads about 1 us an item, plus a little a character, before a request's first mask. A ``/regex/`` or
     ``"string"`` is never followed by a name starting with a flag letter (ours are ``T``, ``L``,
-    ``N``, ``r``, ``q``)."""
+    ``N``, ``r``, ``q``, ``v``), nor a name directly a quantifier (``)?v3`` reads as the name ``?v3``)."""
     if not pieces:
         return ""
     out = [pieces[0]]
     for p in pieces[1:]:
-        if p and out[-1] and (out[-1][-1] in _WORD_END and p[0] in _WORD_END
+        if p and out[-1] and ((out[-1][-1] in _WORD_END or out[-1][-1] in "?*+}") and p[0] in _WORD_END
                               or out[-1][-1] == p[0] and p[0] in '/"'):
             out.append(" ")
         out.append(p)
@@ -441,9 +479,12 @@ _MAX_NESTING = 24  # llguidance refuses Lark nested too deeply; deeper pieces ge
 class _Writer:
     """Writes parsed texts as Lark: rule expressions and terminal definitions (shared)."""
 
-    def __init__(self, terminals, cache: dict):
+    def __init__(self, terminals, cache: dict, values: frozenset[int] | set[int] = frozenset()):
         self.terminals = terminals
         self.cache = cache
+        self.values = values  # terminals of whole JSON values: rules of their own (``_splits``)
+        self.split_memo: dict[int, bool] = {}  # id(node) → ``_splits(node)``
+        self.value_rules: set[int] = set()  # value terminals written as rules ``v<n>``
         self.defs: list[str] = []
         self.named: set[int] = set()
         self.pieces: dict[str, str] = {}  # lexeme text with terminal references → its name
@@ -596,21 +637,50 @@ class _Writer:
             return run[0]
         return _Node("seq", run[0].start, run[-1].end, run, has_term=any(n.has_term for n in run))
 
+    def _splits(self, node: _Node) -> bool:
+        """Whether ``node`` refers to a value terminal outside any intersection: a place where one
+        lexeme may end and the next begin."""
+        if not node.has_term or not self.values:
+            return False
+        if node.kind == "term":
+            return node.number in self.values
+        if node.kind == "and":
+            return False
+        out = self.split_memo.get(id(node))
+        if out is None:
+            out = self.split_memo[id(node)] = any(self._splits(c) for c in node.children)
+        return out
+
+    def _value_rule(self, n: int) -> str:
+        """Value terminal ``n`` at rule level: its own lexeme ``T<n>`` when no value terminal is
+        inside it (a scalar, a literal), else a rule ``v<n>`` split the same way."""
+        if n in self.value_rules:
+            return f"v{n}"
+        body = self.terminals[n]
+        if TERM_OPEN not in body or not any(int(m.group(1)) in self.values for m in _TERM.finditer(body)):
+            return self._name_terminal(n)
+        self.value_rules.add(n)
+        self.defs.append(f"v{n}: {self.rule(body)}")
+        return f"v{n}"
+
     def _rule(self, node: _Node, text: str, depth: int = 0) -> str:
-        if depth > _MAX_NESTING and node.has_ref and node.kind in ("group", "alt", "rep"):
+        split = node.has_ref or self._splits(node)
+        if depth > _MAX_NESTING and split and node.kind in ("group", "alt", "rep"):
             return self._deep_name("rule", text[node.start:node.end], lambda: self._rule(node, text))
         depth += 1
-        if not node.has_ref:
+        if not split:
             return self._lexeme(text, node)
         if node.kind == "ref":
             return f"r{node.number}"
+        if node.kind == "term":
+            return self._value_rule(node.number)
         if node.kind == "group":
             inner = self._rule(node.children[0], text, depth)
             return f"({inner})" if inner else ""
         if node.kind == "seq":
             parts, run = [], []
             for child in node.children:  # rule-free neighbours stay one lexeme
-                if child.has_ref:
+                if child.has_ref or self._splits(child):
                     if run:
                         parts.append(self._lexeme(text, self._run(run)))
                         run = []
@@ -783,6 +853,7 @@ class Program:
     root: str | None = None
     rules: tuple[tuple[int, str], ...] = ()
     own_warnings: bool = False
+    value_terms: frozenset[int] = frozenset()
 
     @property
     def regular(self) -> bool:
@@ -812,4 +883,4 @@ class Program:
             return self.text
         if self.kind == "json":
             return "start: %json " + self.text + "\n"
-        return to_lark(self.text, {}, self.terminals)
+        return to_lark(self.text, {}, self.terminals, values=self.value_terms)

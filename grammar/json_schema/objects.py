@@ -114,7 +114,7 @@ def compile_object(c: "SchemaCompiler", s: dict, path: str) -> Rx:
             if name in required:
                 return None
             continue
-        members.append((seq(_key_literal(name), colon, value), name in required))
+        members.append((seq(c.key_term(_key_literal(name)), colon, value), name in required))
 
     extra = _extra_member(c, s, path, order, patterns, addl, names_schema, colon)
     min_p, max_p = s.get("minProperties", 0), s.get("maxProperties")
@@ -177,7 +177,7 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
                                     "pattern matches a declared property")
             if key is None or value is None:
                 continue
-            parts.append(seq(key, colon, value))
+            parts.append(seq(c.key_term(key), colon, value))
         if addl is not False:
             # Keys neither declared nor matched by a pattern take additionalProperties' schema.
             # A pattern that spells its keys (``^billing_id$``) joins the declared names in the
@@ -192,7 +192,7 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
                 key = minus(key, c._share(alt(rest)))
             value = c.sub(addl, f"{path}/additionalProperties")
             if value is not None:
-                parts.append(seq(key, colon, value))
+                parts.append(seq(c.key_term(key), colon, value))
     elif addl is not False:
         if names_schema is not True:
             key = c.string_for(names_schema, f"{path}/propertyNames")
@@ -203,7 +203,7 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
         else:
             key = c._share(excluded_keys_regex(declared)) if declared else _ANY_KEY
         value = c.sub(addl, f"{path}/additionalProperties")
-        parts.append(seq(key, colon, value))
+        parts.append(seq(c.key_term(key), colon, value))
     return alt(parts)
 
 

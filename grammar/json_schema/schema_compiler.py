@@ -31,7 +31,7 @@ import itertools
 import json
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jsonschema
 from jsonschema import validators
@@ -50,8 +50,8 @@ from stencil.grammar.json_schema.objects import compile_object
 from stencil.grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required, possible_types,
                                        promote_discriminators, without_empty_object, written_apart)
 from stencil.grammar.json_schema.refs import RefResolver
-from stencil.grammar.program import (REF_OPEN, expand, has_refs, is_empty, is_regular_text, minus, ref, term_ref,
-                                     to_lark)
+from stencil.grammar.program import (REF_OPEN, cuttable, expand, has_refs, is_empty, is_regular_text, minus, ref,
+                                     term_ref, to_lark)
 from stencil.grammar.json_schema.rx import Rx, alt, opt, repeat, seq
 from stencil.grammar.json_schema.strings import (ANY_CHAR, STRING_SUPERSET_KEYWORDS, StringError, StringSpec,
                                         excluded_keys_regex, pattern_superset_regex, string_regex,
@@ -96,6 +96,9 @@ class SchemaOptions:
     # same, which the caller writes out (``program.expand``) or names in Lark (tool-call answers:
     # ``stencil.grammar.tool_calls``). The language is regex mode's.
     share_terminals: bool = False
+    # Grammar mode: every value's and key's regex a terminal, noted in ``value_terms``, where the
+    # Lark writer cuts lexemes (``program.to_lark``).
+    value_lexemes: bool = False
 
 
 @dataclass(slots=True)
@@ -115,6 +118,8 @@ class SchemaCompiler:
     bodies: dict = field(default_factory=dict)
     terminals: list[str] = field(default_factory=list)  # terminal number → regex (grammar mode)
     term_ids: dict[str, int] = field(default_factory=dict)  # regex → terminal number
+    # terminal numbers whose regex is a whole JSON value (``Program.value_terms``)
+    value_terms: set[int] = field(default_factory=set)
     memo: dict = field(default_factory=dict)  # (keyword, schema text, types) → regex (grammar mode)
     enum_keys: dict = field(default_factory=dict)  # id(an enum schema) → (it, its values' json_key set)
     sub_memo: dict = field(default_factory=dict)  # (content number, types) → regex (grammar mode)
@@ -199,10 +204,11 @@ class SchemaCompiler:
             return expand(r, self.terminals)
         return r  # (an intersection or complement, grammar mode: it keeps its terminal references)
 
-    def term(self, rx: str) -> str:
+    def term(self, rx: str, force: bool = False) -> str:
         """``rx`` as a terminal reference when it is long enough to be worth sharing (grammar
-        mode); identical regexes share one terminal. Text referring to a rule stays as it is."""
-        if len(rx) < self.opts.term_min_chars or _is_term(rx):
+        mode) or ``force`` says so; identical regexes share one terminal. Text referring to a
+        rule stays as it is (a long one becomes a helper rule)."""
+        if (len(rx) < self.opts.term_min_chars and not (force and REF_OPEN not in rx)) or _is_term(rx):
             return rx
         if REF_OPEN in rx:  # not regular: a long piece becomes a helper rule (shared the same way)
             if len(rx) < 4 * self.opts.term_min_chars or _is_ref(rx):
@@ -265,14 +271,31 @@ class SchemaCompiler:
         n = self.opts.any_max_length
         more = None if n is None else max(n - 1, 0)
         array = self.bracket("\\[", "\\]", seq(inner, repeat(seq(comma, inner), 0, more)), True)
-        member = seq('"' + self._any_char() + '*"', colon, inner)
+        member = seq(self.key_term('"' + self._any_char() + '*"'), colon, inner)
         obj = self.bracket("\\{", "\\}", seq(member, repeat(seq(comma, member), 0, more)), True)
         return self._share_any(alt([self._share_any(scalar), array, obj]))  # type: ignore[list-item]
 
     def _share_any(self, rx: Rx) -> Rx:
         """A free-form value's piece as a shared terminal in grammar mode or where
         ``share_terminals`` asks for them (itself otherwise)."""
-        return self.term(rx) if (self.opts.grammar or self.opts.share_terminals) and rx is not None else rx
+        return self._value_term(rx) if (self.opts.grammar or self.opts.share_terminals) and rx is not None else rx
+
+    def _value_term(self, rx: str) -> str:
+        """``term(rx)`` for a regex of whole JSON values (a schema's, a key's): in grammar mode a
+        terminal however short, noted in ``value_terms``. The Lark writer ends one lexeme and
+        starts the next at such terminals (``program.to_lark``), so that llguidance's lexer
+        meets JSON's own tokens, not one lexeme of the whole document."""
+        if not (self.opts.grammar and self.opts.value_lexemes):
+            return self.term(rx)
+        out = self.term(rx, force=True)
+        if _is_term(out):
+            self.value_terms.add(int(out[1:-1]))
+        return out
+
+    def key_term(self, rx: Rx) -> Rx:
+        """A member's key regex (whole JSON strings) as ``_value_term`` writes values (grammar
+        mode; itself otherwise)."""
+        return self._value_term(rx) if self.opts.grammar and rx is not None else rx
 
     def bracket(self, open_: str, close: str, body: Rx, empty_ok: bool) -> Rx:
         """An object or array: ``open_``, then ``body`` (its non-empty member lists; None: none),
@@ -325,7 +348,7 @@ class SchemaCompiler:
     def _finish(self, out: Rx, path: str) -> Rx:
         """``sub``'s last step: a terminal in grammar mode, and the size limit."""
         if out is not None and self.opts.grammar:
-            out = self.term(out)
+            out = self._value_term(out)
         if out is not None:
             self._count(out, path)
         return out
@@ -926,7 +949,8 @@ class SharedProofs:
 def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,
                       max_recursion_depth: int = 3, deadline: float | None = None,
                       grammar: bool = True, shared: SharedProofs | None = None,
-                      extra_properties: bool = False, share_terminals: bool = False) -> Program:
+                      extra_properties: bool = False, share_terminals: bool = False,
+                      value_lexemes: bool = True) -> Program:
     """Compile a JSON Schema to the program a backend runs (see :func:`schema_to_regex`).
 
     With ``grammar`` (the default) a schema that refers to itself becomes a Lark grammar whose
@@ -938,6 +962,10 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
     ``additionalProperties`` takes undeclared keys with free-form values).
     ``share_terminals`` (without ``grammar``): :func:`schema_to_regex`'s language, its free-form
     values' pieces kept as terminals (``Program.regex()`` writes them out).
+    ``value_lexemes`` (grammar mode): keys and values are terminals of their own, where the Lark
+    writer cuts lexemes (``Program.value_terms``); where that is not exact for the schema
+    (``program.cuttable``) it is compiled again without (as with ``False``: one lexeme a run
+    between rule references, the whole document where there are none).
 
     Raises:
         GrammarError: as :func:`schema_to_regex`; GrammarTimeout past ``deadline``.
@@ -948,20 +976,25 @@ def schema_to_program(schema: dict | bool, *, whitespace: str = "compact", stric
     # too large times out in the background and the grammar stays lazy).
     opts = (SchemaOptions(whitespace, strict, max_recursion_depth, any_max_depth=GRAMMAR_ANY_DEPTH,
                           extra_properties=extra_properties, max_string_length=MAX_MIN_LENGTH,
-                          deadline=deadline, grammar=True)
+                          deadline=deadline, grammar=True, value_lexemes=value_lexemes)
             if grammar else SchemaOptions(whitespace, strict, max_recursion_depth,
                                           extra_properties=extra_properties, deadline=deadline,
                                           share_terminals=share_terminals))
-    compiler, regex = _compile(schema, opts, **({} if shared is None else shared.for_compiler()))
+    state = {} if shared is None else shared.for_compiler()
+    compiler, regex = _compile(schema, opts, **state)
+    values = frozenset(compiler.value_terms)
+    if values and not cuttable(values, compiler.terminals):
+        compiler, regex = _compile(schema, replace(opts, value_lexemes=False), **state)
+        values = frozenset()
     notes = tuple(compiler.warnings)
     if compiler.rules or has_refs(regex):
         trees: dict = {}
         if is_empty(regex, compiler.rules, trees):
             raise GrammarError("the schema admits no value (unsatisfiable): it refers to itself with "
                                "no way to end", keyword="$ref", path="#")
-        return Program("lark", to_lark(regex, compiler.rules, compiler.terminals, trees), notes,
-                       tuple(compiler.terminals), regex, tuple(sorted(compiler.rules.items())))
-    return Program("regex", regex, notes, tuple(compiler.terminals))
+        return Program("lark", to_lark(regex, compiler.rules, compiler.terminals, trees, values), notes,
+                       tuple(compiler.terminals), regex, tuple(sorted(compiler.rules.items())), value_terms=values)
+    return Program("regex", regex, notes, tuple(compiler.terminals), value_terms=values)
 
 
 def schema_to_regex(schema: dict | bool, *, whitespace: str = "compact", strict: bool = True,

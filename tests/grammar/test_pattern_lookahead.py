@@ -16,6 +16,7 @@ from char_vocab import accepts as char_accepts
 from char_vocab import char_compiler
 from stencil.grammar.base import GrammarError, GrammarSpec
 from stencil.grammar.compiler import GrammarCompiler
+from stencil.grammar.program import Program, term_ref
 
 ALPHABET = "ab01\n"
 CHARS = 'ab01n"\\{}:,k'  # what the JSON text of those strings (and a one-key object) spells
@@ -182,6 +183,12 @@ def test_an_intersection_without_named_pieces_reaches_llguidance_as_lark(compile
     its intersection marks read as characters: nothing matched, not even ``"a"`` here."""
     schema = {"type": "string", "pattern": "^a?$", "not": {"pattern": "^$"}}
     grammar = compiler.compile(GrammarSpec.json_schema(schema))
-    assert grammar.program.kind == "regex" and not grammar.program.terminals and not grammar.program.regular
+    assert grammar.program.kind == "regex" and not grammar.program.regular
     assert [s for s in STRINGS if accepts(grammar, s)] == ["a", "a\n"]
+    # the same text with its value terminal written out: no named piece at all
+    assert grammar.program.text == term_ref(0)
+    bare = Program("regex", grammar.program.terminals[0])
+    assert "\ue004" in bare.text and not bare.terminals and not bare.regular
+    lazy = compiler.backend("lazy").build(bare)
+    assert [s for s in STRINGS if accepts(lazy, s)] == ["a", "a\n"]
 
