@@ -363,7 +363,8 @@ def is_empty(root: str, rules: dict[int, str], cache: dict | None = None) -> boo
 
 
 def to_lark(root: str, rules: dict[int, str], terminals: list[str] | tuple[str, ...] = (),
-            cache: dict | None = None, values: frozenset[int] | set[int] = frozenset()) -> str:
+            cache: dict | None = None, values: frozenset[int] | set[int] = frozenset(),
+            forms: dict[int, str] | None = None) -> str:
     """A Lark grammar whose ``start`` is ``root``; rule ``n`` is named ``r<n>``, terminal ``n``
     ``T<n>``. ``values``: terminals of whole JSON values (``SchemaCompiler.value_terms``), where
     one lexeme ends and the next begins: each is its own lexeme ``T<n>``, or a rule ``v<n>`` when
@@ -371,12 +372,13 @@ def to_lark(root: str, rules: dict[int, str], terminals: list[str] | tuple[str, 
     one lexeme a run (see ``cuttable`` for when that is exact, and why the masks are faster:
     llguidance builds lexer states per lexeme, shared by every string of one kind, instead of
     states of one lexeme spelling the whole document). Without rules or value terminals it is
-    one terminal (``start: MAIN``): the regex's language exactly.
+    one terminal (``start: MAIN``): the regex's language exactly. ``forms``: terminal number →
+    the text written for it instead (the same language, read faster: ``Program.lark_forms``).
 
     Raises:
         ValueError: text outside the compiler's regex dialect (a bug, not a user error).
     """
-    w = _Writer(terminals, {} if cache is None else cache, values)
+    w = _Writer(terminals, {} if cache is None else cache, values, forms)
     if not rules and not has_refs(root) and not values:
         lines = ["start: MAIN", f"MAIN: {w.terminal_text(root)}"]
     else:
@@ -479,8 +481,10 @@ _MAX_NESTING = 24  # llguidance refuses Lark nested too deeply; deeper pieces ge
 class _Writer:
     """Writes parsed texts as Lark: rule expressions and terminal definitions (shared)."""
 
-    def __init__(self, terminals, cache: dict, values: frozenset[int] | set[int] = frozenset()):
+    def __init__(self, terminals, cache: dict, values: frozenset[int] | set[int] = frozenset(),
+                 forms: dict[int, str] | None = None):
         self.terminals = terminals
+        self.forms = forms or {}  # terminal number → the text its definition is written from
         self.cache = cache
         self.values = values  # terminals of whole JSON values: rules of their own (``_splits``)
         self.split_memo: dict[int, bool] = {}  # id(node) → ``_splits(node)``
@@ -504,7 +508,7 @@ class _Writer:
     def _name_terminal(self, n: int) -> str:
         if n not in self.named:
             self.named.add(n)
-            body = self.terminals[n]
+            body = self.forms.get(n) or self.terminals[n]
             self.defs.append(f"T{n}: {self.terminal_text(body)}")
         return f"T{n}"
 
@@ -844,6 +848,11 @@ class Program:
             the spec (a bound capped as that compiler caps it, which alone knows the paths):
             ``CompiledGrammar.warnings`` reads them from ``own_program`` when asked, off the
             compile's path.
+        value_terms: terminals of whole JSON values, where the Lark form cuts lexemes
+            (``to_lark``; empty: one lexeme a run between rule references).
+        lark_forms: (terminal number, text) pairs: in the Lark form the terminal is written
+            from that text, the same language as the terminal's regex but with llguidance's
+            ``& ~`` (``SchemaCompiler.excluded_strings``); the regex forms keep the plain regex.
     """
 
     kind: Literal["regex", "lark", "json"]
@@ -854,6 +863,7 @@ class Program:
     rules: tuple[tuple[int, str], ...] = ()
     own_warnings: bool = False
     value_terms: frozenset[int] = frozenset()
+    lark_forms: tuple[tuple[int, str], ...] = ()
 
     @property
     def regular(self) -> bool:
@@ -883,4 +893,4 @@ class Program:
             return self.text
         if self.kind == "json":
             return "start: %json " + self.text + "\n"
-        return to_lark(self.text, {}, self.terminals, values=self.value_terms)
+        return to_lark(self.text, {}, self.terminals, values=self.value_terms, forms=dict(self.lark_forms))

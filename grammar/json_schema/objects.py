@@ -17,7 +17,6 @@ from stencil.grammar import charset as cs
 from stencil.grammar.json_schema import pattern as sp
 from stencil.grammar.program import both, is_regular_text, minus
 from stencil.grammar.json_schema.rx import Rx, alt, opt, seq
-from stencil.grammar.json_schema.strings import excluded_keys_regex
 
 if TYPE_CHECKING:
     from stencil.grammar.json_schema.schema_compiler import SchemaCompiler
@@ -186,7 +185,7 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
             # (JsonSchemaStore strmprivacy DataConnector, 38 such patterns: worst mask 7.5 -> 1.5 ms).
             spelled = {p: _spelled_keys(p) for p in patterns}
             named = declared + [k for keys in spelled.values() if keys is not None for k in keys]
-            key = c._share(excluded_keys_regex(named)) if named else _ANY_KEY
+            key = c.excluded_strings(named) if named else _ANY_KEY
             rest = [m for p, m in zip(patterns, matched_by) if spelled[p] is None and m is not None]
             if rest:
                 key = minus(key, c._share(alt(rest)))
@@ -201,7 +200,7 @@ def _extra_member(c: "SchemaCompiler", s: dict, path: str, declared: list[str], 
             if key is None:
                 return None
         else:
-            key = c._share(excluded_keys_regex(declared)) if declared else _ANY_KEY
+            key = c.excluded_strings(declared) if declared else _ANY_KEY
         value = c.sub(addl, f"{path}/additionalProperties")
         parts.append(seq(c.key_term(key), colon, value))
     return alt(parts)
@@ -298,7 +297,7 @@ def _without_declared(c: "SchemaCompiler", key: Rx, declared: list[str], keyword
     if is_regular_text(key, c.terminals) and not any(re.fullmatch(key, _key_literal_text(n)) for n in declared):
         return key
     if c.opts.grammar:
-        return both(key, c._share(excluded_keys_regex(declared)))
+        return both(key, c.excluded_strings(declared))
     c.unsupported(keyword, path, message)
     return None
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stencil.grammar.backends.lazy import LazyBackend
 from stencil.grammar.backends.llg_c import library
@@ -235,3 +237,25 @@ def test_maskbench_instances_cut(tokenizer):
                 assert not a.is_accepting() or test["valid"], f.name
         compared[program.kind] += 1
     assert compared["regex"] >= 5 and compared["lark"] >= 2, compared
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(names=st.lists(st.text(alphabet='ab"\\\n', max_size=3), max_size=4),
+       keys=st.lists(st.text(alphabet='ab"\\\n', max_size=4), min_size=1, max_size=6))
+def test_other_keys_as_llguidance_reads_them_are_the_tries_keys(backend, names, keys):
+    """The keys an object takes besides its declared names: a trie (the plain regex) and, in the
+    Lark form, any string less the names' literals (``SchemaCompiler.excluded_strings``)."""
+    schema = {"type": "object", "properties": {n: {"type": "integer"} for n in names},
+              "additionalProperties": {"type": "null"}}
+    program = programs(schema, "compact")[0]
+    assert program.lark_forms if names else not program.lark_forms
+    rx = re.compile(program.regex())
+    g = backend.build(program)
+    for key in keys + names:
+        for value in ("1", "null"):
+            doc = "{" + json.dumps(key) + ":" + value + "}"
+            ok = (key in names) == (value == "1")
+            assert bool(rx.fullmatch(doc)) is ok, doc
+            ids = [_TEXTS.index(ch) for ch in doc]
+            m = g.matcher()
+            assert (m.accept_tokens(ids) and m.is_accepting()) is ok, doc
