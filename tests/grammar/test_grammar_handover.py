@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from mask_bits import allowed_ids, mask_words, spelled, walk_both
 from stencil.grammar.backends.lazy import LazyBackend
 from stencil.grammar.backends.llg_c import library
 from stencil.grammar.base import GrammarError, GrammarSpec
@@ -123,17 +124,15 @@ def backend():
     return LazyBackend(vocab)
 
 
-def _mask(m, bm) -> np.ndarray:
-    m.fill_bitmask(bm, 0)
-    return bm[0].numpy().view(np.uint32).copy()
+_mask = mask_words
 
 
 def _allowed(mask: np.ndarray) -> list[int]:
-    return [t for t in range(MODEL_VOCAB) if int(mask[t >> 5]) >> (t & 31) & 1]
+    return allowed_ids(mask, MODEL_VOCAB)
 
 
 def _text(ids: list[int]) -> str:
-    return b"".join(_TOKENS[t] for t in ids).decode(errors="replace")
+    return spelled(ids, _TOKENS)
 
 
 def _validator(schema):
@@ -172,26 +171,17 @@ def test_the_handed_over_grammar_has_the_masks_of_stencils_own(backend, index, w
     rng = random.Random(index * 7 + len(whitespace))
     bm = allocate_bitmask(1, MODEL_VOCAB)
     ended = 0
+    def forced_agree(a, b, ids):
+        # the forced bytes (drafts): llguidance's own on Stencil's grammar; from masks on the other,
+        # which also counts bytes forced because no other token of the vocabulary fits (after
+        # the first byte of "é" here), so it may go on further
+        fa, fb = a.forced_text(), b.forced_text()
+        assert fb.startswith(fa), (schema, whitespace, _text(ids), fa, fb)
+
     for walk in range(24):
-        a, b = ours.matcher(), theirs.matcher()
-        ids: list[int] = []
-        for _ in range(120):
-            ma, mb = _mask(a, bm), _mask(b, bm)
-            assert np.array_equal(ma, mb), (schema, whitespace, _text(ids),
-                                            sorted(set(_allowed(ma)) ^ set(_allowed(mb))))
-            # the forced bytes (drafts): llguidance's own on Stencil's grammar; from masks on the other,
-            # which also counts bytes forced because no other token of the vocabulary fits (after
-            # the first byte of "é" here), so it may go on further
-            fa, fb = a.forced_text(), b.forced_text()
-            assert fb.startswith(fa), (schema, whitespace, _text(ids), fa, fb)
-            allowed = _allowed(ma)
-            # the walks alternate which side's choice leads; EOS is taken when offered, half the time
-            t = EOS if EOS in allowed and rng.random() < 0.5 else rng.choice(allowed)
-            assert a.accept_tokens([t]) and b.accept_tokens([t])
-            if t == EOS:
-                break
-            ids.append(t)
-        else:
+        # EOS is taken when offered, half the time
+        ids = walk_both(ours, theirs, bm, rng, EOS, MODEL_VOCAB, 120, check=forced_agree)
+        if ids is None:
             continue
         ended += 1
         assert validator.is_valid(json.loads(_text(ids))), (schema, _text(ids))

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mask_bits import mask_words, spelled, walk_both
 from stencil.grammar.backends.lazy import LazyBackend
 from stencil.grammar.backends.llg_c import library
 from stencil.grammar.base import GrammarError, GrammarSpec
@@ -97,17 +98,11 @@ def programs(schema, whitespace: str = "flexible", objects: str = "closed") -> t
     return schema_to_program(schema, **kw), schema_to_program(schema, value_lexemes=False, **kw)
 
 
-def _mask(m, bm) -> np.ndarray:
-    m.fill_bitmask(bm, 0)
-    return bm[0].numpy().view(np.uint32).copy()
-
-
-def _allowed(mask: np.ndarray) -> list[int]:
-    return [t for t in range(MODEL_VOCAB) if int(mask[t >> 5]) >> (t & 31) & 1]
+_mask = mask_words
 
 
 def _text(ids: list[int]) -> str:
-    return b"".join(_TOKENS[t] for t in ids).decode(errors="replace")
+    return spelled(ids, _TOKENS)
 
 
 def test_an_object_is_cut_into_its_keys_values_and_punctuation():
@@ -156,18 +151,8 @@ def test_cut_lexemes_give_the_masks_of_one_lexeme(backend, index, objects, white
     bm = allocate_bitmask(1, MODEL_VOCAB)
     ended = 0
     for walk in range(24):
-        a, b = cut.matcher(), whole.matcher()
-        ids: list[int] = []
-        for _ in range(100):
-            ma, mb = _mask(a, bm), _mask(b, bm)
-            assert np.array_equal(ma, mb), (schema, _text(ids), sorted(set(_allowed(ma)) ^ set(_allowed(mb))))
-            allowed = _allowed(ma)
-            t = EOS if EOS in allowed and rng.random() < 0.4 else rng.choice(allowed)
-            assert a.accept_tokens([t]) and b.accept_tokens([t])
-            if t == EOS:
-                break
-            ids.append(t)
-        else:
+        ids = walk_both(cut, whole, bm, rng, EOS, MODEL_VOCAB, 100, eos_rate=0.4)
+        if ids is None:
             continue
         ended += 1
         if objects == "closed" or "additionalProperties" in json.dumps(schema):
