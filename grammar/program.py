@@ -12,20 +12,26 @@ characters otherwise: :func:`stencil.grammar.charset.literal` escapes them):
 * a *terminal reference* ``\\ue002<n>\\ue003`` (:func:`term_ref`) stands for a piece of regex the
   compiler wrote once and uses many times (the JSON string pattern, a ``$ref`` definition);
   :func:`expand` writes the plain regex (what the eager backend needs), and in Lark it is a named
-  terminal: still one lexeme, so the language is the regex's exactly, but llguidance parses each
-  piece once (Kubernetes schemas: 102 k characters of regex, 3 k of distinct text, ten times
+  terminal, part of the lexeme around it (or a lexeme of its own, below), so llguidance parses
+  each piece once (Kubernetes schemas: 102 k characters of regex, 3 k of distinct text, ten times
   faster to build);
 * a *rule reference* ``\\ue000<n>\\ue001`` (:func:`ref`) stands for a definition that refers to
   itself (recursion), which no regex can say; rule ``n``'s body is that definition's text.
 
 :func:`to_lark` parses the texts in the compiler's regex dialect and writes the grammar: rule
 bodies as Lark rules in which every maximal piece without rule references is one lexeme (a named
-terminal), terminals as terminal definitions.
+terminal), terminals as terminal definitions. A schema's program also names its *value
+terminals* (``Program.value_terms``: every key's and value's regex): the Lark form cuts lexemes
+there too, so that llguidance's lexemes are JSON's own tokens (keys, scalars, and the punctuation
+and whitespace between them), whose lexer states every string of one kind shares.
 
-One caveat of the lexer, for rules only: llguidance lexes greedily (a lexeme that can go on
-does), so where a lexeme could both end and continue into the next one, some documents the regex
-accepts are refused. It can only refuse, never accept more; in JSON, lexemes end at punctuation,
-where it does not arise in practice, and the differential tests check it.
+The lexer's caveat: llguidance lexes greedily and never backs up (a lexeme that can go on does),
+so where one lexeme could both end and continue into what the next one starts with, documents the
+regex accepts are refused (never more accepted). Cut at JSON's tokens, no lexeme is a proper
+prefix of another's continuation, numbers aside (followed by none of their own characters); a
+run between two rule references kept whole was not so (``"a":1(,"b":2)?`` then ``,"c":``), and a
+container's literal text beside the same place's structure is not: :func:`cuttable` says when a
+program is cut, and the differential tests (``tests/grammar/test_value_lexemes.py``) check it.
 """
 
 from __future__ import annotations
