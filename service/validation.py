@@ -145,6 +145,17 @@ def _type_hint(e: "jsonschema.SchemaError") -> str:
     return ""
 
 
+def _noting_repeats(pairs: list[tuple[str, object]], repeated: list[str]) -> dict:
+    """``json.loads``' ``object_pairs_hook``: the object (the last value of a repeated key, as
+    ``json.loads`` itself keeps), each repeated key noted in ``repeated`` once."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out and k not in repeated:
+            repeated.append(k)
+        out[k] = v
+    return out
+
+
 @dataclass(slots=True)
 class CheckedOutput:
     """The verdict on one finished output.
@@ -243,15 +254,19 @@ class OutputChecker:
         if spec is None:
             return CheckedOutput(None, True)
         if spec.kind == "json_schema":
+            repeated: list[str] = []
             try:
-                value = json.loads(text)
+                value = json.loads(text, object_pairs_hook=lambda pairs: _noting_repeats(pairs, repeated))
             except ValueError as e:
                 return CheckedOutput(None, False, [f"output is not valid JSON: {e}"])
             errors = sorted(self.validator(spec.value).iter_errors(value), key=lambda e: list(e.path))
+            notes = [f"output repeats the key {k!r} in one object: JSON parsers keep its last value, which is "
+                     f"what was checked (a grammar cannot forbid repeats among keys no declaration names: "
+                     f"additionalProperties, patternProperties, open objects)" for k in repeated[:3]]
             if errors:
                 return CheckedOutput(value, False, [f"output fails the schema at {_pointer(e.path)}: {e.message}"
-                                                    for e in errors[:5]])
-            return CheckedOutput(value, True)
+                                                    for e in errors[:5]] + notes)
+            return CheckedOutput(value, True, notes)
         if spec.kind == "regex":
             rx = self._regex(spec.value)
             try:

@@ -87,6 +87,18 @@ def test_json_output_is_checked_with_formats():
     assert not c.check(spec, '{"d":', "stop").valid
 
 
+def test_a_repeated_key_is_said_and_its_last_value_checked():
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"id": {"type": "integer"}},
+                                    "additionalProperties": {"type": "string"}})
+    c = OutputChecker()
+    r = c.check(spec, '{"id":1,"a":"b","a":"c"}', "stop")
+    assert r.valid and r.output == {"id": 1, "a": "c"} and len(r.warnings) == 1 and "'a'" in r.warnings[0]
+    bad = c.check(spec, '{"id":1,"a":"b","a":2}', "stop")  # the last value is what fails
+    assert not bad.valid and "#/a" in bad.warnings[0] and "repeats the key 'a'" in bad.warnings[-1]
+    free = GrammarSpec.json_schema({"type": "object"})
+    assert c.check(free, '{"a":1,"n":{"a":2}}', "stop").warnings == []  # one key in two objects: no repeat
+
+
 def test_valid_is_what_the_constraint_admits_whatever_stopped_it():
     c = OutputChecker()
     spec = GrammarSpec.json_schema({"type": "integer"})
