@@ -495,6 +495,7 @@ class _Writer:
         self.values = values  # terminals of whole JSON values: rules of their own (``_splits``)
         self.split_memo: dict[int, bool] = {}  # id(node) → ``_splits(node)``
         self.value_rules: set[int] = set()  # value terminals written as rules ``v<n>``
+        self.value_leaves: set[int] = set()  # value terminals written as lexemes ``T<n>`` (none inside)
         self.defs: list[str] = []
         self.named: set[int] = set()
         self.pieces: dict[str, str] = {}  # lexeme text with terminal references → its name
@@ -666,8 +667,11 @@ class _Writer:
         inside it (a scalar, a literal), else a rule ``v<n>`` split the same way."""
         if n in self.value_rules:
             return f"v{n}"
+        if n in self.value_leaves:
+            return f"T{n}"
         body = self.terminals[n]
         if TERM_OPEN not in body or not any(int(m.group(1)) in self.values for m in _TERM.finditer(body)):
+            self.value_leaves.add(n)
             return self._name_terminal(n)
         self.value_rules.add(n)
         self.defs.append(f"v{n}: {self.rule(body)}")

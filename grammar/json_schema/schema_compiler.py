@@ -46,7 +46,7 @@ from stencil.grammar.json_schema.keywords import (ANNOTATIONS, ASSERTIONS, JSON_
                                                   json_type)
 from stencil.grammar.json_schema.merge import MergeError, json_key, merge
 from stencil.grammar.json_schema.numbers import compile_number
-from stencil.grammar.json_schema.objects import compile_object
+from stencil.grammar.json_schema.objects import _ANY_KEY, _key_literal, compile_object
 from stencil.grammar.json_schema.oneof import (by_discriminator, disjoint, exclusive_required, possible_types,
                                        promote_discriminators, without_empty_object, written_apart)
 from stencil.grammar.json_schema.refs import RefResolver
@@ -307,8 +307,6 @@ class SchemaCompiler:
         out = self.term(rx, force=True)
         n = int(out[1:-1])
         if n not in self.lark_forms:
-            from stencil.grammar.json_schema.objects import _ANY_KEY, _key_literal
-
             self.lark_forms[n] = minus(_ANY_KEY, alt([_key_literal(x) for x in dict.fromkeys(names)]))
         return out
 
